@@ -1,0 +1,39 @@
+"""The ``fedshard`` command: one entry point; each package registers its own subcommands.
+
+Each ``register`` function adds its subparser(s) and binds a handler with
+``set_defaults(run=handler)``; a handler takes the parsed arguments and returns the exit code.
+Modules are light to import: heavy dependencies (onnx, torch, fastapi) are imported inside the
+handlers, so ``fedshard agent`` works on a device that installed only ``fedshard[agent]``.
+"""
+
+from __future__ import annotations
+
+import argparse
+import sys
+from collections.abc import Sequence
+
+from protocols.constants import SOFTWARE_VERSION
+
+
+def build_parser() -> argparse.ArgumentParser:
+    """The full argument parser, with every subcommand registered."""
+    from coordinator import demo_cli
+    from edge_agent import cli as agent_cli
+
+    parser = argparse.ArgumentParser(
+        prog="fedshard",
+        description="Run one neural network across the devices of a local network.",
+    )
+    parser.add_argument("--version", action="version", version=f"fedshard {SOFTWARE_VERSION}")
+    subparsers = parser.add_subparsers(dest="command", required=True, metavar="COMMAND")
+    from partitioner import plan_cli, split_cli
+
+    for register in (plan_cli.register, split_cli.register, agent_cli.register, demo_cli.register):
+        register(subparsers)
+    return parser
+
+
+def main(argv: Sequence[str] | None = None) -> None:
+    """Console-script entry point."""
+    args = build_parser().parse_args(argv)
+    sys.exit(args.run(args))

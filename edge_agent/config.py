@@ -1,0 +1,82 @@
+"""The agent's configuration: built once at the entry point and passed down."""
+
+from __future__ import annotations
+
+import re
+from dataclasses import dataclass
+from pathlib import Path
+
+from protocols.constants import DEFAULT_MAX_FRAME_BYTES
+
+from edge_agent.errors import ConfigError
+
+_UNITS = {
+    "": 1,
+    "b": 1,
+    "k": 1000,
+    "kb": 1000,
+    "kib": 1 << 10,
+    "m": 1000**2,
+    "mb": 1000**2,
+    "mib": 1 << 20,
+    "g": 1000**3,
+    "gb": 1000**3,
+    "gib": 1 << 30,
+}
+
+
+def parse_size(text: str) -> int:
+    """Parse ``64MiB``, ``1.5GB``, ``4096`` ... into bytes; raises ConfigError."""
+    match = re.fullmatch(r"\s*(\d+(?:\.\d+)?)\s*([A-Za-z]*)\s*", text)
+    if match is None or match.group(2).lower() not in _UNITS:
+        raise ConfigError(f"cannot read {text!r} as a size (try 64MiB or 1GB)")
+    return int(float(match.group(1)) * _UNITS[match.group(2).lower()])
+
+
+@dataclass(frozen=True)
+class TlsFiles:
+    """PEM files from the coordinator's pairing flow."""
+
+    ca: Path
+    cert: Path
+    key: Path
+
+
+@dataclass(frozen=True)
+class RuntimeConfig:
+    """How ONNX Runtime sessions are built; small thread counts so agents share a machine."""
+
+    intra_op_threads: int = 1
+    inter_op_threads: int = 1
+    warmup_runs: int = 3
+
+
+@dataclass(frozen=True)
+class AgentConfig:
+    """Everything ``fedshard agent`` was told."""
+
+    name: str
+    memory_bytes: int
+    state_dir: Path
+    interface: str = "127.0.0.1"
+    control_port: int = 0
+    """0 picks a free port."""
+    data_port: int = 0
+    tls: TlsFiles | None = None
+    """None: unpaired; the agent advertises itself but every TLS handshake is refused."""
+    runtime: RuntimeConfig = RuntimeConfig()
+    max_frame_bytes: int = DEFAULT_MAX_FRAME_BYTES
+    max_deploy_bytes: int = 1 << 31
+    queue_depth: int = 8
+    """Bound of each stage queue (frames waiting for compute, results waiting to be sent)."""
+    advertise: bool = True
+    reprofile: bool = False
+    """Measure GFLOP/s at start even when the state dir holds a cached profile."""
+
+    def __post_init__(self) -> None:
+        if self.memory_bytes <= 0:
+            raise ConfigError("--memory must be positive")
+        if self.queue_depth < 1:
+            raise ConfigError("--queue-depth must be at least 1")
+        if self.runtime.intra_op_threads < 1 or self.runtime.inter_op_threads < 1:
+            raise ConfigError("ONNX Runtime thread counts must be at least 1")

@@ -1,0 +1,1 @@
+"""fedshard partitioner."""

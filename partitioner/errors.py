@@ -1,0 +1,37 @@
+"""Errors raised by the partitioner::
+
+PartitionerError
+├── InfeasiblePlanError   no arrangement of the devices holds the model
+├── GraphError            the ONNX model cannot be loaded or analysed
+└── VerificationError     the chained segments do not reproduce the whole model
+"""
+
+from __future__ import annotations
+
+
+class PartitionerError(Exception):
+    """Base class of every error raised by :mod:`partitioner`."""
+
+
+class InfeasiblePlanError(PartitionerError):
+    """No device selection, order and cuts fit every stage into its device's memory.
+
+    ``shortfall_bytes`` is by how many bytes the best arrangement falls short: the least,
+    over all arrangements, of the largest amount by which a stage exceeds its device.
+    """
+
+    def __init__(self, message: str, shortfall_bytes: int) -> None:
+        super().__init__(message)
+        self.shortfall_bytes = shortfall_bytes
+
+
+class GraphError(PartitionerError):
+    """The ONNX model cannot be loaded, analysed or cut."""
+
+
+class VerificationError(PartitionerError):
+    """Running the segments as a chain does not reproduce the whole model's outputs."""
+
+    def __init__(self, message: str, max_abs_diff: float) -> None:
+        super().__init__(message)
+        self.max_abs_diff = max_abs_diff

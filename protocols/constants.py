@@ -1,0 +1,18 @@
+"""Names and versions both sides of the wire agree on."""
+
+from __future__ import annotations
+
+from typing import Final
+
+SOFTWARE_VERSION: Final = "0.1.0"
+PROTOCOL_VERSION: Final = 1
+"""Bumped whenever a wire format changes incompatibly."""
+
+SERVICE_TYPE: Final = "_fedshard._tcp.local."
+"""DNS-SD service type every agent announces."""
+
+MANIFEST_FORMAT: Final = "fedshard.manifest/1"
+PROBLEM_FORMAT: Final = "fedshard.problem/1"
+
+DEFAULT_MAX_FRAME_BYTES: Final = 256 * 1024 * 1024
+"""Largest activation frame an agent accepts unless configured otherwise."""

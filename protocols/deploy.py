@@ -1,0 +1,219 @@
+"""``fedshard.deploy/1``: the control plane between the coordinator and an agent.
+
+Pure wire models and codecs; no cryptography and no I/O happen here. Both sides compute the
+bytes that get signed with :func:`signing_bytes` and agree on these conventions:
+
+Certificates
+    Every certificate comes from the coordinator's CA. Its subject ``CN`` is the device name and
+    its ``OU`` is the role: :data:`ROLE_AGENT` or :data:`ROLE_COORDINATOR`. A TLS peer is checked
+    against the device name and role the caller expects.
+
+Signatures
+    The coordinator signs :func:`signing_bytes` of a :class:`DeployManifest` with its CA key, so
+    an agent verifies with the public key of the CA certificate it already trusts:
+    ``ecdsa-p256-sha256`` (DER signature) for an EC P-256 CA key, ``ed25519`` for an Ed25519 one.
+    The manifest carries the segment's SHA-256, so the signature covers the ONNX bytes too.
+
+Deploy body
+    ``POST /v1/deploy`` carries ``b"FSD1" | envelope length (u32 LE) | DeployRequest JSON |
+    segment ONNX bytes`` (see :func:`encode_deploy_body`).
+
+Data-plane topology
+    The chain is a ring. A requester sends frames with ``segment_index = 0`` to the first agent
+    and keeps the connection open. Agent ``k`` runs segment ``k`` and sends the names in its
+    ``forward`` list on to agent ``k + 1`` with ``segment_index = k + 1``. The last agent sends its
+    results back to the first agent with ``segment_index = len(chain)``, and the first agent
+    routes them to the requester's connection by ``request_id``. An error frame (``error`` set)
+    travels the same way, so the requester always gets one answer per request.
+
+Link probes
+    A frame whose ``request_id`` starts with :data:`PROBE_PREFIX` is a link probe: the receiving
+    agent answers on the same connection with a header-only frame of the same ``request_id``.
+"""
+
+from __future__ import annotations
+
+import json
+import struct
+from typing import Final, Literal, Self
+
+from pydantic import Field, NonNegativeFloat, NonNegativeInt, PositiveInt, model_validator
+
+from protocols.base import FrozenModel
+from protocols.errors import SchemaError
+from protocols.manifest import SegmentEntry
+
+DEPLOY_FORMAT: Final = "fedshard.deploy/1"
+ROLE_AGENT: Final = "agent"
+ROLE_COORDINATOR: Final = "coordinator"
+PROBE_PREFIX: Final = "probe/"
+"""``request_id`` prefix of a link-probe frame."""
+
+SIGNATURE_ALGORITHMS: Final = ("ecdsa-p256-sha256", "ed25519")
+SignatureAlgorithm = Literal["ecdsa-p256-sha256", "ed25519"]
+
+DEPLOY_MAGIC: Final = b"FSD1"
+_BODY_PREFIX = struct.Struct("<4sI")
+MAX_ENVELOPE_BYTES: Final = 1 << 20
+
+_NAME_PATTERN: Final = r"^[A-Za-z0-9][A-Za-z0-9._-]*$"
+
+
+class Hop(FrozenModel):
+    """One agent of the chain: the device name its certificate must carry and its data port."""
+
+    device: str = Field(min_length=1, max_length=63, pattern=_NAME_PATTERN)
+    host: str = Field(min_length=1, max_length=253)
+    data_port: int = Field(ge=1, le=65535)
+
+
+class DeployManifest(FrozenModel):
+    """Everything the coordinator signs for one agent: its segment and its place in the chain."""
+
+    format: Literal["fedshard.deploy/1"] = DEPLOY_FORMAT
+    deployment: str = Field(min_length=1, max_length=128)
+    """Free-form id of the deployment (model name and version, for example)."""
+    plan_version: PositiveInt
+    """Frames carry it; an agent holds at most one segment per plan version."""
+    segment: SegmentEntry
+    chain: list[Hop] = Field(min_length=1, max_length=1024)
+    """Every agent of the ring in segment order; ``chain[segment.index]`` is the receiver."""
+    forward: list[str] = Field(min_length=1, max_length=1024)
+    """Tensor names this stage sends on: its outputs or pass-through inputs that later stages
+    use, or, on the last stage, the results."""
+    warmup_shapes: dict[str, list[NonNegativeInt]] = Field(default_factory=dict)
+    """Concrete shapes for the warm-up run, by input name; free dimensions default to 1."""
+
+    @model_validator(mode="after")
+    def _check_chain(self) -> Self:
+        if self.segment.index >= len(self.chain):
+            raise ValueError("segment index is outside the chain")
+        if self.chain[self.segment.index].device != self.segment.device:
+            raise ValueError("chain entry of this segment names another device")
+        if len(set(self.forward)) != len(self.forward):
+            raise ValueError("forward names a tensor twice")
+        return self
+
+    @property
+    def is_first(self) -> bool:
+        """Whether this stage receives requests from requesters."""
+        return self.segment.index == 0
+
+    @property
+    def is_last(self) -> bool:
+        """Whether this stage produces the results."""
+        return self.segment.index == len(self.chain) - 1
+
+
+class DeployRequest(FrozenModel):
+    """The JSON envelope of a deploy: the manifest and the coordinator's signature over it."""
+
+    manifest: DeployManifest
+    signature_algorithm: SignatureAlgorithm
+    signature_hex: str = Field(pattern=r"^[0-9a-f]{2,1024}$")
+
+
+class DeployReport(FrozenModel):
+    """An agent's answer to a deploy: the plan's predictions next to what it measured."""
+
+    device: str
+    plan_version: PositiveInt
+    segment_sha256: str
+    predicted_memory_bytes: NonNegativeInt
+    measured_memory_bytes: int
+    """Resident memory the loaded segment added (RSS after load minus before; may be noisy)."""
+    predicted_compute_s: NonNegativeFloat
+    load_s: NonNegativeFloat
+    warmup_first_s: NonNegativeFloat
+    """First run after loading (includes one-off allocations)."""
+    warmup_s: NonNegativeFloat
+    """Median of the following warm-up runs: the measured stage time."""
+
+
+class UnloadRequest(FrozenModel):
+    """Drop the segment of one plan version."""
+
+    plan_version: PositiveInt
+
+
+class ProbeRequest(FrozenModel):
+    """Measure the link from this agent to another agent's data plane."""
+
+    target: Hop
+    payload_bytes: PositiveInt = Field(default=4 << 20, le=256 << 20)
+    rounds: PositiveInt = Field(default=5, le=100)
+
+
+class ProbeReport(FrozenModel):
+    """Result of a link probe."""
+
+    source: str
+    target: str
+    latency_ms: NonNegativeFloat
+    """Median round trip of a header-only frame, halved."""
+    bandwidth_mbps: NonNegativeFloat
+
+
+class LoadedSegment(FrozenModel):
+    """One segment an agent holds, as shown in its status."""
+
+    report: DeployReport
+    deployment: str
+    segment_index: NonNegativeInt
+    chain_length: PositiveInt
+
+
+class AgentStatus(FrozenModel):
+    """``GET /v1/status``."""
+
+    name: str
+    device_id: str
+    memory_budget_bytes: NonNegativeInt
+    memory_committed_bytes: NonNegativeInt
+    """Sum of the predicted memory of the loaded segments."""
+    resident_memory_bytes: NonNegativeInt
+    gflops: float
+    paired: bool
+    segments: list[LoadedSegment] = Field(default_factory=list)
+
+
+class ErrorReply(FrozenModel):
+    """Body of every non-2xx control-plane reply."""
+
+    error: str
+    """The error's type name, e.g. ``SignatureError``."""
+    message: str
+
+
+def signing_bytes(manifest: DeployManifest) -> bytes:
+    """The canonical bytes the coordinator signs: the format tag, a newline, canonical JSON.
+
+    Canonical JSON is ``json.dumps`` of the manifest's JSON-mode dump with sorted keys, no
+    whitespace and ASCII escapes, so every implementation produces identical bytes.
+    """
+    obj = manifest.model_dump(mode="json")
+    text = json.dumps(obj, sort_keys=True, separators=(",", ":"), ensure_ascii=True)
+    return DEPLOY_FORMAT.encode() + b"\n" + text.encode("ascii")
+
+
+def encode_deploy_body(request: DeployRequest, segment: bytes) -> bytes:
+    """The body of ``POST /v1/deploy``."""
+    envelope = request.model_dump_json().encode()
+    if len(envelope) > MAX_ENVELOPE_BYTES:
+        raise SchemaError(f"deploy envelope is {len(envelope)} bytes, over the limit")
+    return _BODY_PREFIX.pack(DEPLOY_MAGIC, len(envelope)) + envelope + segment
+
+
+def decode_deploy_body(body: bytes | memoryview) -> tuple[DeployRequest, memoryview]:
+    """Split a deploy body into its validated envelope and the (unparsed) segment bytes."""
+    view = memoryview(body).cast("B")
+    if len(view) < _BODY_PREFIX.size:
+        raise SchemaError("deploy body is shorter than its prefix")
+    magic, length = _BODY_PREFIX.unpack_from(view)
+    if magic != DEPLOY_MAGIC:
+        raise SchemaError(f"deploy body has bad magic {bytes(magic)!r}")
+    if length > MAX_ENVELOPE_BYTES or _BODY_PREFIX.size + length > len(view):
+        raise SchemaError(f"deploy envelope length {length} is out of range")
+    end = _BODY_PREFIX.size + length
+    request = DeployRequest.from_json(bytes(view[_BODY_PREFIX.size : end]))
+    return request, view[end:]

@@ -1,0 +1,68 @@
+"""``fedshard.manifest/1``: what ``fedshard split`` writes next to the segment files.
+
+Running the segment files in index order, each fed by name from the model inputs and
+earlier segments' outputs, yields the model's outputs.
+"""
+
+from __future__ import annotations
+
+from typing import Literal, Self
+
+from pydantic import Field, NonNegativeFloat, NonNegativeInt, model_validator
+
+from protocols.base import FrozenModel
+from protocols.constants import MANIFEST_FORMAT
+from protocols.plan import Objective
+
+Sha256Hex = str
+
+
+class TensorInfo(FrozenModel):
+    """A graph input or output: name, element type and shape (``None`` or a name for a free dim)."""
+
+    name: str
+    dtype: str
+    shape: list[int | str | None]
+
+
+class ModelInfo(FrozenModel):
+    """The whole model the segments were cut from."""
+
+    name: str
+    sha256: Sha256Hex = Field(pattern=r"^[0-9a-f]{64}$")
+    param_bytes: NonNegativeInt
+    inputs: list[TensorInfo]
+    outputs: list[TensorInfo]
+
+
+class SegmentEntry(FrozenModel):
+    """One segment: which device runs it, its file and the plan's predictions."""
+
+    index: NonNegativeInt
+    device: str
+    file: str = Field(pattern=r"^[A-Za-z0-9._-]+$")
+    sha256: Sha256Hex = Field(pattern=r"^[0-9a-f]{64}$")
+    inputs: list[str]
+    outputs: list[str]
+    param_bytes: NonNegativeInt
+    predicted_memory_bytes: NonNegativeInt
+    predicted_compute_s: NonNegativeFloat
+    units: tuple[NonNegativeInt, NonNegativeInt] = (0, 0)
+    """Half-open range of planning units this segment holds."""
+
+
+class Manifest(FrozenModel):
+    """The ``DIR/manifest.json`` document."""
+
+    format: Literal["fedshard.manifest/1"] = MANIFEST_FORMAT
+    model: ModelInfo
+    objective: Objective
+    bottleneck_s: NonNegativeFloat
+    latency_s: NonNegativeFloat
+    segments: list[SegmentEntry] = Field(min_length=1)
+
+    @model_validator(mode="after")
+    def _check_indices(self) -> Self:
+        if [s.index for s in self.segments] != list(range(len(self.segments))):
+            raise ValueError("segments must be listed in index order 0..n-1")
+        return self

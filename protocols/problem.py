@@ -1,0 +1,103 @@
+"""``fedshard.problem/1``: a planning problem stated directly.
+
+A model is a chain of *units*; devices each hold at most one contiguous stage of
+units. The semantics (which the planner implements exactly) are:
+
+- a stage's compute is the sum of its units' ``compute_s[device.type]``;
+- every stage but the last sends its last unit's ``out_bytes`` to the next stage's
+  device, taking ``out_bytes * 8 / (bandwidth_mbps * 1e6) + latency_ms / 1e3`` seconds,
+  where the link is the ``links`` entry for the pair if any, otherwise the smaller of
+  the two devices' ``bandwidth_mbps`` with zero latency;
+- a stage's memory is the sum of its units' ``weight_bytes``, plus each shared weight
+  used by any of its units (counted once per stage), plus the largest
+  ``workspace_bytes`` of its units, plus
+  ``(in_bytes + out_bytes) * (1 + queue_depth)`` where ``in_bytes`` is ``input_bytes``
+  for the first stage and the previous unit's ``out_bytes`` otherwise; it must be at
+  most the device's ``memory_bytes``.
+"""
+
+from __future__ import annotations
+
+from typing import Literal, Self
+
+from pydantic import Field, NonNegativeFloat, NonNegativeInt, PositiveFloat, model_validator
+
+from protocols.base import FrozenModel
+from protocols.constants import PROBLEM_FORMAT
+
+
+class Unit(FrozenModel):
+    """One step of the chain: the smallest piece the planner places."""
+
+    name: str
+    weight_bytes: NonNegativeInt
+    out_bytes: NonNegativeInt
+    compute_s: dict[str, NonNegativeFloat]
+    """Seconds per micro-batch, keyed by device type."""
+    workspace_bytes: NonNegativeInt = 0
+    """Peak activation workspace while the unit runs; a stage adds the largest of its units'."""
+
+
+class SharedWeight(FrozenModel):
+    """A weight used by several units (a tied embedding): counted once in each stage using it."""
+
+    name: str
+    bytes: NonNegativeInt
+    units: list[NonNegativeInt] = Field(min_length=1)
+
+
+class ProblemDevice(FrozenModel):
+    """A device the planner may use."""
+
+    name: str = Field(min_length=1)
+    type: str = Field(min_length=1)
+    memory_bytes: NonNegativeInt
+    bandwidth_mbps: PositiveFloat
+
+
+class Link(FrozenModel):
+    """A measured link between two devices (undirected)."""
+
+    a: str
+    b: str
+    bandwidth_mbps: PositiveFloat
+    latency_ms: NonNegativeFloat = 0.0
+
+
+class PlanningProblem(FrozenModel):
+    """A ``fedshard.problem/1`` document."""
+
+    format: Literal["fedshard.problem/1"] = PROBLEM_FORMAT
+    name: str = ""
+    input_bytes: NonNegativeInt = 0
+    queue_depth: NonNegativeInt = 2
+    units: list[Unit] = Field(min_length=1)
+    devices: list[ProblemDevice] = Field(min_length=1)
+    links: list[Link] = Field(default_factory=list)
+    shared_weights: list[SharedWeight] = Field(default_factory=list)
+
+    @model_validator(mode="after")
+    def _check_references(self) -> Self:
+        names = [d.name for d in self.devices]
+        if len(set(names)) != len(names):
+            raise ValueError("device names must be unique")
+        types = {d.type for d in self.devices}
+        for i, unit in enumerate(self.units):
+            missing = types - unit.compute_s.keys()
+            if missing:
+                raise ValueError(f"unit {i} ({unit.name!r}) has no compute_s for {sorted(missing)}")
+        known = set(names)
+        seen: set[frozenset[str]] = set()
+        for link in self.links:
+            if link.a not in known or link.b not in known:
+                raise ValueError(f"link {link.a}-{link.b} names an unknown device")
+            if link.a == link.b:
+                raise ValueError(f"link {link.a}-{link.b} joins a device to itself")
+            pair = frozenset((link.a, link.b))
+            if pair in seen:
+                raise ValueError(f"link {link.a}-{link.b} is given twice")
+            seen.add(pair)
+        for shared in self.shared_weights:
+            if any(u >= len(self.units) for u in shared.units):
+                raise ValueError(f"shared weight {shared.name!r} names a unit out of range")
+        return self

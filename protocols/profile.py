@@ -1,0 +1,49 @@
+"""What an agent tells the world about itself: its measured profile and its current state."""
+
+from __future__ import annotations
+
+from typing import Annotated
+
+from pydantic import Field, NonNegativeInt, PositiveFloat
+
+from protocols.base import FrozenModel
+from protocols.constants import PROTOCOL_VERSION, SOFTWARE_VERSION
+
+Port = int
+ProviderName = Annotated[str, Field(pattern=r"^[A-Za-z0-9_.-]+$", max_length=64)]
+
+
+class DeviceProfile(FrozenModel):
+    """A device as measured by its agent at start (cached in its state dir)."""
+
+    device_id: str = Field(pattern=r"^[0-9a-f]{16,64}$")
+    """Stable id derived from the agent's public key."""
+    name: str = Field(min_length=1, max_length=63, pattern=r"^[A-Za-z0-9][A-Za-z0-9._-]*$")
+    memory_bytes: NonNegativeInt
+    """The most memory this agent may use for segments and sessions."""
+    gflops: PositiveFloat
+    """Measured with an ONNX Runtime micro-benchmark."""
+    providers: list[ProviderName] = Field(
+        default_factory=lambda: ["CPUExecutionProvider"], max_length=8
+    )
+    control_port: Port = Field(ge=1, le=65535)
+    data_port: Port = Field(ge=1, le=65535)
+    cert_fingerprint: str = Field(pattern=r"^[0-9a-f]{64}$")
+    """SHA-256 of the agent's certificate (DER), or of its public key before pairing."""
+    software_version: str = Field(default=SOFTWARE_VERSION, max_length=32)
+    protocol_version: NonNegativeInt = PROTOCOL_VERSION
+
+
+class AgentState(FrozenModel):
+    """What changes while an agent runs; re-announced whenever it changes."""
+
+    paired: bool = False
+    segment_sha256: str | None = Field(default=None, pattern=r"^[0-9a-f]{64}$")
+    plan_version: NonNegativeInt = 0
+
+
+class Announcement(FrozenModel):
+    """Everything an agent's mDNS TXT record carries."""
+
+    profile: DeviceProfile
+    state: AgentState = AgentState()

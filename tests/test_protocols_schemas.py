@@ -1,0 +1,184 @@
+"""JSON schemas: round trips, frozen models, unknown fields and bad references refused."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import pydantic
+import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+from protocols.devices import DeviceList
+from protocols.errors import SchemaError
+from protocols.manifest import Manifest
+from protocols.plan import Plan
+from protocols.problem import PlanningProblem
+
+SHARED = Path(__file__).resolve().parents[2] / "shared" / "benchmarks" / "planner"
+names = st.from_regex(r"[a-z][a-z0-9-]{0,8}", fullmatch=True)
+sizes = st.integers(0, 2**40)
+
+
+@st.composite
+def problems(draw: st.DrawFn) -> PlanningProblem:
+    types = draw(st.lists(names, min_size=1, max_size=3, unique=True))
+    device_names = draw(st.lists(names, min_size=1, max_size=4, unique=True))
+    devices = [
+        {
+            "name": n,
+            "type": draw(st.sampled_from(types)),
+            "memory_bytes": draw(sizes),
+            "bandwidth_mbps": draw(st.floats(0.1, 1e5)),
+        }
+        for n in device_names
+    ]
+    units = [
+        {
+            "name": f"u{i}",
+            "weight_bytes": draw(sizes),
+            "out_bytes": draw(sizes),
+            "compute_s": {t: draw(st.floats(0, 10)) for t in types},
+            "workspace_bytes": draw(sizes),
+        }
+        for i in range(draw(st.integers(1, 6)))
+    ]
+    links = []
+    if len(device_names) >= 2 and draw(st.booleans()):
+        links.append(
+            {
+                "a": device_names[0],
+                "b": device_names[1],
+                "bandwidth_mbps": draw(st.floats(0.1, 1e4)),
+                "latency_ms": draw(st.floats(0, 100)),
+            }
+        )
+    return PlanningProblem.from_obj(
+        {
+            "input_bytes": draw(sizes),
+            "queue_depth": draw(st.integers(0, 4)),
+            "units": units,
+            "devices": devices,
+            "links": links,
+            "shared_weights": [{"name": "emb", "bytes": draw(sizes), "units": [0]}],
+        }
+    )
+
+
+@given(problems())
+@settings(max_examples=100, deadline=None)
+def test_problem_round_trip(problem: PlanningProblem) -> None:
+    assert PlanningProblem.from_json(problem.to_json()) == problem
+
+
+def test_shipped_benchmark_problems_parse() -> None:
+    files = sorted(SHARED.glob("*.json"))
+    if not files:
+        pytest.skip(f"no shared benchmark problems at {SHARED}")
+    for path in files:
+        problem = PlanningProblem.from_json(path.read_text())
+        assert len(problem.units) in (48, 96)
+
+
+def _problem_dict() -> dict:
+    return {
+        "format": "fedshard.problem/1",
+        "units": [{"name": "a", "weight_bytes": 1, "out_bytes": 1, "compute_s": {"cpu": 1.0}}],
+        "devices": [{"name": "d", "type": "cpu", "memory_bytes": 10, "bandwidth_mbps": 100}],
+    }
+
+
+@pytest.mark.parametrize(
+    "mutate",
+    [
+        lambda d: d.update(format="fedshard.problem/2"),
+        lambda d: d.update(surprise=1),
+        lambda d: d["units"][0].pop("weight_bytes"),
+        lambda d: d["units"][0].update(compute_s={"gpu": 1.0}),
+        lambda d: d["units"][0].update(weight_bytes=-1),
+        lambda d: d["devices"].append(dict(d["devices"][0])),
+        lambda d: d.update(links=[{"a": "d", "b": "ghost", "bandwidth_mbps": 1}]),
+        lambda d: d.update(shared_weights=[{"name": "e", "bytes": 1, "units": [7]}]),
+        lambda d: d.update(units=[]),
+    ],
+)
+def test_bad_problems_raise_schema_error(mutate) -> None:
+    doc = _problem_dict()
+    mutate(doc)
+    with pytest.raises(SchemaError):
+        PlanningProblem.from_obj(doc)
+
+
+def test_schema_error_on_broken_json() -> None:
+    with pytest.raises(SchemaError):
+        PlanningProblem.from_json("{not json")
+
+
+def test_models_are_frozen() -> None:
+    problem = PlanningProblem.from_obj(_problem_dict())
+    with pytest.raises(pydantic.ValidationError):
+        problem.queue_depth = 5  # type: ignore[misc]
+
+
+def test_devices_json_contract() -> None:
+    doc = {
+        "devices": [
+            {"name": "nas", "memory_bytes": 1 << 30, "gflops": 5, "bandwidth_mbps": 1000},
+            {"name": "sbc", "memory_bytes": 1 << 29, "gflops": 2, "bandwidth_mbps": 100},
+        ],
+        "links": [{"a": "nas", "b": "sbc", "bandwidth_mbps": 90, "latency_ms": 1.5}],
+    }
+    devices = DeviceList.from_json(json.dumps(doc))
+    assert DeviceList.from_json(devices.to_json()) == devices
+    assert DeviceList.from_obj({"devices": doc["devices"]}).links == []
+    with pytest.raises(SchemaError):
+        DeviceList.from_obj({"devices": doc["devices"] * 2})
+
+
+def test_manifest_contract_round_trip_and_index_order() -> None:
+    seg = {
+        "index": 0,
+        "device": "nas",
+        "file": "segment-0.onnx",
+        "sha256": "0" * 64,
+        "inputs": ["input_ids"],
+        "outputs": ["h"],
+        "param_bytes": 10,
+        "predicted_memory_bytes": 20,
+        "predicted_compute_s": 0.5,
+    }
+    doc = {
+        "format": "fedshard.manifest/1",
+        "model": {
+            "name": "m",
+            "sha256": "1" * 64,
+            "param_bytes": 10,
+            "inputs": [{"name": "input_ids", "dtype": "int64", "shape": ["batch", 8]}],
+            "outputs": [{"name": "h", "dtype": "float32", "shape": [None, 8, 4]}],
+        },
+        "objective": "throughput",
+        "bottleneck_s": 0.5,
+        "latency_s": 0.5,
+        "segments": [seg],
+    }
+    manifest = Manifest.from_obj(doc)
+    assert Manifest.from_json(manifest.to_json()) == manifest
+    with pytest.raises(SchemaError):
+        Manifest.from_obj({**doc, "segments": [{**seg, "index": 1}]})
+    with pytest.raises(SchemaError):
+        Manifest.from_obj({**doc, "segments": [{**seg, "file": "../../etc/passwd"}]})
+
+
+def test_plan_json_has_the_cli_contract_keys() -> None:
+    plan = Plan.from_obj(
+        {
+            "objective": "latency",
+            "bottleneck_s": 1.0,
+            "latency_s": 2.0,
+            "stages": [{"device": "a", "start": 0, "end": 3}],
+        }
+    )
+    doc = json.loads(plan.to_json())
+    assert {"objective", "bottleneck_s", "latency_s", "stages"} <= doc.keys()
+    assert {"device", "start", "end"} <= doc["stages"][0].keys()
