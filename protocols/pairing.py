@@ -1,0 +1,32 @@
+"""Pairing codes: a short code both the agent and the coordinator derive from the agent's key.
+
+The operator compares the code the agent shows with the one the coordinator shows, then
+approves; a certificate request whose key gives another code is refused.
+"""
+
+from __future__ import annotations
+
+import base64
+import hashlib
+import hmac
+from typing import Final
+
+CODE_CHARS: Final = 8
+
+
+def pairing_code(public_key_der: bytes) -> str:
+    """``XXXX-XXXX`` from the SHA-256 of the public key (SubjectPublicKeyInfo DER), base32."""
+    digest = hashlib.sha256(b"fedshard-pairing/1\n" + public_key_der).digest()
+    text = base64.b32encode(digest[:5]).decode("ascii")[:CODE_CHARS]
+    return f"{text[:4]}-{text[4:]}"
+
+
+def normalise_code(code: str) -> str:
+    """Accept what people type: any case, with or without the dash or spaces."""
+    text = "".join(ch for ch in code.upper() if ch.isalnum())
+    return f"{text[:4]}-{text[4:]}" if len(text) == CODE_CHARS else text
+
+
+def codes_match(expected: str, typed: str) -> bool:
+    """Constant-time comparison of a typed code with the expected one."""
+    return hmac.compare_digest(normalise_code(expected).encode(), normalise_code(typed).encode())
