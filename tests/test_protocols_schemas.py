@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import itertools
 import json
 from pathlib import Path
 
@@ -13,7 +14,7 @@ from hypothesis import strategies as st
 from protocols.devices import DeviceList
 from protocols.errors import SchemaError
 from protocols.manifest import Manifest
-from protocols.plan import Plan
+from protocols.plan import Objective, Plan, Stage
 from protocols.problem import PlanningProblem
 
 SHARED = Path(__file__).resolve().parents[2] / "shared" / "benchmarks" / "planner"
@@ -182,3 +183,110 @@ def test_plan_json_has_the_cli_contract_keys() -> None:
     doc = json.loads(plan.to_json())
     assert {"objective", "bottleneck_s", "latency_s", "stages"} <= doc.keys()
     assert {"device", "start", "end"} <= doc["stages"][0].keys()
+
+
+hexes = st.text(alphabet="0123456789abcdef", min_size=64, max_size=64)
+floats = st.floats(0, 1e6, allow_nan=False)
+
+
+@st.composite
+def device_lists(draw: st.DrawFn) -> DeviceList:
+    device_names = draw(st.lists(names, min_size=1, max_size=5, unique=True))
+    devices = [
+        {
+            "name": n,
+            "memory_bytes": draw(sizes),
+            "gflops": draw(st.floats(0.01, 1e5)),
+            "bandwidth_mbps": draw(st.floats(0.01, 1e5)),
+        }
+        for n in device_names
+    ]
+    links = [
+        {"a": a, "b": b, "bandwidth_mbps": draw(st.floats(0.01, 1e5)), "latency_ms": draw(floats)}
+        for a, b in itertools.pairwise(device_names)
+        if draw(st.booleans())
+    ]
+    return DeviceList.from_obj({"devices": devices, "links": links})
+
+
+@st.composite
+def manifests(draw: st.DrawFn) -> Manifest:
+    tensors = st.lists(
+        st.fixed_dictionaries(
+            {
+                "name": names,
+                "dtype": st.sampled_from(["float32", "int64"]),
+                "shape": st.lists(st.none() | st.integers(0, 9) | names, max_size=4),
+            }
+        ),
+        max_size=3,
+    )
+    segments = [
+        {
+            "index": i,
+            "device": draw(names),
+            "file": f"segment-{i}.onnx",
+            "sha256": draw(hexes),
+            "inputs": draw(st.lists(names, max_size=3)),
+            "outputs": draw(st.lists(names, max_size=3)),
+            "param_bytes": draw(sizes),
+            "predicted_memory_bytes": draw(sizes),
+            "predicted_compute_s": draw(floats),
+            "units": (i, i + 1),
+        }
+        for i in range(draw(st.integers(1, 4)))
+    ]
+    return Manifest.from_obj(
+        {
+            "model": {
+                "name": draw(names),
+                "sha256": draw(hexes),
+                "param_bytes": draw(sizes),
+                "inputs": draw(tensors),
+                "outputs": draw(tensors),
+            },
+            "objective": draw(st.sampled_from(["throughput", "latency"])),
+            "bottleneck_s": draw(floats),
+            "latency_s": draw(floats),
+            "segments": segments,
+        }
+    )
+
+
+plans = st.builds(
+    Plan,
+    objective=st.sampled_from(list(Objective)),
+    bottleneck_s=floats,
+    latency_s=floats,
+    stages=st.lists(
+        st.builds(
+            Stage,
+            device=names,
+            start=st.integers(0, 100),
+            end=st.integers(0, 100),
+            compute_s=floats,
+            transfer_s=floats,
+            memory_bytes=sizes,
+        ),
+        min_size=1,
+        max_size=4,
+    ),
+)
+
+
+@given(device_lists())
+@settings(max_examples=100, deadline=None)
+def test_devices_round_trip(devices: DeviceList) -> None:
+    assert DeviceList.from_json(devices.to_json()) == devices
+
+
+@given(manifests())
+@settings(max_examples=100, deadline=None)
+def test_manifest_round_trip(manifest: Manifest) -> None:
+    assert Manifest.from_json(manifest.to_json()) == manifest
+
+
+@given(plans)
+@settings(max_examples=100, deadline=None)
+def test_plan_round_trip(plan: Plan) -> None:
+    assert Plan.from_json(plan.to_json()) == plan
