@@ -1,0 +1,117 @@
+"""Device registry (unit) and zeroconf discovery with real advertiser processes on 127.0.0.1."""
+
+from __future__ import annotations
+
+import subprocess
+import sys
+import textwrap
+from collections.abc import Iterator
+
+import pytest
+
+from coordinator.discovery import ZeroconfDiscovery
+from coordinator.registry import DeviceRecord, DeviceRegistry
+from protocols.profile import Announcement, DeviceProfile
+from protocols.txt import encode_txt
+
+
+def _announcement(name: str, fingerprint_char: str, port: int = 9000) -> Announcement:
+    return Announcement(
+        profile=DeviceProfile(
+            device_id=fingerprint_char * 16,
+            name=name,
+            memory_bytes=1 << 30,
+            gflops=10.0,
+            control_port=port,
+            data_port=port + 1,
+            cert_fingerprint=fingerprint_char * 64,
+        )
+    )
+
+
+def test_devices_are_keyed_by_fingerprint_and_an_impostor_cannot_take_a_name() -> None:
+    ticks = iter(range(100))
+    registry = DeviceRegistry(clock=lambda: float(next(ticks)))
+    registry.announce(_announcement("nas", "a"), "127.0.0.1", "nas-a")
+    registry.announce(_announcement("nas", "b"), "127.0.0.1", "nas-b")
+    registry.announce(_announcement("nas", "a", port=9100), "127.0.0.1", "nas-a")
+    devices = {d.fingerprint: d for d in registry.devices()}
+    assert devices["a" * 64].impostor_of is None
+    assert devices["a" * 64].announcement.profile.control_port == 9100
+    assert devices["b" * 64].impostor_of == "a" * 64
+
+
+def test_departure_marks_offline_and_a_return_keeps_first_seen() -> None:
+    registry = DeviceRegistry()
+    first = registry.announce(_announcement("sbc", "c"), "127.0.0.1", "sbc-svc")
+    registry.depart("sbc-svc")
+    assert registry.devices() == []
+    assert registry.devices(online_only=False)[0].online is False
+    again = registry.announce(_announcement("sbc", "c"), "127.0.0.1", "sbc-svc")
+    assert again.first_seen == first.first_seen
+
+
+ADVERTISER = textwrap.dedent(
+    """
+    import socket, sys, time
+    from zeroconf import IPVersion, ServiceInfo, Zeroconf
+    name, port, txt = sys.argv[1], int(sys.argv[2]), dict(a.split("=", 1) for a in sys.argv[3:])
+    zc = Zeroconf(interfaces=["127.0.0.1"], ip_version=IPVersion.V4Only)
+    info = ServiceInfo("_fedshard._tcp.local.", f"{name}._fedshard._tcp.local.",
+                       addresses=[socket.inet_aton("127.0.0.1")], port=port, properties=txt)
+    zc.register_service(info)
+    print("up", flush=True)
+    try:
+        sys.stdin.read()
+    finally:
+        zc.unregister_service(info)
+        zc.close()
+    """
+)
+
+
+@pytest.fixture
+def advertise() -> Iterator:
+    started: list[subprocess.Popen[str]] = []
+
+    def start(service: str, port: int, txt: dict[str, str]) -> subprocess.Popen[str]:
+        args = [f"{k}={v}" for k, v in txt.items()]
+        proc = subprocess.Popen(
+            [sys.executable, "-c", ADVERTISER, service, str(port), *args],
+            stdin=subprocess.PIPE,
+            stdout=subprocess.PIPE,
+            text=True,
+        )
+        started.append(proc)
+        assert proc.stdout is not None and proc.stdout.readline().strip() == "up"
+        return proc
+
+    yield start
+    for proc in started:
+        if proc.poll() is None:
+            proc.kill()
+        proc.wait(timeout=10)
+
+
+def _stop(proc: subprocess.Popen[str]) -> None:
+    assert proc.stdin is not None
+    proc.stdin.close()
+    proc.wait(timeout=10)
+
+
+def _names(devices: list[DeviceRecord]) -> set[str]:
+    return {d.name for d in devices}
+
+
+def test_real_agents_are_seen_joining_and_leaving_within_three_seconds(advertise) -> None:
+    registry = DeviceRegistry()
+    with ZeroconfDiscovery(registry, "127.0.0.1"):
+        nas = advertise("nas-svc", 9000, encode_txt(_announcement("nas", "a")))
+        advertise("sbc-svc", 9010, encode_txt(_announcement("sbc", "b", port=9010)))
+        advertise("broken-svc", 9020, {"pv": "1", "mem": "lots"})
+        assert registry.wait_for(lambda ds: _names(ds) == {"nas", "sbc"}, timeout=3.0)
+        _stop(nas)
+        assert registry.wait_for(lambda ds: _names(ds) == {"sbc"}, timeout=3.0)
+    sbc = next(d for d in registry.devices() if d.name == "sbc")
+    assert sbc.host == "127.0.0.1"
+    assert sbc.announcement.profile.control_port == 9010
