@@ -1,0 +1,158 @@
+"""Pairing: agents ask for a certificate, the operator approves by code, revoked ones stay out.
+
+An agent sends a certificate request; the coordinator keeps it as *pending* with the pairing
+code derived from the request's public key (the agent shows the same code). The operator
+approves ``NAME CODE``; a wrong code is refused. Approval issues a certificate from the CA.
+Revocation is by certificate fingerprint and by device name, and is permanent. The book is
+persisted atomically in the state dir, so pairings survive a restart.
+"""
+
+from __future__ import annotations
+
+import threading
+import time
+from pathlib import Path
+
+from cryptography import x509
+from cryptography.hazmat.primitives import serialization
+from cryptography.hazmat.primitives.asymmetric.types import CertificatePublicKeyTypes
+from pydantic import Field
+
+from coordinator.ca import CertificateAuthority
+from coordinator.errors import PairingError, RevokedError, StateError, WrongCodeError
+from coordinator.state import write_atomic
+from protocols.base import FrozenModel
+from protocols.deploy import ROLE_AGENT
+from protocols.errors import SchemaError
+from protocols.pairing import codes_match, pairing_code
+
+BOOK_FILE = "pairings.json"
+MAX_PENDING = 64
+
+
+class PendingRequest(FrozenModel):
+    """A certificate request waiting for the operator."""
+
+    name: str
+    code: str
+    csr_pem: str
+    requested_at: float
+
+
+class PairedDevice(FrozenModel):
+    """A device the CA certified."""
+
+    name: str
+    fingerprint: str
+    cert_pem: str
+    paired_at: float
+
+
+class PairingBook(FrozenModel):
+    """The ``pairings.json`` file."""
+
+    pending: list[PendingRequest] = Field(default_factory=list)
+    paired: list[PairedDevice] = Field(default_factory=list)
+    revoked_fingerprints: list[str] = Field(default_factory=list)
+    revoked_names: list[str] = Field(default_factory=list)
+
+
+class Pairing:
+    """Pending requests, approvals and revocations, backed by the state dir."""
+
+    def __init__(self, state_dir: Path, ca: CertificateAuthority) -> None:
+        self._path = state_dir / BOOK_FILE
+        self._ca = ca
+        self._lock = threading.Lock()
+        self._book = self._load()
+
+    def request(self, name: str, csr_pem: str) -> str:
+        """Record an agent's certificate request; returns its pairing code."""
+        try:
+            csr = x509.load_pem_x509_csr(csr_pem.encode())
+        except ValueError as exc:
+            raise PairingError(f"not a PEM certificate request: {exc}") from exc
+        if not csr.is_signature_valid:
+            raise PairingError("the certificate request is not signed by its own key")
+        code = pairing_code(_spki(csr.public_key()))
+        with self._lock:
+            if name in self._book.revoked_names:
+                raise RevokedError(f"device {name!r} is revoked")
+            pending = [p for p in self._book.pending if p.name != name][-(MAX_PENDING - 1) :]
+            entry = PendingRequest(name=name, code=code, csr_pem=csr_pem, requested_at=time.time())
+            self._save(self._book.model_copy(update={"pending": [*pending, entry]}))
+        return code
+
+    def approve(self, name: str, code: str) -> PairedDevice:
+        """Issue the certificate of the pending request of ``name`` if ``code`` matches it."""
+        with self._lock:
+            request = next((p for p in self._book.pending if p.name == name), None)
+            if request is None:
+                raise PairingError(f"no pending pairing request from {name!r}")
+            if not codes_match(request.code, code):
+                raise WrongCodeError(f"the code does not match device {name!r}")
+            issued = self._ca.issue(request.csr_pem.encode(), name=name, role=ROLE_AGENT)
+            device = PairedDevice(
+                name=name,
+                fingerprint=issued.fingerprint,
+                cert_pem=issued.pem.decode(),
+                paired_at=time.time(),
+            )
+            book = self._book
+            self._save(
+                book.model_copy(
+                    update={
+                        "pending": [p for p in book.pending if p.name != name],
+                        "paired": [*(d for d in book.paired if d.name != name), device],
+                    }
+                )
+            )
+        return device
+
+    def revoke(self, name: str) -> None:
+        """Refuse ``name`` and every certificate it was given, from now on."""
+        with self._lock:
+            book = self._book
+            if name not in {d.name for d in book.paired} | {p.name for p in book.pending}:
+                raise PairingError(f"unknown device {name!r}")
+            fingerprints = [d.fingerprint for d in book.paired if d.name == name]
+            self._save(
+                book.model_copy(
+                    update={
+                        "pending": [p for p in book.pending if p.name != name],
+                        "paired": [d for d in book.paired if d.name != name],
+                        "revoked_fingerprints": sorted({*book.revoked_fingerprints, *fingerprints}),
+                        "revoked_names": sorted({*book.revoked_names, name}),
+                    }
+                )
+            )
+
+    def book(self) -> PairingBook:
+        """A snapshot of every pending, paired and revoked device."""
+        with self._lock:
+            return self._book
+
+    def is_trusted(self, name: str, fingerprint: str) -> bool:
+        """Whether ``name`` is paired with exactly this certificate and not revoked."""
+        with self._lock:
+            if fingerprint in self._book.revoked_fingerprints:
+                return False
+            return any(d.name == name and d.fingerprint == fingerprint for d in self._book.paired)
+
+    def _load(self) -> PairingBook:
+        if not self._path.exists():
+            return PairingBook()
+        try:
+            return PairingBook.from_json(self._path.read_bytes())
+        except (OSError, SchemaError) as exc:
+            raise StateError(f"cannot read {self._path}: {exc}") from exc
+
+    def _save(self, book: PairingBook) -> None:
+        write_atomic(self._path, book.to_json().encode(), mode=0o600)
+        self._book = book
+
+
+def _spki(public_key: CertificatePublicKeyTypes) -> bytes:
+    return public_key.public_bytes(
+        serialization.Encoding.DER, serialization.PublicFormat.SubjectPublicKeyInfo
+    )
