@@ -11,6 +11,10 @@ import hashlib
 import hmac
 from typing import Final
 
+from pydantic import Field
+
+from protocols.base import FrozenModel
+
 CODE_CHARS: Final = 8
 
 
@@ -30,3 +34,18 @@ def normalise_code(code: str) -> str:
 def codes_match(expected: str, typed: str) -> bool:
     """Constant-time comparison of a typed code with the expected one."""
     return hmac.compare_digest(normalise_code(expected).encode(), normalise_code(typed).encode())
+
+
+class PairingOffer(FrozenModel):
+    """``GET /v1/pairing`` on an unpaired agent: its certificate request and the code it shows."""
+
+    name: str = Field(min_length=1, max_length=63)
+    csr_pem: str = Field(max_length=16384)
+    code: str = Field(pattern=r"^[A-Z2-7]{4}-[A-Z2-7]{4}$")
+
+
+class PairingGrant(FrozenModel):
+    """``POST /v1/pairing`` to an agent: the certificate the CA issued for its key, and the CA."""
+
+    ca_pem: str = Field(max_length=16384)
+    cert_pem: str = Field(max_length=16384)

@@ -1,0 +1,150 @@
+"""The coordinator's HTTP API (FastAPI): devices, pairing and models, behind a bearer token.
+
+Every route needs ``Authorization: Bearer TOKEN`` (or ``?token=`` for the console's first
+load). Errors come back as ``{"detail": ...}`` with a 4xx/5xx status, never a stack trace.
+"""
+
+from __future__ import annotations
+
+import hmac
+from dataclasses import dataclass
+from typing import Annotated
+
+from fastapi import APIRouter, Depends, FastAPI, HTTPException, Query, params, status
+from fastapi.security import HTTPAuthorizationCredentials, HTTPBearer
+from pydantic import BaseModel, ConfigDict
+
+from coordinator.errors import PairingError, RevokedError, WrongCodeError
+from coordinator.pairing import Pairing, PairingBook
+from coordinator.registry import DeviceRegistry
+from protocols.constants import SOFTWARE_VERSION
+from protocols.profile import Announcement
+
+
+@dataclass(frozen=True)
+class Services:
+    """What the API serves from, built once at start."""
+
+    token: str
+    registry: DeviceRegistry
+    pairing: Pairing
+
+
+_BEARER = HTTPBearer(auto_error=False)
+
+
+class ApiModel(BaseModel):
+    """Request and response bodies: frozen, unknown fields refused."""
+
+    model_config = ConfigDict(frozen=True, extra="forbid")
+
+
+class DeviceView(ApiModel):
+    """One device as the API shows it."""
+
+    name: str
+    fingerprint: str
+    host: str
+    online: bool
+    status: str
+    """``paired``, ``unpaired``, ``revoked`` or ``impostor``."""
+    announcement: Announcement
+
+
+class ApproveBody(ApiModel):
+    """``POST /v1/pairing/approve``."""
+
+    name: str
+    code: str
+
+
+class RevokeBody(ApiModel):
+    """``POST /v1/pairing/revoke``."""
+
+    name: str
+
+
+class ModelList(ApiModel):
+    """OpenAI-compatible ``GET /v1/models``."""
+
+    object: str = "list"
+    data: list[dict[str, str | int]]
+
+
+def create_app(services: Services) -> FastAPI:
+    """The FastAPI application over ``services``."""
+    app = FastAPI(title="fedshard coordinator", version=SOFTWARE_VERSION)
+    v1 = APIRouter(prefix="/v1", dependencies=[_token_dependency(services.token)])
+
+    @v1.get("/devices")
+    def list_devices() -> list[DeviceView]:
+        book = services.pairing.book()
+        return [
+            DeviceView(
+                name=r.name,
+                fingerprint=r.fingerprint,
+                host=r.host,
+                online=r.online,
+                status=_device_status(book, r.name, r.fingerprint, r.impostor_of),
+                announcement=r.announcement,
+            )
+            for r in services.registry.devices(online_only=False)
+        ]
+
+    @v1.get("/pairing")
+    def pairing_book() -> PairingBook:
+        return services.pairing.book()
+
+    @v1.post("/pairing/approve")
+    def approve(body: ApproveBody) -> dict[str, str]:
+        try:
+            device = services.pairing.approve(body.name, body.code)
+        except WrongCodeError as exc:
+            raise HTTPException(status.HTTP_403_FORBIDDEN, str(exc)) from exc
+        except RevokedError as exc:
+            raise HTTPException(status.HTTP_403_FORBIDDEN, str(exc)) from exc
+        except PairingError as exc:
+            raise HTTPException(status.HTTP_404_NOT_FOUND, str(exc)) from exc
+        return {"name": device.name, "fingerprint": device.fingerprint}
+
+    @v1.post("/pairing/revoke")
+    def revoke(body: RevokeBody) -> dict[str, str]:
+        try:
+            services.pairing.revoke(body.name)
+        except PairingError as exc:
+            raise HTTPException(status.HTTP_404_NOT_FOUND, str(exc)) from exc
+        return {"revoked": body.name}
+
+    @v1.get("/models")
+    def list_models() -> ModelList:
+        return ModelList(data=[])
+
+    app.include_router(v1)
+    return app
+
+
+def _device_status(book: PairingBook, name: str, fingerprint: str, impostor_of: str | None) -> str:
+    if fingerprint in book.revoked_fingerprints or name in book.revoked_names:
+        return "revoked"
+    if impostor_of is not None:
+        return "impostor"
+    if any(d.name == name and d.fingerprint == fingerprint for d in book.paired):
+        return "paired"
+    return "unpaired"
+
+
+def _token_dependency(token: str) -> params.Depends:
+    def check(
+        credentials: Annotated[HTTPAuthorizationCredentials | None, Depends(_BEARER)],
+        query_token: Annotated[str | None, Query(alias="token")] = None,
+    ) -> None:
+        given = credentials.credentials if credentials is not None else query_token
+        if given is None or not hmac.compare_digest(given.encode(), token.encode()):
+            raise HTTPException(
+                status.HTTP_401_UNAUTHORIZED,
+                "a valid bearer token is required",
+                headers={"WWW-Authenticate": "Bearer"},
+            )
+
+    dependency: params.Depends = Depends(check)
+    return dependency
