@@ -6,9 +6,8 @@ import re
 from dataclasses import dataclass
 from pathlib import Path
 
-from protocols.constants import DEFAULT_MAX_FRAME_BYTES
-
 from edge_agent.errors import ConfigError
+from protocols.constants import DEFAULT_MAX_FRAME_BYTES
 
 _UNITS = {
     "": 1,

@@ -15,7 +15,8 @@ everything the agent itself refuses raises one of these::
     ├── RequestError           a data-plane request is refused           -> error frame
     │   ├── InputMismatchError names, dtypes, ranks or fixed dims differ from the segment's inputs
     │   ├── NoSegmentError     no segment for that plan version and segment index
-    │   └── ExecutionError     ONNX Runtime failed while running the segment
+    │   ├── ExecutionError     ONNX Runtime failed while running the segment
+    │   └── RemoteRequestError a requester got an error frame back from the chain
     └── LinkError              the next agent of the chain cannot be reached
 
 The boundaries: the control plane turns ``DeployError`` and ``ProtocolError`` into an
@@ -91,3 +92,7 @@ class ExecutionError(RequestError):
 
 class LinkError(AgentError):
     """The next agent of the chain cannot be reached."""
+
+
+class RemoteRequestError(RequestError):
+    """The chain answered a request with an error frame (seen by a requester)."""

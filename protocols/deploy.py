@@ -15,8 +15,11 @@ Signatures
     The manifest carries the segment's SHA-256, so the signature covers the ONNX bytes too.
 
 Deploy body
-    ``POST /v1/deploy`` carries ``b"FSD1" | envelope length (u32 LE) | DeployRequest JSON |
-    segment ONNX bytes`` (see :func:`encode_deploy_body`).
+    ``POST /v1/deploy`` carries ``b"FSD1" | envelope length (u32 LE) | warm-up length (u64 LE) |
+    DeployRequest JSON | warm-up frame | segment ONNX bytes`` (see :func:`encode_deploy_body`).
+    The optional warm-up frame is an activation frame (:mod:`protocols.frames`) holding real
+    inputs of the segment (``split --verify`` has them); its SHA-256 is in the signed manifest.
+    Without one, the agent warms up on all-ones inputs shaped by ``warmup_shapes``.
 
 Data-plane topology
     The chain is a ring. A requester sends frames with ``segment_index = 0`` to the first agent
@@ -53,7 +56,7 @@ SIGNATURE_ALGORITHMS: Final = ("ecdsa-p256-sha256", "ed25519")
 SignatureAlgorithm = Literal["ecdsa-p256-sha256", "ed25519"]
 
 DEPLOY_MAGIC: Final = b"FSD1"
-_BODY_PREFIX = struct.Struct("<4sI")
+_BODY_PREFIX = struct.Struct("<4sIQ")
 MAX_ENVELOPE_BYTES: Final = 1 << 20
 
 _NAME_PATTERN: Final = r"^[A-Za-z0-9][A-Za-z0-9._-]*$"
@@ -82,7 +85,10 @@ class DeployManifest(FrozenModel):
     """Tensor names this stage sends on: its outputs or pass-through inputs that later stages
     use, or, on the last stage, the results."""
     warmup_shapes: dict[str, list[NonNegativeInt]] = Field(default_factory=dict)
-    """Concrete shapes for the warm-up run, by input name; free dimensions default to 1."""
+    """Shapes for an all-ones warm-up, by input name, when the body has no warm-up frame;
+    free dimensions default to 1."""
+    warmup_sha256: str | None = Field(default=None, pattern=r"^[0-9a-f]{64}$")
+    """SHA-256 of the warm-up frame carried in the deploy body, if any."""
 
     @model_validator(mode="after")
     def _check_chain(self) -> Self:
@@ -196,24 +202,31 @@ def signing_bytes(manifest: DeployManifest) -> bytes:
     return DEPLOY_FORMAT.encode() + b"\n" + text.encode("ascii")
 
 
-def encode_deploy_body(request: DeployRequest, segment: bytes) -> bytes:
-    """The body of ``POST /v1/deploy``."""
+def encode_deploy_body(request: DeployRequest, segment: bytes, warmup: bytes = b"") -> bytes:
+    """The body of ``POST /v1/deploy``; ``warmup`` is an encoded activation frame or empty."""
     envelope = request.model_dump_json().encode()
     if len(envelope) > MAX_ENVELOPE_BYTES:
         raise SchemaError(f"deploy envelope is {len(envelope)} bytes, over the limit")
-    return _BODY_PREFIX.pack(DEPLOY_MAGIC, len(envelope)) + envelope + segment
+    prefix = _BODY_PREFIX.pack(DEPLOY_MAGIC, len(envelope), len(warmup))
+    return b"".join((prefix, envelope, warmup, segment))
 
 
-def decode_deploy_body(body: bytes | memoryview) -> tuple[DeployRequest, memoryview]:
-    """Split a deploy body into its validated envelope and the (unparsed) segment bytes."""
+def decode_deploy_body(
+    body: bytes | memoryview,
+) -> tuple[DeployRequest, memoryview, memoryview]:
+    """Split a deploy body into its validated envelope, the segment bytes and the warm-up frame.
+
+    Neither the segment nor the warm-up frame is parsed here: the agent hashes them first.
+    """
     view = memoryview(body).cast("B")
     if len(view) < _BODY_PREFIX.size:
         raise SchemaError("deploy body is shorter than its prefix")
-    magic, length = _BODY_PREFIX.unpack_from(view)
+    magic, length, warmup_length = _BODY_PREFIX.unpack_from(view)
     if magic != DEPLOY_MAGIC:
         raise SchemaError(f"deploy body has bad magic {bytes(magic)!r}")
-    if length > MAX_ENVELOPE_BYTES or _BODY_PREFIX.size + length > len(view):
-        raise SchemaError(f"deploy envelope length {length} is out of range")
-    end = _BODY_PREFIX.size + length
-    request = DeployRequest.from_json(bytes(view[_BODY_PREFIX.size : end]))
-    return request, view[end:]
+    start = _BODY_PREFIX.size
+    if length > MAX_ENVELOPE_BYTES or start + length + warmup_length > len(view):
+        raise SchemaError("deploy body lengths are out of range")
+    request = DeployRequest.from_json(bytes(view[start : start + length]))
+    warmup_end = start + length + warmup_length
+    return request, view[warmup_end:], view[start + length : warmup_end]

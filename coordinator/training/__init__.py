@@ -1,0 +1,14 @@
+"""Federated fine-tuning on the coordinator: Flower SuperLink and ServerApp, rollout of new versions.
+
+- :mod:`coordinator.training.segments`   cut an ONNX chain, read and rewrite initializers, run it
+- :mod:`coordinator.training.shardavg`   shard-wise FedAvg (pure numpy) and the Flower strategy
+- :mod:`coordinator.training.accounting` (epsilon, delta) from Flower's RDP accountant
+- :mod:`coordinator.training.records`    round metrics and lineage records (frozen, JSON)
+- :mod:`coordinator.training.server_app` the ServerApp (SecAgg+, DP, shard-wise FedAvg)
+- :mod:`coordinator.training.flower`     flower-superlink and ``flwr run`` process management
+- :mod:`coordinator.training.rollout`    new weights into ONNX initializers, new version dirs
+- :mod:`coordinator.training.task`       the digits task: data split, CNN, pre-training, export
+- :mod:`coordinator.training.cli`        ``fedshard train``
+
+Nothing here imports torch or Flower at module level except the ServerApp and the task module.
+"""

@@ -1,0 +1,33 @@
+"""Errors raised by federated fine-tuning on the coordinator::
+
+CoordinatorError
+└── TrainingError            federated fine-tuning failed
+    ├── FlowerProcessError   flower-superlink or flwr run could not start or stopped early
+    ├── TrainingRunError     the run ended without a complete metrics record
+    ├── SegmentError         a segment cannot be cut, read or rewritten
+    └── RolloutError         a new version cannot be written
+"""
+
+from __future__ import annotations
+
+from coordinator.errors import CoordinatorError
+
+
+class TrainingError(CoordinatorError):
+    """Base class of every federated fine-tuning error on the coordinator."""
+
+
+class FlowerProcessError(TrainingError):
+    """A Flower process (SuperLink, ``flwr run``) failed to start or died."""
+
+
+class TrainingRunError(TrainingError):
+    """The training run did not complete (timeout, failed round, missing record)."""
+
+
+class SegmentError(TrainingError):
+    """An ONNX segment cannot be cut, read or rewritten."""
+
+
+class RolloutError(TrainingError):
+    """A new segment version cannot be produced."""

@@ -1,0 +1,294 @@
+"""Real Flower processes on the coordinator: ``flower-superlink`` and ``flwr run``, all offline.
+
+- One Flower home per run (``FLWR_HOME``), with a ``config.toml`` whose only connection points at
+  our SuperLink over TLS (root certificate: fedshard's CA).
+- The SuperLink gets a server certificate for ``localhost`` issued by
+  :class:`coordinator.ca.CertificateAuthority` and binds 127.0.0.1 only.
+- Offline: ``--disable-runtime-dependency-installation``, ``FLWR_TELEMETRY_ENABLED=0``,
+  ``FLWR_DISABLE_UPDATE_CHECK=1``.
+- The app that ``flwr run`` ships (a FAB) is a two-file shim generated here: its components
+  import :mod:`coordinator.training.server_app` and :mod:`edge_agent.training.client_app`, which
+  the SuperLink and SuperNode machines have installed, so no code is installed at run time.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import json
+import logging
+import os
+import socket
+import subprocess
+import sys
+import time
+from collections.abc import Iterator
+from contextlib import contextmanager
+from dataclasses import dataclass
+from pathlib import Path
+
+
+from cryptography.hazmat.primitives import serialization
+from cryptography.hazmat.primitives.asymmetric import ec
+
+from coordinator.ca import CertificateAuthority
+from coordinator.state import write_atomic
+from coordinator.training.errors import FlowerProcessError, TrainingRunError
+from protocols.deploy import ROLE_COORDINATOR
+
+log = logging.getLogger(__name__)
+
+HOST = "127.0.0.1"
+TLS_NAME = "localhost"
+"""Certificate name of the SuperLink; clients dial ``localhost:PORT`` (127.0.0.1 only)."""
+CONNECTION = "fedshard"
+APP_PACKAGE = "fedshard_flwr_app"
+
+
+def offline_env(flwr_home: Path) -> dict[str, str]:
+    """The environment every Flower process of a run gets."""
+    env = dict(os.environ)
+    env.update(
+        FLWR_HOME=str(flwr_home),
+        FLWR_TELEMETRY_ENABLED="0",
+        FLWR_DISABLE_UPDATE_CHECK="1",
+        PYTHONUNBUFFERED="1",
+        PATH=os.pathsep.join([str(Path(sys.executable).parent), env.get("PATH", "")]),
+    )
+    return env
+
+
+def free_port() -> int:
+    """A TCP port on 127.0.0.1 that is free right now."""
+    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as sock:
+        sock.bind((HOST, 0))
+        return int(sock.getsockname()[1])
+
+
+def flower_bin(name: str) -> str:
+    """Path of a Flower console script next to this interpreter."""
+    return str(Path(sys.executable).with_name(name))
+
+
+@dataclass(frozen=True)
+class TlsFiles:
+    """CA certificate, and the SuperLink's certificate and key, as files."""
+
+    ca_cert: Path
+    cert: Path
+    key: Path
+
+
+def issue_superlink_tls(ca: CertificateAuthority, out_dir: Path) -> TlsFiles:
+    """A fresh P-256 key and a certificate for ``localhost`` from fedshard's CA."""
+    key = ec.generate_private_key(ec.SECP256R1())
+    issued = ca.issue_for_key(key.public_key(), TLS_NAME, ROLE_COORDINATOR)
+    files = TlsFiles(out_dir / "ca.pem", out_dir / "superlink.pem", out_dir / "superlink.key")
+    write_atomic(files.ca_cert, ca.cert_pem)
+    write_atomic(files.cert, issued.pem)
+    pem = key.private_bytes(
+        serialization.Encoding.PEM, serialization.PrivateFormat.PKCS8, serialization.NoEncryption()
+    )
+    write_atomic(files.key, pem, mode=0o600)
+    return files
+
+
+def write_app(app_dir: Path, secagg: bool) -> Path:
+    """Write the ``flwr run`` app: pyproject plus shims importing the installed apps."""
+    client = "secagg_app" if secagg else "plain_app"
+    pyproject = f"""[build-system]
+requires = ["hatchling"]
+build-backend = "hatchling.build"
+
+[project]
+name = "fedshard-train"
+version = "1.0.0"
+description = "fedshard federated fine-tuning"
+license = "Apache-2.0"
+dependencies = []
+
+[tool.hatch.build.targets.wheel]
+packages = ["."]
+
+[tool.flwr.app]
+publisher = "fedshard"
+
+[tool.flwr.app.components]
+serverapp = "{APP_PACKAGE}.server:app"
+clientapp = "{APP_PACKAGE}.client:{client}"
+
+[tool.flwr.app.config]
+run-file = ""
+"""
+    write_atomic(app_dir / "pyproject.toml", pyproject.encode())
+    pkg = app_dir / APP_PACKAGE
+    write_atomic(pkg / "__init__.py", b'"""fedshard training app shim."""\n')
+    write_atomic(
+        pkg / "server.py", b"from coordinator.training.server_app import app\n\n__all__ = ['app']\n"
+    )
+    write_atomic(
+        pkg / "client.py",
+        f"from edge_agent.training.client_app import {client}\n\n__all__ = ['{client}']\n".encode(),
+    )
+    return app_dir
+
+
+def write_connection(flwr_home: Path, port: int, ca_cert: Path) -> None:
+    """``$FLWR_HOME/config.toml`` with one default connection to our SuperLink."""
+    text = f"""[superlink]
+default = "{CONNECTION}"
+
+[superlink.{CONNECTION}]
+address = "{TLS_NAME}:{port}"
+root-certificates = "{ca_cert}"
+"""
+    write_atomic(flwr_home / "config.toml", text.encode())
+
+
+def wait_for_port(port: int, proc: subprocess.Popen[bytes], timeout_s: float, what: str) -> None:
+    """Block until ``127.0.0.1:port`` accepts connections; fail if ``proc`` exits first."""
+    deadline = time.monotonic() + timeout_s
+    while time.monotonic() < deadline:
+        if proc.poll() is not None:
+            raise FlowerProcessError(f"{what} exited with code {proc.returncode}")
+        try:
+            with socket.create_connection((HOST, port), timeout=0.5):
+                return
+        except OSError:
+            time.sleep(0.2)
+    raise FlowerProcessError(f"{what} did not listen on {HOST}:{port} within {timeout_s:.0f} s")
+
+
+def stop_process(proc: subprocess.Popen[bytes], grace_s: float = 10.0) -> None:
+    """Terminate ``proc`` and every process it started, then kill whatever lingers.
+
+    Flower starts helpers in new sessions (``flower-superexec``, ``flwr-serverapp``), so the
+    whole tree is collected by parent links before anything is signalled.
+    """
+    import psutil
+
+    try:
+        tree = [psutil.Process(proc.pid)]
+        tree += tree[0].children(recursive=True)
+    except psutil.NoSuchProcess:
+        tree = []
+    for p in tree:
+        with contextlib.suppress(psutil.NoSuchProcess):
+            p.terminate()
+    _, alive = psutil.wait_procs(tree, timeout=grace_s)
+    for p in alive:
+        with contextlib.suppress(psutil.NoSuchProcess):
+            p.kill()
+    psutil.wait_procs(alive, timeout=grace_s)
+    if proc.poll() is None:
+        proc.kill()
+    proc.wait(timeout=grace_s)
+
+
+@dataclass
+class SuperLink:
+    """A running ``flower-superlink`` (see :func:`superlink`)."""
+
+    port: int
+    flwr_home: Path
+    tls: TlsFiles
+    process: subprocess.Popen[bytes]
+    log_path: Path
+
+    @property
+    def address(self) -> str:
+        """What SuperNodes pass to ``--superlink``."""
+        return f"{TLS_NAME}:{self.port}"
+
+    def env(self) -> dict[str, str]:
+        """Environment for ``flwr`` commands against this SuperLink."""
+        return offline_env(self.flwr_home)
+
+
+@contextmanager
+def superlink(
+    work_dir: Path, ca: CertificateAuthority, start_timeout_s: float = 60.0
+) -> Iterator[SuperLink]:
+    """Start a SuperLink for one run under ``work_dir``; stop it (and its children) on exit."""
+    flwr_home = work_dir / "flwr-home"
+    flwr_home.mkdir(parents=True, exist_ok=True)
+    tls = issue_superlink_tls(ca, work_dir / "tls")
+    port = free_port()
+    write_connection(flwr_home, port, tls.ca_cert)
+    log_path = work_dir / "superlink.log"
+    cmd = [
+        flower_bin("flower-superlink"),
+        "--host", HOST,
+        "--port", str(port),
+        "--ssl-ca-certfile", str(tls.ca_cert),
+        "--ssl-certfile", str(tls.cert),
+        "--ssl-keyfile", str(tls.key),
+        "--disable-runtime-dependency-installation",
+        "--database", str(work_dir / "superlink.db"),
+    ]  # fmt: skip
+    with log_path.open("wb") as log_file:
+        proc = subprocess.Popen(
+            cmd, env=offline_env(flwr_home), stdout=log_file, stderr=subprocess.STDOUT,
+            start_new_session=True, cwd=work_dir,
+        )  # fmt: skip
+    try:
+        wait_for_port(port, proc, start_timeout_s, "flower-superlink")
+        log.info("SuperLink listening on %s:%d (log %s)", HOST, port, log_path)
+        yield SuperLink(port, flwr_home, tls, proc, log_path)
+    finally:
+        stop_process(proc)
+
+
+def start_run(link: SuperLink, app_dir: Path, run_file: Path, timeout_s: float = 120.0) -> int:
+    """``flwr run APP fedshard --run-config run-file=...``; returns the run id."""
+    cmd = [
+        flower_bin("flwr"), "run", str(app_dir), CONNECTION,
+        "--run-config", f'run-file="{run_file}"', "--format", "json",
+    ]  # fmt: skip
+    try:
+        out = subprocess.run(
+            cmd, env=link.env(), capture_output=True, timeout=timeout_s, check=False, cwd=app_dir
+        )
+    except subprocess.TimeoutExpired as exc:
+        raise FlowerProcessError(f"flwr run did not return within {timeout_s:.0f} s") from exc
+    text = out.stdout.decode(errors="replace")
+    try:
+        reply = json.loads(text)
+    except json.JSONDecodeError as exc:
+        raise FlowerProcessError(f"flwr run failed ({out.returncode}): {text[-2000:]} {out.stderr.decode(errors='replace')[-2000:]}") from exc
+    if not reply.get("success") or "run-id" not in reply:
+        raise FlowerProcessError(f"flwr run refused the app: {text[-2000:]}")
+    return int(reply["run-id"])
+
+
+def run_status(link: SuperLink, run_id: int, timeout_s: float = 60.0) -> str:
+    """The run's status string from ``flwr ls`` (e.g. ``running``, ``finished:completed``)."""
+    cmd = [flower_bin("flwr"), "ls", CONNECTION, "--run-id", str(run_id), "--format", "json"]
+    try:
+        out = subprocess.run(cmd, env=link.env(), capture_output=True, timeout=timeout_s, check=False)
+    except subprocess.TimeoutExpired as exc:
+        raise FlowerProcessError("flwr ls did not answer") from exc
+    try:
+        reply = json.loads(out.stdout.decode(errors="replace"))
+        return str(reply["runs"][0]["status"])
+    except (json.JSONDecodeError, KeyError, IndexError) as exc:
+        raise FlowerProcessError(f"flwr ls gave no status: {out.stdout[-500:]!r}") from exc
+
+
+def tail(path: Path, limit: int = 3000) -> str:
+    """The end of a log file, for error messages."""
+    try:
+        with path.open("rb") as fh:
+            fh.seek(0, 2)
+            size = fh.tell()
+            fh.seek(max(0, size - limit))
+            return fh.read().decode(errors="replace")
+    except OSError:
+        return ""
+
+
+def ensure_alive(proc: subprocess.Popen[bytes], what: str, log_path: Path) -> None:
+    """Raise if ``proc`` has exited."""
+    if proc.poll() is not None:
+        raise TrainingRunError(f"{what} exited ({proc.returncode}): {tail(log_path)}")
+
+

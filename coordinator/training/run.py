@@ -1,0 +1,143 @@
+"""One federated fine-tuning run, end to end on the coordinator side.
+
+:func:`run_training` writes the app and the run file, starts the run on a running SuperLink with
+``flwr run``, follows the ServerApp's record round by round until it finishes (bounded by a
+timeout), and :func:`roll_out` turns the final weights into a new version directory.
+"""
+
+from __future__ import annotations
+
+import logging
+import time
+from collections.abc import Callable
+from dataclasses import dataclass
+from pathlib import Path
+
+from coordinator.training.errors import FlowerProcessError, TrainingRunError
+from coordinator.training.flower import SuperLink, ensure_alive, run_status, start_run, tail, write_app
+from coordinator.training.records import Lineage, RoundMetrics, TrainingRecord, TrainingSettings
+from coordinator.training.rollout import Signer, next_version_dir, write_version
+from coordinator.training.server_app import ServerRunConfig, load_weights
+from coordinator.training.version import Version, split_by_shard
+from coordinator.state import write_atomic
+from protocols.errors import SchemaError
+
+log = logging.getLogger(__name__)
+
+POLL_S = 1.0
+STATUS_EVERY_S = 15.0
+
+
+@dataclass(frozen=True)
+class RunResult:
+    """The finished record and where the final weights are."""
+
+    record: TrainingRecord
+    weights_file: Path
+    run_id: int
+
+
+def secagg_parameters(clients: int) -> tuple[int, int]:
+    """(num_shares, reconstruction_threshold) for ``clients``: shares with everyone, and a
+    threshold that tolerates one dropout among three (about two thirds)."""
+    shares = max(3, clients)
+    threshold = max(2, (2 * shares + 2) // 3)
+    return shares, min(threshold, shares - 1)
+
+
+def run_training(
+    link: SuperLink,
+    work_dir: Path,
+    version_dir: Path,
+    test_file: Path,
+    settings: TrainingSettings,
+    *,
+    population: int,
+    stage_timeout_s: float = 120.0,
+    timeout_s: float = 1800.0,
+    on_round: Callable[[RoundMetrics], None] | None = None,
+) -> RunResult:
+    """Run ``settings.rounds`` rounds on the SuperNodes connected to ``link``."""
+    work_dir.mkdir(parents=True, exist_ok=True)
+    shares, threshold = secagg_parameters(population)
+    cfg = ServerRunConfig(
+        version_dir=str(version_dir.resolve()),
+        test_file=str(test_file.resolve()),
+        record_file=str((work_dir / "record.json").resolve()),
+        weights_file=str((work_dir / "weights.npz").resolve()),
+        settings=settings,
+        num_shares=shares,
+        reconstruction_threshold=threshold,
+        stage_timeout_s=stage_timeout_s,
+        population=population,
+    )
+    run_file = work_dir / "run.json"
+    write_atomic(run_file, cfg.to_json().encode())
+    app_dir = write_app(work_dir / "app", settings.secagg)
+    record_path = Path(cfg.record_file)
+    record_path.unlink(missing_ok=True)
+    run_id = start_run(link, app_dir, run_file.resolve())
+    log.info("run %d started", run_id)
+    deadline = time.monotonic() + timeout_s
+    next_status = time.monotonic() + STATUS_EVERY_S
+    reported = 0
+    while True:
+        ensure_alive(link.process, "flower-superlink", link.log_path)
+        record = _read_record(record_path)
+        if record is not None:
+            for metrics in record.rounds[reported:]:
+                if on_round is not None:
+                    on_round(metrics)
+            reported = len(record.rounds)
+            if record.finished:
+                return RunResult(record, Path(cfg.weights_file), run_id)
+        now = time.monotonic()
+        if now > deadline:
+            raise TrainingRunError(f"run {run_id} did not finish within {timeout_s:.0f} s")
+        if now > next_status:
+            next_status = now + STATUS_EVERY_S
+            status = run_status(link, run_id)
+            if status.startswith("finished") and status != "finished:completed":
+                raise TrainingRunError(f"run {run_id} ended {status}: {tail(link.log_path)}")
+            if status == "finished:completed" and (record is None or not record.finished):
+                record = _read_record(record_path)
+                if record is None or not record.finished:
+                    raise TrainingRunError(f"run {run_id} completed without a finished record")
+        time.sleep(POLL_S)
+
+
+def _read_record(path: Path) -> TrainingRecord | None:
+    try:
+        return TrainingRecord.from_json(path.read_bytes())
+    except FileNotFoundError:
+        return None
+    except (OSError, SchemaError) as exc:
+        raise TrainingRunError(f"unreadable training record {path}: {exc}") from exc
+
+
+def roll_out(
+    parent: Version,
+    result: RunResult,
+    versions_root: Path,
+    signer: Signer | None = None,
+) -> Version:
+    """Write the run's final weights as a new version next to ``parent`` with its lineage."""
+    settings = result.record.settings
+    specs = parent.shard_specs(settings.trainable_shards)
+    weights = split_by_shard(specs, load_weights(result.weights_file))
+    eps = result.record.rounds[-1].epsilon if result.record.rounds else None
+    lineage = Lineage(
+        parent_version=parent.name,
+        parent_model_sha256=parent.manifest.model.sha256,
+        trained_segments=sorted(weights),
+        rounds=len(result.record.rounds),
+        clients_per_round=[m.clients for m in result.record.rounds],
+        epsilon=eps,
+        delta=settings.delta if eps is not None else None,
+        settings=settings,
+        metrics=result.record.rounds,
+    )
+    return write_version(parent, weights, lineage, next_version_dir(versions_root), signer)
+
+
+__all__ = ["FlowerProcessError", "RunResult", "roll_out", "run_training", "secagg_parameters"]

@@ -1,0 +1,201 @@
+"""Flower strategies: shard-wise FedAvg around FedAvg, optionally with client-side-clipping DP.
+
+The composition, outermost first::
+
+    ShardwiseStrategy                 rescales the all-client average per shard, evaluates,
+      └── NoiseForActualClients       Flower's DifferentialPrivacyClientSideFixedClipping: sends
+            └── FedAvg                the clipping norm, adds Gaussian noise to the average
+
+With SecAgg+ the workflow hands FedAvg results that all carry the secure average, so FedAvg
+returns it unchanged; without SecAgg+ FedAvg averages the individual replies. Either way the DP
+noise lands on the all-client average before the shard-wise rescale (see
+:mod:`coordinator.training.shardavg`).
+"""
+
+from __future__ import annotations
+
+import logging
+import time
+from collections.abc import Callable
+from dataclasses import dataclass, field
+
+import numpy as np
+from flwr.common import (
+    EvaluateIns,
+    EvaluateRes,
+    FitIns,
+    FitRes,
+    Parameters,
+    Scalar,
+    ndarrays_to_parameters,
+    parameters_to_ndarrays,
+)
+from flwr.server.client_manager import ClientManager
+from flwr.server.client_proxy import ClientProxy
+from flwr.server.strategy import DifferentialPrivacyClientSideFixedClipping, Strategy
+
+from coordinator.training.accounting import RoundAccountant
+from coordinator.training.records import RoundMetrics
+from coordinator.training.shardavg import ShardLayout, parse_shards, shardwise_rescale
+from protocols.training import (
+    METRIC_EXAMPLES,
+    METRIC_LOSS,
+    METRIC_TRAINED_SHARDS,
+    METRIC_UPLOAD_BYTES,
+)
+
+log = logging.getLogger(__name__)
+
+Evaluator = Callable[[list[np.ndarray]], tuple[float, float]]
+"""Global trainable arrays -> (held-out loss, held-out accuracy)."""
+
+
+class NoiseForActualClients(DifferentialPrivacyClientSideFixedClipping):
+    """Flower's client-side-clipping DP wrapper, calibrated to the clients that answered.
+
+    The stock wrapper refuses a round with any failure and always divides the noise by the
+    configured number of clients. A dropped client leaves fewer contributions, so the average's
+    sensitivity is ``C / len(results)``; the noise is scaled to that, keeping the multiplier.
+    """
+
+    def aggregate_fit(
+        self,
+        server_round: int,
+        results: list[tuple[ClientProxy, FitRes]],
+        failures: list[tuple[ClientProxy, FitRes] | BaseException],
+    ) -> tuple[Parameters | None, dict[str, Scalar]]:
+        """Average with the inner strategy, then add noise for ``len(results)`` clients."""
+        if failures:
+            log.warning("round %d: %d client(s) failed; averaging the rest", server_round, len(failures))
+        if not results:
+            return None, {}
+        self.num_sampled_clients = len(results)
+        return super().aggregate_fit(server_round, results, [])
+
+
+@dataclass
+class _RoundState:
+    started: float = 0.0
+    global_arrays: list[np.ndarray] = field(default_factory=list)
+    fit: dict[str, object] = field(default_factory=dict)
+
+
+class ShardwiseStrategy(Strategy):
+    """Shard-wise FedAvg, DP accounting, held-out evaluation and per-round metrics."""
+
+    def __init__(
+        self,
+        inner: Strategy,
+        layout: ShardLayout,
+        evaluator: Evaluator,
+        *,
+        min_clients: int,
+        accountant: RoundAccountant | None = None,
+        noise_multiplier: float | None = None,
+        full_model_bytes: int = 0,
+        on_round: Callable[[RoundMetrics], None] | None = None,
+    ) -> None:
+        super().__init__()
+        self.inner = inner
+        self.layout = layout
+        self.evaluator = evaluator
+        self.min_clients = min_clients
+        self.accountant = accountant
+        self.noise_multiplier = noise_multiplier
+        self.full_model_bytes = full_model_bytes
+        self.on_round = on_round
+        self._round = _RoundState()
+
+    def __repr__(self) -> str:
+        return f"ShardwiseStrategy({self.inner!r})"
+
+    def initialize_parameters(self, client_manager: ClientManager) -> Parameters | None:
+        """The inner strategy's initial parameters (the current version's trainable weights)."""
+        return self.inner.initialize_parameters(client_manager)
+
+    def configure_fit(
+        self, server_round: int, parameters: Parameters, client_manager: ClientManager
+    ) -> list[tuple[ClientProxy, FitIns]]:
+        """Remember the global arrays the round starts from, then let the inner strategy sample."""
+        self._round = _RoundState(
+            started=time.monotonic(), global_arrays=parameters_to_ndarrays(parameters)
+        )
+        return self.inner.configure_fit(server_round, parameters, client_manager)
+
+    def aggregate_fit(
+        self,
+        server_round: int,
+        results: list[tuple[ClientProxy, FitRes]],
+        failures: list[tuple[ClientProxy, FitRes] | BaseException],
+    ) -> tuple[Parameters | None, dict[str, Scalar]]:
+        """Average (securely, noisily) over all clients, then rescale shard by shard."""
+        if len(results) < self.min_clients:
+            log.error(
+                "round %d: %d result(s), %d needed; keeping the global model",
+                server_round,
+                len(results),
+                self.min_clients,
+            )
+            return None, {}
+        averaged, _ = self.inner.aggregate_fit(server_round, results, failures)
+        if averaged is None:
+            return None, {}
+        weights = [float(res.num_examples) for _, res in results]
+        trained = [parse_shards(str(res.metrics.get(METRIC_TRAINED_SHARDS, ""))) for _, res in results]
+        new = shardwise_rescale(
+            self._round.global_arrays, parameters_to_ndarrays(averaged), weights, trained, self.layout
+        )
+        examples = [float(res.metrics.get(METRIC_EXAMPLES, res.num_examples)) for _, res in results]
+        losses = [float(res.metrics.get(METRIC_LOSS, float("nan"))) for _, res in results]
+        uploads = [float(res.metrics.get(METRIC_UPLOAD_BYTES, 0.0)) for _, res in results]
+        epsilon = None
+        if self.accountant is not None and self.noise_multiplier:
+            epsilon = self.accountant.record_round(self.noise_multiplier, len(results))
+        self._round.fit = {
+            "clients": len(results),
+            "loss": float(np.average(losses, weights=examples)) if examples else None,
+            "epsilon": epsilon,
+            "upload": float(np.mean(uploads)) if uploads else 0.0,
+            "trained": {
+                str(proxy.node_id): sorted(t) for (proxy, _), t in zip(results, trained, strict=True)
+            },
+        }
+        return ndarrays_to_parameters(new), {"clients": len(results)}
+
+    def configure_evaluate(
+        self, server_round: int, parameters: Parameters, client_manager: ClientManager
+    ) -> list[tuple[ClientProxy, EvaluateIns]]:
+        """No federated evaluation: the held-out set lives on the coordinator."""
+        return []
+
+    def aggregate_evaluate(
+        self,
+        server_round: int,
+        results: list[tuple[ClientProxy, EvaluateRes]],
+        failures: list[tuple[ClientProxy, EvaluateRes] | BaseException],
+    ) -> tuple[float | None, dict[str, Scalar]]:
+        """Nothing to aggregate (see :meth:`configure_evaluate`)."""
+        return None, {}
+
+    def evaluate(
+        self, server_round: int, parameters: Parameters
+    ) -> tuple[float, dict[str, Scalar]] | None:
+        """Held-out loss and accuracy; after a round, also publish that round's metrics."""
+        loss, accuracy = self.evaluator(parameters_to_ndarrays(parameters))
+        fit = self._round.fit
+        if server_round > 0 and self.on_round is not None:
+            self.on_round(
+                RoundMetrics(
+                    round=server_round,
+                    loss=fit.get("loss"),  # type: ignore[arg-type]
+                    test_loss=loss,
+                    accuracy=accuracy,
+                    epsilon=fit.get("epsilon"),  # type: ignore[arg-type]
+                    clients=int(fit.get("clients", 0)),  # type: ignore[call-overload]
+                    trained_shards=fit.get("trained", {}),  # type: ignore[arg-type]
+                    upload_bytes_per_client=float(fit.get("upload", 0.0)),  # type: ignore[arg-type]
+                    full_model_bytes=self.full_model_bytes,
+                    seconds=time.monotonic() - self._round.started,
+                )
+            )
+        return loss, {"accuracy": accuracy}

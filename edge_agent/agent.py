@@ -1,0 +1,267 @@
+"""The agent process: identity, profile, control and data planes, advertising, shutdown."""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import logging
+import os
+import ssl
+from collections.abc import Awaitable, Callable
+from pathlib import Path
+
+from edge_agent.channel import StreamChannel
+from edge_agent.config import AgentConfig
+from edge_agent.control import (
+    ANY_PEER,
+    COORDINATOR_ONLY,
+    ControlServer,
+    Response,
+    Route,
+    json_response,
+)
+from edge_agent.discovery import Advertiser
+from edge_agent.errors import PeerRejectedError
+from edge_agent.identity import Identity
+from edge_agent.links import PeerLink
+from edge_agent.metrics import AgentMetrics
+from edge_agent.microbench import ComputeProfile
+from edge_agent.pipeline import Pipeline
+from edge_agent.probe import probe_link
+from edge_agent.runtime import resident_bytes
+from edge_agent.segments import SegmentStore
+from edge_agent.tls import Peer, client_context, peer_of, server_context
+from protocols.deploy import (
+    AgentStatus,
+    Hop,
+    LoadedSegment,
+    ProbeRequest,
+    UnloadRequest,
+    decode_deploy_body,
+)
+from protocols.profile import AgentState, Announcement, DeviceProfile
+
+log = logging.getLogger(__name__)
+
+READY_FILE = "agent.json"
+"""Written to the state dir once the agent listens: name, device id, ports, pid."""
+
+_Handler = Callable[[asyncio.StreamReader, asyncio.StreamWriter, Peer], Awaitable[None]]
+
+
+class Agent:
+    """One running agent. Build it with its config and identity, then ``await run(stop)``."""
+
+    def __init__(
+        self,
+        config: AgentConfig,
+        identity: Identity,
+        profile: ComputeProfile,
+        advertiser: Advertiser | None,
+    ) -> None:
+        self.config = config
+        self.identity = identity
+        self.profile = profile
+        self._advertiser = advertiser
+        self.metrics = AgentMetrics()
+        self.store = SegmentStore(
+            identity, config.memory_bytes, config.runtime, config.state_dir / "segments"
+        )
+        self._server_ctx = server_context(identity)
+        self._client_ctx = client_context(identity)
+        self.pipeline = Pipeline(self.store, self.metrics, self._link, config.queue_depth)
+        self._control = ControlServer(
+            {
+                ("POST", "/v1/deploy"): Route(self._deploy, COORDINATOR_ONLY),
+                ("POST", "/v1/unload"): Route(self._unload, COORDINATOR_ONLY),
+                ("POST", "/v1/probe"): Route(self._probe, COORDINATOR_ONLY),
+                ("GET", "/v1/status"): Route(self._status, ANY_PEER),
+                ("GET", "/metrics"): Route(self._metrics, ANY_PEER),
+            },
+            config.max_deploy_bytes,
+        )
+        self._connections: set[asyncio.Task[object]] = set()
+        self._ports = (0, 0)
+
+    async def run(self, stop: asyncio.Event) -> None:
+        """Serve until ``stop`` is set, then withdraw the announcement and close everything."""
+        cfg = self.config
+        self.pipeline.start()
+        control = await asyncio.start_server(
+            lambda r, w: self._accept(r, w, "control", self._serve_control),
+            cfg.interface,
+            cfg.control_port,
+            limit=1 << 16,
+        )
+        data = await asyncio.start_server(
+            lambda r, w: self._accept(r, w, "data", self._serve_data),
+            cfg.interface,
+            cfg.data_port,
+            limit=1 << 20,
+        )
+        self._ports = (control.sockets[0].getsockname()[1], data.sockets[0].getsockname()[1])
+        ready = cfg.state_dir / READY_FILE
+        try:
+            if self._advertiser is not None:
+                await self._advertiser.start(self.announcement())
+            _write_ready(ready, self)
+            log.info(
+                "agent %s ready: control %s:%d, data %s:%d, %s, %.1f GFLOP/s",
+                cfg.name,
+                cfg.interface,
+                self._ports[0],
+                cfg.interface,
+                self._ports[1],
+                "paired" if self.identity.paired else "UNPAIRED (every handshake is refused)",
+                self.profile.gflops,
+            )
+            await stop.wait()
+            log.info("agent %s stopping", cfg.name)
+        finally:
+            ready.unlink(missing_ok=True)
+            if self._advertiser is not None:
+                await self._advertiser.close()
+            for server in (control, data):
+                server.close()
+            for task in list(self._connections):
+                task.cancel()
+            await asyncio.gather(*self._connections, return_exceptions=True)
+            for server in (control, data):
+                await server.wait_closed()
+            await self.pipeline.stop()
+
+    @property
+    def ports(self) -> tuple[int, int]:
+        """(control, data) ports once listening."""
+        return self._ports
+
+    def announcement(self) -> Announcement:
+        """The current TXT content: profile plus the newest loaded segment."""
+        latest = self.store.all()[-1] if self.store.all() else None
+        profile = DeviceProfile(
+            device_id=self.identity.device_id,
+            name=self.config.name,
+            memory_bytes=self.config.memory_bytes,
+            gflops=self.profile.gflops,
+            control_port=self._ports[0],
+            data_port=self._ports[1],
+            cert_fingerprint=self.identity.cert_fingerprint,
+        )
+        state = AgentState(
+            paired=self.identity.paired,
+            segment_sha256=latest.manifest.segment.sha256 if latest else None,
+            plan_version=latest.manifest.plan_version if latest else 0,
+        )
+        return Announcement(profile=profile, state=state)
+
+    async def _accept(
+        self,
+        reader: asyncio.StreamReader,
+        writer: asyncio.StreamWriter,
+        plane: str,
+        handler: _Handler,
+    ) -> None:
+        task = asyncio.current_task()
+        assert task is not None
+        self._connections.add(task)
+        address = writer.get_extra_info("peername")
+        try:
+            try:
+                await writer.start_tls(self._server_ctx, ssl_handshake_timeout=10.0)
+                peer = peer_of(writer.get_extra_info("ssl_object"))
+            except (ssl.SSLError, OSError, TimeoutError, PeerRejectedError) as exc:
+                self.metrics.frame_errors.labels("TlsHandshake").inc()
+                log.warning("refused %s-plane connection from %s: %s", plane, address, exc)
+                writer.transport.abort()
+                return
+            try:
+                await handler(reader, writer, peer)
+            except (OSError, ssl.SSLError) as exc:
+                log.info("%s-plane connection from %s ended: %s", plane, peer.name, exc)
+            finally:
+                writer.close()
+        except asyncio.CancelledError:
+            # Only our own shutdown cancels these. Python 3.11's start_server callback calls
+            # task.exception() on a cancelled task and logs a spurious traceback, so end normally.
+            log.debug("%s-plane connection from %s closed at shutdown", plane, address)
+        finally:
+            self._connections.discard(task)
+
+    async def _serve_data(
+        self, reader: asyncio.StreamReader, writer: asyncio.StreamWriter, peer: Peer
+    ) -> None:
+        await self.pipeline.serve(StreamChannel(reader, writer, self.config.max_frame_bytes, peer))
+
+    async def _serve_control(
+        self, reader: asyncio.StreamReader, writer: asyncio.StreamWriter, peer: Peer
+    ) -> None:
+        await self._control.handle(reader, writer, peer)
+
+    def _link(self, hop: Hop) -> PeerLink:
+        return PeerLink(hop, self._client_ctx, self.config.max_frame_bytes)
+
+    async def _deploy(self, body: bytes) -> Response:
+        request, segment, warmup = decode_deploy_body(body)
+        deployed = await asyncio.to_thread(self.store.deploy, request, segment, warmup)
+        report = deployed.report
+        self.metrics.segment_memory.labels(str(report.plan_version)).set(
+            report.measured_memory_bytes
+        )
+        await self._announce()
+        return json_response(report.model_dump_json())
+
+    async def _unload(self, body: bytes) -> Response:
+        request = UnloadRequest.from_json(body)
+        if self.store.unload(request.plan_version):
+            self.metrics.segment_memory.remove(str(request.plan_version))
+            await self._announce()
+        return await self._status(b"")
+
+    async def _probe(self, body: bytes) -> Response:
+        request = ProbeRequest.from_json(body)
+        report = await probe_link(
+            self.config.name, request, self._client_ctx, self.config.max_frame_bytes
+        )
+        return json_response(report.model_dump_json())
+
+    async def _status(self, body: bytes) -> Response:
+        status = AgentStatus(
+            name=self.config.name,
+            device_id=self.identity.device_id,
+            memory_budget_bytes=self.config.memory_bytes,
+            memory_committed_bytes=self.store.committed_bytes(),
+            resident_memory_bytes=resident_bytes(),
+            gflops=self.profile.gflops,
+            paired=self.identity.paired,
+            segments=[
+                LoadedSegment(
+                    report=d.report,
+                    deployment=d.manifest.deployment,
+                    segment_index=d.manifest.segment.index,
+                    chain_length=len(d.manifest.chain),
+                )
+                for d in self.store.all()
+            ],
+        )
+        return json_response(status.model_dump_json())
+
+    async def _metrics(self, body: bytes) -> Response:
+        return Response(200, self.metrics.render(), "text/plain; version=0.0.4; charset=utf-8")
+
+    async def _announce(self) -> None:
+        if self._advertiser is not None:
+            await self._advertiser.update(self.announcement())
+
+
+def _write_ready(path: Path, agent: Agent) -> None:
+    info = {
+        "name": agent.config.name,
+        "device_id": agent.identity.device_id,
+        "interface": agent.config.interface,
+        "control_port": agent.ports[0],
+        "data_port": agent.ports[1],
+        "pid": os.getpid(),
+    }
+    tmp = path.with_suffix(".tmp")
+    tmp.write_text(json.dumps(info))
+    tmp.replace(path)

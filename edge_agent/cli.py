@@ -1,0 +1,132 @@
+"""``fedshard agent`` and ``fedshard profile``.
+
+Light to import: ONNX Runtime, zeroconf and cryptography load inside the handlers.
+"""
+
+from __future__ import annotations
+
+import argparse
+import logging
+from pathlib import Path
+from typing import Any
+
+from edge_agent.config import AgentConfig, RuntimeConfig, TlsFiles, parse_size
+from edge_agent.errors import AgentError, ConfigError
+
+log = logging.getLogger(__name__)
+
+DEFAULT_STATE_DIR = Path.home() / ".fedshard" / "agent"
+
+
+def register(subparsers: Any) -> None:
+    """Add the ``agent`` and ``profile`` subcommands."""
+    agent = subparsers.add_parser(
+        "agent",
+        help="run the edge agent on this device",
+        description="Advertise this device over mDNS and run a model segment when deployed.",
+    )
+    agent.add_argument("--name", required=True, help="device name (must match its certificate)")
+    agent.add_argument("--memory", required=True, help="memory budget, e.g. 64MiB or 2GB")
+    agent.add_argument("--state-dir", type=Path, required=True, help="keys, cached profile")
+    agent.add_argument(
+        "--interface", default="127.0.0.1", help="IPv4 address to serve and advertise on"
+    )
+    agent.add_argument(
+        "--port", type=int, default=0, help="control port (data port is PORT+1); 0: any"
+    )
+    agent.add_argument("--data-port", type=int, default=None, help="data port (default PORT+1)")
+    agent.add_argument("--ca", type=Path, help="the coordinator's CA certificate (PEM)")
+    agent.add_argument("--cert", type=Path, help="this agent's certificate (PEM)")
+    agent.add_argument("--key", type=Path, help="this agent's private key (PEM)")
+    agent.add_argument("--queue-depth", type=int, default=8, help="bound of each stage queue")
+    agent.add_argument("--max-frame", default="256MiB", help="largest data-plane frame accepted")
+    agent.add_argument("--no-advertise", action="store_true", help="do not announce over mDNS")
+    agent.add_argument("--reprofile", action="store_true", help="re-measure GFLOP/s at start")
+    _add_runtime_args(agent)
+    agent.add_argument("-v", "--verbose", action="store_true", help="debug logging")
+    agent.set_defaults(run=run_agent)
+
+    profile = subparsers.add_parser(
+        "profile",
+        help="measure this device's compute (GFLOP/s) and cache it",
+        description="Run the ONNX Runtime micro-benchmark and cache the result in the state dir.",
+    )
+    profile.add_argument("--state-dir", type=Path, default=DEFAULT_STATE_DIR)
+    profile.add_argument("--json", action="store_true", help="print the profile as JSON")
+    _add_runtime_args(profile)
+    profile.set_defaults(run=run_profile)
+
+
+def _add_runtime_args(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument(
+        "--threads", type=int, default=1, help="ONNX Runtime intra-op threads (default 1)"
+    )
+    parser.add_argument(
+        "--inter-op-threads", type=int, default=1, help="ONNX Runtime inter-op threads"
+    )
+
+
+def config_from_args(args: argparse.Namespace) -> AgentConfig:
+    """Build the one AgentConfig from the command line; raises ConfigError."""
+    tls_args = (args.ca, args.cert, args.key)
+    if any(tls_args) and not all(tls_args):
+        raise ConfigError("--ca, --cert and --key go together")
+    tls = TlsFiles(args.ca, args.cert, args.key) if all(tls_args) else None
+    data_port = (
+        args.data_port if args.data_port is not None else (args.port + 1 if args.port else 0)
+    )
+    return AgentConfig(
+        name=args.name,
+        memory_bytes=parse_size(args.memory),
+        state_dir=args.state_dir,
+        interface=args.interface,
+        control_port=args.port,
+        data_port=data_port,
+        tls=tls,
+        runtime=RuntimeConfig(args.threads, args.inter_op_threads),
+        max_frame_bytes=parse_size(args.max_frame),
+        queue_depth=args.queue_depth,
+        advertise=not args.no_advertise,
+        reprofile=args.reprofile,
+    )
+
+
+def run_agent(args: argparse.Namespace) -> int:
+    """Handler of ``fedshard agent``."""
+    logging.basicConfig(
+        level=logging.DEBUG if args.verbose else logging.INFO,
+        format="%(asctime)s %(levelname)s %(name)s: %(message)s",
+    )
+    try:
+        config = config_from_args(args)
+        from edge_agent.service import serve
+
+        return serve(config)
+    except ConfigError as exc:
+        log.error("%s", exc)
+        return 2
+    except AgentError as exc:
+        log.error("agent failed: %s", exc)
+        return 1
+
+
+def run_profile(args: argparse.Namespace) -> int:
+    """Handler of ``fedshard profile``: re-measure, cache, print."""
+    from rich.console import Console
+    from rich.table import Table
+
+    from edge_agent.microbench import load_or_measure
+
+    runtime = RuntimeConfig(args.threads, args.inter_op_threads)
+    profile = load_or_measure(args.state_dir, runtime, remeasure=True)
+    console = Console()
+    if args.json:
+        console.print_json(profile.model_dump_json())
+        return 0
+    table = Table(title="fedshard profile")
+    table.add_column("field")
+    table.add_column("value", justify="right")
+    for field, value in profile.model_dump().items():
+        table.add_row(field, f"{value:.1f}" if isinstance(value, float) else str(value))
+    console.print(table)
+    return 0

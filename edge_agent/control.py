@@ -1,0 +1,158 @@
+"""The control plane: a small HTTPS/1.1 server (stdlib asyncio + ssl, one request per connection).
+
+Routes (client certificate required; ``coordinator`` role where marked)::
+
+    POST /v1/deploy   coordinator  body from protocols.deploy.encode_deploy_body -> DeployReport
+    POST /v1/unload   coordinator  UnloadRequest                               -> AgentStatus
+    POST /v1/probe    coordinator  ProbeRequest                                -> ProbeReport
+    GET  /v1/status   any peer                                                 -> AgentStatus
+    GET  /metrics     any peer     Prometheus text format
+
+Errors come back as :class:`protocols.deploy.ErrorReply` JSON with a 4xx or 5xx status.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+from collections.abc import Awaitable, Callable
+from dataclasses import dataclass
+
+from edge_agent.errors import DeployError, LinkError, PeerRejectedError
+from edge_agent.tls import Peer, check_peer
+from protocols.deploy import ROLE_AGENT, ROLE_COORDINATOR, ErrorReply
+from protocols.errors import ProtocolError
+
+log = logging.getLogger(__name__)
+
+MAX_HEAD_BYTES = 16 * 1024
+_REASONS = {
+    200: "OK",
+    400: "Bad Request",
+    403: "Forbidden",
+    404: "Not Found",
+    409: "Conflict",
+    411: "Length Required",
+    413: "Content Too Large",
+    422: "Unprocessable Content",
+    502: "Bad Gateway",
+    507: "Insufficient Storage",
+}
+
+
+@dataclass(frozen=True)
+class Response:
+    """An HTTP response."""
+
+    status: int
+    body: bytes
+    content_type: str = "application/json"
+
+
+@dataclass(frozen=True)
+class Route:
+    """A handler and who may call it."""
+
+    handler: Callable[[bytes], Awaitable[Response]]
+    roles: frozenset[str]
+
+
+COORDINATOR_ONLY = frozenset({ROLE_COORDINATOR})
+ANY_PEER = frozenset({ROLE_COORDINATOR, ROLE_AGENT})
+
+
+class HttpError(Exception):
+    """A request the server refuses before routing it."""
+
+    def __init__(self, status: int, message: str) -> None:
+        super().__init__(message)
+        self.status = status
+
+
+class ControlServer:
+    """Parses requests, checks the caller's role, dispatches, turns errors into replies."""
+
+    def __init__(self, routes: dict[tuple[str, str], Route], max_body_bytes: int) -> None:
+        self._routes = routes
+        self._max_body = max_body_bytes
+
+    async def handle(
+        self, reader: asyncio.StreamReader, writer: asyncio.StreamWriter, peer: Peer
+    ) -> None:
+        """Serve one request on an established TLS connection, then close it."""
+        try:
+            response = await self._respond(reader, peer)
+        except HttpError as exc:
+            response = _error(exc.status, "HttpError", str(exc))
+        head = (
+            f"HTTP/1.1 {response.status} {_REASONS.get(response.status, 'Error')}\r\n"
+            f"Content-Type: {response.content_type}\r\n"
+            f"Content-Length: {len(response.body)}\r\n"
+            "Connection: close\r\n\r\n"
+        ).encode()
+        writer.writelines([head, response.body])
+        await writer.drain()
+
+    async def _respond(self, reader: asyncio.StreamReader, peer: Peer) -> Response:
+        method, path, body = await self._read_request(reader)
+        route = self._routes.get((method, path.split("?", 1)[0]))
+        if route is None:
+            return _error(404, "NotFound", f"no route {method} {path}")
+        try:
+            check_peer(peer, roles=route.roles)
+        except PeerRejectedError as exc:
+            log.warning("refused %s %s from %s: %s", method, path, peer.name, exc)
+            return _error(403, type(exc).__name__, str(exc))
+        try:
+            return await route.handler(body)
+        except DeployError as exc:
+            log.warning("refused deploy from %s: %s", peer.name, exc)
+            return _error(exc.http_status, type(exc).__name__, str(exc))
+        except ProtocolError as exc:
+            log.warning("bad %s %s from %s: %s", method, path, peer.name, exc)
+            return _error(400, type(exc).__name__, str(exc))
+        except LinkError as exc:
+            return _error(502, type(exc).__name__, str(exc))
+
+    async def _read_request(self, reader: asyncio.StreamReader) -> tuple[str, str, bytes]:
+        try:
+            head = await reader.readuntil(b"\r\n\r\n")
+        except asyncio.LimitOverrunError as exc:
+            raise HttpError(413, "request head too large") from exc
+        except asyncio.IncompleteReadError as exc:
+            raise HttpError(400, "connection closed inside the request head") from exc
+        if len(head) > MAX_HEAD_BYTES:
+            raise HttpError(413, "request head too large")
+        lines = head.decode("latin-1").split("\r\n")
+        parts = lines[0].split(" ")
+        if len(parts) != 3 or not parts[2].startswith("HTTP/1."):
+            raise HttpError(400, "malformed request line")
+        headers = {}
+        for line in lines[1:]:
+            if line:
+                name, sep, value = line.partition(":")
+                if not sep:
+                    raise HttpError(400, "malformed header line")
+                headers[name.strip().lower()] = value.strip()
+        if "transfer-encoding" in headers:
+            raise HttpError(411, "chunked bodies are not accepted; send Content-Length")
+        length_text = headers.get("content-length", "0")
+        if not length_text.isdigit():
+            raise HttpError(400, "bad Content-Length")
+        length = int(length_text)
+        if length > self._max_body:
+            raise HttpError(413, f"body of {length} bytes is over the {self._max_body}-byte limit")
+        try:
+            body = await reader.readexactly(length) if length else b""
+        except asyncio.IncompleteReadError as exc:
+            raise HttpError(400, "connection closed inside the body") from exc
+        return parts[0], parts[1], body
+
+
+def json_response(model_json: str, status: int = 200) -> Response:
+    """A JSON response from a serialised model."""
+    return Response(status, model_json.encode())
+
+
+def _error(status: int, error: str, message: str) -> Response:
+    return Response(status, ErrorReply(error=error, message=message).model_dump_json().encode())

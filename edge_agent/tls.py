@@ -1,0 +1,71 @@
+"""TLS 1.3 contexts with client certificates, and the check of a peer's name and role."""
+
+from __future__ import annotations
+
+import ssl
+from collections.abc import Collection
+from dataclasses import dataclass
+
+from edge_agent.errors import PeerRejectedError
+from edge_agent.identity import Identity
+
+
+@dataclass(frozen=True)
+class Peer:
+    """A TLS peer as its verified certificate names it."""
+
+    name: str
+    role: str
+
+
+def server_context(identity: Identity) -> ssl.SSLContext:
+    """Server side: TLS 1.3 only, a client certificate from the CA is required."""
+    ctx = ssl.SSLContext(ssl.PROTOCOL_TLS_SERVER)
+    _common(ctx, identity)
+    return ctx
+
+
+def client_context(identity: Identity) -> ssl.SSLContext:
+    """Client side: TLS 1.3 only, presents our certificate, verifies the server's against the CA.
+
+    Host names are not checked by OpenSSL (agents are reached by address); the caller checks the
+    device name in the certificate with :func:`check_peer` instead.
+    """
+    ctx = ssl.SSLContext(ssl.PROTOCOL_TLS_CLIENT)
+    ctx.check_hostname = False
+    _common(ctx, identity)
+    return ctx
+
+
+def _common(ctx: ssl.SSLContext, identity: Identity) -> None:
+    ctx.minimum_version = ssl.TLSVersion.TLSv1_3
+    ctx.verify_mode = ssl.CERT_REQUIRED
+    ctx.load_cert_chain(identity.cert_path, identity.key_path)
+    ctx.load_verify_locations(cafile=str(identity.ca_path))
+
+
+def peer_of(ssl_object: ssl.SSLObject | ssl.SSLSocket | None) -> Peer:
+    """Name and role from the peer's verified certificate (``CN`` and ``OU``)."""
+    cert = ssl_object.getpeercert() if ssl_object is not None else None
+    if not cert:
+        raise PeerRejectedError("the peer presented no verified certificate")
+    fields: dict[str, str] = {}
+    subject: tuple[tuple[tuple[str, str], ...], ...] = cert.get("subject", ())  # type: ignore[assignment]
+    for rdn in subject:
+        for key, value in rdn:
+            fields.setdefault(key, value)
+    name = fields.get("commonName")
+    if not name:
+        raise PeerRejectedError("the peer's certificate has no common name")
+    return Peer(name=name, role=fields.get("organizationalUnitName", ""))
+
+
+def check_peer(
+    peer: Peer, *, name: str | None = None, roles: Collection[str] | None = None
+) -> Peer:
+    """Raise PeerRejectedError unless the peer has the expected device name and one of ``roles``."""
+    if name is not None and peer.name != name:
+        raise PeerRejectedError(f"expected device {name!r}, the certificate says {peer.name!r}")
+    if roles is not None and peer.role not in roles:
+        raise PeerRejectedError(f"peer {peer.name!r} has role {peer.role!r}, not {sorted(roles)}")
+    return peer

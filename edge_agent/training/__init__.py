@@ -1,0 +1,10 @@
+"""Federated fine-tuning on an edge device (needs ``fedshard[agent,train]``: torch, Flower, onnx).
+
+- :mod:`edge_agent.training.onnx_torch`  rebuild a trainable torch module from an ONNX segment
+- :mod:`edge_agent.training.local`       choose shards by budget, cache frozen features, train
+- :mod:`edge_agent.training.client_app`  the Flower ClientApp (SecAgg+ and DP clipping mods)
+- :mod:`edge_agent.training.supernode`   start and stop a ``flower-supernode`` for this agent
+
+Nothing else in :mod:`edge_agent` imports this package, so the plain agent needs neither torch
+nor Flower.
+"""

@@ -1,0 +1,126 @@
+"""The Flower ClientApp an agent runs when it has training data.
+
+Two apps share one client: :data:`secagg_app` (``mods=[upload_meter_mod, secaggplus_mod,
+dp_clipping_mod]``) for rounds under SecAgg+, and :data:`plain_app` without SecAgg+ (a ClientApp
+with ``secaggplus_mod`` cannot serve plain rounds). ``dp_clipping_mod`` runs Flower's
+``fixedclipping_mod`` whenever the server's DP wrapper sent a clipping norm, so the update is
+clipped before SecAgg+ masks it. Node config (``flower-supernode --node-config``):
+``segments-dir``, ``data-dir``, ``cache-dir``, ``budget-bytes``.
+
+torch is imported only when a round actually trains, so the SecAgg+ key-exchange stages start
+quickly.
+"""
+
+from __future__ import annotations
+
+import logging
+import zlib
+from pathlib import Path
+
+import numpy as np
+from flwr.app import Context, Message, MessageType
+from flwr.client import Client, NumPyClient
+from flwr.client.mod import fixedclipping_mod, secaggplus_mod
+from flwr.clientapp import ClientApp
+from flwr.clientapp.typing import ClientAppCallable
+from flwr.common import NDArrays, Scalar
+from flwr.supercore.differential_privacy import KEY_CLIPPING_NORM
+
+from edge_agent.training.errors import PlanMismatchError
+from edge_agent.training.local import LocalSettings, train_locally
+from protocols.errors import SchemaError
+from protocols.training import (
+    METRIC_ACCURACY,
+    METRIC_EXAMPLES,
+    METRIC_LOSS,
+    METRIC_TRAINED_SHARDS,
+    METRIC_UPLOAD_BYTES,
+    TRAIN_PLAN_KEY,
+    TrainPlan,
+)
+
+log = logging.getLogger(__name__)
+
+FIT_CONFIG_RECORD = "fitins.config"
+FIT_METRICS_RECORD = "fitres.metrics"
+DEFAULT_BUDGET_BYTES = 1 << 30
+
+
+def settings_from_node_config(node_config: dict[str, object]) -> LocalSettings:
+    """Read this node's settings from its ``--node-config``."""
+    try:
+        return LocalSettings(
+            segments_dir=Path(str(node_config["segments-dir"])),
+            data_dir=Path(str(node_config["data-dir"])),
+            cache_dir=Path(str(node_config["cache-dir"])),
+            budget_bytes=int(node_config.get("budget-bytes", DEFAULT_BUDGET_BYTES)),  # type: ignore[call-overload]
+        )
+    except KeyError as exc:
+        raise PlanMismatchError(f"node config lacks {exc}") from exc
+
+
+class ShardClient(NumPyClient):
+    """Trains the shards that fit; returns every plan array (untrained ones unchanged)."""
+
+    def __init__(self, settings: LocalSettings, node_id: int) -> None:
+        self.settings = settings
+        self.node_id = node_id
+
+    def fit(self, parameters: NDArrays, config: dict[str, Scalar]) -> tuple[NDArrays, int, dict[str, Scalar]]:
+        """One round of local training on this device's data."""
+        try:
+            plan = TrainPlan.from_json(str(config[TRAIN_PLAN_KEY]))
+        except (KeyError, SchemaError) as exc:
+            raise PlanMismatchError(f"the fit config carries no valid train plan: {exc}") from exc
+        server_round = int(config.get("round", 0))  # type: ignore[arg-type]
+        seed = zlib.crc32(f"{self.node_id}/{server_round}".encode())
+        result = train_locally(plan, [np.asarray(a) for a in parameters], self.settings, seed)
+        weight = 1 if plan.uniform_weights else result.examples
+        log.info("trained shards %s on %d examples: loss %.4f", result.trained, result.examples, result.loss)
+        return (
+            result.arrays,
+            weight,
+            {
+                METRIC_TRAINED_SHARDS: ",".join(str(i) for i in result.trained),
+                METRIC_EXAMPLES: result.examples,
+                METRIC_LOSS: result.loss,
+                METRIC_ACCURACY: result.accuracy,
+                METRIC_UPLOAD_BYTES: float(sum(a.nbytes for a in result.arrays)),
+            },
+        )
+
+
+def client_fn(context: Context) -> Client:
+    """Build this node's client from its node config."""
+    return ShardClient(settings_from_node_config(dict(context.node_config)), context.node_id).to_client()
+
+
+def dp_clipping_mod(msg: Message, ctxt: Context, call_next: ClientAppCallable) -> Message:
+    """Flower's ``fixedclipping_mod`` for rounds whose server asked for clipping, else a no-op."""
+    if msg.metadata.message_type == MessageType.TRAIN:
+        config = msg.content.config_records.get(FIT_CONFIG_RECORD)
+        if config is not None and KEY_CLIPPING_NORM in config:
+            return fixedclipping_mod(msg, ctxt, call_next)
+    return call_next(msg, ctxt)
+
+
+def upload_meter_mod(msg: Message, ctxt: Context, call_next: ClientAppCallable) -> Message:
+    """Replace the ``upload-bytes`` metric with the size of the update message actually sent.
+
+    Sits outermost, so under SecAgg+ it measures the masked vector, not the float weights.
+    """
+    out = call_next(msg, ctxt)
+    if msg.metadata.message_type == MessageType.TRAIN and not out.has_error():
+        metrics = out.content.config_records.get(FIT_METRICS_RECORD)
+        if metrics is not None:
+            metrics[METRIC_UPLOAD_BYTES] = float(
+                sum(record.count_bytes() for record in out.content.values())
+            )
+    return out
+
+
+secagg_app = ClientApp(client_fn=client_fn, mods=[upload_meter_mod, secaggplus_mod, dp_clipping_mod])
+"""ClientApp for rounds under SecAgg+ (and DP when the server clips)."""
+
+plain_app = ClientApp(client_fn=client_fn, mods=[upload_meter_mod, dp_clipping_mod])
+"""ClientApp for rounds without SecAgg+."""

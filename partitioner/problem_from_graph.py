@@ -1,0 +1,55 @@
+"""Turn graph units and a ``DEVICES.json`` into a ``fedshard.problem/1`` planning problem."""
+
+from __future__ import annotations
+
+from partitioner.units import UnitPlan
+from protocols.devices import DeviceList
+from protocols.problem import PlanningProblem
+
+
+def device_type(name: str) -> str:
+    """The device type used for a ``DEVICES.json`` device: every device is its own type."""
+    return name
+
+
+def build_problem(
+    units: UnitPlan, devices: DeviceList, *, queue_depth: int = 2, name: str = ""
+) -> PlanningProblem:
+    """The planning problem for placing ``units`` on ``devices``.
+
+    A unit's compute on a device is its FLOPs over the device's GFLOP/s; shared initializers
+    (tied embeddings) are counted in each stage that reads them; links are copied. Raises
+    :class:`~protocols.errors.SchemaError` if the devices do not make a valid problem (e.g. a
+    link given twice).
+    """
+    document = {
+        "name": name,
+        "input_bytes": units.input_bytes,
+        "queue_depth": queue_depth,
+        "units": [
+            {
+                "name": u.name,
+                "weight_bytes": u.weight_bytes,
+                "out_bytes": u.out_bytes,
+                "workspace_bytes": u.workspace_bytes,
+                "compute_s": {
+                    device_type(d.name): u.flops / (d.gflops * 1e9) for d in devices.devices
+                },
+            }
+            for u in units.units
+        ],
+        "devices": [
+            {
+                "name": d.name,
+                "type": device_type(d.name),
+                "memory_bytes": d.memory_bytes,
+                "bandwidth_mbps": d.bandwidth_mbps,
+            }
+            for d in devices.devices
+        ],
+        "links": [link.model_dump() for link in devices.links],
+        "shared_weights": [
+            {"name": s.name, "bytes": s.nbytes, "units": list(s.units)} for s in units.shared
+        ],
+    }
+    return PlanningProblem.from_obj(document)

@@ -1,0 +1,261 @@
+"""``fedshard split`` end to end: analyse, plan, cut, write segments and manifest, verify.
+
+:func:`analyse` is ``ModelProto`` in, data out; :func:`write_segments` and :func:`split_model`
+are the file-writing layer.
+"""
+
+from __future__ import annotations
+
+import re
+from collections.abc import Callable, Mapping, Sequence
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import onnx
+
+from partitioner.costs import ShapeTable
+from partitioner.errors import GraphError
+from partitioner.frontier import Frontier, build_frontier
+from partitioner.graph import GraphIndex, index_graph
+from partitioner.modelio import file_sha256, initializer_bytes, load_model, save_model
+from partitioner.problem_from_graph import build_problem
+from partitioner.samples import Samples, check_samples, embedded_samples, load_npz, synthesize
+from partitioner.segments import SegmentSpec, iter_segments, plan_segments
+from partitioner.shapes import infer_shapes, symbolic_types
+from partitioner.units import DEFAULT_MAX_UNITS, UnitPlan, build_units
+from partitioner.verify import DEFAULT_TOLERANCE, VerifyResult, verify_chain
+from protocols.devices import DeviceList
+from protocols.manifest import Manifest, ModelInfo, SegmentEntry, TensorInfo
+from protocols.plan import Objective, Plan
+from protocols.problem import PlanningProblem
+
+MANIFEST_NAME = "manifest.json"
+_SEGMENT_FILE = re.compile(r"^segment\d+\.onnx(\.data)?$")
+
+Planner = Callable[[PlanningProblem, Objective], Plan]
+
+
+@dataclass(frozen=True)
+class Analysis:
+    """Everything known about a model before planning."""
+
+    model: onnx.ModelProto
+    index: GraphIndex
+    table: ShapeTable
+    frontier: Frontier
+    units: UnitPlan
+    samples: Samples
+    samples_source: str
+    """``"given"``, ``"embedded"`` (front door metadata) or ``"synthesised"``."""
+
+
+@dataclass(frozen=True)
+class WrittenSegment:
+    """A segment on disk."""
+
+    spec: SegmentSpec
+    files: tuple[Path, ...]
+    """The ``.onnx`` file first, then its external data file if any."""
+    sha256: str
+
+
+@dataclass(frozen=True)
+class SplitResult:
+    """What :func:`split_model` did."""
+
+    manifest: Manifest
+    plan: Plan
+    problem: PlanningProblem
+    analysis: Analysis
+    segments: tuple[WrittenSegment, ...]
+    verification: VerifyResult | None = None
+
+
+@dataclass(frozen=True)
+class SplitOptions:
+    """Knobs of :func:`split_model` (the CLI flags)."""
+
+    objective: Objective = Objective.THROUGHPUT
+    queue_depth: int = 2
+    verify: bool = False
+    tolerance: float = DEFAULT_TOLERANCE
+    dims: Mapping[str, int] = field(default_factory=dict)
+    samples_path: Path | None = None
+    max_units: int = DEFAULT_MAX_UNITS
+    carry_io: bool = True
+    external_threshold_bytes: int | None = None
+
+
+def analyse(
+    model: onnx.ModelProto,
+    *,
+    dims: Mapping[str, int] | None = None,
+    samples: Samples | None = None,
+    max_units: int = DEFAULT_MAX_UNITS,
+    carry_io: bool = True,
+) -> Analysis:
+    """Index, size and cost the graph and group it into planning units.
+
+    Shapes are bound from ``samples`` (else the model's embedded samples, else ``dims`` and
+    defaults); without samples, inputs are synthesised at that binding.
+    """
+    index = index_graph(model.graph)
+    source = "given"
+    given = samples
+    if given is None:
+        given = embedded_samples(model)
+        source = "embedded"
+    if given is not None:
+        given = {n: given[n] for n in index.inputs if n in given}
+        check_samples(index, given)
+    concrete = {n: a.shape for n, a in given.items()} if given else None
+    table = infer_shapes(model, index, dims or {}, concrete)
+    if given is None:
+        given, source = synthesize(index, table), "synthesised"
+    frontier = build_frontier(index, table, carry_io=carry_io)
+    units = build_units(index, frontier, table, max_units=max_units)
+    return Analysis(model, index, table, frontier, units, given, source)
+
+
+def unit_cuts(units: UnitPlan, plan: Plan) -> list[int]:
+    """Main-node cut positions for the plan's stages (which must cover every unit in order)."""
+    expected = 0
+    for stage in plan.stages:
+        if stage.start != expected or stage.end <= stage.start:
+            raise GraphError(f"plan stages do not tile the units: {plan.stages}")
+        expected = stage.end
+    if expected != len(units.units):
+        raise GraphError(f"plan covers {expected} of {len(units.units)} units")
+    return [units.boundaries[s.start] for s in plan.stages] + [units.boundaries[-1]]
+
+
+def write_segments(
+    analysis: Analysis,
+    cuts: Sequence[int],
+    out_dir: Path,
+    *,
+    source_dir: Path | None = None,
+    external_threshold_bytes: int | None = None,
+) -> list[WrittenSegment]:
+    """Cut at main positions ``cuts`` and write ``segment<k>.onnx`` files into ``out_dir``.
+
+    ``source_dir`` is the directory of the model file (where its external data lives). Stale
+    ``segment*.onnx`` files from an earlier split are removed first.
+    """
+    out_dir.mkdir(parents=True, exist_ok=True)
+    for stale in out_dir.iterdir():
+        if _SEGMENT_FILE.match(stale.name) and stale.is_file():
+            stale.unlink()
+    specs = plan_segments(analysis.index, analysis.frontier, cuts)
+    types = symbolic_types(analysis.model, analysis.index)
+    written: list[WrittenSegment] = []
+    models = iter_segments(analysis.model, analysis.index, specs, types, analysis.table)
+    for spec, segment in zip(specs, models, strict=True):
+        files = save_model(
+            segment,
+            out_dir / f"segment{spec.index}.onnx",
+            source_dir=source_dir,
+            external_threshold_bytes=external_threshold_bytes,
+        )
+        written.append(WrittenSegment(spec, tuple(files), file_sha256(files[0])))
+    return written
+
+
+def split_model(
+    model_path: Path,
+    devices: DeviceList,
+    out_dir: Path,
+    options: SplitOptions | None = None,
+    *,
+    planner: Planner | None = None,
+) -> SplitResult:
+    """Plan ``model_path`` onto ``devices``, write the segments and manifest into ``out_dir``.
+
+    With ``options.verify`` the segments are run as a chain against the whole model before the
+    manifest is written. Raises :class:`~partitioner.errors.InfeasiblePlanError`,
+    :class:`~partitioner.errors.GraphError` or :class:`~partitioner.errors.VerificationError`.
+    """
+    opts = options or SplitOptions()
+    choose = planner or _default_planner()
+    model = load_model(model_path)
+    given = load_npz(opts.samples_path) if opts.samples_path else None
+    analysis = analyse(
+        model, dims=opts.dims, samples=given, max_units=opts.max_units, carry_io=opts.carry_io
+    )
+    problem = build_problem(
+        analysis.units, devices, queue_depth=opts.queue_depth, name=model_path.stem
+    )
+    plan = choose(problem, opts.objective)
+    written = write_segments(
+        analysis,
+        unit_cuts(analysis.units, plan),
+        out_dir,
+        source_dir=model_path.parent,
+        external_threshold_bytes=opts.external_threshold_bytes,
+    )
+    result = None
+    if opts.verify:
+        result = verify_chain(
+            model_path, [w.files[0] for w in written], [analysis.samples], opts.tolerance
+        )
+    manifest = build_manifest(model_path, analysis, plan, written)
+    (out_dir / MANIFEST_NAME).write_text(manifest.to_json() + "\n")
+    return SplitResult(manifest, plan, problem, analysis, tuple(written), result)
+
+
+def _default_planner() -> Planner:
+    from partitioner.planner import plan
+
+    return plan
+
+
+def build_manifest(
+    model_path: Path,
+    analysis: Analysis,
+    plan: Plan,
+    written: Sequence[WrittenSegment],
+) -> Manifest:
+    """The ``fedshard.manifest/1`` document for written segments of a plan.
+
+    Predicted memory and compute are the plan's per-stage numbers.
+    """
+    graph = analysis.model.graph
+    declared = {v.name: v for v in [*graph.input, *graph.output]}
+    segments = []
+    for stage, seg in zip(plan.stages, written, strict=True):
+        segments.append(
+            SegmentEntry(
+                index=seg.spec.index,
+                device=stage.device,
+                file=seg.files[0].name,
+                sha256=seg.sha256,
+                inputs=list(seg.spec.inputs),
+                outputs=list(seg.spec.outputs),
+                param_bytes=seg.spec.param_bytes,
+                predicted_memory_bytes=stage.memory_bytes,
+                predicted_compute_s=stage.compute_s,
+                units=(stage.start, stage.end),
+            )
+        )
+    return Manifest(
+        model=ModelInfo(
+            name=model_path.stem,
+            sha256=file_sha256(model_path),
+            param_bytes=initializer_bytes(analysis.model),
+            inputs=[_tensor_info(declared[n]) for n in analysis.index.inputs],
+            outputs=[_tensor_info(declared[n]) for n in analysis.index.outputs],
+        ),
+        objective=plan.objective,
+        bottleneck_s=plan.bottleneck_s,
+        latency_s=plan.latency_s,
+        segments=segments,
+    )
+
+
+def _tensor_info(info: onnx.ValueInfoProto) -> TensorInfo:
+    tt = info.type.tensor_type
+    dtype = str(onnx.helper.tensor_dtype_to_np_dtype(tt.elem_type)) if tt.elem_type else "unknown"
+    shape: list[int | str | None] = [
+        d.dim_value if d.HasField("dim_value") else (d.dim_param or None) for d in tt.shape.dim
+    ]
+    return TensorInfo(name=info.name, dtype=dtype, shape=shape)

@@ -1,0 +1,134 @@
+"""Small ONNX graphs built with ``onnx.helper`` (no torch) for the partitioner's unit tests."""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from pathlib import Path
+
+import numpy as np
+import onnx
+from onnx import TensorProto, helper, numpy_helper
+
+from partitioner.frontier import Frontier
+from partitioner.graph import GraphIndex
+from partitioner.segments import plan_segments
+from partitioner.split import Analysis, write_segments
+from partitioner.verify import run_chain, run_model
+
+OPSET = [helper.make_opsetid("", 17)]
+HIDDEN = 8
+VOCAB = 200
+
+
+def _init(name: str, array: np.ndarray) -> TensorProto:
+    return numpy_helper.from_array(array, name)
+
+
+def kitchen_sink(blocks: int = 4, seed: int = 0) -> onnx.ModelProto:
+    """Residual blocks with everything a cut must respect.
+
+    - ``ids`` index a table ``E`` that is tied to the output projection (``Transpose(E)``);
+    - every block adds ``relu(h @ W_i) * c`` back into ``h`` (a residual) with ``c`` a
+      ``Constant`` node shared by all blocks;
+    - ``early`` is a model output made after the first block;
+    - ``bias`` is a model input used only at the end;
+    - the end reshapes to ``Shape(embedding)``, a shape leaf whose activation is long dead.
+    """
+    rng = np.random.default_rng(seed)
+    inits = [_init("E", rng.standard_normal((VOCAB, HIDDEN)).astype(np.float32))]
+    nodes = [
+        helper.make_node("Gather", ["E", "ids"], ["h0"]),
+        helper.make_node("Shape", ["h0"], ["shape0"]),
+        helper.make_node(
+            "Constant", [], ["c"], value=helper.make_tensor("cv", TensorProto.FLOAT, [], [0.5])
+        ),
+    ]
+    for i in range(blocks):
+        inits.append(_init(f"W{i}", rng.standard_normal((HIDDEN, HIDDEN)).astype(np.float32)))
+        nodes += [
+            helper.make_node("MatMul", [f"h{i}", f"W{i}"], [f"m{i}"]),
+            helper.make_node("Relu", [f"m{i}"], [f"r{i}"]),
+            helper.make_node("Mul", [f"r{i}", "c"], [f"s{i}"]),
+            helper.make_node("Add", [f"h{i}", f"s{i}"], [f"h{i + 1}"]),
+        ]
+        if i == 0:
+            nodes.append(helper.make_node("Identity", ["h1"], ["early"]))
+    nodes += [
+        helper.make_node("Add", [f"h{blocks}", "bias"], ["hb"]),
+        helper.make_node("Reshape", ["hb", "shape0"], ["rs"]),
+        helper.make_node("Transpose", ["E"], ["ET"]),
+        helper.make_node("MatMul", ["rs", "ET"], ["logits"]),
+    ]
+    graph = helper.make_graph(
+        nodes,
+        "kitchen_sink",
+        [
+            helper.make_tensor_value_info("ids", TensorProto.INT64, ["n"]),
+            helper.make_tensor_value_info("bias", TensorProto.FLOAT, [HIDDEN]),
+        ],
+        [
+            helper.make_tensor_value_info("logits", TensorProto.FLOAT, ["n", VOCAB]),
+            helper.make_tensor_value_info("early", TensorProto.FLOAT, ["n", HIDDEN]),
+        ],
+        inits,
+    )
+    return helper.make_model(graph, opset_imports=OPSET)
+
+
+def kitchen_feeds(n: int = 5, seed: int = 1) -> dict[str, np.ndarray]:
+    """Inputs for :func:`kitchen_sink`."""
+    rng = np.random.default_rng(seed)
+    return {
+        "ids": rng.integers(0, VOCAB, size=n).astype(np.int64),
+        "bias": rng.standard_normal(HIDDEN).astype(np.float32),
+    }
+
+
+def block_stack(blocks: int, width: int = 64, seed: int = 0) -> onnx.ModelProto:
+    """A plain residual MLP stack: ``h += gelu-ish(h @ A_i) @ B_i`` per block."""
+    rng = np.random.default_rng(seed)
+    inits: list[TensorProto] = []
+    nodes: list[onnx.NodeProto] = []
+    for i in range(blocks):
+        a = rng.standard_normal((width, 2 * width)).astype(np.float32) / width
+        b = rng.standard_normal((2 * width, width)).astype(np.float32) / width
+        inits += [_init(f"A{i}", a), _init(f"B{i}", b)]
+        nodes += [
+            helper.make_node("MatMul", [f"x{i}", f"A{i}"], [f"u{i}"]),
+            helper.make_node("Tanh", [f"u{i}"], [f"t{i}"]),
+            helper.make_node("MatMul", [f"t{i}", f"B{i}"], [f"v{i}"]),
+            helper.make_node("Add", [f"x{i}", f"v{i}"], [f"x{i + 1}"]),
+        ]
+    graph = helper.make_graph(
+        nodes,
+        "block_stack",
+        [helper.make_tensor_value_info("x0", TensorProto.FLOAT, ["batch", width])],
+        [helper.make_tensor_value_info(f"x{blocks}", TensorProto.FLOAT, ["batch", width])],
+        inits,
+    )
+    return helper.make_model(graph, opset_imports=OPSET)
+
+
+def chain_outputs(
+    analysis: Analysis, cuts: Sequence[int], out_dir: Path, feeds: dict[str, np.ndarray]
+) -> dict[str, np.ndarray]:
+    """Write segments for ``cuts`` and run them as a chain."""
+    written = write_segments(analysis, cuts, out_dir)
+    return run_chain([w.files[0] for w in written], feeds)
+
+
+def whole_outputs(model: onnx.ModelProto, path: Path, feeds: dict[str, np.ndarray]) -> dict[str, np.ndarray]:
+    """Save ``model`` to ``path`` and run it."""
+    onnx.save(model, str(path))
+    return run_model(path, feeds)
+
+
+def specs_for(index: GraphIndex, frontier: Frontier, cuts: Sequence[int]) -> list[object]:
+    """Segment specs (for inspection) of explicit cuts."""
+    return list(plan_segments(index, frontier, cuts))
+
+
+def main_position(analysis: Analysis, output: str) -> int:
+    """Position in the main order of the node producing ``output``."""
+    node = analysis.index.producer[output]
+    return analysis.frontier.position[node]

@@ -1,0 +1,135 @@
+"""The data-plane handler driven through fake channels and links (no sockets)."""
+
+from __future__ import annotations
+
+import asyncio
+from collections.abc import Mapping
+from pathlib import Path
+
+import numpy as np
+from agent_helpers import WIDTH, TestCA, manifest_for, tiny_chain
+from test_agent_units import _store
+
+from edge_agent.metrics import AgentMetrics
+from edge_agent.pipeline import Pipeline
+from edge_agent.tls import Peer
+from protocols.deploy import Hop
+from protocols.frames import Frame, FrameHeader, decode_frame, encode_frame
+
+
+class FakeChannel:
+    """Incoming frames from a queue; sent frames recorded."""
+
+    def __init__(self, peer: Peer) -> None:
+        self.peer = peer
+        self.incoming: asyncio.Queue[bytes | None] = asyncio.Queue()
+        self.sent: asyncio.Queue[Frame] = asyncio.Queue()
+        self.closed = False
+
+    async def read(self) -> tuple[Frame, int] | None:
+        data = await self.incoming.get()
+        return None if data is None else (decode_frame(data), len(data))
+
+    async def write(self, header: FrameHeader, tensors: Mapping[str, np.ndarray]) -> int:
+        data = encode_frame(header, tensors)
+        await self.sent.put(decode_frame(data))
+        return len(data)
+
+    async def close(self) -> None:
+        self.closed = True
+
+
+class FakeLink:
+    def __init__(self, hop: Hop, log: list[tuple[str, Frame]]) -> None:
+        self.hop, self.log = hop, log
+
+    async def send(self, header: FrameHeader, tensors: Mapping[str, np.ndarray]) -> int:
+        self.log.append((self.hop.device, decode_frame(encode_frame(header, tensors))))
+        return 0
+
+    async def close(self) -> None:
+        pass
+
+
+def test_first_stage_forwards_and_routes_results(tmp_path: Path) -> None:
+    ca = TestCA(tmp_path)
+    chain = [Hop(device=f"a{i}", host="127.0.0.1", data_port=9000 + i) for i in range(3)]
+    store = _store(ca, name="a0")
+    seg = tiny_chain()[0]
+    store.deploy(ca.sign(manifest_for(0, seg, chain)), seg)
+    sent: list[tuple[str, Frame]] = []
+
+    async def main() -> None:
+        pipeline = Pipeline(store, AgentMetrics(), lambda hop: FakeLink(hop, sent), 2)
+        pipeline.start()
+        requester = FakeChannel(Peer("req", "coordinator"))
+        ring = FakeChannel(Peer("a2", "agent"))
+        tasks = [asyncio.create_task(pipeline.serve(c)) for c in (requester, ring)]
+        x = np.ones((1, WIDTH), np.float32)
+        await requester.incoming.put(
+            encode_frame(FrameHeader(request_id="r1", plan_version=1), {"x": x})
+        )
+        bad = {"x": np.ones((1, WIDTH), np.float64)}
+        await requester.incoming.put(
+            encode_frame(FrameHeader(request_id="r2", plan_version=1), bad)
+        )
+        refused = await asyncio.wait_for(requester.sent.get(), 5)
+        assert refused.header.request_id == "r2" and "float32" in (refused.header.error or "")
+        for _ in range(50):
+            if sent:
+                break
+            await asyncio.sleep(0.02)
+        device, frame = sent[0]
+        assert device == "a1" and frame.header.segment_index == 1
+        assert set(frame.tensors) == {"h", "x"}
+        y = np.full((1, 4), 3.0, np.float32)
+        result = FrameHeader(request_id="r1", plan_version=1, segment_index=3)
+        await ring.incoming.put(encode_frame(result, {"y": y}))
+        answer = await asyncio.wait_for(requester.sent.get(), 5)
+        assert answer.header.request_id == "r1" and np.array_equal(answer.tensors["y"], y)
+        # a result from a device that is not the last of the chain closes that connection
+        intruder = FakeChannel(Peer("a1", "agent"))
+        task = asyncio.create_task(pipeline.serve(intruder))
+        await intruder.incoming.put(encode_frame(result, {"y": y}))
+        await asyncio.wait_for(task, 5)
+        assert intruder.closed
+        for channel in (requester, ring):
+            await channel.incoming.put(None)
+        await asyncio.gather(*tasks)
+        await pipeline.stop()
+
+    asyncio.run(main())
+
+
+def test_backpressure_stops_reading(tmp_path: Path) -> None:
+    """With the compute and send queues full, the reader stops taking frames off the channel."""
+    ca = TestCA(tmp_path)
+    chain = [Hop(device=f"a{i}", host="127.0.0.1", data_port=9000 + i) for i in range(3)]
+    store = _store(ca, name="a0")
+    seg = tiny_chain()[0]
+    store.deploy(ca.sign(manifest_for(0, seg, chain)), seg)
+    release = asyncio.Event()
+
+    class StuckLink(FakeLink):
+        async def send(self, header: FrameHeader, tensors: Mapping[str, np.ndarray]) -> int:
+            await release.wait()
+            return 0
+
+    async def main() -> None:
+        pipeline = Pipeline(store, AgentMetrics(), lambda hop: StuckLink(hop, []), 1)
+        pipeline.start()
+        requester = FakeChannel(Peer("req", "coordinator"))
+        task = asyncio.create_task(pipeline.serve(requester))
+        x = np.ones((1, WIDTH), np.float32)
+        for i in range(10):
+            header = FrameHeader(request_id=f"r{i}", plan_version=1)
+            await requester.incoming.put(encode_frame(header, {"x": x}))
+        await asyncio.sleep(0.5)
+        # one in the link, one in the send queue, one computed and waiting, one in the compute queue
+        assert 4 <= requester.incoming.qsize() <= 6
+        release.set()
+        await requester.incoming.put(None)
+        await asyncio.wait_for(task, 5)
+        await pipeline.stop()
+
+    asyncio.run(main())

@@ -1,0 +1,321 @@
+"""The planner equals an exhaustive search, fits memory, and reports infeasibility exactly.
+
+The oracle below is written independently of the planner, straight from the semantics in
+``protocols/problem.py``: every ordered selection of devices times every way to cut the chain.
+"""
+
+from __future__ import annotations
+
+import itertools
+import math
+from collections.abc import Iterator
+from dataclasses import dataclass
+from pathlib import Path
+
+import pytest
+from hypothesis import HealthCheck, given, settings
+from hypothesis import strategies as st
+
+from partitioner.errors import InfeasiblePlanError
+from partitioner.planner import evaluate, memory_overflows, plan, shortfall_bytes
+from protocols.plan import Objective
+from protocols.problem import PlanningProblem
+
+SHARED = Path(__file__).resolve().parents[1].parent / "shared" / "benchmarks" / "planner"
+VIT_BASE = SHARED / "pipeedge-vit-base-mb4-rcc4-1000mbps.json"
+
+# ----------------------------------------------------------------------------- oracle
+
+
+@dataclass(frozen=True)
+class Scored:
+    stages: tuple[tuple[str, int, int], ...]
+    bottleneck: float
+    latency: float
+    overflow: int
+
+
+def _link(problem: PlanningProblem, a: str, b: str) -> tuple[float, float]:
+    for link in problem.links:
+        if {link.a, link.b} == {a, b}:
+            return link.bandwidth_mbps, link.latency_ms
+    devices = {d.name: d for d in problem.devices}
+    return min(devices[a].bandwidth_mbps, devices[b].bandwidth_mbps), 0.0
+
+
+def _memory(problem: PlanningProblem, start: int, end: int) -> int:
+    inside = range(start, end)
+    weights = sum(problem.units[i].weight_bytes for i in inside)
+    shared = sum(w.bytes for w in problem.shared_weights if set(w.units) & set(inside))
+    workspace = max(problem.units[i].workspace_bytes for i in inside)
+    in_bytes = problem.input_bytes if start == 0 else problem.units[start - 1].out_bytes
+    out_bytes = problem.units[end - 1].out_bytes
+    return weights + shared + workspace + (in_bytes + out_bytes) * (1 + problem.queue_depth)
+
+
+def _score(problem: PlanningProblem, stages: tuple[tuple[str, int, int], ...]) -> Scored:
+    devices = {d.name: d for d in problem.devices}
+    computes, transfers, overflow = [], [], -math.inf
+    for index, (name, start, end) in enumerate(stages):
+        kind = devices[name].type
+        computes.append(sum(problem.units[i].compute_s[kind] for i in range(start, end)))
+        if index + 1 < len(stages):
+            bandwidth, latency = _link(problem, name, stages[index + 1][0])
+            out = problem.units[end - 1].out_bytes
+            transfers.append(out * 8 / (bandwidth * 1e6) + latency / 1e3)
+        overflow = max(overflow, _memory(problem, start, end) - devices[name].memory_bytes)
+    bottleneck = max(computes + transfers)
+    return Scored(stages, bottleneck, sum(computes) + sum(transfers), int(overflow))
+
+
+def _arrangements(problem: PlanningProblem) -> Iterator[tuple[tuple[str, int, int], ...]]:
+    n = len(problem.units)
+    names = [d.name for d in problem.devices]
+    for count in range(1, min(len(names), n) + 1):
+        for order in itertools.permutations(names, count):
+            for cuts in itertools.combinations(range(1, n), count - 1):
+                bounds = (0, *cuts, n)
+                yield tuple(zip(order, bounds[:-1], bounds[1:], strict=True))
+
+
+@dataclass(frozen=True)
+class Oracle:
+    throughput: Scored | None
+    latency: Scored | None
+    shortfall: int
+
+
+def oracle(problem: PlanningProblem) -> Oracle:
+    scored = [_score(problem, stages) for stages in _arrangements(problem)]
+    fitting = [s for s in scored if s.overflow <= 0]
+    shortfall = min(s.overflow for s in scored)
+    if not fitting:
+        return Oracle(None, None, shortfall)
+    best_throughput = min(fitting, key=lambda s: (s.bottleneck, s.latency))
+    best_latency = min(fitting, key=lambda s: s.latency)
+    return Oracle(best_throughput, best_latency, shortfall)
+
+
+# ----------------------------------------------------------------------------- instances
+
+TYPES = ("cpu", "gpu", "npu")
+COMPUTE = st.one_of(
+    st.sampled_from([0.0, 0.5, 1.0, 1.5, 2.0, 3.0]),
+    st.floats(0.0, 4.0, allow_nan=False, allow_infinity=False),
+)
+
+
+@st.composite
+def problems(draw: st.DrawFn, max_devices: int = 4, max_units: int = 7) -> PlanningProblem:
+    """Small instances with ties, shared weights, workspace, links and tight memory."""
+    n_units = draw(st.integers(1, max_units))
+    n_devices = draw(st.integers(1, max_devices))
+    kinds = draw(st.lists(st.sampled_from(TYPES), min_size=n_devices, max_size=n_devices))
+    units = [
+        {
+            "name": f"u{i}",
+            "weight_bytes": draw(st.integers(0, 100)),
+            "out_bytes": draw(st.integers(0, 60)),
+            "workspace_bytes": draw(st.sampled_from([0, 0, 10, 40])),
+            "compute_s": {kind: draw(COMPUTE) for kind in set(kinds)},
+        }
+        for i in range(n_units)
+    ]
+    shared = [
+        {
+            "name": f"w{j}",
+            "bytes": draw(st.integers(0, 80)),
+            "units": draw(st.lists(st.integers(0, n_units - 1), min_size=1, max_size=3)),
+        }
+        for j in range(draw(st.integers(0, 2)))
+    ]
+    queue_depth = draw(st.integers(0, 2))
+    input_bytes = draw(st.integers(0, 60))
+    need = (
+        sum(u["weight_bytes"] for u in units)
+        + sum(w["bytes"] for w in shared)
+        + 40
+        + 120 * (1 + queue_depth)
+    )
+    memory = st.one_of(
+        st.integers(0, need), st.integers(need // 2, need), st.integers(need // 2, need)
+    )
+    memories = draw(st.lists(memory, min_size=1, max_size=2))
+    bandwidths = draw(st.lists(st.sampled_from([1e-4, 2e-4, 5e-4]), min_size=1, max_size=2))
+    devices = [
+        {
+            "name": f"d{i}",
+            "type": kinds[i],
+            "memory_bytes": draw(st.sampled_from(memories)),
+            "bandwidth_mbps": draw(st.sampled_from(bandwidths)),
+        }
+        for i in range(n_devices)
+    ]
+    pairs = list(itertools.combinations(range(n_devices), 2))
+    linked = draw(st.lists(st.sampled_from(pairs), unique=True)) if pairs else []
+    links = [
+        {
+            "a": f"d{a}",
+            "b": f"d{b}",
+            "bandwidth_mbps": draw(st.sampled_from([1e-4, 3e-4, 1e-3])),
+            "latency_ms": draw(st.sampled_from([0.0, 100.0, 700.0])),
+        }
+        for a, b in linked
+    ]
+    return PlanningProblem.from_obj(
+        {
+            "name": "random",
+            "input_bytes": input_bytes,
+            "queue_depth": queue_depth,
+            "units": units,
+            "devices": devices,
+            "links": links,
+            "shared_weights": shared,
+        }
+    )
+
+
+def _check_plan_is_honest(problem: PlanningProblem, objective: Objective) -> None:
+    result = plan(problem, objective)
+    stages = [(s.device, s.start, s.end) for s in result.stages]
+    assert evaluate(problem, objective, stages) == result
+    assert memory_overflows(problem, result) == []
+
+
+SETTINGS = settings(max_examples=150, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+
+
+# ----------------------------------------------------------------------------- properties
+
+
+@SETTINGS
+@given(problems())
+def test_planner_equals_exhaustive_search(problem: PlanningProblem) -> None:
+    truth = oracle(problem)
+    assert shortfall_bytes(problem) == truth.shortfall
+    if truth.throughput is None or truth.latency is None:
+        for objective in Objective:
+            with pytest.raises(InfeasiblePlanError) as caught:
+                plan(problem, objective)
+            assert caught.value.shortfall_bytes == truth.shortfall > 0
+            assert f"{truth.shortfall} bytes" in str(caught.value)
+        return
+    throughput = plan(problem, Objective.THROUGHPUT)
+    assert throughput.bottleneck_s == truth.throughput.bottleneck
+    assert throughput.latency_s == pytest.approx(truth.throughput.latency, rel=1e-9, abs=1e-12)
+    latency = plan(problem, Objective.LATENCY)
+    assert latency.latency_s == pytest.approx(truth.latency.latency, rel=1e-9, abs=1e-12)
+    for objective in Objective:
+        _check_plan_is_honest(problem, objective)
+
+
+@SETTINGS
+@given(problems(max_devices=4, max_units=5), st.data())
+def test_evaluate_agrees_with_oracle(problem: PlanningProblem, data: st.DataObject) -> None:
+    arrangement = data.draw(st.sampled_from(list(_arrangements(problem))))
+    expected = _score(problem, arrangement)
+    for objective in Objective:
+        result = evaluate(problem, objective, arrangement)
+        assert result.objective is objective
+        assert result.bottleneck_s == expected.bottleneck
+        assert result.latency_s == pytest.approx(expected.latency, rel=1e-12, abs=1e-15)
+        worst = max(s.memory_bytes - _memory_of(problem, s.device) for s in result.stages)
+        assert worst == expected.overflow
+        assert [(s.device, s.start, s.end) for s in result.stages] == list(arrangement)
+
+
+def _memory_of(problem: PlanningProblem, name: str) -> int:
+    return next(d.memory_bytes for d in problem.devices if d.name == name)
+
+
+# ----------------------------------------------------------------------------- examples
+
+
+def _chain(**overrides: object) -> PlanningProblem:
+    data: dict[str, object] = {
+        "input_bytes": 10,
+        "queue_depth": 0,
+        "units": [
+            {"name": f"u{i}", "weight_bytes": 100, "out_bytes": 10, "compute_s": {"x": 1.0}}
+            for i in range(4)
+        ],
+        "devices": [
+            {"name": f"d{i}", "type": "x", "memory_bytes": 500, "bandwidth_mbps": 1.0}
+            for i in range(4)
+        ],
+    }
+    data.update(overrides)
+    return PlanningProblem.from_obj(data)
+
+
+def test_identical_devices_split_evenly() -> None:
+    result = plan(_chain(), Objective.THROUGHPUT)
+    assert [(s.start, s.end) for s in result.stages] == [(0, 1), (1, 2), (2, 3), (3, 4)]
+    assert result.bottleneck_s == 1.0
+
+
+def test_latency_prefers_one_device_when_it_fits() -> None:
+    result = plan(_chain(), Objective.LATENCY)
+    assert [(s.device, s.start, s.end) for s in result.stages] == [("d0", 0, 4)]
+    assert result.latency_s == 4.0
+
+
+def test_infeasible_reports_shortfall() -> None:
+    devices = [{"name": "d0", "type": "x", "memory_bytes": 300, "bandwidth_mbps": 1.0}]
+    problem = _chain(devices=devices)
+    with pytest.raises(InfeasiblePlanError) as caught:
+        plan(problem)
+    # One device holds all four units: 400 weights + (10 + 10) buffers = 420 bytes.
+    assert caught.value.shortfall_bytes == 120
+    assert "120 bytes" in str(caught.value)
+
+
+def test_memory_that_shrinks_with_a_later_cut_is_used() -> None:
+    """A longer stage can need less memory when its frontier is smaller."""
+    units = [
+        {"name": "a", "weight_bytes": 10, "out_bytes": 500, "compute_s": {"x": 1.0}},
+        {"name": "b", "weight_bytes": 10, "out_bytes": 1, "compute_s": {"x": 1.0}},
+        {"name": "c", "weight_bytes": 10, "out_bytes": 1, "compute_s": {"x": 1.0}},
+    ]
+    devices = [
+        {"name": f"d{i}", "type": "x", "memory_bytes": 40, "bandwidth_mbps": 1.0} for i in range(3)
+    ]
+    result = plan(_chain(units=units, devices=devices, input_bytes=1))
+    assert [(s.start, s.end) for s in result.stages] == [(0, 2), (2, 3)]
+
+
+def test_links_decide_the_order() -> None:
+    slow = [("d0", "d1"), ("d1", "d2")]
+    links = [{"a": a, "b": b, "bandwidth_mbps": 1e-6, "latency_ms": 0.0} for a, b in slow]
+    result = plan(_chain(links=links), Objective.THROUGHPUT)
+    order = [s.device for s in result.stages]
+    assert len(order) == 4
+    pairs = {frozenset(pair) for pair in itertools.pairwise(order)}
+    assert pairs.isdisjoint({frozenset(pair) for pair in slow})
+    assert result.bottleneck_s == 1.0
+
+
+def test_evaluate_rejects_broken_arrangements() -> None:
+    problem = _chain()
+    for broken in (
+        [],
+        [("d0", 0, 2)],
+        [("d0", 0, 2), ("d0", 2, 4)],
+        [("d0", 0, 2), ("d1", 3, 4)],
+        [("nope", 0, 4)],
+        [("d0", 0, 0), ("d1", 0, 4)],
+    ):
+        with pytest.raises(ValueError):
+            evaluate(problem, Objective.THROUGHPUT, broken)
+
+
+@pytest.mark.skipif(not VIT_BASE.exists(), reason=f"shared benchmarks not present at {SHARED}")
+def test_vit_base_on_mb4_rcc4_matches_corrected_pipeedge() -> None:
+    problem = PlanningProblem.from_json(VIT_BASE.read_text())
+    result = plan(problem, Objective.THROUGHPUT)
+    assert round(result.bottleneck_s, 4) == 1.5488
+    assert memory_overflows(problem, result) == []
+    assert (
+        evaluate(problem, Objective.THROUGHPUT, [(s.device, s.start, s.end) for s in result.stages])
+        == result
+    )
