@@ -27,8 +27,9 @@ test: $(VENV)/.installed-dev
 demo: $(VENV)/.installed-dev
 	$(BIN)/fedshard demo
 
+# Every benchmark, each measuring its alternatives side by side in one run.
 bench: $(VENV)/.installed-dev
-	$(BIN)/python bench/frames.py
+	set -e; for script in bench/*.py; do echo "== $$script"; $(BIN)/python $$script; done
 
 clean:
 	rm -rf $(VENV) .mypy_cache .pytest_cache .ruff_cache

@@ -25,6 +25,10 @@ class InfeasiblePlanError(PartitionerError):
         self.shortfall_bytes = shortfall_bytes
 
 
+class PlanningInputError(PartitionerError, ValueError):
+    """The problem is valid but outside what the planner can handle exactly (sizes too large)."""
+
+
 class GraphError(PartitionerError):
     """The ONNX model cannot be loaded, analysed or cut."""
 

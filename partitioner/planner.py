@@ -23,7 +23,7 @@ from dataclasses import dataclass
 
 import numpy as np
 
-from partitioner.errors import InfeasiblePlanError
+from partitioner.errors import InfeasiblePlanError, PlanningInputError
 from partitioner.planning.engine import Bounds, Programme, Semiring, backtrack, run
 from partitioner.planning.fleet import Fleet, build_fleet
 from partitioner.planning.semantics import (
@@ -35,7 +35,6 @@ from partitioner.planning.semantics import (
 from partitioner.planning.tables import (
     EXACT_LIMIT,
     FloatArray,
-    PlanningInputError,
     Tables,
     build_tables,
 )
@@ -74,7 +73,8 @@ def plan(problem: PlanningProblem, objective: Objective = Objective.THROUGHPUT) 
     Raises :class:`~partitioner.errors.InfeasiblePlanError` (with ``shortfall_bytes``) when no
     arrangement fits every stage into its device, and
     :class:`~partitioner.planning.tables.PlanningInputError` when the problem is too large to
-    plan exactly (byte counts near 2^53, or over about 20 distinct kinds of device).
+    plan exactly (byte counts near 2^53, or more than 2^17 count-vector states, such as 18
+    devices that are all distinct).
     """
     setup = _prepare(problem)
     cap = np.inf

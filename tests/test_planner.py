@@ -111,32 +111,29 @@ def problems(draw: st.DrawFn, max_devices: int = 4, max_units: int = 7) -> Plann
     n_units = draw(st.integers(1, max_units))
     n_devices = draw(st.integers(1, max_devices))
     kinds = draw(st.lists(st.sampled_from(TYPES), min_size=n_devices, max_size=n_devices))
+    weights = draw(st.lists(st.integers(0, 100), min_size=n_units, max_size=n_units))
     units = [
         {
             "name": f"u{i}",
-            "weight_bytes": draw(st.integers(0, 100)),
+            "weight_bytes": weights[i],
             "out_bytes": draw(st.integers(0, 60)),
             "workspace_bytes": draw(st.sampled_from([0, 0, 10, 40])),
-            "compute_s": {kind: draw(COMPUTE) for kind in set(kinds)},
+            "compute_s": {kind: draw(COMPUTE) for kind in sorted(set(kinds))},
         }
         for i in range(n_units)
     ]
+    shared_bytes = draw(st.lists(st.integers(0, 80), max_size=2))
     shared = [
         {
             "name": f"w{j}",
-            "bytes": draw(st.integers(0, 80)),
+            "bytes": size,
             "units": draw(st.lists(st.integers(0, n_units - 1), min_size=1, max_size=3)),
         }
-        for j in range(draw(st.integers(0, 2)))
+        for j, size in enumerate(shared_bytes)
     ]
     queue_depth = draw(st.integers(0, 2))
     input_bytes = draw(st.integers(0, 60))
-    need = (
-        sum(u["weight_bytes"] for u in units)
-        + sum(w["bytes"] for w in shared)
-        + 40
-        + 120 * (1 + queue_depth)
-    )
+    need = sum(weights) + sum(shared_bytes) + 40 + 120 * (1 + queue_depth)
     memory = st.one_of(
         st.integers(0, need), st.integers(need // 2, need), st.integers(need // 2, need)
     )

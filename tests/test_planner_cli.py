@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import argparse
+import itertools
 import json
 from pathlib import Path
 
@@ -55,7 +56,7 @@ def test_json_output_is_the_plan(tmp_path: Path, capsys: pytest.CaptureFixture[s
     assert printed["objective"] == "throughput"
     stages = printed["stages"]
     assert stages[0]["start"] == 0 and stages[-1]["end"] == 6
-    assert all(a["end"] == b["start"] for a, b in zip(stages, stages[1:], strict=False))
+    assert all(a["end"] == b["start"] for a, b in itertools.pairwise(stages))
     assert {s["device"] for s in stages} == {"big", "small-a", "small-b"}
     plan = Plan.model_validate(printed)
     problem = PlanningProblem.from_obj(PROBLEM)
@@ -139,3 +140,12 @@ def test_vit_base_through_the_cli(capsys: pytest.CaptureFixture[str]) -> None:
     assert _run(["plan", "--problem", str(VIT_BASE), "--json"]) == 0
     printed = json.loads(capsys.readouterr().out)
     assert round(printed["bottleneck_s"], 4) == 1.5488
+
+
+def test_problem_too_large_to_plan_exactly_exits_2(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    huge = dict(PROBLEM, units=[dict(PROBLEM["units"][0], weight_bytes=2**53)])  # type: ignore[index]
+    path = _write(tmp_path, huge)
+    assert _run(["plan", "--problem", str(path)]) == 2
+    assert "exactly" in capsys.readouterr().err

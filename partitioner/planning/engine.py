@@ -3,8 +3,8 @@
 Layer ``t`` holds, for every count vector ``s`` with ``t`` devices in use, every sender group ``g``
 of the last stage and every cut position ``c``, the best value of a chain that places units
 ``[0, c)`` on exactly those devices, its last stage ending at ``c`` (its outgoing transfer not yet
-paid). Only ``(s, g)`` rows with a finite value are stored, keyed ``s * G + g``. Going from layer ``t`` to ``t + 1`` picks a class ``e`` with a free device and a next cut
-``c' > c``::
+paid). Only ``(s, g)`` rows with a finite value are stored, keyed ``s * G + g``. Going from
+layer ``t`` to ``t + 1`` picks a class ``e`` with a free device and a next cut ``c' > c``::
 
     W_e[s, c]        = min_g  combine(V[s, g, c], transfer[g, e, c])
     V'[s + e, e, c'] = min_c  combine(W_e[s, c], stage_cost[e][c, c'])
@@ -62,7 +62,7 @@ class Semiring(Enum):
 
 @dataclass(frozen=True)
 class Bounds:
-    """Lower-bound data for pruning (all optional refinements; exactness does not depend on them)."""
+    """Lower-bound data for pruning: optional, exactness does not depend on them."""
 
     rest: FloatArray
     """``(n+1,)``: summed least compute (over the fleet's types) of units ``[c, n)``."""
@@ -91,7 +91,9 @@ class Programme:
         diagonals = []
         shortest = []
         for table in self.stage_cost:
-            diags = [np.ascontiguousarray(np.diagonal(table, offset)) for offset in range(self.n + 1)]
+            diags = [
+                np.ascontiguousarray(np.diagonal(table, offset)) for offset in range(self.n + 1)
+            ]
             least = np.array([np.inf] + [float(d.min()) for d in diags[1:]])
             diagonals.append(diags)
             shortest.append(least)
@@ -111,7 +113,7 @@ class Programme:
 
 @dataclass(frozen=True)
 class Layer:
-    """Values of all chains using ``t`` devices: ``values[row, c - lo]`` for row key ``s * G + g``."""
+    """Values of all chains using ``t`` devices: ``values[row, c - lo]``, row key ``s * G + g``."""
 
     keys: IntArray
     lo: int
@@ -193,7 +195,7 @@ def _advance(prog: Programme, layer: Layer, best: float) -> list[_Contribution]:
 def _hand_over(prog: Programme, layer: Layer, cls: int) -> tuple[IntArray, int, FloatArray] | None:
     """``W_e`` per state with a free device of class ``cls``, trimmed to finite rows and columns."""
     fleet, groups = prog.fleet, prog.n_groups
-    states, senders = np.divmod(layer.keys, groups)
+    states = layer.keys // groups
     free = fleet.counts[states, cls] < fleet.sizes[cls]
     if not free.any():
         return None
@@ -222,7 +224,9 @@ def _merge_senders(
     window = slice(layer.lo, layer.hi + 1)
     new = np.concatenate([[True], states[1:] != states[:-1]])
     if new.all():
-        return prog.semiring.combine(layer.values[rows], prog.transfer[senders, cls, window]), states
+        return prog.semiring.combine(
+            layer.values[rows], prog.transfer[senders, cls, window]
+        ), states
     slot = np.cumsum(new) - 1
     merged = np.full((int(slot[-1]) + 1, layer.values.shape[1]), np.inf)
     for group in np.unique(senders):
@@ -285,11 +289,11 @@ def _doomed(prog: Programme, layer: Layer, remaining: int, best: float) -> npt.N
     if bounds is None:
         return stuck[None, :] | (layer.values > best)
     rest = np.where(unfinished, bounds.rest[positions] * SAFETY, 0.0)
-    capacity = bounds.capacity[layer.keys // prog.n_groups]
+    capacity = bounds.capacity[layer.keys // prog.n_groups][:, None]
     # Capacity is zero only when no device is free: those entries are ``stuck`` anyway.
-    inverse = np.divide(1.0, capacity, out=np.zeros_like(capacity), where=capacity > 0)
-    need = np.multiply.outer(inverse, rest)
-    need[:, ~unfinished] = 0.0
+    need = np.zeros(layer.values.shape)
+    with np.errstate(over="ignore"):
+        np.divide(rest[None, :], capacity, out=need, where=(capacity > 0) & (rest[None, :] > 0))
     if prog.semiring is Semiring.MIN_MAX:
         doomed = np.maximum(layer.values, need) > best
     else:
@@ -327,7 +331,9 @@ def backtrack(prog: Programme, outcome: Outcome) -> list[tuple[int, int, int]]:
     position, value = prog.n, outcome.best
     stages: list[tuple[int, int, int]] = []
     while t > 0:
-        cls, start, group, value = _predecessor(prog, outcome.layers, t, state, group, position, value)
+        cls, start, group, value = _predecessor(
+            prog, outcome.layers, t, state, group, position, value
+        )
         stages.append((cls, start, position))
         state -= int(prog.fleet.strides[cls])
         position, t = start, t - 1

@@ -24,15 +24,15 @@ from itertools import combinations
 import numpy as np
 import numpy.typing as npt
 
+from partitioner.errors import PlanningInputError
 from partitioner.planning.semantics import link_between
-from partitioner.planning.tables import PlanningInputError
 from protocols.problem import PlanningProblem
 
 LinkValue = tuple[float, float]
 """``(bandwidth_mbps, latency_ms)``."""
 
-MAX_STATES = 1 << 20
-"""Largest count-vector state space the planner accepts (about 20 distinct devices)."""
+MAX_STATES = 1 << 17
+"""Largest count-vector state space the planner accepts (17 devices that are all distinct)."""
 
 
 @dataclass(frozen=True)
@@ -105,7 +105,10 @@ def build_fleet(problem: PlanningProblem) -> Fleet:
 
 def _link_matrix(problem: PlanningProblem) -> list[list[LinkValue]]:
     devices = problem.devices
-    return [[link_between(problem, a, b) if a is not b else (0.0, 0.0) for b in devices] for a in devices]
+    return [
+        [link_between(problem, a, b) if a is not b else (0.0, 0.0) for b in devices]
+        for a in devices
+    ]
 
 
 def _swappable(problem: PlanningProblem, matrix: list[list[LinkValue]], i: int, j: int) -> bool:

@@ -79,7 +79,9 @@ def check_arrangement(problem: PlanningProblem, stages: Arrangement) -> None:
             raise ValueError(f"device {device!r} holds more than one stage")
         seen.add(device)
         if start != position or end <= start:
-            raise ValueError(f"stage [{start}, {end}) on {device!r} does not continue at {position}")
+            raise ValueError(
+                f"stage [{start}, {end}) on {device!r} does not continue at {position}"
+            )
         position = end
     if position != len(problem.units):
         raise ValueError(f"the stages end at unit {position}, not {len(problem.units)}")
@@ -134,7 +136,7 @@ def memory_overflows(problem: PlanningProblem, plan: Plan) -> list[tuple[str, in
 
 
 def format_bytes(size: int) -> str:
-    """A byte count for people: ``512 B``, ``1.5 KiB``, ``3.2 GiB``; negative counts keep the sign."""
+    """A byte count for people: ``512 B``, ``1.5 KiB``, ``3.2 GiB`` (negative keeps its sign)."""
     if abs(size) < 1024:
         return f"{size} B"
     value = float(size)

@@ -51,11 +51,13 @@ class DecoderShape:
     def params(self) -> int:
         """All parameters (one table if tied, two otherwise)."""
         tables = 1 if self.tied_embeddings else 2
-        return self.layers * (self.attention_params + self.mlp_params) + tables * self.embedding_params
+        return (
+            self.layers * (self.attention_params + self.mlp_params) + tables * self.embedding_params
+        )
 
 
-LLAMA_100B = DecoderShape(layers=88, hidden=10240, ffn=28672, vocab=128000, kv_heads=8)
-"""About 100 billion parameters (179 units)."""
+LLAMA_100B = DecoderShape(layers=89, hidden=10240, ffn=28672, vocab=128000, kv_heads=8)
+"""Just over 100 billion parameters, tied or not (180 units)."""
 
 MID_20B = DecoderShape(layers=99, hidden=4096, ffn=14336, vocab=128000, kv_heads=8)
 """A 99-layer, roughly 20-billion-parameter decoder: exactly 200 units."""

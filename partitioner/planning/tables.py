@@ -13,7 +13,7 @@ from dataclasses import dataclass
 import numpy as np
 import numpy.typing as npt
 
-from partitioner.errors import PartitionerError
+from partitioner.errors import PlanningInputError
 from protocols.problem import PlanningProblem
 
 FloatArray = npt.NDArray[np.float64]
@@ -21,10 +21,6 @@ IntArray = npt.NDArray[np.int64]
 
 EXACT_LIMIT = 2**53
 """Byte counts must stay below this so that integer and float arithmetic on them is exact."""
-
-
-class PlanningInputError(PartitionerError, ValueError):
-    """The problem is valid but outside what the planner can handle exactly (sizes too large)."""
 
 
 @dataclass(frozen=True)
