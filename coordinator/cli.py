@@ -12,23 +12,30 @@ import argparse
 import sys
 from collections.abc import Sequence
 
+import edge_agent.cli
+from coordinator import demo_cli
+from coordinator.lab import cli as lab_cli
+from partitioner import plan_cli, split_cli
 from protocols.constants import SOFTWARE_VERSION
+
+REGISTRATIONS = (
+    plan_cli.register,
+    split_cli.register,
+    edge_agent.cli.register,
+    lab_cli.register,
+    demo_cli.register,
+)
 
 
 def build_parser() -> argparse.ArgumentParser:
     """The full argument parser, with every subcommand registered."""
-    from coordinator import demo_cli
-    from edge_agent import cli as agent_cli
-
     parser = argparse.ArgumentParser(
         prog="fedshard",
         description="Run one neural network across the devices of a local network.",
     )
     parser.add_argument("--version", action="version", version=f"fedshard {SOFTWARE_VERSION}")
     subparsers = parser.add_subparsers(dest="command", required=True, metavar="COMMAND")
-    from partitioner import plan_cli, split_cli
-
-    for register in (plan_cli.register, split_cli.register, agent_cli.register, demo_cli.register):
+    for register in REGISTRATIONS:
         register(subparsers)
     return parser
 

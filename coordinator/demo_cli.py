@@ -1,8 +1,9 @@
 """``fedshard demo``: a newcomer's first run.
 
 Until the full demo lands (coordinator and agents on loopback, issue 9), it shows that the
-installed pieces work together: it builds a small model, plans it across three uneven
-devices, cuts it into verified ONNX segments and moves an activation through the frame codec.
+installed pieces work together: it exports all-MiniLM-L6-v2 from its package, plans it across
+three uneven devices none of which can hold it alone, cuts it into ONNX segments, verifies the
+chain against the whole model, and moves an activation through the frame codec.
 """
 
 from __future__ import annotations
@@ -38,9 +39,9 @@ def run_demo(args: argparse.Namespace) -> int:
 
 
 def _run_steps(console: Console, workdir: Path) -> int:
-    from coordinator.demo_steps import frame_round_trip, plan_and_split_small_model
+    from coordinator.demo_steps import frame_round_trip, plan_and_split_minilm
 
-    plan_and_split_small_model(console, workdir)
+    plan_and_split_minilm(console, workdir)
     frame_round_trip(console)
     console.print("[green]all pieces work[/green]")
     return 0

@@ -9,6 +9,8 @@ from dataclasses import dataclass
 import onnx
 from onnx import TensorProto
 
+from partitioner.errors import GraphError
+
 DEFAULT_DIM = 4
 """Value for a symbolic dimension nobody bound."""
 
@@ -99,16 +101,33 @@ def bind_input_shapes(
     """
     binding = dict(dims)
     declared = {i.name: i for i in graph.input}
+    given_all = concrete or {}
+    for name in inputs:  # sample shapes bind first, whatever the input order
+        type_proto = declared[name].type
+        if not type_proto.HasField("tensor_type"):
+            raise GraphError(
+                f"model input {name!r} is not a tensor; only tensor inputs are supported"
+            )
+        for dim, value in zip(
+            type_proto.tensor_type.shape.dim, given_all.get(name, ()), strict=False
+        ):
+            if dim.dim_param:
+                binding[dim.dim_param] = int(value)
     shapes: dict[str, tuple[int, ...]] = {}
     for name in inputs:
-        proto_dims = declared[name].type.tensor_type.shape.dim
-        given = list((concrete or {}).get(name, ()))
+        tensor_type = declared[name].type.tensor_type
+        given = [int(v) for v in given_all.get(name, ())]
+        if not tensor_type.HasField("shape"):
+            if name not in given_all:
+                raise GraphError(
+                    f"model input {name!r} declares no shape; give sample inputs to size it"
+                )
+            shapes[name] = tuple(given)
+            continue
         values: list[int] = []
-        for axis, dim in enumerate(proto_dims):
+        for axis, dim in enumerate(tensor_type.shape.dim):
             if axis < len(given):
-                values.append(int(given[axis]))
-                if dim.dim_param:
-                    binding.setdefault(dim.dim_param, int(given[axis]))
+                values.append(given[axis])
             elif dim.HasField("dim_value"):
                 values.append(dim.dim_value)
             elif dim.dim_param:

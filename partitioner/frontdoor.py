@@ -18,8 +18,6 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-import numpy as np
-
 from partitioner.errors import GraphError
 
 DEFAULT_SENTENCES = (
@@ -74,35 +72,33 @@ def export_minilm(
     encoded = tokenizer(list(sentences), padding=True, return_tensors="pt")
     names = ("input_ids", "attention_mask", "token_type_ids")
     args = tuple(encoded[n].to(torch.int64) for n in names)
-    wrapper = _EncoderWrapper(model, pooled)
+    wrapper = _encoder_module(model, pooled)
     outputs = ("last_hidden_state", "sentence_embedding") if pooled else ("last_hidden_state",)
     return _export(wrapper, args, names, outputs, out)
 
 
-class _EncoderWrapper:
-    """Callable-module factory kept out of import time (torch is imported lazily)."""
+def _encoder_module(model: Any, pooled: bool) -> Any:
+    """A ``torch.nn.Module`` taking the three BERT inputs positionally (torch imported here)."""
+    import torch
 
-    def __new__(cls, model: Any, pooled: bool) -> Any:
-        import torch
+    class Encoder(torch.nn.Module):
+        def __init__(self) -> None:
+            super().__init__()
+            self.model = model
 
-        class Wrapper(torch.nn.Module):
-            def __init__(self) -> None:
-                super().__init__()
-                self.model = model
+        def forward(self, input_ids: Any, attention_mask: Any, token_type_ids: Any) -> Any:
+            hidden = self.model(
+                input_ids=input_ids,
+                attention_mask=attention_mask,
+                token_type_ids=token_type_ids,
+            ).last_hidden_state
+            if not pooled:
+                return hidden
+            mask = attention_mask.unsqueeze(-1).to(hidden.dtype)
+            summed = (hidden * mask).sum(dim=1) / mask.sum(dim=1).clamp(min=1e-9)
+            return hidden, torch.nn.functional.normalize(summed, p=2.0, dim=1)
 
-            def forward(self, input_ids: Any, attention_mask: Any, token_type_ids: Any) -> Any:
-                hidden = self.model(
-                    input_ids=input_ids,
-                    attention_mask=attention_mask,
-                    token_type_ids=token_type_ids,
-                ).last_hidden_state
-                if not pooled:
-                    return hidden
-                mask = attention_mask.unsqueeze(-1).to(hidden.dtype)
-                summed = (hidden * mask).sum(dim=1) / mask.sum(dim=1).clamp(min=1e-9)
-                return hidden, torch.nn.functional.normalize(summed, p=2.0, dim=1)
-
-        return Wrapper().eval()
+    return Encoder().eval()
 
 
 def _export(
@@ -149,14 +145,3 @@ def _export(
 
 FRONT_DOORS: dict[str, Callable[..., ExportResult]] = {"minilm": export_minilm}
 """Front doors by name, as ``fedshard export NAME`` offers them."""
-
-
-def sample_arrays(result: ExportResult) -> dict[str, np.ndarray]:
-    """The sample inputs embedded in an exported model."""
-    from partitioner.modelio import load_model
-    from partitioner.samples import embedded_samples
-
-    found = embedded_samples(load_model(result.path))
-    if found is None:
-        raise GraphError(f"{result.path} has no embedded sample inputs")
-    return found

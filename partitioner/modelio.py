@@ -68,7 +68,7 @@ def load_model(path: Path) -> onnx.ModelProto:
                 and tensor_proto_bytes(tensor) <= INLINE_ON_LOAD_BYTES
             ):
                 external_data_helper.load_external_data_for_tensor(tensor, base)
-    except (OSError, ValueError, DecodeError) as exc:
+    except (OSError, ValueError, DecodeError, onnx.checker.ValidationError) as exc:
         raise GraphError(f"{path}: cannot load ONNX model: {exc}") from exc
     if not model.graph.node:
         raise GraphError(f"{path}: the graph has no nodes (is this an ONNX model?)")

@@ -5,8 +5,9 @@ Whole-graph ONNX shape inference loses track of shapes computed at run time (``R
 inputs are small is *evaluated* with the ONNX reference implementation, so shape arithmetic
 yields real numbers, and every other node's output type comes from its operator schema given
 concrete input shapes and those values. No weight data is needed (initializer dims suffice), so
-this works for models of any size. Tensors still unsized are estimated from their producer's
-largest input and listed in :attr:`ShapeTable.estimated`.
+this works for models of any size. Tensors still unsized (data-dependent shapes, operators ONNX
+has no schema for) are estimated from their producer's largest non-weight input and listed in
+:attr:`ShapeTable.estimated`.
 """
 
 from __future__ import annotations
@@ -51,7 +52,7 @@ def infer_shapes(
     dimension names; anything else unbound gets :data:`partitioner.costs.DEFAULT_DIM`.
     """
     input_shapes, binding = bind_input_shapes(model.graph, index.inputs, dims, concrete)
-    prop = _Propagator(model)
+    prop = _Propagator(model, frozenset(index.initializers))
     declared = {i.name: i for i in model.graph.input}
     for name in index.inputs:
         prop.set(name, declared[name].type.tensor_type.elem_type, input_shapes[name])
@@ -71,8 +72,9 @@ def _has_data(tensor: TensorProto) -> bool:
 class _Propagator:
     """Walks nodes in order, keeping a concrete shape per tensor and values of small statics."""
 
-    def __init__(self, model: onnx.ModelProto) -> None:
+    def __init__(self, model: onnx.ModelProto, weights: frozenset[str]) -> None:
         self.model = model
+        self.weights = weights
         self.opsets = {o.domain: o.version for o in model.opset_import}
         self.shapes: dict[str, TensorShape] = {}
         self.values: dict[str, np.ndarray] = {}
@@ -88,7 +90,8 @@ class _Propagator:
         self._infer(node, inputs)
         missing = [o for o in outs if o not in self.shapes]
         if missing:
-            known = [self.shapes[n] for n in inputs if n in self.shapes]
+            activations = [n for n in inputs if n not in self.weights]
+            known = [self.shapes[n] for n in activations or inputs if n in self.shapes]
             largest = max(
                 known, key=lambda s: s.elements, default=TensorShape(TensorProto.FLOAT, ())
             )

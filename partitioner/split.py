@@ -113,6 +113,8 @@ def analyse(
     if given is None:
         given, source = synthesize(index, table), "synthesised"
     frontier = build_frontier(index, table, carry_io=carry_io)
+    if frontier.size == 0:
+        raise GraphError("nothing to split: every node of the model is a constant")
     units = build_units(index, frontier, table, max_units=max_units)
     return Analysis(model, index, table, frontier, units, given, source)
 
@@ -186,6 +188,7 @@ def split_model(
         analysis.units, devices, queue_depth=opts.queue_depth, name=model_path.stem
     )
     plan = choose(problem, opts.objective)
+    (out_dir / MANIFEST_NAME).unlink(missing_ok=True)
     written = write_segments(
         analysis,
         unit_cuts(analysis.units, plan),

@@ -27,11 +27,22 @@ def register(subparsers: Any) -> None:
             "DIR/manifest.json. Exit codes: 0 done, 1 bad input, 3 infeasible, 4 verify failed."
         ),
     )
-    split.add_argument("model", type=Path, metavar="MODEL.onnx")
-    split.add_argument("--devices", type=Path, required=True, metavar="DEVICES.json")
-    split.add_argument("--out", type=Path, required=True, metavar="DIR")
-    split.add_argument("--objective", choices=["throughput", "latency"], default="throughput")
-    split.add_argument("--queue-depth", type=int, default=2, metavar="N")
+    split.add_argument("model", type=Path, metavar="MODEL.onnx", help="the model to cut")
+    split.add_argument(
+        "--devices", type=Path, required=True, metavar="DEVICES.json", help="devices and links"
+    )
+    split.add_argument(
+        "--out", type=Path, required=True, metavar="DIR", help="where segments and manifest go"
+    )
+    split.add_argument(
+        "--objective",
+        choices=["throughput", "latency"],
+        default="throughput",
+        help="minimise the bottleneck stage (default) or end-to-end time",
+    )
+    split.add_argument(
+        "--queue-depth", type=int, default=2, metavar="N", help="micro-batches buffered per stage"
+    )
     split.add_argument(
         "--verify", action="store_true", help="run the chain in ONNX Runtime and compare"
     )
@@ -46,7 +57,9 @@ def register(subparsers: Any) -> None:
         metavar="NAME=VALUE",
         help="bind a symbolic dimension for costing and synthesised inputs",
     )
-    split.add_argument("--max-units", type=int, default=128, metavar="N")
+    split.add_argument(
+        "--max-units", type=int, default=128, metavar="N", help="most planning units (128)"
+    )
     split.add_argument(
         "--direct-io",
         action="store_true",
@@ -59,7 +72,9 @@ def register(subparsers: Any) -> None:
         help="export a packaged model to ONNX",
         description="Export a packaged model (real weights) to ONNX with dynamic axes.",
     )
-    export.add_argument("name", choices=["minilm"], help="which model")
+    from partitioner.frontdoor import FRONT_DOORS
+
+    export.add_argument("name", choices=sorted(FRONT_DOORS), help="which model")
     export.add_argument("out", type=Path, metavar="OUT.onnx")
     export.add_argument(
         "--pooled", action="store_true", help="also output the normalised sentence embedding"
@@ -81,7 +96,7 @@ def run_split(args: argparse.Namespace) -> int:
     """Handler of ``fedshard split``."""
     from rich.console import Console
 
-    from partitioner.errors import GraphError, InfeasiblePlanError, VerificationError
+    from partitioner.errors import InfeasiblePlanError, PartitionerError, VerificationError
     from partitioner.split import SplitOptions, split_model
     from protocols.devices import DeviceList
     from protocols.errors import SchemaError
@@ -107,55 +122,69 @@ def run_split(args: argparse.Namespace) -> int:
     try:
         result = split_model(args.model, devices, args.out, options)
     except InfeasiblePlanError as exc:
-        console.print(
-            f"[red]infeasible:[/] {exc}\n"
-            f"The best arrangement falls short by {exc.shortfall_bytes} bytes "
-            f"({_mib(exc.shortfall_bytes)}); add a device or memory."
-        )
+        message = f"[red]infeasible:[/] {exc}"
+        if str(exc.shortfall_bytes) not in str(exc):
+            message += f" (the best arrangement falls short by {exc.shortfall_bytes} bytes)"
+        console.print(message)
         return EXIT_INFEASIBLE
     except VerificationError as exc:
         console.print(f"[red]verification failed:[/] max abs diff {exc.max_abs_diff:.3g}: {exc}")
         return EXIT_VERIFY_FAILED
-    except (GraphError, SchemaError, OSError) as exc:
+    except (PartitionerError, SchemaError, OSError) as exc:
         console.print(f"[red]error:[/] {exc}")
         return EXIT_BAD_INPUT
-    _print_split(console, result, devices)
+    print_split(console, result, devices)
     return 0
 
 
-def _mib(n: int) -> str:
-    return f"{n / 2**20:,.1f} MiB"
+def _size(n: int) -> str:
+    value = float(n)
+    for unit in ("B", "KiB", "MiB", "GiB"):
+        if value < 1024 or unit == "GiB":
+            return f"{value:,.0f} {unit}" if unit == "B" else f"{value:,.1f} {unit}"
+        value /= 1024
+    return f"{value:,.1f} TiB"
 
 
-def _print_split(console: Any, result: Any, devices: Any) -> None:
+def print_split(console: Any, result: Any, devices: Any) -> None:
+    """Print a split result: model summary, the plan table and the verification."""
     from rich.table import Table
 
-    memory = {d.name: d.memory_bytes for d in devices.devices}
+    budget = {d.name: d.memory_bytes for d in devices.devices}
     plan, manifest, analysis = result.plan, result.manifest, result.analysis
     console.print(
         f"[bold]{manifest.model.name}[/]: {len(analysis.index.nodes)} nodes, "
-        f"{len(analysis.units.units)} units, {_mib(manifest.model.param_bytes)} of weights; "
+        f"{len(analysis.units.units)} units, {_size(manifest.model.param_bytes)} of weights; "
         f"samples {analysis.samples_source}, dims {dict(analysis.table.dims)}"
     )
+    if analysis.table.estimated:
+        console.print(
+            f"[yellow]note:[/] {len(analysis.table.estimated)} tensor sizes are estimates "
+            "(data-dependent shapes or operators without an ONNX schema)"
+        )
     table = Table(title=f"plan ({plan.objective.value})")
-    for col in ("seg", "device", "units", "params", "pred. memory", "device memory", "compute"):
-        table.add_column(col, justify="right" if col not in ("device",) else "left")
-    table.add_column("hands off")
+    table.add_column("seg", justify="right", no_wrap=True)
+    table.add_column("device")
+    for column in ("units", "params", "memory", "budget", "compute", "hand-off"):
+        table.add_column(column, justify="right", no_wrap=True)
+    last = len(manifest.segments) - 1
     for seg in manifest.segments:
+        out_bytes = result.problem.units[seg.units[1] - 1].out_bytes
         table.add_row(
             str(seg.index),
             seg.device,
-            f"[{seg.units[0]}, {seg.units[1]})",
-            _mib(seg.param_bytes),
-            _mib(seg.predicted_memory_bytes),
-            _mib(memory[seg.device]),
+            f"{seg.units[0]}-{seg.units[1]}",
+            _size(seg.param_bytes),
+            _size(seg.predicted_memory_bytes),
+            _size(budget[seg.device]),
             f"{seg.predicted_compute_s * 1e3:.2f} ms",
-            f"{len(seg.outputs)} tensors",
+            "outputs" if seg.index == last else f"{len(seg.outputs)}: {_size(out_bytes)}",
         )
     console.print(table)
     console.print(
         f"bottleneck {plan.bottleneck_s * 1e3:.3f} ms, latency {plan.latency_s * 1e3:.3f} ms; "
-        f"wrote {len(manifest.segments)} segments to {result.segments[0].files[0].parent}"
+        f"wrote {len(manifest.segments)} segments and manifest.json to "
+        f"{result.segments[0].files[0].parent}"
     )
     if result.verification is not None:
         v = result.verification
@@ -178,7 +207,7 @@ def run_export(args: argparse.Namespace) -> int:
         console.print(f"[red]error:[/] {exc}")
         return EXIT_BAD_INPUT
     console.print(
-        f"wrote {result.path} ({_mib(result.param_bytes)} of weights, outputs "
+        f"wrote {result.path} ({_size(result.param_bytes)} of weights, outputs "
         f"{', '.join(result.outputs)}); ONNX Runtime vs PyTorch max abs diff "
         f"{result.max_abs_diff:.3g}"
     )

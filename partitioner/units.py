@@ -16,7 +16,7 @@ from __future__ import annotations
 
 import heapq
 import itertools
-from collections import Counter
+from collections import Counter, deque
 from collections.abc import Iterable, Mapping, Sequence
 from dataclasses import dataclass
 
@@ -79,7 +79,8 @@ def choose_boundaries(
        ``M / 8`` positions either side (the scale of a block or layer);
     2. of consecutive good cuts with next to nothing between them, keep the one with the
        smaller frontier;
-    3. split any unit costing more than ``1 / min_units`` of the model at its smallest frontier;
+    3. split any unit costing more than ``1 / min_units`` of the model at its smallest
+       frontier among fairly even splits;
     4. drop the worst cuts until at most ``max_units`` units remain.
     """
     size = frontier.size
@@ -89,12 +90,8 @@ def choose_boundaries(
     prefix = [0.0]
     for c in costs:
         prefix.append(prefix[-1] + c)
-    half = max(1, size // 8)
-    good = [
-        c
-        for c in range(1, size)
-        if f[c] <= (1 + GOOD_CUT_TOLERANCE) * min(f[max(1, c - half) : min(size - 1, c + half) + 1])
-    ]
+    floor = _window_min(f[1:size], max(1, size // 8))
+    good = [c for c in range(1, size) if f[c] <= (1 + GOOD_CUT_TOLERANCE) * floor[c - 1]]
     tiny = prefix[-1] / (4 * max(1, max_units))
     cuts = _collapse(good, f, prefix, tiny)
     cuts = [c for c in cuts if prefix[c] >= tiny and prefix[-1] - prefix[c] >= tiny]
@@ -102,14 +99,39 @@ def choose_boundaries(
     return [0, *_thin(cuts, f, costs, max(0, max_units - 1), size), size]
 
 
+def _window_min(values: Sequence[int], half: int) -> list[int]:
+    """``out[i] = min(values[i - half : i + half + 1])`` (clipped), in linear time."""
+    out: list[int] = []
+    window: deque[int] = deque()
+    n = len(values)
+    for right in range(n + half):
+        if right < n:
+            while window and values[window[-1]] >= values[right]:
+                window.pop()
+            window.append(right)
+        centre = right - half
+        if centre >= 0:
+            while window[0] < centre - half:
+                window.popleft()
+            out.append(values[window[0]])
+    return out
+
+
 def _collapse(cuts: list[int], f: Sequence[int], prefix: Sequence[float], tiny: float) -> list[int]:
-    """Of two cuts with less than ``tiny`` cost between them keep the smaller frontier."""
+    """Cluster cuts less than ``tiny`` cost after a cluster's first cut; keep one per cluster.
+
+    The kept cut has the smallest frontier, the latest on a tie: on a plateau of equal frontiers
+    the later cut keeps elementwise follow-ups (a normalisation after a residual add, a cast)
+    in the segment that made their input, where the runtime can fuse them.
+    """
     kept: list[int] = []
+    start = -1
     for c in cuts:
-        if kept and prefix[c] - prefix[kept[-1]] < tiny:
-            if f[c] < f[kept[-1]]:
+        if kept and prefix[c] - prefix[start] < tiny:
+            if f[c] <= f[kept[-1]]:
                 kept[-1] = c
             continue
+        start = c
         kept.append(c)
     return kept
 
@@ -254,19 +276,17 @@ class _StaticClosures:
 
     def __init__(self, index: GraphIndex) -> None:
         self._index = index
-        self._memo: dict[int, frozenset[int]] = {}
-        for i in sorted(index.static):
-            found = {i}
-            for producer in index.static_producers(index.node_inputs[i]):
-                found |= self._memo[producer]
-            self._memo[i] = frozenset(found)
 
     def of(self, nodes: Iterable[int]) -> set[int]:
-        """Static nodes the given nodes' inputs need."""
+        """Static nodes the given nodes' inputs need (depth-first, each visited once)."""
+        index = self._index
         found: set[int] = set()
-        for n in nodes:
-            for producer in self._index.static_producers(self._index.node_inputs[n]):
-                found |= self._memo[producer]
+        stack = [p for n in nodes for p in index.static_producers(index.node_inputs[n])]
+        while stack:
+            node = stack.pop()
+            if node not in found:
+                found.add(node)
+                stack.extend(index.static_producers(index.node_inputs[node]))
         return found
 
 

@@ -38,7 +38,14 @@ class DeviceList(FrozenModel):
         names = [d.name for d in self.devices]
         if len(set(names)) != len(names):
             raise ValueError("device names must be unique")
+        seen: set[frozenset[str]] = set()
         for link in self.links:
             if link.a not in names or link.b not in names:
                 raise ValueError(f"link {link.a}-{link.b} names an unknown device")
+            if link.a == link.b:
+                raise ValueError(f"link {link.a}-{link.b} joins a device to itself")
+            pair = frozenset((link.a, link.b))
+            if pair in seen:
+                raise ValueError(f"link {link.a}-{link.b} is given twice")
+            seen.add(pair)
         return self

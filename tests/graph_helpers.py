@@ -117,7 +117,9 @@ def chain_outputs(
     return run_chain([w.files[0] for w in written], feeds)
 
 
-def whole_outputs(model: onnx.ModelProto, path: Path, feeds: dict[str, np.ndarray]) -> dict[str, np.ndarray]:
+def whole_outputs(
+    model: onnx.ModelProto, path: Path, feeds: dict[str, np.ndarray]
+) -> dict[str, np.ndarray]:
     """Save ``model`` to ``path`` and run it."""
     onnx.save(model, str(path))
     return run_model(path, feeds)
@@ -128,7 +130,39 @@ def specs_for(index: GraphIndex, frontier: Frontier, cuts: Sequence[int]) -> lis
     return list(plan_segments(index, frontier, cuts))
 
 
-def main_position(analysis: Analysis, output: str) -> int:
+def main_position(analysis: Analysis, output: str, frontier: Frontier | None = None) -> int:
     """Position in the main order of the node producing ``output``."""
     node = analysis.index.producer[output]
-    return analysis.frontier.position[node]
+    return (frontier or analysis.frontier).position[node]
+
+
+def kv_stack(layers: int = 4, seed: int = 0) -> onnx.ModelProto:
+    """A decoder-like stack with a per-layer cache: ``past_i`` in, ``present_i`` out."""
+    rng = np.random.default_rng(seed)
+    f32 = TensorProto.FLOAT
+    nodes: list[onnx.NodeProto] = []
+    inits = [_init("axis0", np.array([0], np.int64))]
+    inputs = [helper.make_tensor_value_info("h0", f32, ["n", HIDDEN])]
+    outputs = []
+    for i in range(layers):
+        inits.append(_init(f"W{i}", rng.standard_normal((HIDDEN, HIDDEN)).astype(np.float32)))
+        inputs.append(helper.make_tensor_value_info(f"past{i}", f32, ["p", HIDDEN]))
+        outputs.append(helper.make_tensor_value_info(f"present{i}", f32, ["q", HIDDEN]))
+        nodes += [
+            helper.make_node("Concat", [f"past{i}", f"h{i}"], [f"present{i}"], axis=0),
+            helper.make_node("ReduceSum", [f"present{i}", "axis0"], [f"r{i}"], keepdims=1),
+            helper.make_node("MatMul", [f"h{i}", f"W{i}"], [f"m{i}"]),
+            helper.make_node("Add", [f"m{i}", f"r{i}"], [f"h{i + 1}"]),
+        ]
+    outputs.insert(0, helper.make_tensor_value_info(f"h{layers}", f32, ["n", HIDDEN]))
+    graph = helper.make_graph(nodes, "kv_stack", inputs, outputs, inits)
+    return helper.make_model(graph, opset_imports=OPSET)
+
+
+def kv_feeds(layers: int = 4, n: int = 3, past: int = 5) -> dict[str, np.ndarray]:
+    """Inputs for :func:`kv_stack`."""
+    rng = np.random.default_rng(7)
+    feeds = {"h0": rng.standard_normal((n, HIDDEN)).astype(np.float32)}
+    for i in range(layers):
+        feeds[f"past{i}"] = rng.standard_normal((past, HIDDEN)).astype(np.float32)
+    return feeds

@@ -135,6 +135,10 @@ def test_devices_json_contract() -> None:
     assert DeviceList.from_obj({"devices": doc["devices"]}).links == []
     with pytest.raises(SchemaError):
         DeviceList.from_obj({"devices": doc["devices"] * 2})
+    with pytest.raises(SchemaError):
+        DeviceList.from_obj({**doc, "links": doc["links"] * 2})
+    with pytest.raises(SchemaError):
+        DeviceList.from_obj({**doc, "links": [{"a": "nas", "b": "nas", "bandwidth_mbps": 1}]})
 
 
 def test_manifest_contract_round_trip_and_index_order() -> None:
