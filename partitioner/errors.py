@@ -33,6 +33,10 @@ class GraphError(PartitionerError):
     """The ONNX model cannot be loaded, analysed or cut."""
 
 
+class CalibrationError(GraphError):
+    """The per-unit segments could not be timed (a segment failed to load or run)."""
+
+
 class VerificationError(PartitionerError):
     """Running the segments as a chain does not reproduce the whole model's outputs."""
 

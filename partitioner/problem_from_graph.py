@@ -2,6 +2,9 @@
 
 from __future__ import annotations
 
+from collections.abc import Sequence
+
+from partitioner.errors import GraphError
 from partitioner.units import UnitPlan
 from protocols.devices import DeviceList
 from protocols.problem import PlanningProblem
@@ -13,15 +16,28 @@ def device_type(name: str) -> str:
 
 
 def build_problem(
-    units: UnitPlan, devices: DeviceList, *, queue_depth: int = 2, name: str = ""
+    units: UnitPlan,
+    devices: DeviceList,
+    *,
+    queue_depth: int = 2,
+    name: str = "",
+    compute_shares: Sequence[float] | None = None,
 ) -> PlanningProblem:
     """The planning problem for placing ``units`` on ``devices``.
 
     A unit's compute on a device is its FLOPs over the device's GFLOP/s; shared initializers
-    (tied embeddings) are counted in each stage that reads them; links are copied. Raises
-    :class:`~protocols.errors.SchemaError` if the devices do not make a valid problem (e.g. a
-    link given twice).
+    (tied embeddings) are counted in each stage that reads them; links are copied.
+
+    ``compute_shares`` (one per unit, summing to 1, e.g. measured by
+    :mod:`partitioner.calibrate`) redistributes the compute: a unit's compute becomes the whole
+    model's FLOPs over the device's GFLOP/s times its share, so each device keeps its rated
+    speed while the units' relative costs are the measured ones.
+
+    Raises :class:`~protocols.errors.SchemaError` if the devices do not make a valid problem
+    (e.g. a link given twice), :class:`~partitioner.errors.GraphError` if ``compute_shares``
+    does not have one share per unit.
     """
+    work = _unit_work(units, compute_shares)
     document = {
         "name": name,
         "input_bytes": units.input_bytes,
@@ -33,10 +49,10 @@ def build_problem(
                 "out_bytes": u.out_bytes,
                 "workspace_bytes": u.workspace_bytes,
                 "compute_s": {
-                    device_type(d.name): u.flops / (d.gflops * 1e9) for d in devices.devices
+                    device_type(d.name): flops / (d.gflops * 1e9) for d in devices.devices
                 },
             }
-            for u in units.units
+            for u, flops in zip(units.units, work, strict=True)
         ],
         "devices": [
             {
@@ -53,3 +69,13 @@ def build_problem(
         ],
     }
     return PlanningProblem.from_obj(document)
+
+
+def _unit_work(units: UnitPlan, shares: Sequence[float] | None) -> list[float]:
+    """FLOPs to charge each unit: its own, or its share of the model's."""
+    if shares is None:
+        return [float(u.flops) for u in units.units]
+    if len(shares) != len(units.units):
+        raise GraphError(f"{len(shares)} compute shares for {len(units.units)} units")
+    total = sum(u.flops for u in units.units)
+    return [total * share for share in shares]

@@ -7,12 +7,19 @@ are the file-writing layer.
 from __future__ import annotations
 
 import re
+import tempfile
 from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 
 import onnx
 
+from partitioner.calibrate import (
+    DEFAULT_RUNS,
+    DEFAULT_THREADS,
+    Calibration,
+    time_chain,
+)
 from partitioner.costs import ShapeTable
 from partitioner.errors import GraphError
 from partitioner.frontier import Frontier, build_frontier
@@ -69,6 +76,10 @@ class SplitResult:
     analysis: Analysis
     segments: tuple[WrittenSegment, ...]
     verification: VerifyResult | None = None
+    calibration: Calibration | None = None
+    """Per-unit times on this machine when the split was calibrated."""
+    flop_plan: Plan | None = None
+    """When calibrated: the plan FLOP estimates alone would have given (for comparison)."""
 
 
 @dataclass(frozen=True)
@@ -84,6 +95,10 @@ class SplitOptions:
     max_units: int = DEFAULT_MAX_UNITS
     carry_io: bool = True
     external_threshold_bytes: int | None = None
+    calibrate: bool = False
+    """Time every unit in ONNX Runtime and plan with the measured distribution of compute."""
+    calibration_runs: int = DEFAULT_RUNS
+    calibration_threads: int = DEFAULT_THREADS
 
 
 def analyse(
@@ -131,6 +146,32 @@ def unit_cuts(units: UnitPlan, plan: Plan) -> list[int]:
     return [units.boundaries[s.start] for s in plan.stages] + [units.boundaries[-1]]
 
 
+def calibrate_units(
+    analysis: Analysis,
+    scratch: Path,
+    *,
+    source_dir: Path | None = None,
+    runs: int = DEFAULT_RUNS,
+    threads: int = DEFAULT_THREADS,
+) -> Calibration:
+    """Time every unit of ``analysis`` on its samples (see :mod:`partitioner.calibrate`).
+
+    The per-unit segments are written to a temporary directory inside ``scratch`` (so a large
+    model's copy lands next to its real segments, not in ``/tmp``) and removed afterwards.
+    Raises :class:`~partitioner.errors.CalibrationError`.
+    """
+    units = analysis.units
+    scratch.mkdir(parents=True, exist_ok=True)
+    with tempfile.TemporaryDirectory(prefix=".fedshard-calibrate-", dir=scratch) as tmp:
+        written = write_segments(analysis, units.boundaries, Path(tmp), source_dir=source_dir)
+        samples = time_chain(
+            [w.files[0] for w in written], analysis.samples, runs=runs, threads=threads
+        )
+    return Calibration.from_samples(
+        [u.name for u in units.units], [u.flops for u in units.units], samples, threads=threads
+    )
+
+
 def write_segments(
     analysis: Analysis,
     cuts: Sequence[int],
@@ -173,9 +214,13 @@ def split_model(
 ) -> SplitResult:
     """Plan ``model_path`` onto ``devices``, write the segments and manifest into ``out_dir``.
 
+    With ``options.calibrate`` every unit is first timed on this machine and the plan (and the
+    manifest's predicted compute) uses the measured distribution of compute over the units.
     With ``options.verify`` the segments are run as a chain against the whole model before the
     manifest is written. Raises :class:`~partitioner.errors.InfeasiblePlanError`,
-    :class:`~partitioner.errors.GraphError` or :class:`~partitioner.errors.VerificationError`.
+    :class:`~partitioner.errors.GraphError` (of which
+    :class:`~partitioner.errors.CalibrationError`) or
+    :class:`~partitioner.errors.VerificationError`.
     """
     opts = options or SplitOptions()
     choose = planner or _default_planner()
@@ -184,10 +229,19 @@ def split_model(
     analysis = analyse(
         model, dims=opts.dims, samples=given, max_units=opts.max_units, carry_io=opts.carry_io
     )
-    problem = build_problem(
-        analysis.units, devices, queue_depth=opts.queue_depth, name=model_path.stem
-    )
-    plan = choose(problem, opts.objective)
+    problem = _problem(analysis, devices, opts, model_path.stem)
+    plan = choose(problem, opts.objective)  # an infeasible model fails before any timing
+    calibration = flop_plan = None
+    if opts.calibrate:
+        calibration = calibrate_units(
+            analysis,
+            out_dir,
+            source_dir=model_path.parent,
+            runs=opts.calibration_runs,
+            threads=opts.calibration_threads,
+        )
+        problem = _problem(analysis, devices, opts, model_path.stem, calibration.shares)
+        flop_plan, plan = plan, choose(problem, opts.objective)
     (out_dir / MANIFEST_NAME).unlink(missing_ok=True)
     written = write_segments(
         analysis,
@@ -203,7 +257,21 @@ def split_model(
         )
     manifest = build_manifest(model_path, analysis, plan, written)
     (out_dir / MANIFEST_NAME).write_text(manifest.to_json() + "\n")
-    return SplitResult(manifest, plan, problem, analysis, tuple(written), result)
+    return SplitResult(
+        manifest, plan, problem, analysis, tuple(written), result, calibration, flop_plan
+    )
+
+
+def _problem(
+    analysis: Analysis,
+    devices: DeviceList,
+    opts: SplitOptions,
+    name: str,
+    shares: Sequence[float] | None = None,
+) -> PlanningProblem:
+    return build_problem(
+        analysis.units, devices, queue_depth=opts.queue_depth, name=name, compute_shares=shares
+    )
 
 
 def _default_planner() -> Planner:

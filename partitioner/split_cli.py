@@ -65,6 +65,25 @@ def register(subparsers: Any) -> None:
         action="store_true",
         help="feed model inputs straight to the segments using them (no pass-through)",
     )
+    split.add_argument(
+        "--calibrate",
+        action="store_true",
+        help="time every unit in ONNX Runtime here and plan with the measured compute shares",
+    )
+    split.add_argument(
+        "--calibration-runs",
+        type=_positive_int,
+        default=10,
+        metavar="N",
+        help="timed runs per unit for --calibrate; the fastest counts (10)",
+    )
+    split.add_argument(
+        "--calibration-threads",
+        type=_positive_int,
+        default=1,
+        metavar="N",
+        help="ONNX Runtime intra-op threads for --calibrate (1, like the edge agent)",
+    )
     split.set_defaults(run=run_split)
 
     export = subparsers.add_parser(
@@ -80,6 +99,12 @@ def register(subparsers: Any) -> None:
         "--pooled", action="store_true", help="also output the normalised sentence embedding"
     )
     export.set_defaults(run=run_export)
+
+
+def _positive_int(text: str) -> int:
+    if not text.isdigit() or int(text) < 1:
+        raise argparse.ArgumentTypeError(f"wants a positive integer, got {text!r}")
+    return int(text)
 
 
 def _parse_dims(items: list[str]) -> dict[str, int]:
@@ -118,6 +143,9 @@ def run_split(args: argparse.Namespace) -> int:
         samples_path=args.inputs,
         max_units=args.max_units,
         carry_io=not args.direct_io,
+        calibrate=args.calibrate,
+        calibration_runs=args.calibration_runs,
+        calibration_threads=args.calibration_threads,
     )
     try:
         result = split_model(args.model, devices, args.out, options)
@@ -180,17 +208,69 @@ def print_split(console: Any, result: Any, devices: Any) -> None:
             f"{seg.predicted_compute_s * 1e3:.2f} ms",
             "outputs" if seg.index == last else f"{len(seg.outputs)}: {_size(out_bytes)}",
         )
+    if result.calibration is not None:
+        print_calibration(console, result.calibration)
     console.print(table)
     console.print(
         f"bottleneck {plan.bottleneck_s * 1e3:.3f} ms, latency {plan.latency_s * 1e3:.3f} ms; "
         f"wrote {len(manifest.segments)} segments and manifest.json to "
         f"{result.segments[0].files[0].parent}"
     )
+    if result.calibration is not None:
+        console.print(_calibration_note(result))
     if result.verification is not None:
         v = result.verification
         console.print(
             f"[green]verified:[/] max abs diff {v.max_abs_diff:.3g} (tolerance {v.tolerance:.3g})"
         )
+
+
+def print_calibration(console: Any, calibration: Any) -> None:
+    """Print each unit's share of the FLOPs next to its measured share of the time."""
+    from rich.table import Table
+
+    table = Table(
+        title=(
+            f"calibration: fastest of {calibration.runs} runs per unit, "
+            f"{calibration.threads} thread(s)"
+        )
+    )
+    table.add_column("unit", justify="right", no_wrap=True)
+    table.add_column("name")
+    for column in ("FLOP share", "measured share", "fastest", "median"):
+        table.add_column(column, justify="right", no_wrap=True)
+    rows = zip(
+        calibration.names,
+        calibration.flop_shares,
+        calibration.shares,
+        calibration.seconds,
+        calibration.median_seconds,
+        strict=True,
+    )
+    for k, (name, flop_share, share, fastest, median) in enumerate(rows):
+        table.add_row(
+            str(k),
+            name,
+            f"{flop_share:.1%}",
+            f"{share:.1%}",
+            f"{fastest * 1e3:.3f} ms",
+            f"{median * 1e3:.3f} ms",
+        )
+    console.print(table)
+
+
+def _calibration_note(result: Any) -> str:
+    c = result.calibration
+    moved = result.flop_plan is not None and _layout(result.flop_plan) != _layout(result.plan)
+    return (
+        f"compute calibrated on this machine ({c.total_s * 1e3:.2f} ms for the unit chain): "
+        "predicted compute is each device's GFLOP/s applied to the measured shares; "
+        + ("the plan differs from the FLOP-only one" if moved else "same plan as FLOPs alone give")
+    )
+
+
+def _layout(plan: Any) -> list[tuple[str, int, int]]:
+    return [(s.device, s.start, s.end) for s in plan.stages]
 
 
 def run_export(args: argparse.Namespace) -> int:
