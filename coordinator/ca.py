@@ -9,6 +9,8 @@ peer can be checked against the device it claims to be. The same key signs deplo
 from __future__ import annotations
 
 import datetime as dt
+import ipaddress
+from collections.abc import Sequence
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -92,9 +94,19 @@ class CertificateAuthority:
         return self.issue_for_key(csr.public_key(), name, role)
 
     def issue_for_key(
-        self, public_key: CertificatePublicKeyTypes, name: str, role: str
+        self,
+        public_key: CertificatePublicKeyTypes,
+        name: str,
+        role: str,
+        ip_addresses: Sequence[str] = (),
     ) -> IssuedCertificate:
-        """Certify ``public_key`` as device ``name`` with ``role`` (client and server use)."""
+        """Certify ``public_key`` as device ``name`` with ``role`` (client and server use).
+
+        ``ip_addresses`` are added as IP subject alternative names, for servers that clients
+        reach by address (the Flower SuperLink on 127.0.0.1).
+        """
+        alt_names: list[x509.GeneralName] = [x509.DNSName(name)]
+        alt_names += [x509.IPAddress(ipaddress.ip_address(ip)) for ip in ip_addresses]
         now = dt.datetime.now(dt.UTC)
         subject = x509.Name(
             [
@@ -110,7 +122,7 @@ class CertificateAuthority:
             .serial_number(x509.random_serial_number())
             .not_valid_before(now - dt.timedelta(minutes=5))
             .not_valid_after(now + CERT_LIFETIME)
-            .add_extension(x509.SubjectAlternativeName([x509.DNSName(name)]), critical=False)
+            .add_extension(x509.SubjectAlternativeName(alt_names), critical=False)
             .add_extension(x509.BasicConstraints(ca=False, path_length=None), critical=True)
             .add_extension(
                 x509.ExtendedKeyUsage(

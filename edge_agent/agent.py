@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import asyncio
+import dataclasses
 import json
 import logging
 import os
@@ -10,7 +11,7 @@ import ssl
 from collections.abc import Awaitable, Callable
 from pathlib import Path
 
-from edge_agent.channel import StreamChannel
+from edge_agent.channel import FrameServer
 from edge_agent.config import AgentConfig
 from edge_agent.control import (
     ANY_PEER,
@@ -21,28 +22,34 @@ from edge_agent.control import (
     json_response,
 )
 from edge_agent.discovery import Advertiser
-from edge_agent.errors import PeerRejectedError
-from edge_agent.identity import Identity
+from edge_agent.errors import ConfigError, PeerRejectedError
+from edge_agent.identity import Identity, load_identity
 from edge_agent.links import PeerLink
 from edge_agent.metrics import AgentMetrics
 from edge_agent.microbench import ComputeProfile
+from edge_agent.pairing import accept_grant, pairing_offer, pairing_server_context
 from edge_agent.pipeline import Pipeline
 from edge_agent.probe import probe_link
 from edge_agent.runtime import resident_bytes
 from edge_agent.segments import SegmentStore
-from edge_agent.tls import Peer, client_context, peer_of, server_context
+from edge_agent.tls import Peer, Revocation, client_context, peer_of, server_context
 from protocols.deploy import (
     AgentStatus,
+    ErrorReply,
     Hop,
     LoadedSegment,
     ProbeRequest,
+    Revocations,
     UnloadRequest,
     decode_deploy_body,
 )
+from protocols.errors import SchemaError
+from protocols.pairing import PairingGrant
 from protocols.profile import AgentState, Announcement, DeviceProfile
 
 log = logging.getLogger(__name__)
 
+REVOCATIONS_FILE = "revocations.json"
 READY_FILE = "agent.json"
 """Written to the state dir once the agent listens: name, device id, ports, pid."""
 
@@ -69,39 +76,44 @@ class Agent:
         )
         self._server_ctx = server_context(identity)
         self._client_ctx = client_context(identity)
+        self._pairing_ctx = pairing_server_context(identity)
         self.pipeline = Pipeline(self.store, self.metrics, self._link, config.queue_depth)
         self._control = ControlServer(
             {
                 ("POST", "/v1/deploy"): Route(self._deploy, COORDINATOR_ONLY),
                 ("POST", "/v1/unload"): Route(self._unload, COORDINATOR_ONLY),
                 ("POST", "/v1/probe"): Route(self._probe, COORDINATOR_ONLY),
+                ("POST", "/v1/revocations"): Route(self._revoke, COORDINATOR_ONLY),
                 ("GET", "/v1/status"): Route(self._status, ANY_PEER),
+                ("GET", "/v1/pairing"): Route(self._pairing_offer, None),
+                ("POST", "/v1/pairing"): Route(self._pair, None),
                 ("GET", "/metrics"): Route(self._metrics, ANY_PEER),
             },
             config.max_deploy_bytes,
         )
         self._connections: set[asyncio.Task[object]] = set()
+        self.revocation = _load_revocation(config.state_dir / REVOCATIONS_FILE)
+        self._data: FrameServer | None = None
         self._ports = (0, 0)
 
     async def run(self, stop: asyncio.Event) -> None:
         """Serve until ``stop`` is set, then withdraw the announcement and close everything."""
         cfg = self.config
-        self.pipeline.start()
-        control = await asyncio.start_server(
-            lambda r, w: self._accept(r, w, "control", self._serve_control),
-            cfg.interface,
-            cfg.control_port,
-            limit=1 << 16,
-        )
-        data = await asyncio.start_server(
-            lambda r, w: self._accept(r, w, "data", self._serve_data),
-            cfg.interface,
-            cfg.data_port,
-            limit=1 << 20,
-        )
-        self._ports = (control.sockets[0].getsockname()[1], data.sockets[0].getsockname()[1])
         ready = cfg.state_dir / READY_FILE
+        control: asyncio.Server | None = None
+        self.pipeline.start()
         try:
+            control = await asyncio.start_server(
+                lambda r, w: self._accept(r, w, self._serve_control),
+                cfg.interface,
+                cfg.control_port,
+                limit=1 << 16,
+            )
+            self._data = FrameServer(
+                self.pipeline.serve, self._server_ctx, cfg.max_frame_bytes, self.revocation.admit
+            )
+            data_port = await self._data.start(cfg.interface, cfg.data_port)
+            self._ports = (control.sockets[0].getsockname()[1], data_port)
             if self._advertiser is not None:
                 await self._advertiser.start(self.announcement())
             _write_ready(ready, self)
@@ -112,7 +124,9 @@ class Agent:
                 self._ports[0],
                 cfg.interface,
                 self._ports[1],
-                "paired" if self.identity.paired else "UNPAIRED (every handshake is refused)",
+                "paired"
+                if self.identity.paired
+                else f"UNPAIRED, pairing code {pairing_offer(self.identity).code}",
                 self.profile.gflops,
             )
             await stop.wait()
@@ -121,13 +135,14 @@ class Agent:
             ready.unlink(missing_ok=True)
             if self._advertiser is not None:
                 await self._advertiser.close()
-            for server in (control, data):
-                server.close()
-            for task in list(self._connections):
-                task.cancel()
-            await asyncio.gather(*self._connections, return_exceptions=True)
-            for server in (control, data):
-                await server.wait_closed()
+            if control is not None:
+                control.close()
+                for task in list(self._connections):
+                    task.cancel()
+                await asyncio.gather(*self._connections, return_exceptions=True)
+                await control.wait_closed()
+            if self._data is not None:
+                await self._data.close()
             await self.pipeline.stop()
 
     @property
@@ -158,17 +173,24 @@ class Agent:
         self,
         reader: asyncio.StreamReader,
         writer: asyncio.StreamWriter,
-        plane: str,
         handler: _Handler,
     ) -> None:
+        """Control-plane connection: TLS handshake (logged when refused), then one request."""
+        plane = "control"
         task = asyncio.current_task()
         assert task is not None
         self._connections.add(task)
         address = writer.get_extra_info("peername")
         try:
             try:
-                await writer.start_tls(self._server_ctx, ssl_handshake_timeout=10.0)
-                peer = peer_of(writer.get_extra_info("ssl_object"))
+                paired = self.identity.paired
+                ctx = self._server_ctx if paired else self._pairing_ctx
+                await writer.start_tls(ctx, ssl_handshake_timeout=10.0)
+                ssl_object = writer.get_extra_info("ssl_object")
+                if paired or (ssl_object is not None and ssl_object.getpeercert()):
+                    peer = self.revocation.admit(peer_of(ssl_object))
+                else:
+                    peer = Peer(name=f"unauthenticated {address}", role="")
             except (ssl.SSLError, OSError, TimeoutError, PeerRejectedError) as exc:
                 self.metrics.frame_errors.labels("TlsHandshake").inc()
                 log.warning("refused %s-plane connection from %s: %s", plane, address, exc)
@@ -187,18 +209,15 @@ class Agent:
         finally:
             self._connections.discard(task)
 
-    async def _serve_data(
-        self, reader: asyncio.StreamReader, writer: asyncio.StreamWriter, peer: Peer
-    ) -> None:
-        await self.pipeline.serve(StreamChannel(reader, writer, self.config.max_frame_bytes, peer))
-
     async def _serve_control(
         self, reader: asyncio.StreamReader, writer: asyncio.StreamWriter, peer: Peer
     ) -> None:
         await self._control.handle(reader, writer, peer)
 
     def _link(self, hop: Hop) -> PeerLink:
-        return PeerLink(hop, self._client_ctx, self.config.max_frame_bytes)
+        return PeerLink(
+            hop, self._client_ctx, self.config.max_frame_bytes, admit=self.revocation.admit
+        )
 
     async def _deploy(self, body: bytes) -> Response:
         request, segment, warmup = decode_deploy_body(body)
@@ -223,6 +242,43 @@ class Agent:
             self.config.name, request, self._client_ctx, self.config.max_frame_bytes
         )
         return json_response(report.model_dump_json())
+
+    async def _revoke(self, body: bytes) -> Response:
+        request = Revocations.from_json(body)
+        path = self.config.state_dir / REVOCATIONS_FILE
+        tmp = path.with_suffix(".tmp")
+        tmp.write_text(request.model_dump_json())
+        tmp.replace(path)
+        self.revocation.replace(request.names, request.fingerprints)
+        dropped = self._data.drop(self.revocation.revoked) if self._data is not None else 0
+        await self.pipeline.drop_links(self.revocation.names)
+        log.warning(
+            "revocation list now has %d names, %d fingerprints; dropped %d connections",
+            len(request.names),
+            len(request.fingerprints),
+            dropped,
+        )
+        return await self._status(b"")
+
+    async def _pairing_offer(self, body: bytes) -> Response:
+        if self.identity.paired:
+            reply = ErrorReply(error="Paired", message="this agent is already paired")
+            return Response(410, reply.model_dump_json().encode())
+        return json_response(pairing_offer(self.identity).model_dump_json())
+
+    async def _pair(self, body: bytes) -> Response:
+        grant = PairingGrant.from_json(body)
+        files = accept_grant(self.identity, grant, self.config.state_dir)
+        identity = load_identity(dataclasses.replace(self.config, tls=files))
+        self.identity = identity
+        self._server_ctx = server_context(identity)
+        self._client_ctx = client_context(identity)
+        self.store.identity = identity
+        if self._data is not None:
+            self._data.ctx = self._server_ctx
+        log.warning("paired: certificate %s from the coordinator's CA", identity.cert_fingerprint)
+        await self._announce()
+        return await self._status(b"")
 
     async def _status(self, body: bytes) -> Response:
         status = AgentStatus(
@@ -251,6 +307,16 @@ class Agent:
     async def _announce(self) -> None:
         if self._advertiser is not None:
             await self._advertiser.update(self.announcement())
+
+
+def _load_revocation(path: Path) -> Revocation:
+    if not path.exists():
+        return Revocation()
+    try:
+        saved = Revocations.from_json(path.read_bytes())
+    except (OSError, SchemaError) as exc:
+        raise ConfigError(f"cannot read the revocation list {path}: {exc}") from exc
+    return Revocation(saved.names, saved.fingerprints)
 
 
 def _write_ready(path: Path, agent: Agent) -> None:

@@ -51,7 +51,9 @@ def register(subparsers: Any) -> None:
         help="measure this device's compute (GFLOP/s) and cache it",
         description="Run the ONNX Runtime micro-benchmark and cache the result in the state dir.",
     )
-    profile.add_argument("--state-dir", type=Path, default=DEFAULT_STATE_DIR)
+    profile.add_argument(
+        "--state-dir", type=Path, default=DEFAULT_STATE_DIR, help="where the profile is cached"
+    )
     profile.add_argument("--json", action="store_true", help="print the profile as JSON")
     _add_runtime_args(profile)
     profile.set_defaults(run=run_profile)
@@ -105,7 +107,7 @@ def run_agent(args: argparse.Namespace) -> int:
     except ConfigError as exc:
         log.error("%s", exc)
         return 2
-    except AgentError as exc:
+    except (AgentError, OSError) as exc:
         log.error("agent failed: %s", exc)
         return 1
 
@@ -117,9 +119,13 @@ def run_profile(args: argparse.Namespace) -> int:
 
     from edge_agent.microbench import load_or_measure
 
-    runtime = RuntimeConfig(args.threads, args.inter_op_threads)
-    profile = load_or_measure(args.state_dir, runtime, remeasure=True)
     console = Console()
+    try:
+        runtime = RuntimeConfig(args.threads, args.inter_op_threads)
+        profile = load_or_measure(args.state_dir, runtime, remeasure=True)
+    except (ConfigError, OSError) as exc:
+        console.print(f"[red]error:[/] cannot profile into {args.state_dir}: {exc}")
+        return 2
     if args.json:
         console.print_json(profile.model_dump_json())
         return 0

@@ -49,6 +49,10 @@ class RuntimeConfig:
     inter_op_threads: int = 1
     warmup_runs: int = 3
 
+    def __post_init__(self) -> None:
+        if self.intra_op_threads < 1 or self.inter_op_threads < 1:
+            raise ConfigError("ONNX Runtime thread counts must be at least 1")
+
 
 @dataclass(frozen=True)
 class AgentConfig:
@@ -77,5 +81,3 @@ class AgentConfig:
             raise ConfigError("--memory must be positive")
         if self.queue_depth < 1:
             raise ConfigError("--queue-depth must be at least 1")
-        if self.runtime.intra_op_threads < 1 or self.runtime.inter_op_threads < 1:
-            raise ConfigError("ONNX Runtime thread counts must be at least 1")

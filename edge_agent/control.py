@@ -1,6 +1,7 @@
 """The control plane: a small HTTPS/1.1 server (stdlib asyncio + ssl, one request per connection).
 
-Routes (client certificate required; ``coordinator`` role where marked)::
+Routes (client certificate required, ``coordinator`` role where marked; while unpaired, no
+client certificate is asked for and only the pairing routes answer)::
 
     POST /v1/deploy   coordinator  body from protocols.deploy.encode_deploy_body -> DeployReport
     POST /v1/unload   coordinator  UnloadRequest                               -> AgentStatus
@@ -18,7 +19,7 @@ import logging
 from collections.abc import Awaitable, Callable
 from dataclasses import dataclass
 
-from edge_agent.errors import DeployError, LinkError, PeerRejectedError
+from edge_agent.errors import DeployError, LinkError, PairingError, PeerRejectedError
 from edge_agent.tls import Peer, check_peer
 from protocols.deploy import ROLE_AGENT, ROLE_COORDINATOR, ErrorReply
 from protocols.errors import ProtocolError
@@ -32,6 +33,7 @@ _REASONS = {
     403: "Forbidden",
     404: "Not Found",
     409: "Conflict",
+    410: "Gone",
     411: "Length Required",
     413: "Content Too Large",
     422: "Unprocessable Content",
@@ -54,7 +56,8 @@ class Route:
     """A handler and who may call it."""
 
     handler: Callable[[bytes], Awaitable[Response]]
-    roles: frozenset[str]
+    roles: frozenset[str] | None
+    """Roles allowed to call it; None: anyone who completed the TLS handshake (pairing)."""
 
 
 COORDINATOR_ONLY = frozenset({ROLE_COORDINATOR})
@@ -99,14 +102,15 @@ class ControlServer:
         if route is None:
             return _error(404, "NotFound", f"no route {method} {path}")
         try:
-            check_peer(peer, roles=route.roles)
+            if route.roles is not None:
+                check_peer(peer, roles=route.roles)
         except PeerRejectedError as exc:
             log.warning("refused %s %s from %s: %s", method, path, peer.name, exc)
             return _error(403, type(exc).__name__, str(exc))
         try:
             return await route.handler(body)
-        except DeployError as exc:
-            log.warning("refused deploy from %s: %s", peer.name, exc)
+        except (DeployError, PairingError) as exc:
+            log.warning("refused %s %s from %s: %s", method, path, peer.name, exc)
             return _error(exc.http_status, type(exc).__name__, str(exc))
         except ProtocolError as exc:
             log.warning("bad %s %s from %s: %s", method, path, peer.name, exc)

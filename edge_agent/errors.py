@@ -17,7 +17,8 @@ everything the agent itself refuses raises one of these::
     │   ├── NoSegmentError     no segment for that plan version and segment index
     │   ├── ExecutionError     ONNX Runtime failed while running the segment
     │   └── RemoteRequestError a requester got an error frame back from the chain
-    └── LinkError              the next agent of the chain cannot be reached
+    ├── LinkError              the next agent of the chain cannot be reached
+    └── PairingError           a pairing grant does not fit this agent   -> HTTP 409
 
 The boundaries: the control plane turns ``DeployError`` and ``ProtocolError`` into an
 ``ErrorReply`` with a 4xx status; the data plane turns ``RequestError`` and ``FrameError`` into an
@@ -96,3 +97,9 @@ class LinkError(AgentError):
 
 class RemoteRequestError(RequestError):
     """The chain answered a request with an error frame (seen by a requester)."""
+
+
+class PairingError(AgentError):
+    """A pairing grant was refused (already paired, wrong key, name or issuer)."""
+
+    http_status = 409

@@ -47,7 +47,7 @@ class Identity:
 
 def device_id_of(public_key: PublicKey) -> str:
     """Stable device id: the first 32 hex digits of SHA-256 over the public key (SPKI DER)."""
-    return hashlib.sha256(_spki(public_key)).hexdigest()[:32]
+    return hashlib.sha256(spki(public_key)).hexdigest()[:32]
 
 
 def cert_fingerprint(cert: x509.Certificate) -> str:
@@ -60,12 +60,12 @@ def load_identity(config: AgentConfig) -> Identity:
     if config.tls is None:
         return _unpaired_identity(config)
     try:
-        key = _load_private_key(config.tls.key.read_bytes())
+        key = load_private_key(config.tls.key.read_bytes())
         cert = x509.load_pem_x509_certificate(config.tls.cert.read_bytes())
         ca = x509.load_pem_x509_certificate(config.tls.ca.read_bytes())
     except (OSError, ValueError) as exc:
         raise ConfigError(f"cannot read the TLS files: {exc}") from exc
-    if _spki(cert.public_key()) != _spki(key.public_key()):
+    if spki(cert.public_key()) != spki(key.public_key()):
         raise ConfigError(f"{config.tls.cert} does not belong to the key {config.tls.key}")
     try:
         cert.verify_directly_issued_by(ca)
@@ -110,7 +110,7 @@ def _unpaired_identity(config: AgentConfig) -> Identity:
     config.state_dir.mkdir(parents=True, exist_ok=True)
     key_path = config.state_dir / KEY_FILE
     if key_path.exists():
-        key = _load_private_key(key_path.read_bytes())
+        key = load_private_key(key_path.read_bytes())
     else:
         key = ec.generate_private_key(ec.SECP256R1())
         pem = key.private_bytes(
@@ -126,7 +126,7 @@ def _unpaired_identity(config: AgentConfig) -> Identity:
     return Identity(
         name=config.name,
         device_id=device_id_of(_public(key)),
-        cert_fingerprint=hashlib.sha256(_spki(_public(key))).hexdigest(),
+        cert_fingerprint=hashlib.sha256(spki(_public(key))).hexdigest(),
         paired=False,
         cert_path=cert_path,
         key_path=key_path,
@@ -156,7 +156,8 @@ def _self_signed(key: PrivateKey, name: str) -> x509.Certificate:
     return builder.sign(key, algorithm)
 
 
-def _load_private_key(pem: bytes) -> PrivateKey:
+def load_private_key(pem: bytes) -> PrivateKey:
+    """An EC or Ed25519 private key from unencrypted PEM; raises ConfigError otherwise."""
     key = serialization.load_pem_private_key(pem, password=None)
     if not isinstance(key, ec.EllipticCurvePrivateKey | ed25519.Ed25519PrivateKey):
         raise ConfigError("the agent key must be EC or Ed25519")
@@ -167,7 +168,8 @@ def _public(key: PrivateKey) -> PublicKey:
     return key.public_key()
 
 
-def _spki(public_key: object) -> bytes:
+def spki(public_key: object) -> bytes:
+    """SubjectPublicKeyInfo DER of an EC or Ed25519 public key."""
     if not isinstance(public_key, ec.EllipticCurvePublicKey | ed25519.Ed25519PublicKey):
         raise ConfigError("unsupported public key type")
     return public_key.public_bytes(

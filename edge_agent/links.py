@@ -5,13 +5,13 @@ from __future__ import annotations
 import asyncio
 import logging
 import ssl
-from collections.abc import Mapping
+from collections.abc import Callable, Mapping
 from typing import Protocol
 
 from edge_agent.channel import FrameChannel, open_channel
 from edge_agent.checks import Array
 from edge_agent.errors import LinkError, PeerRejectedError
-from edge_agent.tls import check_peer
+from edge_agent.tls import Peer, check_peer
 from protocols.deploy import ROLE_AGENT, Hop
 from protocols.errors import FrameError
 from protocols.frames import FrameHeader
@@ -45,8 +45,10 @@ class PeerLink:
         max_frame_bytes: int,
         attempts: int = 4,
         backoff_s: float = 0.25,
+        admit: Callable[[Peer], Peer] | None = None,
     ) -> None:
         self.hop = hop
+        self._admit = admit
         self._ctx = ctx
         self._max = max_frame_bytes
         self._attempts = attempts
@@ -79,6 +81,8 @@ class PeerLink:
                 )
                 try:
                     check_peer(channel.peer, name=self.hop.device, roles={ROLE_AGENT})
+                    if self._admit is not None:
+                        self._admit(channel.peer)
                 except PeerRejectedError:
                     await channel.close()
                     raise

@@ -85,6 +85,8 @@ class Pipeline:
             asyncio.create_task(self._compute_loop(), name="compute"),
             asyncio.create_task(self._send_loop(), name="send"),
         ]
+        for task in self._tasks:
+            task.add_done_callback(_worker_ended)
 
     async def stop(self) -> None:
         """Stop the workers, close the links, release the compute thread."""
@@ -153,7 +155,12 @@ class Pipeline:
         manifest = deployed.manifest
         index, chain = manifest.segment.index, manifest.chain
         if header.segment_index == len(chain) and manifest.is_first and not manifest.is_last:
-            check_peer(channel.peer, name=chain[-1].device, roles={ROLE_AGENT})
+            # results come from the last agent; error reports from any agent of the chain
+            if header.error:
+                if channel.peer.name not in {hop.device for hop in chain[1:]}:
+                    raise PeerRejectedError(f"{channel.peer.name!r} is not part of this chain")
+            else:
+                check_peer(channel.peer, name=chain[-1].device, roles={ROLE_AGENT})
             await self._to_requester(header, tensors)
             return
         if header.segment_index != index:
@@ -211,6 +218,11 @@ class Pipeline:
             await self._send_q.put(_Outgoing(work.deployed, work.header, forward))
             self._metrics.queue_depth.labels("send").set(self._send_q.qsize())
 
+    async def drop_links(self, devices: frozenset[str]) -> None:
+        """Close the outgoing links to these devices (they were revoked)."""
+        for hop in [hop for hop in self._links if hop.device in devices]:
+            await self._links.pop(hop).close()
+
     async def _send_loop(self) -> None:
         while True:
             out = await self._send_q.get()
@@ -220,7 +232,8 @@ class Pipeline:
                 await self._deliver(out.deployed, out.header, out.tensors)
             except LinkError as exc:
                 self._metrics.requests.labels("link_error").inc()
-                log.error("request %s lost: %s", out.header.request_id, exc)
+                log.error("request %s failed: %s", out.header.request_id, exc)
+                await self._report_link_failure(out.deployed, out.header, exc)
                 continue
             self._metrics.send_seconds.observe(time.perf_counter() - start)
             self._metrics.requests.labels("error" if out.header.error else "ok").inc()
@@ -242,6 +255,27 @@ class Pipeline:
             link = self._links[chain[nxt]] = self._link_factory(chain[nxt])
         sent = await link.send(header.model_copy(update={"segment_index": target}), tensors)
         self._metrics.bytes_out.inc(sent)
+
+    async def _report_link_failure(
+        self, deployed: Deployed, header: FrameHeader, exc: LinkError
+    ) -> None:
+        """Tell the requester that the chain is broken: directly on the first stage, else by an
+        error frame straight to the first agent (which accepts errors from any chain member)."""
+        manifest = deployed.manifest
+        chain = manifest.chain
+        error = header.model_copy(
+            update={"error": f"LinkError: {exc}"[:4096], "segment_index": len(chain)}
+        )
+        if manifest.is_first:
+            await self._to_requester(error, {})
+            return
+        link = self._links.get(chain[0])
+        if link is None:
+            link = self._links[chain[0]] = self._link_factory(chain[0])
+        try:
+            await link.send(error, {})
+        except LinkError as again:
+            log.error("cannot tell the first agent about %s either: %s", header.request_id, again)
 
     async def _to_requester(self, header: FrameHeader, tensors: Mapping[str, Array]) -> None:
         channel = self._pending.pop(header.request_id, None)
@@ -282,3 +316,11 @@ class Pipeline:
 
     def _count_error(self, exc: Exception) -> None:
         self._metrics.frame_errors.labels(type(exc).__name__).inc()
+
+
+def _worker_ended(task: asyncio.Task[None]) -> None:
+    """A worker loop only ends by cancellation; anything else is a bug that stops the stage."""
+    if not task.cancelled() and (exc := task.exception()) is not None:
+        log.critical(
+            "the %s worker crashed; this stage no longer serves", task.get_name(), exc_info=exc
+        )

@@ -12,7 +12,7 @@ import logging
 import ssl
 from collections.abc import Mapping
 
-from edge_agent.channel import StreamChannel, open_channel
+from edge_agent.channel import FrameChannel, open_channel
 from edge_agent.checks import Array
 from edge_agent.errors import LinkError, RemoteRequestError
 from edge_agent.tls import check_peer
@@ -26,7 +26,7 @@ log = logging.getLogger(__name__)
 class Requester:
     """One connection to the first agent of a chain."""
 
-    def __init__(self, channel: StreamChannel, plan_version: int) -> None:
+    def __init__(self, channel: FrameChannel, plan_version: int) -> None:
         self._channel = channel
         self._plan_version = plan_version
         self._futures: dict[str, asyncio.Future[dict[str, Array]]] = {}

@@ -18,6 +18,7 @@ from edge_agent.checks import Array, check_tensors
 from edge_agent.config import RuntimeConfig
 from edge_agent.errors import (
     BudgetError,
+    DeployError,
     InputMismatchError,
     IntegrityError,
     SegmentLoadError,
@@ -54,7 +55,7 @@ class SegmentStore:
     def __init__(
         self, identity: Identity, budget_bytes: int, runtime: RuntimeConfig, segment_dir: Path
     ) -> None:
-        self._identity = identity
+        self.identity = identity
         self._dir = segment_dir
         self._budget = budget_bytes
         self._runtime = runtime
@@ -92,14 +93,14 @@ class SegmentStore:
         except ValueError as exc:
             raise SignatureError("the signature is not hex") from exc
         verify_signature(
-            self._identity.ca_public_key,
+            self.identity.ca_public_key,
             request.signature_algorithm,
             signature,
             signing_bytes(manifest),
         )
-        if entry.device != self._identity.name:
+        if entry.device != self.identity.name:
             raise WrongTargetError(
-                f"segment is for {entry.device!r}, this is {self._identity.name!r}"
+                f"segment is for {entry.device!r}, this is {self.identity.name!r}"
             )
         with self._lock:
             if manifest.plan_version in self._segments:
@@ -114,21 +115,21 @@ class SegmentStore:
             before = resident_bytes()
             try:
                 session = SegmentSession.load(path, self._runtime)
-            except SegmentLoadError:
+                feeds = _warmup_feeds(session, warmup) if len(warmup) else None
+                first, median = session.warm_up(
+                    feeds, manifest.warmup_shapes, self._runtime.warmup_runs
+                )
+                measured = resident_bytes() - before
+                if measured > free:
+                    raise BudgetError(
+                        f"segment added {measured} resident bytes after load and warm-up, "
+                        f"over the {free} bytes free of the budget"
+                    )
+            except DeployError:
                 self._drop_file(entry.sha256)
                 raise
-            feeds = _warmup_feeds(session, warmup) if len(warmup) else None
-            first, median = session.warm_up(
-                feeds, manifest.warmup_shapes, self._runtime.warmup_runs
-            )
-            measured = resident_bytes() - before
-            if measured > free:
-                raise BudgetError(
-                    f"segment added {measured} resident bytes after load and warm-up, "
-                    f"over the {free} bytes free of the budget"
-                )
             report = DeployReport(
-                device=self._identity.name,
+                device=self.identity.name,
                 plan_version=manifest.plan_version,
                 segment_sha256=entry.sha256,
                 predicted_memory_bytes=entry.predicted_memory_bytes,

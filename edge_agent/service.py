@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import asyncio
+import dataclasses
 import logging
 import signal
 
@@ -11,6 +12,7 @@ from edge_agent.config import AgentConfig
 from edge_agent.discovery import ZeroconfAdvertiser
 from edge_agent.identity import load_identity
 from edge_agent.microbench import load_or_measure
+from edge_agent.pairing import stored_tls
 from edge_agent.runtime import prime
 
 log = logging.getLogger(__name__)
@@ -18,6 +20,8 @@ log = logging.getLogger(__name__)
 
 def serve(config: AgentConfig) -> int:
     """Run the agent until SIGTERM or Ctrl-C; returns the exit code."""
+    if config.tls is None and (stored := stored_tls(config.state_dir)) is not None:
+        config = dataclasses.replace(config, tls=stored)
     identity = load_identity(config)
     profile = load_or_measure(config.state_dir, config.runtime, remeasure=config.reprofile)
     prime(config.runtime)

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import hashlib
 import ssl
 from collections.abc import Collection
 from dataclasses import dataclass
@@ -16,6 +17,8 @@ class Peer:
 
     name: str
     role: str
+    fingerprint: str = ""
+    """SHA-256 of the certificate (DER), hex; empty for plain-TCP test peers."""
 
 
 def server_context(identity: Identity) -> ssl.SSLContext:
@@ -57,7 +60,9 @@ def peer_of(ssl_object: ssl.SSLObject | ssl.SSLSocket | None) -> Peer:
     name = fields.get("commonName")
     if not name:
         raise PeerRejectedError("the peer's certificate has no common name")
-    return Peer(name=name, role=fields.get("organizationalUnitName", ""))
+    der = ssl_object.getpeercert(binary_form=True) if ssl_object is not None else None
+    fingerprint = hashlib.sha256(der).hexdigest() if der else ""
+    return Peer(name=name, role=fields.get("organizationalUnitName", ""), fingerprint=fingerprint)
 
 
 def check_peer(
@@ -69,3 +74,28 @@ def check_peer(
     if roles is not None and peer.role not in roles:
         raise PeerRejectedError(f"peer {peer.name!r} has role {peer.role!r}, not {sorted(roles)}")
     return peer
+
+
+class Revocation:
+    """The devices this agent refuses on every channel (set by the coordinator, persisted)."""
+
+    def __init__(self, names: Collection[str] = (), fingerprints: Collection[str] = ()) -> None:
+        self.names = frozenset(names)
+        self.fingerprints = frozenset(fingerprints)
+
+    def replace(self, names: Collection[str], fingerprints: Collection[str]) -> None:
+        """Install a new complete list."""
+        self.names = frozenset(names)
+        self.fingerprints = frozenset(fingerprints)
+
+    def revoked(self, peer: Peer) -> bool:
+        """Whether ``peer`` is on the list."""
+        return peer.name in self.names or bool(
+            peer.fingerprint and peer.fingerprint in self.fingerprints
+        )
+
+    def admit(self, peer: Peer) -> Peer:
+        """Return ``peer``, or raise PeerRejectedError when it is revoked."""
+        if self.revoked(peer):
+            raise PeerRejectedError(f"device {peer.name!r} is revoked")
+        return peer

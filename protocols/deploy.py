@@ -183,6 +183,17 @@ class AgentStatus(FrozenModel):
     segments: list[LoadedSegment] = Field(default_factory=list)
 
 
+class Revocations(FrozenModel):
+    """``POST /v1/revocations``: the complete list of revoked devices (it replaces the last one).
+
+    An agent refuses every TLS peer, on both planes, whose certificate names a revoked device or
+    has a revoked SHA-256 fingerprint (hex, over DER).
+    """
+
+    names: list[str] = Field(default_factory=list, max_length=100_000)
+    fingerprints: list[str] = Field(default_factory=list, max_length=100_000)
+
+
 class ErrorReply(FrozenModel):
     """Body of every non-2xx control-plane reply."""
 

@@ -120,6 +120,28 @@ class TestCA:
         )
         return cert_path, key_path
 
+    def certify(self, csr_pem: str, name: str, role: str = ROLE_AGENT) -> str:
+        """PEM certificate for the key of a certificate request (the coordinator's job)."""
+        csr = x509.load_pem_x509_csr(csr_pem.encode())
+        now = dt.datetime.now(dt.UTC)
+        subject = x509.Name(
+            [
+                x509.NameAttribute(NameOID.COMMON_NAME, name),
+                x509.NameAttribute(NameOID.ORGANIZATIONAL_UNIT_NAME, role),
+            ]
+        )
+        cert = (
+            x509.CertificateBuilder()
+            .subject_name(subject)
+            .issuer_name(self.cert.subject)
+            .public_key(csr.public_key())
+            .serial_number(x509.random_serial_number())
+            .not_valid_before(now - dt.timedelta(minutes=5))
+            .not_valid_after(now + dt.timedelta(days=1))
+            .sign(self.key, self._hash())
+        )
+        return cert.public_bytes(serialization.Encoding.PEM).decode()
+
     def sign(self, manifest: DeployManifest) -> DeployRequest:
         """A deploy request with this CA's signature over the manifest."""
         data = signing_bytes(manifest)

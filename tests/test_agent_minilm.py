@@ -14,7 +14,6 @@ import numpy as np
 import onnxruntime as ort
 import pytest
 from agent_helpers import (
-    MINILM_DEVICES,
     TestCA,
     agents,
     control_client,
@@ -47,7 +46,6 @@ def test_minilm_over_three_agents(minilm: tuple[Path, Path, Manifest], tmp_path:
     model, seg_dir, manifest = minilm
     assert len(manifest.segments) == 3
     ca = TestCA(tmp_path / "ca")
-    budgets = {d["name"]: d["memory_bytes"] for d in MINILM_DEVICES["devices"]}
     rng = np.random.default_rng(1)
     lengths = rng.integers(8, 129, size=100)
     requests = [minilm_feeds(1, int(n), seed=i) for i, n in enumerate(lengths)]
@@ -62,8 +60,6 @@ def test_minilm_over_three_agents(minilm: tuple[Path, Path, Manifest], tmp_path:
         for seg, report in zip(manifest.segments, reports, strict=True):
             assert report["predicted_memory_bytes"] == seg.predicted_memory_bytes
             assert int(report["measured_memory_bytes"]) > seg.param_bytes // 2  # type: ignore[call-overload]
-            print(seg.device, seg.predicted_memory_bytes, report["measured_memory_bytes"])
-            assert budgets[seg.device] > 0
 
         async def main() -> list[np.ndarray]:
             requester = await Requester.connect(chain[0], ca.client_context("requester"), 1)

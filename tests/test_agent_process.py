@@ -34,7 +34,7 @@ from cryptography import x509
 from cryptography.hazmat.primitives import hashes
 
 from edge_agent.discovery import ZeroconfBrowser
-from edge_agent.errors import RemoteRequestError
+from edge_agent.errors import LinkError, RemoteRequestError
 from edge_agent.requester import Requester
 from protocols.frames import PREFIX, FrameHeader, encode_frame
 
@@ -290,7 +290,33 @@ def test_link_probe(env: Env) -> None:
     assert report["target"] == "a1" and report["bandwidth_mbps"] > 0 and report["latency_ms"] > 0
 
 
-def test_unpaired_agent_advertises_but_refuses_everyone(tmp_path: Path) -> None:
+def test_revoked_devices_are_refused_on_both_planes(env: Env) -> None:
+    mallory = env.ca.client_context("mallory")
+
+    async def connected_then_revoked() -> None:
+        requester = await Requester.connect(env.procs[0].hop, mallory, 1)
+        try:
+            x = np.ones((1, WIDTH), np.float32)
+            await asyncio.wait_for(requester.infer({"x": x}), 10)  # served before revocation
+            body = {"names": ["mallory"], "fingerprints": []}
+            for proc in env.procs:
+                response = env.client.post(proc.url("/v1/revocations"), json=body)
+                assert response.status_code == 200, response.text
+            with pytest.raises(LinkError):  # its open connection was dropped
+                await asyncio.wait_for(requester.infer({"x": x}), 10)
+        finally:
+            await requester.close()
+
+    asyncio.run(connected_then_revoked())
+    for port in (env.procs[0].data_port, env.procs[0].control_port):
+        with pytest.raises((ssl.SSLError, ConnectionError)):
+            _talk(mallory, port)
+    _wait_for_log(env.procs[0], "is revoked")
+    assert (env.procs[0].state_dir / "revocations.json").exists()
+    env.assert_serves()
+
+
+def test_unpaired_agent_advertises_and_offers_only_pairing(tmp_path: Path) -> None:
     ca = TestCA(tmp_path / "ca")
     agent = start_agent(tmp_path, "lonely", None, memory="16MiB")
     browser = ZeroconfBrowser("127.0.0.1")
@@ -301,7 +327,10 @@ def test_unpaired_agent_advertises_but_refuses_everyone(tmp_path: Path) -> None:
         ctx = ca.client_context("coordinator")
         ctx.verify_mode = ssl.CERT_NONE
         with pytest.raises((ssl.SSLError, ConnectionError)):
-            _talk(ctx, agent.control_port)
+            _talk(ctx, agent.data_port)
+        with httpx.Client(verify=ctx, trust_env=False) as client:  # control: pairing only
+            assert client.get(agent.url("/v1/status")).status_code == 403
+            assert client.get(agent.url("/v1/pairing")).status_code == 200
         assert stop_agent(agent) == 0
         gone = browser.wait_for(lambda s: all(a.profile.name != "lonely" for a in s.values()), 5)
         assert all(a.profile.name != "lonely" for a in gone.values())
@@ -323,3 +352,22 @@ def _wait_for_log(proc: AgentProc, text: str, timeout: float = 5.0) -> None:
     while text not in proc.log():
         assert time.monotonic() < deadline, f"{text!r} not in the log of {proc.name}:\n{proc.log()}"
         time.sleep(0.05)
+
+
+def test_a_dead_agent_gets_the_requester_an_error_not_silence(tmp_path: Path) -> None:
+    ca = TestCA(tmp_path / "ca")
+    with agents(tmp_path, ["b0", "b1", "b2"], ca, extra=["--no-advertise"]) as procs:
+        with control_client(ca) as client:
+            deploy_chain(client, ca, procs, tiny_chain())
+        assert stop_agent(procs[2]) == 0
+
+        async def main() -> None:
+            requester = await Requester.connect(procs[0].hop, ca.client_context("req"), 1)
+            try:
+                x = np.ones((1, WIDTH), np.float32)
+                with pytest.raises(RemoteRequestError, match="LinkError: cannot reach b2"):
+                    await asyncio.wait_for(requester.infer({"x": x}), 30)
+            finally:
+                await requester.close()
+
+        asyncio.run(main())

@@ -191,3 +191,46 @@ def test_store_deploys_and_refuses(tmp_path: Path) -> None:
     with pytest.raises(WrongTargetError, match="already loaded"):
         store.deploy(good, seg)
     assert store.unload(1) and store.get(1) is None
+
+
+def test_cli_builds_one_config() -> None:
+    import argparse
+
+    from edge_agent.cli import config_from_args, register
+
+    parser = argparse.ArgumentParser()
+    register(parser.add_subparsers(dest="command"))
+    base = ["agent", "--name", "a0", "--memory", "64MiB", "--state-dir", "/tmp/x"]
+    config = config_from_args(parser.parse_args([*base, "--port", "8470", "--threads", "2"]))
+    assert (config.control_port, config.data_port) == (8470, 8471)
+    assert config.memory_bytes == 64 << 20 and config.runtime.intra_op_threads == 2
+    assert config.tls is None and config.interface == "127.0.0.1"
+    with pytest.raises(ConfigError, match="go together"):
+        config_from_args(parser.parse_args([*base, "--ca", "ca.pem"]))
+    with pytest.raises(ConfigError, match="at least 1"):
+        config_from_args(parser.parse_args([*base, "--threads", "0"]))
+
+
+def test_store_refuses_a_segment_whose_measured_memory_is_over_budget(tmp_path: Path) -> None:
+    """The plan says 1 KiB; the 8 MiB of weights it really holds do not fit a 2 MiB budget."""
+    from onnx import TensorProto, helper, numpy_helper
+
+    weight = np.ones((1024, 2048), np.float32)
+    graph = helper.make_graph(
+        [helper.make_node("MatMul", ["x", "w0"], ["h"])],
+        "big",
+        [helper.make_tensor_value_info("x", TensorProto.FLOAT, ["batch", 1024])],
+        [helper.make_tensor_value_info("h", TensorProto.FLOAT, ["batch", 2048])],
+        [numpy_helper.from_array(weight, "w0")],
+    )
+    model = helper.make_model(graph, opset_imports=[helper.make_opsetid("", 17)])
+    model.ir_version = 8
+    seg = model.SerializeToString()
+    ca = TestCA(tmp_path)
+    store = _store(ca, budget=2 << 20)
+    io = [(["x"], ["h"], ["h"])]
+    manifest = manifest_for(0, seg, CHAIN[:1], io=io, predicted_memory=1024)
+    with pytest.raises(BudgetError, match="resident bytes after load"):
+        store.deploy(ca.sign(manifest), seg)
+    assert store.get(1) is None and store.committed_bytes() == 0
+    assert not list((tmp_path / "segments-a0").glob("*.onnx"))  # the refused file is gone

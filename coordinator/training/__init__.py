@@ -1,4 +1,4 @@
-"""Federated fine-tuning on the coordinator: Flower SuperLink and ServerApp, rollout of new versions.
+"""Federated fine-tuning on the coordinator: Flower SuperLink, ServerApp, rollout of versions.
 
 - :mod:`coordinator.training.segments`   cut an ONNX chain, read and rewrite initializers, run it
 - :mod:`coordinator.training.shardavg`   shard-wise FedAvg (pure numpy) and the Flower strategy

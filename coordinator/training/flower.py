@@ -26,7 +26,6 @@ from contextlib import contextmanager
 from dataclasses import dataclass
 from pathlib import Path
 
-
 from cryptography.hazmat.primitives import serialization
 from cryptography.hazmat.primitives.asymmetric import ec
 
@@ -38,8 +37,10 @@ from protocols.deploy import ROLE_COORDINATOR
 log = logging.getLogger(__name__)
 
 HOST = "127.0.0.1"
+SUPEREXEC_POLL_S = "0.25"
+"""How often Flower's SuperExec looks for work (its default, 1 s, slows every SecAgg+ stage)."""
 TLS_NAME = "localhost"
-"""Certificate name of the SuperLink; clients dial ``localhost:PORT`` (127.0.0.1 only)."""
+"""Certificate name of the SuperLink; the certificate also carries IP 127.0.0.1 (dialled)."""
 CONNECTION = "fedshard"
 APP_PACKAGE = "fedshard_flwr_app"
 
@@ -52,6 +53,7 @@ def offline_env(flwr_home: Path) -> dict[str, str]:
         FLWR_TELEMETRY_ENABLED="0",
         FLWR_DISABLE_UPDATE_CHECK="1",
         PYTHONUNBUFFERED="1",
+        FLWR_SUPEREXEC_TASK_POLL_INTERVAL=SUPEREXEC_POLL_S,
         PATH=os.pathsep.join([str(Path(sys.executable).parent), env.get("PATH", "")]),
     )
     return env
@@ -81,7 +83,7 @@ class TlsFiles:
 def issue_superlink_tls(ca: CertificateAuthority, out_dir: Path) -> TlsFiles:
     """A fresh P-256 key and a certificate for ``localhost`` from fedshard's CA."""
     key = ec.generate_private_key(ec.SECP256R1())
-    issued = ca.issue_for_key(key.public_key(), TLS_NAME, ROLE_COORDINATOR)
+    issued = ca.issue_for_key(key.public_key(), TLS_NAME, ROLE_COORDINATOR, ip_addresses=[HOST])
     files = TlsFiles(out_dir / "ca.pem", out_dir / "superlink.pem", out_dir / "superlink.key")
     write_atomic(files.ca_cert, ca.cert_pem)
     write_atomic(files.cert, issued.pem)
@@ -138,7 +140,7 @@ def write_connection(flwr_home: Path, port: int, ca_cert: Path) -> None:
 default = "{CONNECTION}"
 
 [superlink.{CONNECTION}]
-address = "{TLS_NAME}:{port}"
+address = "{HOST}:{port}"
 root-certificates = "{ca_cert}"
 """
     write_atomic(flwr_home / "config.toml", text.encode())
@@ -197,7 +199,7 @@ class SuperLink:
     @property
     def address(self) -> str:
         """What SuperNodes pass to ``--superlink``."""
-        return f"{TLS_NAME}:{self.port}"
+        return f"{HOST}:{self.port}"
 
     def env(self) -> dict[str, str]:
         """Environment for ``flwr`` commands against this SuperLink."""
@@ -206,9 +208,16 @@ class SuperLink:
 
 @contextmanager
 def superlink(
-    work_dir: Path, ca: CertificateAuthority, start_timeout_s: float = 60.0
+    work_dir: Path,
+    ca: CertificateAuthority,
+    start_timeout_s: float = 60.0,
+    node_auth: bool = False,
 ) -> Iterator[SuperLink]:
-    """Start a SuperLink for one run under ``work_dir``; stop it (and its children) on exit."""
+    """Start a SuperLink for one run under ``work_dir``; stop it (and its children) on exit.
+
+    With ``node_auth`` only SuperNodes whose public key was registered with
+    :func:`register_supernode` may connect.
+    """
     flwr_home = work_dir / "flwr-home"
     flwr_home.mkdir(parents=True, exist_ok=True)
     tls = issue_superlink_tls(ca, work_dir / "tls")
@@ -217,14 +226,22 @@ def superlink(
     log_path = work_dir / "superlink.log"
     cmd = [
         flower_bin("flower-superlink"),
-        "--host", HOST,
-        "--port", str(port),
-        "--ssl-ca-certfile", str(tls.ca_cert),
-        "--ssl-certfile", str(tls.cert),
-        "--ssl-keyfile", str(tls.key),
+        "--host",
+        HOST,
+        "--port",
+        str(port),
+        "--ssl-ca-certfile",
+        str(tls.ca_cert),
+        "--ssl-certfile",
+        str(tls.cert),
+        "--ssl-keyfile",
+        str(tls.key),
         "--disable-runtime-dependency-installation",
-        "--database", str(work_dir / "superlink.db"),
-    ]  # fmt: skip
+        "--database",
+        str(work_dir / "superlink.db"),
+    ]
+    if node_auth:
+        cmd.append("--enable-supernode-auth")  # fmt: skip
     with log_path.open("wb") as log_file:
         proc = subprocess.Popen(
             cmd, env=offline_env(flwr_home), stdout=log_file, stderr=subprocess.STDOUT,
@@ -236,6 +253,30 @@ def superlink(
         yield SuperLink(port, flwr_home, tls, proc, log_path)
     finally:
         stop_process(proc)
+
+
+def register_supernode(link: SuperLink, public_key: Path, timeout_s: float = 60.0) -> None:
+    """``flwr supernode register KEY.pub``: allow the SuperNode holding that key to connect.
+
+    The key is an EC (NIST P-256) public key in OpenSSH format, as the agent makes it with
+    :func:`edge_agent.training.supernode.make_node_key`.
+    """
+    cmd = [
+        flower_bin("flwr"), "supernode", "register", str(public_key), CONNECTION,
+        "--format", "json",
+    ]  # fmt: skip
+    try:
+        out = subprocess.run(
+            cmd, env=link.env(), capture_output=True, timeout=timeout_s, check=False
+        )
+    except subprocess.TimeoutExpired as exc:
+        raise FlowerProcessError("flwr supernode register did not answer") from exc
+    try:
+        reply = json.loads(out.stdout.decode(errors="replace"))
+    except json.JSONDecodeError as exc:
+        raise FlowerProcessError(f"flwr supernode register failed: {out.stdout[-1000:]!r}") from exc
+    if not reply.get("success"):
+        raise FlowerProcessError(f"SuperLink refused the node key: {reply}")
 
 
 def start_run(link: SuperLink, app_dir: Path, run_file: Path, timeout_s: float = 120.0) -> int:
@@ -254,7 +295,10 @@ def start_run(link: SuperLink, app_dir: Path, run_file: Path, timeout_s: float =
     try:
         reply = json.loads(text)
     except json.JSONDecodeError as exc:
-        raise FlowerProcessError(f"flwr run failed ({out.returncode}): {text[-2000:]} {out.stderr.decode(errors='replace')[-2000:]}") from exc
+        err = out.stderr.decode(errors="replace")[-2000:]
+        raise FlowerProcessError(
+            f"flwr run failed ({out.returncode}): {text[-2000:]} {err}"
+        ) from exc
     if not reply.get("success") or "run-id" not in reply:
         raise FlowerProcessError(f"flwr run refused the app: {text[-2000:]}")
     return int(reply["run-id"])
@@ -264,7 +308,9 @@ def run_status(link: SuperLink, run_id: int, timeout_s: float = 60.0) -> str:
     """The run's status string from ``flwr ls`` (e.g. ``running``, ``finished:completed``)."""
     cmd = [flower_bin("flwr"), "ls", CONNECTION, "--run-id", str(run_id), "--format", "json"]
     try:
-        out = subprocess.run(cmd, env=link.env(), capture_output=True, timeout=timeout_s, check=False)
+        out = subprocess.run(
+            cmd, env=link.env(), capture_output=True, timeout=timeout_s, check=False
+        )
     except subprocess.TimeoutExpired as exc:
         raise FlowerProcessError("flwr ls did not answer") from exc
     try:
@@ -290,5 +336,3 @@ def ensure_alive(proc: subprocess.Popen[bytes], what: str, log_path: Path) -> No
     """Raise if ``proc`` has exited."""
     if proc.poll() is not None:
         raise TrainingRunError(f"{what} exited ({proc.returncode}): {tail(log_path)}")
-
-

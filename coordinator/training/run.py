@@ -13,13 +13,20 @@ from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
 
-from coordinator.training.errors import FlowerProcessError, TrainingRunError
-from coordinator.training.flower import SuperLink, ensure_alive, run_status, start_run, tail, write_app
+from coordinator.state import write_atomic
+from coordinator.training.errors import TrainingRunError
+from coordinator.training.flower import (
+    SuperLink,
+    ensure_alive,
+    run_status,
+    start_run,
+    tail,
+    write_app,
+)
 from coordinator.training.records import Lineage, RoundMetrics, TrainingRecord, TrainingSettings
 from coordinator.training.rollout import Signer, next_version_dir, write_version
 from coordinator.training.server_app import ServerRunConfig, load_weights
 from coordinator.training.version import Version, split_by_shard
-from coordinator.state import write_atomic
 from protocols.errors import SchemaError
 
 log = logging.getLogger(__name__)
@@ -138,6 +145,3 @@ def roll_out(
         metrics=result.record.rounds,
     )
     return write_version(parent, weights, lineage, next_version_dir(versions_root), signer)
-
-
-__all__ = ["FlowerProcessError", "RunResult", "roll_out", "run_training", "secagg_parameters"]

@@ -15,6 +15,7 @@ from __future__ import annotations
 import io
 import logging
 from pathlib import Path
+from typing import Any
 
 import numpy as np
 from flwr.app import Context
@@ -57,7 +58,8 @@ class ServerRunConfig(FrozenModel):
 def save_weights(path: Path, arrays: list[np.ndarray]) -> None:
     """Final trainable arrays in wire order as ``a0, a1, ...`` (``.npz``, no pickle)."""
     buf = io.BytesIO()
-    np.savez(buf, **{f"a{i}": a for i, a in enumerate(arrays)})
+    named: dict[str, Any] = {f"a{i}": a for i, a in enumerate(arrays)}
+    np.savez(buf, **named)
     write_atomic(path, buf.getvalue())
 
 
@@ -65,6 +67,14 @@ def load_weights(path: Path) -> list[np.ndarray]:
     """Read what :func:`save_weights` wrote (pickle refused)."""
     with np.load(path, allow_pickle=False) as data:
         return [data[f"a{i}"] for i in range(len(data.files))]
+
+
+def secagg_max_weight(settings: TrainingSettings) -> float:
+    """SecAgg+'s ``max_weight``: clients scale their vector by ``weight / max_weight`` before
+    quantizing to 2**22 levels over [-8, 8], so a needlessly large maximum wastes precision.
+    Under DP every client weighs 1; otherwise a client holds at most this many examples."""
+    dp = bool(settings.noise_multiplier) and bool(settings.clipping_norm)
+    return 1.0 if dp else 1000.0
 
 
 class _Recorder:
@@ -91,7 +101,9 @@ class _Recorder:
         self.record.save(self.path)
 
 
-def build_strategy(cfg: ServerRunConfig, recorder_path: Path | None = None) -> tuple[ShardwiseStrategy, _Recorder | None]:
+def build_strategy(
+    cfg: ServerRunConfig, recorder_path: Path | None = None
+) -> tuple[ShardwiseStrategy, _Recorder | None]:
     """The strategy stack for ``cfg`` (see :mod:`coordinator.training.strategy`)."""
     s = cfg.settings
     version = Version.load(Path(cfg.version_dir))
@@ -137,7 +149,7 @@ def build_strategy(cfg: ServerRunConfig, recorder_path: Path | None = None) -> t
         inner,
         ShardLayout.from_counts([sp.index for sp in specs], [len(sp.params) for sp in specs]),
         evaluator,
-        min_clients=max(1, s.min_clients - 1) if s.secagg else s.min_clients,
+        min_clients=cfg.reconstruction_threshold if s.secagg else 1,
         accountant=accountant,
         noise_multiplier=s.noise_multiplier if dp else None,
         full_model_bytes=version.full_weight_bytes(),
@@ -164,14 +176,15 @@ def main(grid: Grid, context: Context) -> None:
             fit_workflow=SecAggPlusWorkflow(
                 num_shares=cfg.num_shares,
                 reconstruction_threshold=cfg.reconstruction_threshold,
+                max_weight=secagg_max_weight(cfg.settings),
                 timeout=cfg.stage_timeout_s,
             )
         )
     else:
         workflow = DefaultWorkflow()
     workflow(grid, legacy)
-    from flwr.compat.common import recorddict_compat as compat
     from flwr.common import parameters_to_ndarrays
+    from flwr.compat.common import recorddict_compat as compat
     from flwr.server.workflow.constant import MAIN_PARAMS_RECORD
 
     final = compat.arrayrecord_to_parameters(legacy.state.array_records[MAIN_PARAMS_RECORD], True)

@@ -43,16 +43,20 @@ class ShardLayout:
         return list(dict.fromkeys(self.shard_of_array))
 
 
-def weighted_average(arrays: Sequence[Sequence[np.ndarray]], weights: Sequence[float]) -> list[np.ndarray]:
+def weighted_average(
+    arrays: Sequence[Sequence[np.ndarray]], weights: Sequence[float]
+) -> list[np.ndarray]:
     """Plain FedAvg: the ``weights``-weighted mean of each array over the clients."""
     total = float(sum(weights))
     if total <= 0:
         raise ValueError("the weights must sum to a positive number")
-    return [
-        sum(w * np.asarray(client[k], dtype=np.float64) for client, w in zip(arrays, weights, strict=True))
-        / total
-        for k in range(len(arrays[0]))
-    ]
+    out = []
+    for k in range(len(arrays[0])):
+        acc = np.zeros(np.shape(arrays[0][k]), dtype=np.float64)
+        for client, w in zip(arrays, weights, strict=True):
+            acc += w * np.asarray(client[k], dtype=np.float64)
+        out.append(acc / total)
+    return out
 
 
 def shardwise_rescale(
@@ -91,7 +95,9 @@ def shardwise_fedavg(
     out = []
     for k, g in enumerate(global_arrays):
         shard = layout.shard_of_array[k]
-        members = [(c[k], w) for c, w, t in zip(client_arrays, weights, trained, strict=True) if shard in t]
+        members = [
+            (c[k], w) for c, w, t in zip(client_arrays, weights, trained, strict=True) if shard in t
+        ]
         if not members:
             out.append(np.asarray(g).copy())
             continue

@@ -50,6 +50,14 @@ Evaluator = Callable[[list[np.ndarray]], tuple[float, float]]
 """Global trainable arrays -> (held-out loss, held-out accuracy)."""
 
 
+def _mean_finite(values: list[float], weights: list[float]) -> float | None:
+    """Weighted mean over the finite values (a client that trained nothing reports NaN)."""
+    pairs = [(v, w) for v, w in zip(values, weights, strict=True) if np.isfinite(v)]
+    if not pairs:
+        return None
+    return float(np.average([v for v, _ in pairs], weights=[w for _, w in pairs]))
+
+
 class NoiseForActualClients(DifferentialPrivacyClientSideFixedClipping):
     """Flower's client-side-clipping DP wrapper, calibrated to the clients that answered.
 
@@ -66,7 +74,9 @@ class NoiseForActualClients(DifferentialPrivacyClientSideFixedClipping):
     ) -> tuple[Parameters | None, dict[str, Scalar]]:
         """Average with the inner strategy, then add noise for ``len(results)`` clients."""
         if failures:
-            log.warning("round %d: %d client(s) failed; averaging the rest", server_round, len(failures))
+            log.warning(
+                "round %d: %d client(s) failed; averaging the rest", server_round, len(failures)
+            )
         if not results:
             return None, {}
         self.num_sampled_clients = len(results)
@@ -74,10 +84,19 @@ class NoiseForActualClients(DifferentialPrivacyClientSideFixedClipping):
 
 
 @dataclass
+class _FitSummary:
+    clients: int = 0
+    loss: float | None = None
+    epsilon: float | None = None
+    upload: float = 0.0
+    trained: dict[str, list[int]] = field(default_factory=dict)
+
+
+@dataclass
 class _RoundState:
     started: float = 0.0
     global_arrays: list[np.ndarray] = field(default_factory=list)
-    fit: dict[str, object] = field(default_factory=dict)
+    fit: _FitSummary = field(default_factory=_FitSummary)
 
 
 class ShardwiseStrategy(Strategy):
@@ -141,9 +160,15 @@ class ShardwiseStrategy(Strategy):
         if averaged is None:
             return None, {}
         weights = [float(res.num_examples) for _, res in results]
-        trained = [parse_shards(str(res.metrics.get(METRIC_TRAINED_SHARDS, ""))) for _, res in results]
+        trained = [
+            parse_shards(str(res.metrics.get(METRIC_TRAINED_SHARDS, ""))) for _, res in results
+        ]
         new = shardwise_rescale(
-            self._round.global_arrays, parameters_to_ndarrays(averaged), weights, trained, self.layout
+            self._round.global_arrays,
+            parameters_to_ndarrays(averaged),
+            weights,
+            trained,
+            self.layout,
         )
         examples = [float(res.metrics.get(METRIC_EXAMPLES, res.num_examples)) for _, res in results]
         losses = [float(res.metrics.get(METRIC_LOSS, float("nan"))) for _, res in results]
@@ -151,15 +176,16 @@ class ShardwiseStrategy(Strategy):
         epsilon = None
         if self.accountant is not None and self.noise_multiplier:
             epsilon = self.accountant.record_round(self.noise_multiplier, len(results))
-        self._round.fit = {
-            "clients": len(results),
-            "loss": float(np.average(losses, weights=examples)) if examples else None,
-            "epsilon": epsilon,
-            "upload": float(np.mean(uploads)) if uploads else 0.0,
-            "trained": {
-                str(proxy.node_id): sorted(t) for (proxy, _), t in zip(results, trained, strict=True)
+        self._round.fit = _FitSummary(
+            clients=len(results),
+            loss=_mean_finite(losses, examples),
+            epsilon=epsilon,
+            upload=float(np.mean(uploads)) if uploads else 0.0,
+            trained={
+                str(proxy.node_id): sorted(t)
+                for (proxy, _), t in zip(results, trained, strict=True)
             },
-        }
+        )
         return ndarrays_to_parameters(new), {"clients": len(results)}
 
     def configure_evaluate(
@@ -187,13 +213,13 @@ class ShardwiseStrategy(Strategy):
             self.on_round(
                 RoundMetrics(
                     round=server_round,
-                    loss=fit.get("loss"),  # type: ignore[arg-type]
+                    loss=fit.loss,
                     test_loss=loss,
                     accuracy=accuracy,
-                    epsilon=fit.get("epsilon"),  # type: ignore[arg-type]
-                    clients=int(fit.get("clients", 0)),  # type: ignore[call-overload]
-                    trained_shards=fit.get("trained", {}),  # type: ignore[arg-type]
-                    upload_bytes_per_client=float(fit.get("upload", 0.0)),  # type: ignore[arg-type]
+                    epsilon=fit.epsilon,
+                    clients=fit.clients,
+                    trained_shards=fit.trained,
+                    upload_bytes_per_client=fit.upload,
                     full_model_bytes=self.full_model_bytes,
                     seconds=time.monotonic() - self._round.started,
                 )

@@ -135,7 +135,7 @@ def pretrain(model, x: np.ndarray, y: np.ndarray, epochs: int = 30, seed: int = 
             batch = order[start : start + 32]
             opt.zero_grad()
             loss = torch.nn.functional.cross_entropy(model(xt[batch]), yt[batch])
-            loss.backward()
+            loss.backward()  # type: ignore[no-untyped-call]
             opt.step()
     model.eval()
 
@@ -148,7 +148,7 @@ def export_onnx(model) -> onnx.ModelProto:  # type: ignore[no-untyped-def]
     torch.onnx.export(
         model,
         (torch.zeros(2, 1, 8, 8),),
-        buf,
+        buf,  # type: ignore[arg-type]
         input_names=[INPUT_NAME],
         output_names=[OUTPUT_NAME],
         dynamic_axes={INPUT_NAME: {0: "batch"}, OUTPUT_NAME: {0: "batch"}},
@@ -184,7 +184,11 @@ def write_initial_version(
         data = seg.SerializeToString()
         file = f"segment_{i}.onnx"
         write_atomic(out_dir / file, data)
-        params = sum(int(np.prod(t.dims)) * 4 for t in seg.graph.initializer if t.name in trainable_names(seg))
+        params = sum(
+            int(np.prod(t.dims)) * 4
+            for t in seg.graph.initializer
+            if t.name in trainable_names(seg)
+        )
         entries.append(
             SegmentEntry(
                 index=i,

@@ -53,7 +53,7 @@ def settings_from_node_config(node_config: dict[str, object]) -> LocalSettings:
             segments_dir=Path(str(node_config["segments-dir"])),
             data_dir=Path(str(node_config["data-dir"])),
             cache_dir=Path(str(node_config["cache-dir"])),
-            budget_bytes=int(node_config.get("budget-bytes", DEFAULT_BUDGET_BYTES)),  # type: ignore[call-overload]
+            budget_bytes=int(str(node_config.get("budget-bytes", DEFAULT_BUDGET_BYTES))),
         )
     except KeyError as exc:
         raise PlanMismatchError(f"node config lacks {exc}") from exc
@@ -66,17 +66,24 @@ class ShardClient(NumPyClient):
         self.settings = settings
         self.node_id = node_id
 
-    def fit(self, parameters: NDArrays, config: dict[str, Scalar]) -> tuple[NDArrays, int, dict[str, Scalar]]:
+    def fit(
+        self, parameters: NDArrays, config: dict[str, Scalar]
+    ) -> tuple[NDArrays, int, dict[str, Scalar]]:
         """One round of local training on this device's data."""
         try:
             plan = TrainPlan.from_json(str(config[TRAIN_PLAN_KEY]))
         except (KeyError, SchemaError) as exc:
             raise PlanMismatchError(f"the fit config carries no valid train plan: {exc}") from exc
-        server_round = int(config.get("round", 0))  # type: ignore[arg-type]
+        server_round = int(config.get("round", 0))
         seed = zlib.crc32(f"{self.node_id}/{server_round}".encode())
         result = train_locally(plan, [np.asarray(a) for a in parameters], self.settings, seed)
         weight = 1 if plan.uniform_weights else result.examples
-        log.info("trained shards %s on %d examples: loss %.4f", result.trained, result.examples, result.loss)
+        log.info(
+            "trained shards %s on %d examples: loss %.4f",
+            result.trained,
+            result.examples,
+            result.loss,
+        )
         return (
             result.arrays,
             weight,
@@ -92,7 +99,9 @@ class ShardClient(NumPyClient):
 
 def client_fn(context: Context) -> Client:
     """Build this node's client from its node config."""
-    return ShardClient(settings_from_node_config(dict(context.node_config)), context.node_id).to_client()
+    return ShardClient(
+        settings_from_node_config(dict(context.node_config)), context.node_id
+    ).to_client()
 
 
 def dp_clipping_mod(msg: Message, ctxt: Context, call_next: ClientAppCallable) -> Message:
@@ -119,7 +128,9 @@ def upload_meter_mod(msg: Message, ctxt: Context, call_next: ClientAppCallable) 
     return out
 
 
-secagg_app = ClientApp(client_fn=client_fn, mods=[upload_meter_mod, secaggplus_mod, dp_clipping_mod])
+secagg_app = ClientApp(
+    client_fn=client_fn, mods=[upload_meter_mod, secaggplus_mod, dp_clipping_mod]
+)
 """ClientApp for rounds under SecAgg+ (and DP when the server clips)."""
 
 plain_app = ClientApp(client_fn=client_fn, mods=[upload_meter_mod, dp_clipping_mod])

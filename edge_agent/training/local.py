@@ -17,8 +17,10 @@ from __future__ import annotations
 import hashlib
 import io
 import logging
+from collections.abc import Sequence
 from dataclasses import dataclass
 from pathlib import Path
+from typing import TYPE_CHECKING, Any
 
 import numpy as np
 import onnx
@@ -27,6 +29,9 @@ from edge_agent.training.errors import PlanMismatchError, TrainDataError
 from protocols.errors import SchemaError
 from protocols.manifest import Manifest
 from protocols.training import TRAIN_DATA_FILE, TrainPlan
+
+if TYPE_CHECKING:
+    from edge_agent.training.onnx_torch import OnnxSegmentModule
 
 log = logging.getLogger(__name__)
 
@@ -122,7 +127,8 @@ def frozen_prefix(
     names = sorted(needed)
     cache_dir.mkdir(parents=True, exist_ok=True)
     buf = io.BytesIO()
-    np.savez(buf, names=np.array(names), **{f"t{i}": env[n] for i, n in enumerate(names)})
+    arrays: dict[str, Any] = {f"t{i}": env[n] for i, n in enumerate(names)}
+    np.savez(buf, names=np.array(names), **arrays)
     tmp = path.with_suffix(".tmp")
     tmp.write_bytes(buf.getvalue())
     tmp.replace(path)
@@ -178,7 +184,7 @@ def train_locally(
             out = module(*frozen_out)
             frozen_out = out if isinstance(out, tuple) else (out,)
     live = modules[trained[0] - first_plan :]
-    params = []
+    params: list[torch.nn.Parameter] = []
     for offset, module in enumerate(live):
         if trained[0] + offset in trained:
             params.extend(module.parameters())
@@ -198,7 +204,7 @@ def train_locally(
             logits = h[0]
             loss = torch.nn.functional.cross_entropy(logits, target[batch])
             optimizer.zero_grad()
-            loss.backward()
+            loss.backward()  # type: ignore[no-untyped-call]
             optimizer.step()
             loss_sum += float(loss.detach()) * len(batch)
             correct += int((logits.argmax(1) == target[batch]).sum())
@@ -214,9 +220,9 @@ def train_locally(
 
 def choose_shards(
     plan: TrainPlan,
-    modules: list,
+    modules: Sequence[OnnxSegmentModule],
     features: dict[str, np.ndarray],
-    budget_bytes: int,  # type: ignore[type-arg]
+    budget_bytes: int,
 ) -> list[int]:
     """The largest suffix of the plan's shards whose training memory fits ``budget_bytes``."""
     import torch

@@ -9,7 +9,9 @@ MatMul, Add, Sub, Mul, Identity, Dropout (as identity). Anything else raises
 
 from __future__ import annotations
 
+import math
 from collections.abc import Callable, Mapping, Sequence
+from typing import Any
 
 import numpy as np
 import onnx
@@ -24,74 +26,74 @@ _FLOATS = (onnx.TensorProto.FLOAT, onnx.TensorProto.DOUBLE, onnx.TensorProto.FLO
 Tensor = torch.Tensor
 
 
-def _attrs(node: onnx.NodeProto) -> dict[str, object]:
+def _attrs(node: onnx.NodeProto) -> dict[str, Any]:
     return {a.name: onnx.helper.get_attribute_value(a) for a in node.attribute}
 
 
-def _pads(attrs: Mapping[str, object], dims: int) -> tuple[int, ...]:
+def _pads(attrs: Mapping[str, Any], dims: int) -> tuple[int, ...]:
     if attrs.get("auto_pad", b"NOTSET") not in (b"NOTSET", "NOTSET", b"VALID", "VALID"):
         raise UnsupportedOpError(f"auto_pad={attrs['auto_pad']!r} is not supported")
-    pads = list(attrs.get("pads", [0] * (2 * dims)))  # type: ignore[call-overload]
+    pads = list(attrs.get("pads", [0] * (2 * dims)))
     if pads[:dims] != pads[dims:]:
         raise UnsupportedOpError(f"asymmetric pads {pads} are not supported")
     return tuple(int(p) for p in pads[:dims])
 
 
-def _conv(x: Tensor, w: Tensor, b: Tensor | None, a: Mapping[str, object]) -> Tensor:
+def _conv(x: Tensor, w: Tensor, b: Tensor | None, a: Mapping[str, Any]) -> Tensor:
     dims = w.dim() - 2
     conv = {1: F.conv1d, 2: F.conv2d, 3: F.conv3d}[dims]
     return conv(
         x,
         w,
         b,
-        stride=tuple(a.get("strides", [1] * dims)),  # type: ignore[call-overload]
+        stride=tuple(a.get("strides", [1] * dims)),
         padding=_pads(a, dims),
-        dilation=tuple(a.get("dilations", [1] * dims)),  # type: ignore[call-overload]
-        groups=int(a.get("group", 1)),  # type: ignore[call-overload]
+        dilation=tuple(a.get("dilations", [1] * dims)),
+        groups=int(a.get("group", 1)),
     )
 
 
-def _pool(kind: str, x: Tensor, a: Mapping[str, object]) -> Tensor:
-    kernel = tuple(a["kernel_shape"])  # type: ignore[call-overload]
+def _pool(kind: str, x: Tensor, a: Mapping[str, Any]) -> Tensor:
+    kernel = tuple(a["kernel_shape"])
     dims = len(kernel)
-    strides = tuple(a.get("strides", [1] * dims))  # type: ignore[call-overload]
+    strides = tuple(a.get("strides", [1] * dims))
     ceil = bool(a.get("ceil_mode", 0))
     if kind == "max":
         pool = {1: F.max_pool1d, 2: F.max_pool2d, 3: F.max_pool3d}[dims]
-        return pool(x, kernel, strides, _pads(a, dims), ceil_mode=ceil)  # type: ignore[operator]
+        return pool(x, kernel, strides, _pads(a, dims), ceil_mode=ceil)
     avg = {1: F.avg_pool1d, 2: F.avg_pool2d, 3: F.avg_pool3d}[dims]
     include = bool(a.get("count_include_pad", 0))
-    return avg(x, kernel, strides, _pads(a, dims), ceil, include)  # type: ignore[operator]
+    return avg(x, kernel, strides, _pads(a, dims), ceil, include)
 
 
-def _gemm(i: Sequence[Tensor], a: Mapping[str, object]) -> Tensor:
+def _gemm(i: Sequence[Tensor], a: Mapping[str, Any]) -> Tensor:
     x = i[0].t() if a.get("transA", 0) else i[0]
     w = i[1].t() if a.get("transB", 0) else i[1]
-    out = float(a.get("alpha", 1.0)) * (x @ w)  # type: ignore[arg-type]
+    out = float(a.get("alpha", 1.0)) * (x @ w)
     if len(i) > 2:
-        out = out + float(a.get("beta", 1.0)) * i[2]  # type: ignore[arg-type]
+        out = out + float(a.get("beta", 1.0)) * i[2]
     return out
 
 
-def _reshape(x: Tensor, shape: Tensor, a: Mapping[str, object]) -> Tensor:
+def _reshape(x: Tensor, shape: Tensor, a: Mapping[str, Any]) -> Tensor:
     dims = [int(d) for d in shape.tolist()]
     if not a.get("allowzero", 0):
         dims = [x.shape[k] if d == 0 else d for k, d in enumerate(dims)]
     return x.reshape(dims)
 
 
-_OPS: dict[str, Callable[[Sequence[Tensor], Mapping[str, object]], Tensor]] = {
+_OPS: dict[str, Callable[[Sequence[Tensor], Mapping[str, Any]], Tensor]] = {
     "Conv": lambda i, a: _conv(i[0], i[1], i[2] if len(i) > 2 else None, a),
     "Relu": lambda i, a: F.relu(i[0]),
-    "LeakyRelu": lambda i, a: F.leaky_relu(i[0], float(a.get("alpha", 0.01))),  # type: ignore[arg-type]
+    "LeakyRelu": lambda i, a: F.leaky_relu(i[0], float(a.get("alpha", 0.01))),
     "Sigmoid": lambda i, a: torch.sigmoid(i[0]),
     "Tanh": lambda i, a: torch.tanh(i[0]),
     "MaxPool": lambda i, a: _pool("max", i[0], a),
     "AveragePool": lambda i, a: _pool("avg", i[0], a),
     "GlobalAveragePool": lambda i, a: i[0].mean(dim=tuple(range(2, i[0].dim())), keepdim=True),
     "Flatten": lambda i, a: i[0].reshape(
-        int(np.prod(i[0].shape[: int(a.get("axis", 1))])),
-        -1,  # type: ignore[call-overload]
+        math.prod(i[0].shape[: int(a.get("axis", 1))]),
+        -1,
     ),
     "Reshape": lambda i, a: _reshape(i[0], i[1], a),
     "Gemm": _gemm,

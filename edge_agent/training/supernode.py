@@ -13,6 +13,7 @@ from __future__ import annotations
 import contextlib
 import logging
 import os
+import signal
 import socket
 import subprocess
 import sys
@@ -24,6 +25,8 @@ from edge_agent.training.errors import SuperNodeError
 log = logging.getLogger(__name__)
 
 HOST = "127.0.0.1"
+SUPEREXEC_POLL_S = "0.25"
+"""How often Flower's SuperExec looks for work (its default, 1 s, slows every SecAgg+ stage)."""
 
 
 @dataclass(frozen=True)
@@ -93,6 +96,37 @@ def _stop_tree(proc: subprocess.Popen[bytes], grace_s: float, hard: bool) -> Non
     proc.wait(timeout=grace_s)
 
 
+def make_node_key(directory: Path) -> tuple[Path, Path]:
+    """Create this agent's node-authentication key pair (EC P-256, OpenSSH format).
+
+    Returns (private key path, public key path); the public key is what the coordinator
+    registers with its SuperLink. An existing pair is reused.
+    """
+    from cryptography.hazmat.primitives import serialization
+    from cryptography.hazmat.primitives.asymmetric import ec
+
+    private, public = directory / "node_auth_key", directory / "node_auth_key.pub"
+    if private.is_file() and public.is_file():
+        return private, public
+    directory.mkdir(parents=True, exist_ok=True)
+    key = ec.generate_private_key(ec.SECP256R1())
+    pem = key.private_bytes(
+        serialization.Encoding.PEM,
+        serialization.PrivateFormat.OpenSSH,
+        serialization.NoEncryption(),
+    )
+    fd = os.open(private, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o600)
+    with os.fdopen(fd, "wb") as fh:
+        fh.write(pem)
+    public.write_bytes(
+        key.public_key().public_bytes(
+            serialization.Encoding.OpenSSH, serialization.PublicFormat.OpenSSH
+        )
+        + b"\n"
+    )
+    return private, public
+
+
 def _free_port() -> int:
     with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as sock:
         sock.bind((HOST, 0))
@@ -133,6 +167,7 @@ def start_supernode(config: SuperNodeConfig) -> SuperNodeProcess:
         FLWR_TELEMETRY_ENABLED="0",
         FLWR_DISABLE_UPDATE_CHECK="1",
         PYTHONUNBUFFERED="1",
+        FLWR_SUPEREXEC_TASK_POLL_INTERVAL=SUPEREXEC_POLL_S,
         PATH=os.pathsep.join([str(Path(sys.executable).parent), env.get("PATH", "")]),
     )
     log_path = config.work_dir / "supernode.log"
@@ -150,3 +185,44 @@ def start_supernode(config: SuperNodeConfig) -> SuperNodeProcess:
         raise SuperNodeError(f"cannot start flower-supernode: {exc}") from exc
     log.info("SuperNode pid %d on %s:%d -> %s", proc.pid, HOST, port, config.superlink)
     return SuperNodeProcess(config, proc, port, log_path)
+
+
+def main(argv: list[str] | None = None) -> int:
+    """``python -m edge_agent.training.supernode``: run one SuperNode until terminated.
+
+    Lets the coordinator's demo mode start local agents as separate processes without
+    importing :mod:`edge_agent`.
+    """
+    import argparse
+
+    parser = argparse.ArgumentParser(prog="python -m edge_agent.training.supernode")
+    parser.add_argument("--superlink", required=True)
+    parser.add_argument("--root-certificates", type=Path, required=True)
+    parser.add_argument("--segments-dir", type=Path, required=True)
+    parser.add_argument("--data-dir", type=Path, required=True)
+    parser.add_argument("--work-dir", type=Path, required=True)
+    parser.add_argument("--budget-bytes", type=int, default=1 << 30)
+    args = parser.parse_args(argv)
+    node = start_supernode(
+        SuperNodeConfig(
+            superlink=args.superlink,
+            root_certificates=args.root_certificates,
+            segments_dir=args.segments_dir,
+            data_dir=args.data_dir,
+            work_dir=args.work_dir,
+            budget_bytes=args.budget_bytes,
+        )
+    )
+
+    def _terminate(signum: int, frame: object) -> None:
+        raise SystemExit(0)
+
+    signal.signal(signal.SIGTERM, _terminate)
+    try:
+        return node.process.wait()
+    finally:
+        node.stop()
+
+
+if __name__ == "__main__":
+    sys.exit(main())

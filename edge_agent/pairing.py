@@ -1,0 +1,93 @@
+"""Pairing, agent side (protocols.pairing): show a code, hand out a CSR, accept a certificate.
+
+An unpaired agent serves only ``GET /v1/pairing`` (its :class:`PairingOffer`: a certificate
+request for its own key and the code derived from that key) and ``POST /v1/pairing`` (a
+:class:`PairingGrant`), over TLS with its self-signed certificate and no client certificate.
+The grant is accepted only if the certificate certifies this agent's own key, names this device
+with the agent role, and was issued by the CA sent along; the files are then written to the state
+dir, where later starts find them. Trust rests on the operator comparing the code the agent logs
+with the one the coordinator shows; a grant that arrives first from elsewhere leaves the agent
+paired to that CA, which the coordinator sees as "already paired".
+"""
+
+from __future__ import annotations
+
+import os
+import ssl
+from pathlib import Path
+
+from cryptography import x509
+from cryptography.exceptions import InvalidSignature
+from cryptography.hazmat.primitives import hashes, serialization
+from cryptography.hazmat.primitives.asymmetric import ed25519
+from cryptography.x509.oid import NameOID
+
+from edge_agent.config import TlsFiles
+from edge_agent.errors import PairingError
+from edge_agent.identity import KEY_FILE, Identity, load_private_key, spki
+from protocols.deploy import ROLE_AGENT
+from protocols.pairing import PairingGrant, PairingOffer, pairing_code
+
+CA_FILE = "ca.pem"
+CERT_FILE = "cert.pem"
+
+
+def stored_tls(state_dir: Path) -> TlsFiles | None:
+    """The certificate files an earlier pairing left in the state dir, if any."""
+    files = TlsFiles(state_dir / CA_FILE, state_dir / CERT_FILE, state_dir / KEY_FILE)
+    return files if all(p.exists() for p in (files.ca, files.cert, files.key)) else None
+
+
+def pairing_offer(identity: Identity) -> PairingOffer:
+    """A certificate request for the agent's key (CN = name, OU = agent) and its pairing code."""
+    key = load_private_key(identity.key_path.read_bytes())
+    subject = x509.Name(
+        [
+            x509.NameAttribute(NameOID.COMMON_NAME, identity.name),
+            x509.NameAttribute(NameOID.ORGANIZATIONAL_UNIT_NAME, ROLE_AGENT),
+        ]
+    )
+    algorithm = None if isinstance(key, ed25519.Ed25519PrivateKey) else hashes.SHA256()
+    csr = x509.CertificateSigningRequestBuilder().subject_name(subject).sign(key, algorithm)
+    return PairingOffer(
+        name=identity.name,
+        csr_pem=csr.public_bytes(serialization.Encoding.PEM).decode(),
+        code=pairing_code(spki(key.public_key())),
+    )
+
+
+def accept_grant(identity: Identity, grant: PairingGrant, state_dir: Path) -> TlsFiles:
+    """Check a grant against this agent's key and name, store it; raises PairingError."""
+    if identity.paired:
+        raise PairingError("this agent is already paired")
+    try:
+        ca = x509.load_pem_x509_certificate(grant.ca_pem.encode())
+        cert = x509.load_pem_x509_certificate(grant.cert_pem.encode())
+    except ValueError as exc:
+        raise PairingError(f"the grant's certificates are not PEM: {exc}") from exc
+    key = load_private_key(identity.key_path.read_bytes())
+    if spki(cert.public_key()) != spki(key.public_key()):
+        raise PairingError("the certificate is for another key")
+    names = cert.subject.get_attributes_for_oid(NameOID.COMMON_NAME)
+    roles = cert.subject.get_attributes_for_oid(NameOID.ORGANIZATIONAL_UNIT_NAME)
+    if not names or names[0].value != identity.name or not roles or roles[0].value != ROLE_AGENT:
+        raise PairingError(f"the certificate does not name agent {identity.name!r}")
+    try:
+        cert.verify_directly_issued_by(ca)
+    except (ValueError, TypeError, InvalidSignature) as exc:
+        raise PairingError("the certificate was not issued by the CA in the grant") from exc
+    files = TlsFiles(state_dir / CA_FILE, state_dir / CERT_FILE, state_dir / KEY_FILE)
+    for path, text in ((files.ca, grant.ca_pem), (files.cert, grant.cert_pem)):
+        tmp = path.with_suffix(".tmp")
+        tmp.write_text(text)
+        os.replace(tmp, path)
+    return files
+
+
+def pairing_server_context(identity: Identity) -> ssl.SSLContext:
+    """TLS 1.3 with the self-signed certificate, no client certificate: pairing routes only."""
+    ctx = ssl.SSLContext(ssl.PROTOCOL_TLS_SERVER)
+    ctx.minimum_version = ssl.TLSVersion.TLSv1_3
+    ctx.verify_mode = ssl.CERT_NONE
+    ctx.load_cert_chain(identity.cert_path, identity.key_path)
+    return ctx
