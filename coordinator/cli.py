@@ -15,6 +15,7 @@ from collections.abc import Sequence
 import edge_agent.cli
 from coordinator import demo_cli
 from coordinator.lab import cli as lab_cli
+from coordinator.training import cli as train_cli
 from partitioner import plan_cli, split_cli
 from protocols.constants import SOFTWARE_VERSION
 
@@ -23,6 +24,7 @@ REGISTRATIONS = (
     split_cli.register,
     edge_agent.cli.register,
     lab_cli.register,
+    train_cli.register,
     demo_cli.register,
 )
 

@@ -9,4 +9,6 @@
 - :mod:`protocols.plan`       plans and objectives
 - :mod:`protocols.devices`    ``DEVICES.json``
 - :mod:`protocols.manifest`   ``fedshard.manifest/1``
+- :mod:`protocols.deploy`     the control plane: signed deploys, status, probes, revocations
+- :mod:`protocols.pairing`    pairing codes, offers and grants
 """
