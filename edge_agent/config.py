@@ -2,34 +2,21 @@
 
 from __future__ import annotations
 
-import re
 from dataclasses import dataclass
 from pathlib import Path
 
 from edge_agent.errors import ConfigError
+from protocols import sizes
 from protocols.constants import DEFAULT_MAX_FRAME_BYTES
-
-_UNITS = {
-    "": 1,
-    "b": 1,
-    "k": 1000,
-    "kb": 1000,
-    "kib": 1 << 10,
-    "m": 1000**2,
-    "mb": 1000**2,
-    "mib": 1 << 20,
-    "g": 1000**3,
-    "gb": 1000**3,
-    "gib": 1 << 30,
-}
+from protocols.errors import SchemaError
 
 
 def parse_size(text: str) -> int:
     """Parse ``64MiB``, ``1.5GB``, ``4096`` ... into bytes; raises ConfigError."""
-    match = re.fullmatch(r"\s*(\d+(?:\.\d+)?)\s*([A-Za-z]*)\s*", text)
-    if match is None or match.group(2).lower() not in _UNITS:
-        raise ConfigError(f"cannot read {text!r} as a size (try 64MiB or 1GB)")
-    return int(float(match.group(1)) * _UNITS[match.group(2).lower()])
+    try:
+        return sizes.parse_size(text)
+    except SchemaError as exc:
+        raise ConfigError(str(exc)) from exc
 
 
 @dataclass(frozen=True)

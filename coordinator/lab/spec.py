@@ -7,13 +7,13 @@ value applies to every host, otherwise there must be exactly one value per host.
 from __future__ import annotations
 
 import ipaddress
-import re
 from collections.abc import Callable
 from typing import Final, TypeVar
 
 from pydantic import Field, field_validator, model_validator
 
 from coordinator.lab.errors import LabSpecError
+from protocols import sizes
 from protocols.base import FrozenModel
 from protocols.errors import SchemaError
 
@@ -26,19 +26,6 @@ RESERVED_NAMES: Final = frozenset({"ctl"})
 """``ctl`` is the lab's own namespace: the bridge and the coordinator's address."""
 
 _NAME = r"^[a-z0-9][a-z0-9-]{0,30}$"
-_UNITS: Final = {
-    "": 1,
-    "b": 1,
-    "k": 1000,
-    "kb": 1000,
-    "kib": 1 << 10,
-    "m": 1000**2,
-    "mb": 1000**2,
-    "mib": 1 << 20,
-    "g": 1000**3,
-    "gb": 1000**3,
-    "gib": 1 << 30,
-}
 _UNSHAPED: Final = frozenset({"none", "-", "0", "inf", "unlimited"})
 
 T = TypeVar("T")
@@ -158,10 +145,10 @@ def parse_latency(text: str) -> float:
 
 def parse_size(text: str) -> int:
     """``64MiB``, ``1.5GB``, ``4096`` ... in bytes; raises LabSpecError."""
-    match = re.fullmatch(r"\s*(\d+(?:\.\d+)?)\s*([A-Za-z]*)\s*", text)
-    if match is None or match.group(2).lower() not in _UNITS:
-        raise LabSpecError(f"cannot read {text!r} as a size (try 64MiB or 1GB)")
-    size = int(float(match.group(1)) * _UNITS[match.group(2).lower()])
+    try:
+        size = sizes.parse_size(text)
+    except SchemaError as exc:
+        raise LabSpecError(str(exc)) from exc
     if size <= 0:
         raise LabSpecError(f"memory must be positive, not {text!r}")
     return size
