@@ -24,6 +24,7 @@ from pydantic import Field, NonNegativeFloat, NonNegativeInt, PositiveFloat, mod
 
 from protocols.base import FrozenModel
 from protocols.constants import PROBLEM_FORMAT
+from protocols.links import Link, check_links
 
 
 class Unit(FrozenModel):
@@ -55,15 +56,6 @@ class ProblemDevice(FrozenModel):
     bandwidth_mbps: PositiveFloat
 
 
-class Link(FrozenModel):
-    """A measured link between two devices (undirected)."""
-
-    a: str
-    b: str
-    bandwidth_mbps: PositiveFloat
-    latency_ms: NonNegativeFloat = 0.0
-
-
 class PlanningProblem(FrozenModel):
     """A ``fedshard.problem/1`` document."""
 
@@ -86,17 +78,7 @@ class PlanningProblem(FrozenModel):
             missing = types - unit.compute_s.keys()
             if missing:
                 raise ValueError(f"unit {i} ({unit.name!r}) has no compute_s for {sorted(missing)}")
-        known = set(names)
-        seen: set[frozenset[str]] = set()
-        for link in self.links:
-            if link.a not in known or link.b not in known:
-                raise ValueError(f"link {link.a}-{link.b} names an unknown device")
-            if link.a == link.b:
-                raise ValueError(f"link {link.a}-{link.b} joins a device to itself")
-            pair = frozenset((link.a, link.b))
-            if pair in seen:
-                raise ValueError(f"link {link.a}-{link.b} is given twice")
-            seen.add(pair)
+        check_links(set(names), self.links)
         for shared in self.shared_weights:
             if any(u >= len(self.units) for u in shared.units):
                 raise ValueError(f"shared weight {shared.name!r} names a unit out of range")
