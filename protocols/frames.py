@@ -135,11 +135,15 @@ def frame_length(prefix: bytes, max_frame_bytes: int = DEFAULT_MAX_FRAME_BYTES) 
     if len(prefix) < PREFIX_BYTES:
         raise TruncatedFrameError(f"frame prefix has {len(prefix)} of {PREFIX_BYTES} bytes")
     magic, header_len, payload_len = PREFIX.unpack_from(prefix)
+    return _checked_total(magic, header_len, payload_len, max_frame_bytes)
+
+
+def _checked_total(magic: bytes, header_len: int, payload_len: int, max_frame_bytes: int) -> int:
     if magic != MAGIC:
         raise MalformedFrameError(f"bad frame magic {magic!r}")
     if header_len > MAX_HEADER_BYTES:
         raise FrameTooLargeError(f"frame header of {header_len} bytes is over the limit")
-    total: int = PREFIX_BYTES + header_len + payload_len
+    total = PREFIX_BYTES + header_len + payload_len
     if total > max_frame_bytes:
         raise FrameTooLargeError(f"frame of {total} bytes is over the limit of {max_frame_bytes}")
     return total
@@ -149,21 +153,26 @@ def decode_frame(
     data: bytes | bytearray | memoryview, max_frame_bytes: int = DEFAULT_MAX_FRAME_BYTES
 ) -> Frame:
     """Decode one complete frame; the returned arrays are read-only views into ``data``."""
-    view = memoryview(data).cast("B")
-    total = frame_length(bytes(view[:PREFIX_BYTES]), max_frame_bytes)
-    if len(view) < total:
-        raise TruncatedFrameError(f"frame has {len(view)} of {total} bytes")
-    if len(view) > total:
+    view = memoryview(data)
+    if view.format != "B" or view.ndim != 1:
+        view = view.cast("B")
+    view = view.toreadonly()
+    if len(view) < PREFIX_BYTES:
+        raise TruncatedFrameError(f"frame prefix has {len(view)} of {PREFIX_BYTES} bytes")
+    magic, header_len, payload_len = PREFIX.unpack_from(view)
+    total = _checked_total(magic, header_len, payload_len, max_frame_bytes)
+    if len(view) != total:
+        if len(view) < total:
+            raise TruncatedFrameError(f"frame has {len(view)} of {total} bytes")
         raise MalformedFrameError(f"{len(view) - total} bytes after the end of the frame")
-    _, header_len, payload_len = PREFIX.unpack_from(view)
-    header = _parse_header(view[PREFIX_BYTES : PREFIX_BYTES + header_len])
-    payload = view[PREFIX_BYTES + header_len :]
-    return Frame(header=header, tensors=_views(header.tensors, payload, payload_len))
+    payload_start = PREFIX_BYTES + header_len
+    header = _parse_header(bytes(view[PREFIX_BYTES:payload_start]))
+    return Frame(header=header, tensors=_views(header.tensors, view[payload_start:], payload_len))
 
 
-def _parse_header(raw: memoryview) -> FrameHeader:
+def _parse_header(raw: bytes) -> FrameHeader:
     try:
-        return FrameHeader.model_validate_json(bytes(raw))
+        return FrameHeader.model_validate_json(raw)
     except pydantic.ValidationError as exc:
         raise MalformedFrameError(f"invalid frame header: {exc.errors()[0]['msg']}") from exc
 
@@ -171,20 +180,19 @@ def _parse_header(raw: memoryview) -> FrameHeader:
 def _views(
     specs: list[TensorSpec], payload: memoryview, payload_len: int
 ) -> dict[str, npt.NDArray[np.generic]]:
-    names = [s.name for s in specs]
-    if len(set(names)) != len(names):
-        raise MalformedFrameError("frame names a tensor twice")
+    """Read-only arrays over ``payload`` (itself read-only, so numpy marks them so)."""
     tensors: dict[str, npt.NDArray[np.generic]] = {}
     offset = 0
     for spec in specs:
         dtype = _dtype_of(spec)
-        count = math.prod(spec.shape)
+        shape = tuple(spec.shape)
+        count = math.prod(shape)
         nbytes = count * dtype.itemsize
         if offset + nbytes > payload_len:
             raise TensorSpecError(f"tensor {spec.name!r} runs past the end of the payload")
-        arr = np.frombuffer(payload, dtype=dtype, count=count, offset=offset)
-        arr.flags.writeable = False
-        tensors[spec.name] = arr.reshape(tuple(spec.shape))
+        if spec.name in tensors:
+            raise MalformedFrameError(f"frame names tensor {spec.name!r} twice")
+        tensors[spec.name] = np.frombuffer(payload, dtype, count, offset).reshape(shape)
         offset += nbytes + (-nbytes % ALIGNMENT)
     if offset != payload_len:
         raise MalformedFrameError(f"payload is {payload_len} bytes but tensors need {offset}")
