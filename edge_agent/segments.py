@@ -4,6 +4,11 @@ The order is the security argument: the SHA-256 of the segment bytes and the coo
 signature over the manifest (which names that SHA-256) are checked before any byte of the segment
 is parsed; the predicted memory is checked against the budget before loading; the resident
 memory actually added is measured after loading and warm-up and checked again.
+
+Resident memory is measured with the C heap trimmed before and after (see
+:mod:`edge_agent.runtime`), so the report counts what the segment keeps, not heap that ORT
+freed while loading. The transient peak while the session was built (the parsed protobuf next
+to ORT's copy of the weights) is logged next to it.
 """
 
 from __future__ import annotations
@@ -26,7 +31,13 @@ from edge_agent.errors import (
     WrongTargetError,
 )
 from edge_agent.identity import Identity, verify_signature
-from edge_agent.runtime import SegmentSession, resident_bytes
+from edge_agent.runtime import (
+    SegmentSession,
+    peak_resident_bytes,
+    release_freed_heap,
+    reset_peak_resident,
+    resident_bytes,
+)
 from protocols.deploy import DeployManifest, DeployReport, DeployRequest, signing_bytes
 from protocols.errors import FrameError
 from protocols.frames import decode_frame
@@ -112,7 +123,9 @@ class SegmentStore:
                     f"{free} of the {self._budget}-byte budget are free"
                 )
             path = self._store_file(entry.sha256, segment)
+            release_freed_heap()  # else freed heap from earlier work hides what loading adds
             before = resident_bytes()
+            peak_known = reset_peak_resident()
             try:
                 session = SegmentSession.load(path, self._runtime)
                 feeds = _warmup_feeds(session, warmup) if len(warmup) else None
@@ -120,6 +133,7 @@ class SegmentStore:
                     feeds, manifest.warmup_shapes, self._runtime.warmup_runs
                 )
                 measured = resident_bytes() - before
+                peak = peak_resident_bytes() if peak_known else None
                 if measured > free:
                     raise BudgetError(
                         f"segment added {measured} resident bytes after load and warm-up, "
@@ -142,12 +156,13 @@ class SegmentStore:
             deployed = Deployed(manifest=manifest, session=session, report=report)
             self._segments[manifest.plan_version] = deployed
         log.info(
-            "loaded segment %d of plan %d: %d bytes resident (predicted %d), stage %.2f ms "
-            "(predicted %.2f ms)",
+            "loaded segment %d of plan %d: %d bytes resident (predicted %d; %s while loading), "
+            "stage %.2f ms (predicted %.2f ms)",
             entry.index,
             manifest.plan_version,
             measured,
             entry.predicted_memory_bytes,
+            "peak unknown" if peak is None else f"peak +{peak - before} bytes",
             median * 1e3,
             entry.predicted_compute_s * 1e3,
         )

@@ -21,7 +21,7 @@ really are.
 Units are timed one at a time, one ONNX Runtime session alive at once, so calibration needs
 memory for the largest unit's weights plus the sample's activations, not for the whole model.
 Sessions use the edge agent's defaults: ``threads`` intra-op threads (1 unless told), sequential
-execution, all graph optimisations, no spinning.
+execution, all graph optimisations, no memory pattern, no spinning.
 
 :func:`shares_of` and :class:`Calibration` are pure; :func:`time_chain` is the ONNX Runtime
 layer.
@@ -170,6 +170,7 @@ def _session(path: Path, threads: int) -> Any:
     options.inter_op_num_threads = 1
     options.execution_mode = ort.ExecutionMode.ORT_SEQUENTIAL
     options.graph_optimization_level = ort.GraphOptimizationLevel.ORT_ENABLE_ALL
+    options.enable_mem_pattern = False  # as on the edge agent (edge_agent.runtime)
     options.add_session_config_entry("session.intra_op.allow_spinning", "0")
     options.add_session_config_entry("session.inter_op.allow_spinning", "0")
     try:

@@ -5,6 +5,7 @@ from __future__ import annotations
 from collections.abc import Sequence
 
 from partitioner.errors import GraphError
+from partitioner.runtime_memory import GRAPH_ONLY, RuntimeMemory
 from partitioner.units import UnitPlan
 from protocols.devices import DeviceList
 from protocols.problem import PlanningProblem
@@ -22,6 +23,7 @@ def build_problem(
     queue_depth: int = 2,
     name: str = "",
     compute_shares: Sequence[float] | None = None,
+    runtime: RuntimeMemory = GRAPH_ONLY,
 ) -> PlanningProblem:
     """The planning problem for placing ``units`` on ``devices``.
 
@@ -32,6 +34,12 @@ def build_problem(
     :mod:`partitioner.calibrate`) redistributes the compute: a unit's compute becomes the whole
     model's FLOPs over the device's GFLOP/s times its share, so each device keeps its rated
     speed while the units' relative costs are the measured ones.
+
+    ``runtime`` says what the agent's ONNX Runtime keeps resident beyond weights and queued
+    frames (see :mod:`partitioner.runtime_memory`); a unit's ``workspace_bytes`` becomes
+    ``runtime.stage_bytes`` of its live set, so each stage is charged the fixed per-session
+    overhead once plus the arena for its largest unit. The default, :data:`GRAPH_ONLY`, charges
+    the graph's live set alone.
 
     Raises :class:`~protocols.errors.SchemaError` if the devices do not make a valid problem
     (e.g. a link given twice), :class:`~partitioner.errors.GraphError` if ``compute_shares``
@@ -47,7 +55,7 @@ def build_problem(
                 "name": u.name,
                 "weight_bytes": u.weight_bytes,
                 "out_bytes": u.out_bytes,
-                "workspace_bytes": u.workspace_bytes,
+                "workspace_bytes": runtime.stage_bytes(u.workspace_bytes),
                 "compute_s": {
                     device_type(d.name): flops / (d.gflops * 1e9) for d in devices.devices
                 },

@@ -26,6 +26,7 @@ from partitioner.frontier import Frontier, build_frontier
 from partitioner.graph import GraphIndex, index_graph
 from partitioner.modelio import file_sha256, initializer_bytes, load_model, save_model
 from partitioner.problem_from_graph import build_problem
+from partitioner.runtime_memory import RuntimeMemory
 from partitioner.samples import Samples, check_samples, embedded_samples, load_npz, synthesize
 from partitioner.segments import SegmentSpec, iter_segments, plan_segments
 from partitioner.shapes import infer_shapes, symbolic_types
@@ -99,6 +100,9 @@ class SplitOptions:
     """Time every unit in ONNX Runtime and plan with the measured distribution of compute."""
     calibration_runs: int = DEFAULT_RUNS
     calibration_threads: int = DEFAULT_THREADS
+    runtime: RuntimeMemory = field(default_factory=RuntimeMemory)
+    """What the agent's ONNX Runtime keeps resident per segment beyond weights and queued
+    frames; predicted memory includes it (see :mod:`partitioner.runtime_memory`)."""
 
 
 def analyse(
@@ -111,8 +115,10 @@ def analyse(
 ) -> Analysis:
     """Index, size and cost the graph and group it into planning units.
 
-    Shapes are bound from ``samples`` (else the model's embedded samples, else ``dims`` and
-    defaults); without samples, inputs are synthesised at that binding.
+    Shapes for costing are bound from ``dims`` by dimension name, then from ``samples`` (else
+    the model's embedded samples), then defaults: ``dims`` wins, so a model can be costed at
+    its deployment's shapes (batch 1 x 128 tokens, say) and still verified on small samples.
+    Without samples, inputs are synthesised at that binding.
     """
     index = index_graph(model.graph)
     source = "given"
@@ -123,7 +129,7 @@ def analyse(
     if given is not None:
         given = {n: given[n] for n in index.inputs if n in given}
         check_samples(index, given)
-    concrete = {n: a.shape for n, a in given.items()} if given else None
+    concrete = _sample_shapes(model, given, dims or {}) if given else None
     table = infer_shapes(model, index, dims or {}, concrete)
     if given is None:
         given, source = synthesize(index, table), "synthesised"
@@ -132,6 +138,21 @@ def analyse(
         raise GraphError("nothing to split: every node of the model is a constant")
     units = build_units(index, frontier, table, max_units=max_units)
     return Analysis(model, index, table, frontier, units, given, source)
+
+
+def _sample_shapes(
+    model: onnx.ModelProto, samples: Samples, dims: Mapping[str, int]
+) -> dict[str, tuple[int, ...]]:
+    """The samples' input shapes, with every axis declared as a symbol in ``dims`` rebound."""
+    declared = {i.name: i.type.tensor_type.shape.dim for i in model.graph.input}
+    shapes: dict[str, tuple[int, ...]] = {}
+    for name, array in samples.items():
+        axes = list(declared.get(name, []))
+        shapes[name] = tuple(
+            dims.get(axes[k].dim_param, size) if k < len(axes) and axes[k].dim_param else size
+            for k, size in enumerate(array.shape)
+        )
+    return shapes
 
 
 def unit_cuts(units: UnitPlan, plan: Plan) -> list[int]:
@@ -270,7 +291,12 @@ def _problem(
     shares: Sequence[float] | None = None,
 ) -> PlanningProblem:
     return build_problem(
-        analysis.units, devices, queue_depth=opts.queue_depth, name=name, compute_shares=shares
+        analysis.units,
+        devices,
+        queue_depth=opts.queue_depth,
+        name=name,
+        compute_shares=shares,
+        runtime=opts.runtime,
     )
 
 
@@ -288,7 +314,8 @@ def build_manifest(
 ) -> Manifest:
     """The ``fedshard.manifest/1`` document for written segments of a plan.
 
-    Predicted memory and compute are the plan's per-stage numbers.
+    Predicted memory and compute are the plan's per-stage numbers (memory with the runtime's
+    overhead and arena when the problem was built with a runtime model).
     """
     graph = analysis.model.graph
     declared = {v.name: v for v in [*graph.input, *graph.output]}

@@ -17,6 +17,7 @@ import pytest
 
 from partitioner.errors import InfeasiblePlanError
 from partitioner.modelio import file_sha256, initializer_bytes, load_model
+from partitioner.runtime_memory import RuntimeMemory
 from partitioner.split import Analysis, SplitOptions, SplitResult, analyse, split_model
 from partitioner.verify import verify_chain
 from protocols.devices import DeviceList
@@ -28,11 +29,14 @@ os.environ.setdefault("HF_HUB_OFFLINE", "1")
 
 
 def devices_for(analysis: Analysis, fractions: list[float], queue_depth: int = 2) -> DeviceList:
-    """Devices with ``fraction`` of the model's weights each, plus room for activations."""
+    """Devices with ``fraction`` of the model's weights each, plus room for what one stage
+    needs beyond weights: the runtime (overhead and arena for the largest workspace) and the
+    queued frames."""
     weights = initializer_bytes(analysis.model)
     units = analysis.units
     biggest = max(units.input_bytes, *(u.out_bytes for u in units.units))
-    room = max(u.workspace_bytes for u in units.units) + 2 * biggest * (1 + queue_depth)
+    workspace = max(u.workspace_bytes for u in units.units)
+    room = RuntimeMemory().stage_bytes(workspace) + 2 * biggest * (1 + queue_depth)
     return DeviceList.from_obj(
         {
             "devices": [
