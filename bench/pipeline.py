@@ -101,7 +101,7 @@ def main() -> int:
 
 
 async def measure(chain, ca, whole, local, feeds, args, client, ordered):  # type: ignore[no-untyped-def]
-    requester = await Requester.connect(chain[0], ca.client_context("bench"), 1)
+    requester = await Requester.connect(chain, ca.client_context("bench"), 1)
     try:
         expected = whole.run(["last_hidden_state"], feeds)[0]
         got = (await requester.infer(feeds))["last_hidden_state"]
@@ -206,7 +206,8 @@ def report(r, segments) -> None:  # type: ignore[no-untyped-def]
         "",
         "`.venv/bin/python bench/pipeline.py` — all-MiniLM-L6-v2 exported by the partitioner's "
         "front door, cut by `fedshard split` (three segments), three agent processes on "
-        f"127.0.0.1 over TLS, one ONNX Runtime thread per process, {os.cpu_count()} cores. "
+        "127.0.0.1 over TLS (requests go to the first agent, results come straight back from "
+        f"the last), one ONNX Runtime thread per process, {os.cpu_count()} cores. "
         f"{r['latency_runs']} interleaved latency runs; {r['requests']} pipelined requests with "
         f"{r['in_flight']} in flight. Stage compute is what the agents measured in that phase.",
         "",

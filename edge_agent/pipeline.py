@@ -1,9 +1,12 @@
 """The data plane's request handling: check, queue, compute in a worker thread, send on.
 
-Topology (see :mod:`protocols.deploy`): a ring. Requesters talk to the first agent and keep
-their connection; each agent sends its ``forward`` tensors to the next; the last agent sends the
-results back to the first, which hands them to the requester's connection by ``request_id``.
-Error frames travel the same path, skipping compute, so every accepted request gets one answer.
+Topology (see :mod:`protocols.deploy`): a chain with a direct return. A requester sends each
+request to the first agent and claims its answer on its own connection to the last agent. The
+first agent prefixes the request id with the requester's verified name (so only that requester
+can claim the answer); each agent sends its ``forward`` tensors to the next; the last agent hands
+the result to the claiming connection. Errors after a request was accepted travel the same way,
+skipping compute; the first agent answers its own refusals, and link failures it sees, on the
+requester's connection. Every accepted request gets one answer.
 
 Per agent there are two bounded queues (compute and send) and one compute thread. A full compute
 queue stops the connection readers, so TCP pushes back on the previous agent: backpressure.
@@ -15,6 +18,7 @@ import asyncio
 import logging
 import ssl
 import time
+from collections import OrderedDict
 from collections.abc import Callable, Mapping
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
@@ -33,7 +37,14 @@ from edge_agent.links import Link
 from edge_agent.metrics import AgentMetrics
 from edge_agent.segments import Deployed, SegmentStore
 from edge_agent.tls import check_peer
-from protocols.deploy import PROBE_PREFIX, ROLE_AGENT, ROLE_COORDINATOR, Hop
+from protocols.deploy import (
+    MAX_CLAIMS,
+    ORIGIN_SEPARATOR,
+    PROBE_PREFIX,
+    ROLE_AGENT,
+    ROLE_COORDINATOR,
+    Hop,
+)
 from protocols.errors import FrameError
 from protocols.frames import FrameHeader
 
@@ -41,6 +52,10 @@ log = logging.getLogger(__name__)
 
 LinkFactory = Callable[[Hop], Link]
 PEER_ROLES = frozenset({ROLE_AGENT, ROLE_COORDINATOR})
+PARKED_MAX = 64
+"""Answers kept for a claim that has not arrived yet (the claim normally arrives first)."""
+PARKED_SECONDS = 30.0
+_Parked = tuple[FrameHeader, Mapping[str, Array], float]
 
 
 @dataclass
@@ -50,6 +65,8 @@ class _Work:
     feeds: dict[str, Array]
     carried: dict[str, Array]
     enqueued: float
+    origin: FrameChannel | None
+    """The requester's connection, on the first stage."""
 
 
 @dataclass
@@ -57,6 +74,12 @@ class _Outgoing:
     deployed: Deployed
     header: FrameHeader
     tensors: Mapping[str, Array]
+    origin: FrameChannel | None
+
+
+def request_id_of(routed: str) -> str:
+    """The requester's own request id in a routed id ``NAME|ID``."""
+    return routed.rpartition(ORIGIN_SEPARATOR)[2]
 
 
 class Pipeline:
@@ -74,7 +97,11 @@ class Pipeline:
         self._link_factory = link_factory
         self._compute_q: asyncio.Queue[_Work] = asyncio.Queue(maxsize=queue_depth)
         self._send_q: asyncio.Queue[_Outgoing] = asyncio.Queue(maxsize=queue_depth)
-        self._pending: dict[str, FrameChannel] = {}
+        self._claims: dict[str, FrameChannel] = {}
+        """Unanswered claims on the last stage: routed request id -> the claiming connection."""
+        self._open_claims: dict[FrameChannel, set[str]] = {}
+        """The same claims by connection (for the per-connection bound and the cleanup)."""
+        self._parked: OrderedDict[str, _Parked] = OrderedDict()
         self._links: dict[Hop, Link] = {}
         self._executor = ThreadPoolExecutor(max_workers=1, thread_name_prefix="segment")
         self._tasks: list[asyncio.Task[None]] = []
@@ -101,7 +128,6 @@ class Pipeline:
 
     async def serve(self, channel: FrameChannel) -> None:
         """Read frames from one connection until it ends or sends something unreadable."""
-        mine: set[str] = set()
         try:
             check_peer(channel.peer, roles=PEER_ROLES)
             while True:
@@ -117,7 +143,7 @@ class Pipeline:
                 frame, size = item
                 self._metrics.bytes_in.inc(size)
                 try:
-                    await self._dispatch(channel, frame.header, frame.tensors, mine)
+                    await self._dispatch(channel, frame.header, frame.tensors)
                 except PeerRejectedError as exc:
                     self._count_error(exc)
                     log.warning("closing %s: %s", channel.peer.name, exc)
@@ -129,9 +155,8 @@ class Pipeline:
         except (OSError, ssl.SSLError) as exc:
             log.info("data-plane connection from %s ended: %s", channel.peer.name, exc)
         finally:
-            for request_id in mine:
-                if self._pending.get(request_id) is channel:
-                    del self._pending[request_id]
+            for key in self._open_claims.pop(channel, set()):
+                self._claims.pop(key, None)
             await channel.close()
 
     async def _dispatch(
@@ -139,7 +164,6 @@ class Pipeline:
         channel: FrameChannel,
         header: FrameHeader,
         tensors: Mapping[str, Array],
-        mine: set[str],
     ) -> None:
         if header.request_id.startswith(PROBE_PREFIX):
             self._metrics.bytes_out.inc(
@@ -154,14 +178,8 @@ class Pipeline:
             return
         manifest = deployed.manifest
         index, chain = manifest.segment.index, manifest.chain
-        if header.segment_index == len(chain) and manifest.is_first and not manifest.is_last:
-            # results come from the last agent; error reports from any agent of the chain
-            if header.error:
-                if channel.peer.name not in {hop.device for hop in chain[1:]}:
-                    raise PeerRejectedError(f"{channel.peer.name!r} is not part of this chain")
-            else:
-                check_peer(channel.peer, name=chain[-1].device, roles={ROLE_AGENT})
-            await self._to_requester(header, tensors)
+        if header.segment_index == len(chain) and manifest.is_last and not manifest.is_first:
+            await self._answer_frame(channel, header, chain)
             return
         if header.segment_index != index:
             await self._refuse(
@@ -170,28 +188,63 @@ class Pipeline:
                 NoSegmentError(f"this agent runs segment {index}, not {header.segment_index}"),
             )
             return
+        origin: FrameChannel | None = None
         if index > 0:
             check_peer(channel.peer, name=chain[index - 1].device, roles={ROLE_AGENT})
+        elif header.error or ORIGIN_SEPARATOR in header.request_id:
+            await self._refuse(
+                channel,
+                header,
+                RequestError(f"requesters may not send errors or {ORIGIN_SEPARATOR!r}"),
+            )
+            return
         else:
-            if header.error:
-                await self._refuse(channel, header, RequestError("requesters may not send errors"))
+            routed = f"{channel.peer.name}{ORIGIN_SEPARATOR}{header.request_id}"
+            if len(routed) > 128:
+                await self._refuse(channel, header, RequestError("request id is too long"))
                 return
-            if header.request_id in self._pending:
-                await self._refuse(channel, header, RequestError("request id already in flight"))
-                return
-            self._pending[header.request_id] = channel
-            mine.add(header.request_id)
+            header, origin = header.model_copy(update={"request_id": routed}), channel
         if header.error:
-            await self._send_q.put(_Outgoing(deployed, header, {}))
+            await self._send_q.put(_Outgoing(deployed, header, {}, None))
             return
         try:
             feeds, carried = check_tensors(deployed.session.inputs, tensors, deployed.passthrough)
         except RequestError as exc:
             self._count_error(exc)
-            await self._fail(deployed, header, exc)
+            await self._fail(deployed, header, exc, origin)
             return
-        await self._compute_q.put(_Work(deployed, header, feeds, carried, time.perf_counter()))
+        await self._compute_q.put(
+            _Work(deployed, header, feeds, carried, time.perf_counter(), origin)
+        )
         self._metrics.queue_depth.labels("compute").set(self._compute_q.qsize())
+
+    async def _answer_frame(
+        self, channel: FrameChannel, header: FrameHeader, chain: list[Hop]
+    ) -> None:
+        """On the last stage, a frame for ``len(chain)``: an error report from a chain member
+        (routed id), or a requester's claim on an answer (or, with ``error`` set, its release)."""
+        if ORIGIN_SEPARATOR in header.request_id:
+            if not header.error or channel.peer.name not in {h.device for h in chain[:-1]}:
+                raise PeerRejectedError(f"{channel.peer.name!r} may not send answers here")
+            await self._to_requester(header, {})
+            return
+        key = f"{channel.peer.name}{ORIGIN_SEPARATOR}{header.request_id}"
+        mine = self._open_claims.setdefault(channel, set())
+        if header.error:  # the requester got its answer elsewhere: release the claim
+            if key in mine:
+                mine.discard(key)
+                del self._claims[key]
+            return
+        if key in self._claims:
+            await self._refuse(channel, header, RequestError("request id already claimed"))
+            return
+        if len(mine) >= MAX_CLAIMS:
+            await self._refuse(channel, header, RequestError(f"over {MAX_CLAIMS} open claims"))
+            return
+        self._claims[key] = channel
+        mine.add(key)
+        if (parked := self._parked.pop(key, None)) is not None:
+            await self._to_requester(parked[0], parked[1])
 
     async def _compute_loop(self) -> None:
         loop = asyncio.get_running_loop()
@@ -208,14 +261,14 @@ class Pipeline:
                 )
             except ExecutionError as exc:
                 self._count_error(exc)
-                await self._fail(work.deployed, work.header, exc)
+                await self._fail(work.deployed, work.header, exc, work.origin)
                 continue
             self._metrics.compute_seconds.observe(time.perf_counter() - start)
             forward = {
                 name: outputs[name] if name in outputs else work.carried[name]
                 for name in work.deployed.manifest.forward
             }
-            await self._send_q.put(_Outgoing(work.deployed, work.header, forward))
+            await self._send_q.put(_Outgoing(work.deployed, work.header, forward, work.origin))
             self._metrics.queue_depth.labels("send").set(self._send_q.qsize())
 
     async def drop_links(self, devices: frozenset[str]) -> None:
@@ -229,71 +282,92 @@ class Pipeline:
             self._metrics.queue_depth.labels("send").set(self._send_q.qsize())
             start = time.perf_counter()
             try:
-                await self._deliver(out.deployed, out.header, out.tensors)
+                await self._deliver(out)
             except LinkError as exc:
                 self._metrics.requests.labels("link_error").inc()
                 log.error("request %s failed: %s", out.header.request_id, exc)
-                await self._report_link_failure(out.deployed, out.header, exc)
+                await self._report_link_failure(out, exc)
                 continue
             self._metrics.send_seconds.observe(time.perf_counter() - start)
             self._metrics.requests.labels("error" if out.header.error else "ok").inc()
 
-    async def _deliver(
-        self, deployed: Deployed, header: FrameHeader, tensors: Mapping[str, Array]
-    ) -> None:
-        manifest = deployed.manifest
-        chain, index = manifest.chain, manifest.segment.index
-        if manifest.is_last and manifest.is_first:
-            await self._to_requester(
-                header.model_copy(update={"segment_index": len(chain)}), tensors
-            )
-            return
-        nxt = (index + 1) % len(chain)
-        target = len(chain) if manifest.is_last else nxt
-        link = self._links.get(chain[nxt])
+    def _link(self, hop: Hop) -> Link:
+        link = self._links.get(hop)
         if link is None:
-            link = self._links[chain[nxt]] = self._link_factory(chain[nxt])
-        sent = await link.send(header.model_copy(update={"segment_index": target}), tensors)
-        self._metrics.bytes_out.inc(sent)
+            link = self._links[hop] = self._link_factory(hop)
+        return link
 
-    async def _report_link_failure(
-        self, deployed: Deployed, header: FrameHeader, exc: LinkError
-    ) -> None:
-        """Tell the requester that the chain is broken: directly on the first stage, else by an
-        error frame straight to the first agent (which accepts errors from any chain member)."""
-        manifest = deployed.manifest
+    async def _deliver(self, out: _Outgoing) -> None:
+        manifest = out.deployed.manifest
+        chain, index = manifest.chain, manifest.segment.index
+        if manifest.is_last:
+            header = out.header.model_copy(update={"segment_index": len(chain), "tensors": []})
+            if out.origin is not None:  # a one-stage chain answers on the request's connection
+                await self._write_answer(out.origin, header, out.tensors)
+            else:
+                await self._to_requester(header, out.tensors)
+            return
+        # tensors=[]: the codec rebuilds the specs from the arrays; this skips dumping the old ones
+        header = out.header.model_copy(update={"segment_index": index + 1, "tensors": []})
+        self._metrics.bytes_out.inc(await self._link(chain[index + 1]).send(header, out.tensors))
+
+    async def _report_link_failure(self, out: _Outgoing, exc: LinkError) -> None:
+        """Tell the requester that the chain is broken: on its connection from the first stage,
+        else by an error frame straight to the last agent (which holds the requester's claim).
+        When the last agent itself is unreachable, the requester's own connection to it fails."""
+        manifest = out.deployed.manifest
         chain = manifest.chain
-        error = header.model_copy(
+        error = out.header.model_copy(
             update={"error": f"LinkError: {exc}"[:4096], "segment_index": len(chain)}
         )
-        if manifest.is_first:
-            await self._to_requester(error, {})
+        if out.origin is not None:
+            await self._write_answer(out.origin, error, {})
             return
-        link = self._links.get(chain[0])
-        if link is None:
-            link = self._links[chain[0]] = self._link_factory(chain[0])
+        if manifest.segment.index + 2 == len(chain):
+            return  # the last agent is the one down; the requester's connection to it fails
         try:
-            await link.send(error, {})
+            await self._link(chain[-1]).send(error, {})
         except LinkError as again:
-            log.error("cannot tell the first agent about %s either: %s", header.request_id, again)
+            log.error("cannot tell the last agent about %s either: %s", error.request_id, again)
 
     async def _to_requester(self, header: FrameHeader, tensors: Mapping[str, Array]) -> None:
-        channel = self._pending.pop(header.request_id, None)
+        """On the last stage: hand an answer to the connection that claimed it (or park it)."""
+        channel = self._claims.pop(header.request_id, None)
         if channel is None:
-            log.warning("result for %s has no requester any more", header.request_id)
+            self._park(header, tensors)
             return
+        self._open_claims[channel].discard(header.request_id)
+        await self._write_answer(channel, header, tensors)
+
+    def _park(self, header: FrameHeader, tensors: Mapping[str, Array]) -> None:
+        """Keep an answer whose claim has not arrived (bounded in number and age)."""
+        now = time.monotonic()
+        while self._parked and (
+            len(self._parked) >= PARKED_MAX
+            or next(iter(self._parked.values()))[2] < now - PARKED_SECONDS
+        ):
+            lost, _ = self._parked.popitem(last=False)
+            log.warning("the answer for %s was never claimed; dropped", lost)
+        self._parked[header.request_id] = (header, tensors, now)
+
+    async def _write_answer(
+        self, channel: FrameChannel, header: FrameHeader, tensors: Mapping[str, Array]
+    ) -> None:
+        reply = header.model_copy(update={"request_id": request_id_of(header.request_id)})
         try:
-            self._metrics.bytes_out.inc(await channel.write(header, tensors))
+            self._metrics.bytes_out.inc(await channel.write(reply, tensors))
         except (OSError, ssl.SSLError) as exc:
             log.warning("cannot return %s to %s: %s", header.request_id, channel.peer.name, exc)
 
-    async def _fail(self, deployed: Deployed, header: FrameHeader, exc: AgentError) -> None:
-        """Answer a failed request: straight to the requester on the first stage, else onward."""
+    async def _fail(
+        self, deployed: Deployed, header: FrameHeader, exc: AgentError, origin: FrameChannel | None
+    ) -> None:
+        """Answer a failed request: to the requester on the first stage, else onward."""
         error = header.model_copy(update={"error": f"{type(exc).__name__}: {exc}"[:4096]})
-        if deployed.manifest.is_first:
-            await self._to_requester(error, {})
+        if origin is not None:
+            await self._write_answer(origin, error, {})
         else:
-            await self._send_q.put(_Outgoing(deployed, error, {}))
+            await self._send_q.put(_Outgoing(deployed, error, {}, None))
 
     async def _refuse(self, channel: FrameChannel, header: FrameHeader, exc: AgentError) -> None:
         self._count_error(exc)

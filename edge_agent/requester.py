@@ -1,7 +1,9 @@
-"""A data-plane requester: sends requests to the first agent and awaits results by request id.
+"""A data-plane requester: sends requests into a chain and awaits results by request id.
 
 Used by tests and benchmarks; the coordinator speaks the same protocol (see protocols.deploy).
-Many requests may be in flight on one connection; results come back in any order.
+It holds a connection to the first agent (requests go there) and one to the last agent (it
+claims each answer there, and the answer comes back there: one hop shorter than a ring).
+Many requests may be in flight; results come back in any order.
 """
 
 from __future__ import annotations
@@ -10,7 +12,7 @@ import asyncio
 import itertools
 import logging
 import ssl
-from collections.abc import Mapping
+from collections.abc import Mapping, Sequence
 
 from edge_agent.channel import FrameChannel, open_channel
 from edge_agent.checks import Array
@@ -18,67 +20,125 @@ from edge_agent.errors import LinkError, RemoteRequestError
 from edge_agent.tls import check_peer
 from protocols.deploy import ROLE_AGENT, Hop
 from protocols.errors import FrameError
-from protocols.frames import FrameHeader
+from protocols.frames import Frame, FrameHeader
 
 log = logging.getLogger(__name__)
 
+RELEASE = "release"
+"""``error`` of a claim frame that gives the claim back (the answer came from the first agent)."""
+
 
 class Requester:
-    """One connection to the first agent of a chain."""
+    """Connections to the first and the last agent of a chain (one, for a one-agent chain)."""
 
-    def __init__(self, channel: FrameChannel, plan_version: int) -> None:
-        self._channel = channel
+    def __init__(
+        self,
+        first: FrameChannel,
+        plan_version: int,
+        last: FrameChannel | None = None,
+        chain_length: int = 1,
+    ) -> None:
+        self._first = first
+        self._last = last
+        self._length = chain_length
         self._plan_version = plan_version
-        self._futures: dict[str, asyncio.Future[dict[str, Array]]] = {}
+        self._futures: dict[str, asyncio.Future[tuple[Frame, bool]]] = {}
         self._ids = itertools.count()
-        self._reader = asyncio.create_task(self._read())
+        self._readers = [asyncio.create_task(self._read(first, "first"))]
+        if last is not None:
+            self._readers.append(asyncio.create_task(self._read(last, "last")))
 
     @classmethod
     async def connect(
-        cls, first: Hop, ctx: ssl.SSLContext, plan_version: int, max_frame_bytes: int = 1 << 30
+        cls,
+        chain: Hop | Sequence[Hop],
+        ctx: ssl.SSLContext,
+        plan_version: int,
+        max_frame_bytes: int = 1 << 30,
     ) -> Requester:
-        """Open a TLS connection to ``first`` and check its certificate names that device."""
-        channel = await open_channel(first.host, first.data_port, ctx, max_frame_bytes)
-        check_peer(channel.peer, name=first.device, roles={ROLE_AGENT})
-        return cls(channel, plan_version)
+        """Open TLS connections to the chain's first and last agents (a single Hop: a one-agent
+        chain) and check that each certificate names the expected device."""
+        hops = [chain] if isinstance(chain, Hop) else list(chain)
+        channels: list[FrameChannel] = []
+        try:
+            for hop in (hops[0], hops[-1]) if len(hops) > 1 else (hops[0],):
+                channel = await open_channel(hop.host, hop.data_port, ctx, max_frame_bytes)
+                channels.append(channel)
+                check_peer(channel.peer, name=hop.device, roles={ROLE_AGENT})
+        except BaseException:
+            for opened in channels:
+                await opened.close()
+            raise
+        last = channels[1] if len(channels) > 1 else None
+        return cls(channels[0], plan_version, last, len(hops))
 
     async def infer(
         self, tensors: Mapping[str, Array], request_id: str | None = None
     ) -> dict[str, Array]:
         """Send one request and wait for its result; raises RemoteRequestError or LinkError."""
         rid = request_id or f"r{next(self._ids)}"
-        future: asyncio.Future[dict[str, Array]] = asyncio.get_running_loop().create_future()
+        future: asyncio.Future[tuple[Frame, bool]] = asyncio.get_running_loop().create_future()
         self._futures[rid] = future
         try:
-            await self._channel.write(
-                FrameHeader(request_id=rid, plan_version=self._plan_version), tensors
-            )
-            return await future
+            # The request first: the claim is off the critical path (an answer that reaches the
+            # last agent before its claim waits there for it).
+            request = FrameHeader(request_id=rid, plan_version=self._plan_version)
+            await _send(self._first, "first", request, tensors)
+            if self._last is not None:
+                await _send(self._last, "last", self._claim(rid), {})
+            frame, from_first = await future
         finally:
             self._futures.pop(rid, None)
+        if from_first and self._last is not None:
+            await self._release(rid)
+        if frame.header.error:
+            raise RemoteRequestError(frame.header.error)
+        return dict(frame.tensors)
 
-    async def _read(self) -> None:
-        error: Exception = LinkError("connection closed by the agent")
+    def _claim(self, rid: str, error: str | None = None) -> FrameHeader:
+        return FrameHeader(
+            request_id=rid, segment_index=self._length, plan_version=self._plan_version, error=error
+        )
+
+    async def _release(self, rid: str) -> None:
+        assert self._last is not None
         try:
-            while (item := await self._channel.read()) is not None:
+            await self._last.write(self._claim(rid, RELEASE), {})
+        except (OSError, ssl.SSLError) as exc:
+            log.info("could not release the claim on %s: %s", rid, exc)
+
+    async def _read(self, channel: FrameChannel, which: str) -> None:
+        error: Exception = LinkError(f"connection closed by the {which} agent")
+        try:
+            while (item := await channel.read()) is not None:
                 frame, _ = item
                 future = self._futures.get(frame.header.request_id)
                 if future is None or future.done():
                     log.warning(
                         "unexpected reply %s: %s", frame.header.request_id, frame.header.error
                     )
-                elif frame.header.error:
-                    future.set_exception(RemoteRequestError(frame.header.error))
                 else:
-                    future.set_result(dict(frame.tensors))
+                    future.set_result((frame, channel is self._first))
         except (OSError, ssl.SSLError, FrameError) as exc:
-            error = LinkError(f"connection to the first agent failed: {exc}")
+            error = LinkError(f"connection to the {which} agent failed: {exc}")
         for future in self._futures.values():
             if not future.done():
                 future.set_exception(error)
 
     async def close(self) -> None:
-        """Close the connection and stop the reader."""
-        self._reader.cancel()
-        await asyncio.gather(self._reader, return_exceptions=True)
-        await self._channel.close()
+        """Close the connections and stop the readers."""
+        for reader in self._readers:
+            reader.cancel()
+        await asyncio.gather(*self._readers, return_exceptions=True)
+        await self._first.close()
+        if self._last is not None:
+            await self._last.close()
+
+
+async def _send(
+    channel: FrameChannel, which: str, header: FrameHeader, tensors: Mapping[str, Array]
+) -> None:
+    try:
+        await channel.write(header, tensors)
+    except (OSError, ssl.SSLError) as exc:
+        raise LinkError(f"connection to the {which} agent failed: {exc}") from exc

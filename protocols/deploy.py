@@ -22,12 +22,33 @@ Deploy body
     Without one, the agent warms up on all-ones inputs shaped by ``warmup_shapes``.
 
 Data-plane topology
-    The chain is a ring. A requester sends frames with ``segment_index = 0`` to the first agent
-    and keeps the connection open. Agent ``k`` runs segment ``k`` and sends the names in its
-    ``forward`` list on to agent ``k + 1`` with ``segment_index = k + 1``. The last agent sends its
-    results back to the first agent with ``segment_index = len(chain)``, and the first agent
-    routes them to the requester's connection by ``request_id``. An error frame (``error`` set)
-    travels the same way, so the requester always gets one answer per request.
+    A chain with a direct return. A requester keeps two connections: one to the first agent and,
+    when the chain has more than one agent, one to the last (both mutually authenticated; it
+    checks each certificate against the device name in the chain). It sends each request to the
+    first agent with ``segment_index = 0`` and *claims* its answer at the last agent with a
+    header-only frame of the same ``request_id`` and ``segment_index = len(chain)`` (just after
+    the request, so the claim is off the critical path; before it works too). A ``request_id``
+    may not contain :data:`ORIGIN_SEPARATOR`.
+
+    The first agent *routes* the request: it forwards it under the id
+    ``REQUESTER + ORIGIN_SEPARATOR + request_id``, where ``REQUESTER`` is the device name in the
+    requester's verified certificate. Agent ``k`` runs segment ``k`` and sends the names in its
+    ``forward`` list on to agent ``k + 1`` with ``segment_index = k + 1``. The last agent returns
+    the result, under the requester's own ``request_id`` and with ``segment_index = len(chain)``,
+    on the connection whose peer claimed that id with that name: nobody else can claim it. An
+    answer that arrives before its claim waits up to 30 s for it (at most 64 such answers). A
+    one-agent chain answers on the request's own connection.
+
+    Errors. Once the first agent accepted a request, a failure at any stage becomes an error
+    frame (``error`` set) that travels the rest of the chain, skipping compute, and is returned
+    like a result. The first agent answers on the requester's connection to it when it refuses a
+    request (bad tensors, unknown plan) or cannot reach the second agent; agent ``k > 0`` that
+    cannot reach agent ``k + 1`` sends the error frame, routed id and ``segment_index =
+    len(chain)``, straight to the last agent. If the last agent is down, the requester's own
+    connection to it fails. So every request gets exactly one answer (or a failed connection).
+    A requester that got its answer from the first agent releases its claim by sending the claim
+    frame again with ``error`` set; claims also end with the connection, and an agent holds at
+    most :data:`MAX_CLAIMS` per connection.
 
 Link probes
     A frame whose ``request_id`` starts with :data:`PROBE_PREFIX` is a link probe: the receiving
@@ -51,6 +72,10 @@ ROLE_AGENT: Final = "agent"
 ROLE_COORDINATOR: Final = "coordinator"
 PROBE_PREFIX: Final = "probe/"
 """``request_id`` prefix of a link-probe frame."""
+ORIGIN_SEPARATOR: Final = "|"
+"""Joins the requester's name and its ``request_id`` in a routed request id."""
+MAX_CLAIMS: Final = 4096
+"""Most unanswered claims an agent holds for one requester connection."""
 
 SIGNATURE_ALGORITHMS: Final = ("ecdsa-p256-sha256", "ed25519")
 SignatureAlgorithm = Literal["ecdsa-p256-sha256", "ed25519"]

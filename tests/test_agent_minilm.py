@@ -62,7 +62,7 @@ def test_minilm_over_three_agents(minilm: tuple[Path, Path, Manifest], tmp_path:
             assert int(report["measured_memory_bytes"]) > seg.param_bytes // 2  # type: ignore[call-overload]
 
         async def main() -> list[np.ndarray]:
-            requester = await Requester.connect(chain[0], ca.client_context("requester"), 1)
+            requester = await Requester.connect(chain, ca.client_context("requester"), 1)
             gate = asyncio.Semaphore(8)
 
             async def one(feeds: dict[str, np.ndarray]) -> np.ndarray:

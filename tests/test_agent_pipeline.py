@@ -7,7 +7,8 @@ from collections.abc import Mapping
 from pathlib import Path
 
 import numpy as np
-from agent_helpers import WIDTH, TestCA, manifest_for, tiny_chain
+import pytest
+from agent_helpers import WIDTH, TestCA, chain_weights, manifest_for, tiny_chain
 from test_agent_units import _store
 
 from edge_agent.metrics import AgentMetrics
@@ -51,7 +52,7 @@ class FakeLink:
         pass
 
 
-def test_first_stage_forwards_and_routes_results(tmp_path: Path) -> None:
+def test_first_stage_routes_requests_by_requester_name(tmp_path: Path) -> None:
     ca = TestCA(tmp_path)
     chain = [Hop(device=f"a{i}", host="127.0.0.1", data_port=9000 + i) for i in range(3)]
     store = _store(ca, name="a0")
@@ -63,8 +64,7 @@ def test_first_stage_forwards_and_routes_results(tmp_path: Path) -> None:
         pipeline = Pipeline(store, AgentMetrics(), lambda hop: FakeLink(hop, sent), 2)
         pipeline.start()
         requester = FakeChannel(Peer("req", "coordinator"))
-        ring = FakeChannel(Peer("a2", "agent"))
-        tasks = [asyncio.create_task(pipeline.serve(c)) for c in (requester, ring)]
+        task = asyncio.create_task(pipeline.serve(requester))
         x = np.ones((1, WIDTH), np.float32)
         await requester.incoming.put(
             encode_frame(FrameHeader(request_id="r1", plan_version=1), {"x": x})
@@ -75,25 +75,76 @@ def test_first_stage_forwards_and_routes_results(tmp_path: Path) -> None:
         )
         refused = await asyncio.wait_for(requester.sent.get(), 5)
         assert refused.header.request_id == "r2" and "float32" in (refused.header.error or "")
+        spoof = FrameHeader(request_id="other|r3", plan_version=1)
+        await requester.incoming.put(encode_frame(spoof, {"x": x}))
+        refused = await asyncio.wait_for(requester.sent.get(), 5)
+        assert refused.header.request_id == "other|r3" and "'|'" in (refused.header.error or "")
         for _ in range(50):
             if sent:
                 break
             await asyncio.sleep(0.02)
         device, frame = sent[0]
         assert device == "a1" and frame.header.segment_index == 1
+        assert frame.header.request_id == "req|r1"
         assert set(frame.tensors) == {"h", "x"}
-        y = np.full((1, 4), 3.0, np.float32)
-        result = FrameHeader(request_id="r1", plan_version=1, segment_index=3)
-        await ring.incoming.put(encode_frame(result, {"y": y}))
+        await requester.incoming.put(None)
+        await asyncio.wait_for(task, 5)
+        await pipeline.stop()
+
+    asyncio.run(main())
+
+
+def test_last_stage_returns_results_to_the_claim(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    monkeypatch.setattr("edge_agent.pipeline.MAX_CLAIMS", 1)  # answered claims must be freed
+    ca = TestCA(tmp_path)
+    chain = [Hop(device=f"a{i}", host="127.0.0.1", data_port=9000 + i) for i in range(3)]
+    store = _store(ca, name="a2")
+    seg = tiny_chain()[2]
+    store.deploy(ca.sign(manifest_for(2, seg, chain)), seg)
+
+    async def main() -> None:
+        pipeline = Pipeline(store, AgentMetrics(), lambda hop: FakeLink(hop, []), 2)
+        pipeline.start()
+        requester = FakeChannel(Peer("req", "coordinator"))
+        thief = FakeChannel(Peer("mallory", "coordinator"))
+        ring = FakeChannel(Peer("a1", "agent"))
+        tasks = [asyncio.create_task(pipeline.serve(c)) for c in (requester, thief, ring)]
+        g = np.ones((1, WIDTH), np.float32)
+        # mallory claims the same id under her own name
+        claim = FrameHeader(request_id="r1", plan_version=1, segment_index=3)
+        await thief.incoming.put(encode_frame(claim, {}))
+        await requester.incoming.put(
+            encode_frame(FrameHeader(request_id="r1", plan_version=1, segment_index=3), {})
+        )
+        await asyncio.sleep(0.05)
+        await ring.incoming.put(
+            encode_frame(
+                FrameHeader(request_id="req|r1", plan_version=1, segment_index=2), {"g": g}
+            )
+        )
         answer = await asyncio.wait_for(requester.sent.get(), 5)
-        assert answer.header.request_id == "r1" and np.array_equal(answer.tensors["y"], y)
-        # a result from a device that is not the last of the chain closes that connection
-        intruder = FakeChannel(Peer("a1", "agent"))
+        assert answer.header.request_id == "r1" and answer.header.segment_index == 3
+        np.testing.assert_allclose(answer.tensors["y"], g @ chain_weights()["w2"], rtol=1e-6)
+        # an answer that arrives before its claim waits for it
+        error = FrameHeader(request_id="req|r2", plan_version=1, segment_index=2, error="boom")
+        await ring.incoming.put(encode_frame(error, {}))
+        await asyncio.sleep(0.1)
+        await requester.incoming.put(
+            encode_frame(FrameHeader(request_id="r2", plan_version=1, segment_index=3), {})
+        )
+        answer = await asyncio.wait_for(requester.sent.get(), 5)
+        assert answer.header.request_id == "r2" and answer.header.error == "boom"
+        assert thief.sent.empty()
+        # an answer from a device that is not in the chain closes that connection
+        intruder = FakeChannel(Peer("a7", "agent"))
         task = asyncio.create_task(pipeline.serve(intruder))
-        await intruder.incoming.put(encode_frame(result, {"y": y}))
+        fake = FrameHeader(request_id="req|r9", plan_version=1, segment_index=3, error="x")
+        await intruder.incoming.put(encode_frame(fake, {}))
         await asyncio.wait_for(task, 5)
         assert intruder.closed
-        for channel in (requester, ring):
+        for channel in (requester, thief, ring):
             await channel.incoming.put(None)
         await asyncio.gather(*tasks)
         await pipeline.stop()

@@ -36,6 +36,7 @@ from cryptography.hazmat.primitives import hashes
 from edge_agent.discovery import ZeroconfBrowser
 from edge_agent.errors import LinkError, RemoteRequestError
 from edge_agent.requester import Requester
+from protocols.deploy import Hop
 from protocols.frames import PREFIX, FrameHeader, encode_frame
 
 pytestmark = pytest.mark.timeout(180)
@@ -48,11 +49,15 @@ class Env:
         self.requester_ctx = ca.client_context("requester")
         self.reports: list[dict[str, object]] = []
 
+    @property
+    def chain(self) -> list[Hop]:
+        return [p.hop for p in self.procs]
+
     def run(self, coro_fn, *args):  # type: ignore[no-untyped-def]
         return asyncio.run(coro_fn(*args))
 
     async def infer(self, tensors: dict[str, np.ndarray]) -> dict[str, np.ndarray]:
-        requester = await Requester.connect(self.procs[0].hop, self.requester_ctx, 1)
+        requester = await Requester.connect(self.chain, self.requester_ctx, 1)
         try:
             return await asyncio.wait_for(requester.infer(tensors), 20)
         finally:
@@ -94,7 +99,7 @@ def test_100_requests_8_in_flight_match_the_whole_model(env: Env) -> None:
     inputs = [rng.standard_normal((1 + i % 3, WIDTH)).astype(np.float32) for i in range(100)]
 
     async def main() -> list[np.ndarray]:
-        requester = await Requester.connect(env.procs[0].hop, env.requester_ctx, 1)
+        requester = await Requester.connect(env.chain, env.requester_ctx, 1)
         gate = asyncio.Semaphore(8)
 
         async def one(x: np.ndarray) -> np.ndarray:
@@ -294,7 +299,7 @@ def test_revoked_devices_are_refused_on_both_planes(env: Env) -> None:
     mallory = env.ca.client_context("mallory")
 
     async def connected_then_revoked() -> None:
-        requester = await Requester.connect(env.procs[0].hop, mallory, 1)
+        requester = await Requester.connect(env.chain, mallory, 1)
         try:
             x = np.ones((1, WIDTH), np.float32)
             await asyncio.wait_for(requester.infer({"x": x}), 10)  # served before revocation
@@ -355,17 +360,23 @@ def _wait_for_log(proc: AgentProc, text: str, timeout: float = 5.0) -> None:
 
 
 def test_a_dead_agent_gets_the_requester_an_error_not_silence(tmp_path: Path) -> None:
+    """A dead middle agent: an error frame from the first. A dead last agent: a failed link."""
     ca = TestCA(tmp_path / "ca")
     with agents(tmp_path, ["b0", "b1", "b2"], ca, extra=["--no-advertise"]) as procs:
         with control_client(ca) as client:
             deploy_chain(client, ca, procs, tiny_chain())
-        assert stop_agent(procs[2]) == 0
+        chain = [p.hop for p in procs]
+        x = np.ones((1, WIDTH), np.float32)
 
         async def main() -> None:
-            requester = await Requester.connect(procs[0].hop, ca.client_context("req"), 1)
+            requester = await Requester.connect(chain, ca.client_context("req"), 1)
             try:
-                x = np.ones((1, WIDTH), np.float32)
-                with pytest.raises(RemoteRequestError, match="LinkError: cannot reach b2"):
+                await asyncio.wait_for(requester.infer({"x": x}), 30)
+                assert stop_agent(procs[1]) == 0
+                with pytest.raises(RemoteRequestError, match="LinkError: cannot reach b1"):
+                    await asyncio.wait_for(requester.infer({"x": x}), 30)
+                assert stop_agent(procs[2]) == 0
+                with pytest.raises(LinkError, match="last agent"):
                     await asyncio.wait_for(requester.infer({"x": x}), 30)
             finally:
                 await requester.close()
