@@ -8,9 +8,13 @@ How (see :mod:`partitioner.planning.engine` for the dynamic programme itself):
 
 - **throughput**: ``max over stages of max(compute, transfer) <= B`` holds iff every compute and
   every transfer is ``<= B``, so the bottleneck is a min-max over independent terms and a min-max
-  dynamic programme finds the least bottleneck ``B*`` exactly. A second, min-plus pass over the
-  stages and hand-overs that cost at most ``B*`` then picks, among the chains with that
-  bottleneck, the one with the least latency (then the fewest devices).
+  dynamic programme finds the least bottleneck ``B*`` exactly. With many states (devices that
+  are all distinct) a search is faster: ``B*`` is one of the finite stage computes and
+  hand-overs, and a bit-set feasibility check (:mod:`partitioner.planning.reach`) tells whether
+  a candidate bound can be met, so a galloping search and a bisection over the sorted candidates
+  find it. A second, min-plus pass over the stages and hand-overs that cost at most ``B*`` then
+  picks, among the chains with that bottleneck, the one with the least latency (then the fewest
+  devices).
 - **latency**: one min-plus pass (ties: fewest devices).
 - **infeasible**: a min-max pass over each stage's memory overflow gives the least, over all
   arrangements, of the largest overflow: the shortfall reported by
@@ -24,8 +28,10 @@ from dataclasses import dataclass
 import numpy as np
 
 from partitioner.errors import InfeasiblePlanError, PlanningInputError
+from partitioner.planning import reach
 from partitioner.planning.engine import Bounds, Programme, Semiring, backtrack, run
 from partitioner.planning.fleet import Fleet, build_fleet
+from partitioner.planning.reach import Costs
 from partitioner.planning.semantics import (
     Arrangement,
     evaluate,
@@ -49,6 +55,10 @@ __all__ = [
     "plan",
     "shortfall_bytes",
 ]
+
+SEARCH_ABOVE = 1 << 14
+"""States times sender groups above which ``B*`` is searched for rather than computed by the
+min-max pass (the pass is faster on a few classes, the search on many)."""
 
 
 @dataclass(frozen=True)
@@ -79,7 +89,7 @@ def plan(problem: PlanningProblem, objective: Objective = Objective.THROUGHPUT) 
     setup = _prepare(problem)
     cap = np.inf
     if objective is Objective.THROUGHPUT:
-        cap = run(_programme(setup, Semiring.MIN_MAX, np.inf), keep=False).best
+        cap = least_bottleneck(setup, search=_searched(setup))
         if not np.isfinite(cap):
             raise _infeasible(setup)
     programme = _programme(setup, Semiring.MIN_PLUS, cap)
@@ -88,6 +98,27 @@ def plan(problem: PlanningProblem, objective: Objective = Objective.THROUGHPUT) 
         raise _infeasible(setup)
     chain = backtrack(programme, outcome)
     return evaluate(problem, objective, _assign_devices(setup, chain))
+
+
+def least_bottleneck(setup: _Setup, search: bool) -> float:
+    """The least bottleneck ``B*`` (``inf`` if nothing fits): by a min-max pass of the dynamic
+    programme, or by a search over the candidate values with a bit-set feasibility check
+    (:mod:`partitioner.planning.reach`); both are exact and give the same value."""
+    if search:
+        costs = Costs(
+            fleet=setup.fleet,
+            compute=setup.compute,
+            transfer=setup.transfer,
+            rest=setup.rest,
+            capacity=setup.capacity,
+        )
+        return reach.least_bottleneck(costs)
+    return run(_programme(setup, Semiring.MIN_MAX, np.inf), keep=False).best
+
+
+def _searched(setup: _Setup) -> bool:
+    """Search for ``B*`` when the min-max pass would hold many rows per layer."""
+    return setup.fleet.n_states * len(setup.fleet.groups) > SEARCH_ABOVE
 
 
 def shortfall_bytes(problem: PlanningProblem) -> int:

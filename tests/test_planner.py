@@ -11,13 +11,17 @@ import math
 from collections.abc import Iterator
 from dataclasses import dataclass
 from pathlib import Path
+from unittest import mock
 
+import numpy as np
 import pytest
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
+from partitioner import planner
 from partitioner.errors import InfeasiblePlanError
 from partitioner.planner import evaluate, memory_overflows, plan, shortfall_bytes
+from partitioner.planning import engine, reach
 from protocols.plan import Objective
 from protocols.problem import PlanningProblem
 
@@ -204,6 +208,58 @@ def test_planner_equals_exhaustive_search(problem: PlanningProblem) -> None:
     assert latency.latency_s == pytest.approx(truth.latency.latency, rel=1e-9, abs=1e-12)
     for objective in Objective:
         _check_plan_is_honest(problem, objective)
+
+
+@SETTINGS
+@given(problems())
+def test_bottleneck_search_equals_exhaustive_search(problem: PlanningProblem) -> None:
+    """The bit-set search for ``B*`` and the blocked programme, forced on small instances."""
+    truth = oracle(problem)
+    setup = planner._prepare(problem)
+    searched = planner.least_bottleneck(setup, search=True)
+    assert searched == planner.least_bottleneck(setup, search=False)
+    if truth.throughput is None or truth.latency is None:
+        assert searched == math.inf
+        return
+    assert searched == truth.throughput.bottleneck
+    with mock.patch.object(planner, "SEARCH_ABOVE", 0), mock.patch.object(engine, "BLOCK", 1):
+        throughput = plan(problem, Objective.THROUGHPUT)
+        latency = plan(problem, Objective.LATENCY)
+        for objective in Objective:
+            _check_plan_is_honest(problem, objective)
+    assert throughput.bottleneck_s == truth.throughput.bottleneck
+    assert throughput.latency_s == pytest.approx(truth.throughput.latency, rel=1e-9, abs=1e-12)
+    assert latency.latency_s == pytest.approx(truth.latency.latency, rel=1e-9, abs=1e-12)
+
+
+@SETTINGS
+@given(problems(), st.data())
+def test_feasibility_matches_exhaustive_search(
+    problem: PlanningProblem, data: st.DataObject
+) -> None:
+    """``feasible(B)`` iff some fitting arrangement has bottleneck at most ``B``."""
+    scored = [_score(problem, stages) for stages in _arrangements(problem)]
+    fitting = sorted({s.bottleneck for s in scored if s.overflow <= 0})
+    bound = data.draw(st.sampled_from([*fitting, 0.0, 0.5, 2.0, 1e9]))
+    setup = planner._prepare(problem)
+    costs = reach.Costs(setup.fleet, setup.compute, setup.transfer, setup.rest, setup.capacity)
+    expected = any(b <= bound for b in fitting)
+    forward = reach.forward(costs, bound)
+    assert bool(forward[-1].any()) == expected == reach.feasible(costs, bound)
+
+
+@given(st.lists(st.booleans(), min_size=1, max_size=200), st.integers(0, 200))
+def test_bit_set_shifts(bits: list[bool], by: int) -> None:
+    packed = reach.pack(np.array(bits))
+    number = sum(1 << i for i, b in enumerate(bits) if b)
+    words = packed.shape[-1]
+    mask = (1 << (64 * words)) - 1
+
+    def value(sets: reach.Words) -> int:
+        return sum(int(w) << (64 * i) for i, w in enumerate(sets))
+
+    assert value(packed) == number
+    assert value(reach.shift_up(packed, by)) == (number << by) & mask
 
 
 @SETTINGS

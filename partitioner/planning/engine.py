@@ -15,8 +15,10 @@ over paths is exact, and the min-plus values equal the chain-order sums of
 stage length: ``stage_cost`` is an arbitrary table, ``inf`` where a stage is not allowed.
 
 Costs per transition are vectorised across states and positions, looping only over the stage
-length ``c' - c`` (the band of finite ``stage_cost`` diagonals). Values that cannot beat the
-best complete chain found so far, given a lower bound on the rest of the chain, are pruned:
+length ``c' - c`` (the band of finite ``stage_cost`` diagonals). Rows are sparse, so a large
+layer is processed in blocks of states with nearby finite cuts, each over its own narrow window.
+Values that cannot beat the best complete chain found so far, given a lower bound on the rest of
+the chain, are pruned:
 
 - latency: the rest costs at least ``rest[c]``, the summed least compute of units ``[c, n)``;
 - bottleneck: each remaining device ``d`` can absorb at most ``rho[d] * B`` of that least compute
@@ -27,6 +29,7 @@ best complete chain found so far, given a lower bound on the rest of the chain, 
 
 from __future__ import annotations
 
+import itertools
 from dataclasses import dataclass, field
 from enum import Enum
 
@@ -38,6 +41,9 @@ from partitioner.planning.tables import FloatArray, IntArray
 
 SAFETY = 1.0 - 1e-9
 """Lower bounds are shrunk by this factor so that rounding never prunes an optimal chain."""
+
+BLOCK = 1024
+"""States per block when a layer is advanced block by block (see :func:`_blocks`)."""
 
 
 class Semiring(Enum):
@@ -180,16 +186,49 @@ def _first(prog: Programme) -> list[_Contribution]:
 
 def _advance(prog: Programme, layer: Layer, best: float) -> list[_Contribution]:
     parts = []
-    for cls in range(len(prog.fleet.classes)):
-        ready = _hand_over(prog, layer, cls)
-        if ready is None:
-            continue
-        states, lo, values = ready
-        band = _band(prog, cls, values, lo, best)
-        if band is not None:
-            targets = states + prog.fleet.strides[cls]
-            parts.append(_Contribution(cls, targets, band[0], band[1]))
+    for block in _blocks(prog, layer):
+        for cls in range(len(prog.fleet.classes)):
+            ready = _hand_over(prog, block, cls)
+            if ready is None:
+                continue
+            states, lo, values = ready
+            band = _band(prog, cls, values, lo, best)
+            if band is not None:
+                targets = states + prog.fleet.strides[cls]
+                parts.append(_Contribution(cls, targets, band[0], band[1]))
     return parts
+
+
+def _blocks(prog: Programme, layer: Layer) -> list[Layer]:
+    """``layer`` cut into blocks of about :data:`BLOCK` states, each over its own narrow window.
+
+    Rows are sparse and their finite entries sit at different cuts, so states are sorted by
+    their first finite cut before they are grouped; the rows of one state stay together (and in
+    key order), as :func:`_merge_senders` needs. Every entry is still extended by the same
+    operations, so the programme's values do not change.
+    """
+    if layer.keys.size <= 2 * BLOCK:
+        return [layer]
+    finite = np.isfinite(layer.values)
+    width = layer.values.shape[1]
+    first = np.argmax(finite, axis=1)
+    last = width - 1 - np.argmax(finite[:, ::-1], axis=1)
+    states = layer.keys // prog.n_groups
+    starts = np.flatnonzero(np.concatenate([[True], states[1:] != states[:-1]]))
+    slot = np.repeat(np.arange(starts.size), np.diff(np.append(starts, states.size)))
+    order = np.argsort(np.minimum.reduceat(first, starts), kind="stable")
+    chunk = np.empty(starts.size, dtype=np.int64)
+    chunk[order] = np.arange(starts.size) // BLOCK
+    row_chunk = chunk[slot]
+    rows = np.argsort(row_chunk, kind="stable")
+    bounds = np.searchsorted(row_chunk[rows], np.arange(int(row_chunk.max()) + 2))
+    blocks = []
+    for begin, end in itertools.pairwise(bounds):
+        pick = rows[begin:end]
+        left, right = int(first[pick].min()), int(last[pick].max())
+        values = layer.values[pick, left : right + 1]
+        blocks.append(Layer(keys=layer.keys[pick], lo=layer.lo + left, values=values))
+    return blocks
 
 
 def _hand_over(prog: Programme, layer: Layer, cls: int) -> tuple[IntArray, int, FloatArray] | None:
@@ -289,27 +328,43 @@ def _doomed(prog: Programme, layer: Layer, remaining: int, best: float) -> npt.N
     if bounds is None:
         return stuck[None, :] | (layer.values > best)
     rest = np.where(unfinished, bounds.rest[positions] * SAFETY, 0.0)
-    capacity = bounds.capacity[layer.keys // prog.n_groups][:, None]
-    # Capacity is zero only when no device is free: those entries are ``stuck`` anyway.
-    need = np.zeros(layer.values.shape)
-    with np.errstate(over="ignore"):
-        np.divide(rest[None, :], capacity, out=need, where=(capacity > 0) & (rest[None, :] > 0))
     if prog.semiring is Semiring.MIN_MAX:
-        doomed = np.maximum(layer.values, need) > best
+        doomed = layer.values > best
+        limit = best
     else:
-        doomed = (layer.values + rest[None, :] > best) | (need > bounds.ceiling)
+        doomed = layer.values + rest[None, :] > best
+        limit = bounds.ceiling
+    # ``rest[c] / capacity > limit`` holds on a prefix of the window (``rest`` never grows).
+    cutoff = _cutoff(rest, bounds.capacity[layer.keys // prog.n_groups], limit)
+    doomed |= np.arange(positions.size)[None, :] < cutoff[:, None]
     doomed[:, stuck] = True
     return doomed
 
 
+def _cutoff(rest: FloatArray, capacity: FloatArray, limit: float) -> IntArray:
+    """Per row, how many leading positions need a bottleneck above ``limit`` to finish.
+
+    Capacity is zero only when no device is free: those entries are ``stuck`` anyway.
+    """
+    if not np.isfinite(limit):
+        return np.zeros(capacity.shape, dtype=np.int64)
+    cutoff = np.searchsorted(-rest, -(limit * capacity), side="left").astype(np.int64)
+    cutoff[capacity <= 0] = 0
+    return cutoff
+
+
 def _prune(prog: Programme, layer: Layer, remaining: int, best: float) -> Layer | None:
-    values = np.where(_doomed(prog, layer, remaining, best), np.inf, layer.values)
+    """Drop the doomed entries of a freshly assembled ``layer`` (its values are overwritten)."""
+    values = layer.values
+    np.copyto(values, np.inf, where=_doomed(prog, layer, remaining, best))
     finite = np.isfinite(values)
     rows = finite.any(axis=1)
     if not rows.any():
         return None
     columns = np.flatnonzero(finite.any(axis=0))
     first, last = int(columns[0]), int(columns[-1])
+    if rows.all():
+        return Layer(keys=layer.keys, lo=layer.lo + first, values=values[:, first : last + 1])
     return Layer(keys=layer.keys[rows], lo=layer.lo + first, values=values[rows, first : last + 1])
 
 
