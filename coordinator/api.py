@@ -8,7 +8,7 @@ from __future__ import annotations
 
 import hmac
 from dataclasses import dataclass
-from typing import Annotated
+from typing import TYPE_CHECKING, Annotated
 
 from fastapi import APIRouter, Depends, FastAPI, HTTPException, Query, params, status
 from fastapi.security import HTTPAuthorizationCredentials, HTTPBearer
@@ -20,6 +20,10 @@ from coordinator.registry import DeviceRegistry
 from protocols.constants import SOFTWARE_VERSION
 from protocols.profile import Announcement
 
+if TYPE_CHECKING:
+    from coordinator.api_serving import Serving
+    from coordinator.trust import TrustService
+
 
 @dataclass(frozen=True)
 class Services:
@@ -28,6 +32,10 @@ class Services:
     token: str
     registry: DeviceRegistry
     pairing: Pairing
+    trust: TrustService | None = None
+    """Delivers grants and revocations to agents (absent in unit tests of the book alone)."""
+    serving: Serving | None = None
+    """Deployments, inference and embeddings (absent: ``/v1/models`` lists nothing)."""
 
 
 _BEARER = HTTPBearer(auto_error=False)
@@ -64,16 +72,13 @@ class RevokeBody(ApiModel):
     name: str
 
 
-class ModelList(ApiModel):
-    """OpenAI-compatible ``GET /v1/models``."""
-
-    object: str = "list"
-    data: list[dict[str, str | int]]
-
-
 def create_app(services: Services) -> FastAPI:
     """The FastAPI application over ``services``."""
+    from coordinator.api_serving import install_error_handlers, serving_router
+    from coordinator.console import install_console
+
     app = FastAPI(title="fedshard coordinator", version=SOFTWARE_VERSION)
+    install_error_handlers(app)
     v1 = APIRouter(prefix="/v1", dependencies=[_token_dependency(services.token)])
 
     @v1.get("/devices")
@@ -98,7 +103,10 @@ def create_app(services: Services) -> FastAPI:
     @v1.post("/pairing/approve")
     def approve(body: ApproveBody) -> dict[str, str]:
         try:
-            device = services.pairing.approve(body.name, body.code)
+            if services.trust is not None:
+                device = services.trust.approve(body.name, body.code)
+            else:
+                device = services.pairing.approve(body.name, body.code)
         except WrongCodeError as exc:
             raise HTTPException(status.HTTP_403_FORBIDDEN, str(exc)) from exc
         except RevokedError as exc:
@@ -108,28 +116,37 @@ def create_app(services: Services) -> FastAPI:
         return {"name": device.name, "fingerprint": device.fingerprint}
 
     @v1.post("/pairing/revoke")
-    def revoke(body: RevokeBody) -> dict[str, str]:
+    def revoke(body: RevokeBody) -> dict[str, str | list[str]]:
+        told: list[str] = []
         try:
-            services.pairing.revoke(body.name)
+            if services.trust is not None:
+                told = services.trust.revoke(body.name)
+            else:
+                services.pairing.revoke(body.name)
         except PairingError as exc:
             raise HTTPException(status.HTTP_404_NOT_FOUND, str(exc)) from exc
-        return {"revoked": body.name}
+        return {"revoked": body.name, "agents_told": told}
 
-    @v1.get("/models")
-    def list_models() -> ModelList:
-        return ModelList(data=[])
+    if services.serving is not None:
+        v1.include_router(serving_router(services.serving))
+    else:
+
+        @v1.get("/models")
+        def list_models() -> dict[str, object]:
+            return {"object": "list", "data": []}
 
     app.include_router(v1)
+    install_console(app)
     return app
 
 
 def _device_status(book: PairingBook, name: str, fingerprint: str, impostor_of: str | None) -> str:
     if fingerprint in book.revoked_fingerprints or name in book.revoked_names:
         return "revoked"
-    if impostor_of is not None:
-        return "impostor"
     if any(d.name == name and d.fingerprint == fingerprint for d in book.paired):
         return "paired"
+    if impostor_of is not None or any(d.name == name for d in book.paired):
+        return "impostor"
     return "unpaired"
 
 

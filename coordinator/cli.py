@@ -13,7 +13,7 @@ import sys
 from collections.abc import Sequence
 
 import edge_agent.cli
-from coordinator import demo_cli
+from coordinator import coord_cli, demo_cli
 from coordinator.lab import cli as lab_cli
 from coordinator.training import cli as train_cli
 from partitioner import plan_cli, split_cli
@@ -26,6 +26,7 @@ REGISTRATIONS = (
     lab_cli.register,
     train_cli.register,
     demo_cli.register,
+    coord_cli.register,
 )
 
 

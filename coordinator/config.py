@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import re
 import secrets
 from dataclasses import dataclass
 from pathlib import Path
@@ -34,3 +35,15 @@ def load_or_create_token(state_dir: Path) -> str:
     token = secrets.token_urlsafe(24)
     write_atomic(path, token.encode(), mode=0o600)
     return token
+
+
+_UNITS = {"": 1, "b": 1, "kb": 1000, "kib": 1 << 10, "mb": 1000**2, "mib": 1 << 20}
+_UNITS |= {"gb": 1000**3, "gib": 1 << 30, "k": 1000, "m": 1000**2, "g": 1000**3}
+
+
+def parse_size(text: str) -> int:
+    """``64MiB``, ``1.5GB``, ``4096`` ... in bytes; raises ValueError."""
+    match = re.fullmatch(r"\s*(\d+(?:\.\d+)?)\s*([A-Za-z]*)\s*", text)
+    if match is None or match.group(2).lower() not in _UNITS:
+        raise ValueError(f"cannot read {text!r} as a size (try 64MiB or 1GB)")
+    return int(float(match.group(1)) * _UNITS[match.group(2).lower()])

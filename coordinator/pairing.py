@@ -86,6 +86,8 @@ class Pairing:
     def approve(self, name: str, code: str) -> PairedDevice:
         """Issue the certificate of the pending request of ``name`` if ``code`` matches it."""
         with self._lock:
+            if name in self._book.revoked_names:
+                raise RevokedError(f"device {name!r} is revoked")
             request = next((p for p in self._book.pending if p.name == name), None)
             if request is None:
                 raise PairingError(f"no pending pairing request from {name!r}")

@@ -54,6 +54,7 @@ class DeviceRegistry:
         fingerprint = announcement.profile.cert_fingerprint
         now = self._clock()
         with self._lock:
+            self._forget_replaced(service_name, fingerprint)
             previous = self._devices.get(fingerprint)
             owner = self._name_owner(announcement.profile.name, exclude=fingerprint)
             record = DeviceRecord(
@@ -101,6 +102,17 @@ class DeviceRegistry:
                 if remaining <= 0:
                     return False
                 self._changed.wait(remaining)
+
+    def _forget_replaced(self, service_name: str, fingerprint: str) -> None:
+        """Drop a record whose mDNS service now announces another certificate.
+
+        An agent that pairs re-announces under the same service instance with its new
+        certificate; the instance name is unique on the link (mDNS probes for conflicts), so
+        this is the same device, not a second one claiming its name.
+        """
+        for fp, record in list(self._devices.items()):
+            if fp != fingerprint and record.service_name == service_name:
+                del self._devices[fp]
 
     def _name_owner(self, name: str, exclude: str) -> DeviceRecord | None:
         owners = [

@@ -84,3 +84,10 @@ def test_bad_bodies_get_422_not_a_crash(tmp_path: Path) -> None:
     assert (
         client.post("/v1/pairing/revoke", json={"name": "ghost"}, headers=auth).status_code == 404
     )
+
+
+def test_console_page_is_served_and_holds_no_data(tmp_path: Path) -> None:
+    client, _ = _client(tmp_path)
+    page = client.get("/")
+    assert page.status_code == 200 and "text/html" in page.headers["content-type"]
+    assert "/v1/pairing/approve" in page.text and TOKEN not in page.text

@@ -1,0 +1,201 @@
+"""Deployments and their versions, persisted atomically in ``deployments.json``.
+
+Each model id (``all-minilm-l6-v2``) has versions; one is *active* (requests go there) and the
+one it replaced stays loaded as *previous*, so a rollback is a switch, not a redeploy. Plan
+versions are unique across all models: an agent holds at most one segment per plan version.
+"""
+
+from __future__ import annotations
+
+import re
+import threading
+import time
+from pathlib import Path
+from typing import Literal
+
+from pydantic import Field, NonNegativeFloat, NonNegativeInt, PositiveInt
+
+from coordinator.errors import NotServableError, RollbackError, StateError, UnknownModelError
+from coordinator.state import write_atomic
+from protocols.base import FrozenModel
+from protocols.errors import SchemaError
+from protocols.manifest import TensorInfo
+from protocols.plan import Objective
+
+BOOK_FILE = "deployments.json"
+MODEL_ID = re.compile(r"^[a-z0-9][a-z0-9._-]{0,62}$")
+
+VersionState = Literal["active", "previous", "retired"]
+
+
+class Placement(FrozenModel):
+    """One segment of a version: where it runs, the plan's numbers and the agent's."""
+
+    index: NonNegativeInt
+    device: str
+    host: str
+    control_port: int
+    data_port: int
+    sha256: str
+    param_bytes: NonNegativeInt
+    predicted_memory_bytes: NonNegativeInt
+    predicted_compute_s: NonNegativeFloat
+    measured_memory_bytes: int
+    """Resident memory the agent measured after loading (DeployReport)."""
+    warmup_s: NonNegativeFloat
+    """Stage time the agent measured in the warm-up (median)."""
+    load_s: NonNegativeFloat
+
+
+class VersionRecord(FrozenModel):
+    """One deployed version of a model."""
+
+    model_id: str
+    plan_version: PositiveInt
+    state: VersionState
+    created_at: float
+    source: str
+    """Path of the ONNX file it was split from."""
+    objective: Objective
+    inputs: list[TensorInfo]
+    outputs: list[TensorInfo]
+    segments: list[Placement] = Field(min_length=1)
+    health_max_abs_diff: NonNegativeFloat
+    """Largest difference between the chain's answer and the local run in the health check."""
+
+
+class ModelRecord(FrozenModel):
+    """A model id, its tokenizer (text encoders) and its versions."""
+
+    model_id: str
+    tokenizer_dir: str | None = None
+    active: PositiveInt | None = None
+    previous: PositiveInt | None = None
+    versions: list[VersionRecord] = Field(default_factory=list)
+
+    def version(self, plan_version: int) -> VersionRecord | None:
+        """The version with this plan version, if any."""
+        return next((v for v in self.versions if v.plan_version == plan_version), None)
+
+
+class DeploymentBook(FrozenModel):
+    """The ``deployments.json`` file."""
+
+    next_plan_version: PositiveInt = 1
+    models: list[ModelRecord] = Field(default_factory=list)
+
+
+class DeploymentStore:
+    """Thread-safe access to the deployment book; every change is written atomically."""
+
+    def __init__(self, state_dir: Path) -> None:
+        self._path = state_dir / BOOK_FILE
+        self._lock = threading.Lock()
+        self._book = self._load()
+
+    def book(self) -> DeploymentBook:
+        """A snapshot."""
+        with self._lock:
+            return self._book
+
+    def model(self, model_id: str) -> ModelRecord:
+        """The record of ``model_id``; raises UnknownModelError."""
+        record = next((m for m in self.book().models if m.model_id == model_id), None)
+        if record is None:
+            raise UnknownModelError(f"no model {model_id!r} is deployed")
+        return record
+
+    def active(self, model_id: str) -> VersionRecord:
+        """The version requests go to; raises UnknownModelError or NotServableError."""
+        record = self.model(model_id)
+        live = record.version(record.active) if record.active else None
+        if live is None:
+            raise NotServableError(f"model {model_id!r} has no active version")
+        return live
+
+    def reserve_plan_version(self) -> int:
+        """A fresh plan version, never handed out before (persisted before use)."""
+        with self._lock:
+            version = self._book.next_plan_version
+            self._save(self._book.model_copy(update={"next_plan_version": version + 1}))
+            return version
+
+    def activate(self, version: VersionRecord, tokenizer_dir: str | None) -> list[VersionRecord]:
+        """Make ``version`` active, the old active previous; returns the versions retired."""
+        with self._lock:
+            old = next((m for m in self._book.models if m.model_id == version.model_id), None)
+            record = old or ModelRecord(model_id=version.model_id)
+            keep = {record.active} - {None}
+            retired = [
+                v for v in record.versions if v.state != "retired" and v.plan_version not in keep
+            ]
+            versions = [
+                _with_state(v, "previous" if v.plan_version in keep else "retired")
+                for v in record.versions
+            ]
+            updated = record.model_copy(
+                update={
+                    "tokenizer_dir": tokenizer_dir or record.tokenizer_dir,
+                    "active": version.plan_version,
+                    "previous": record.active,
+                    "versions": [*versions, _with_state(version, "active")],
+                }
+            )
+            self._put(updated)
+            return retired
+
+    def rollback(self, model_id: str) -> VersionRecord:
+        """Switch ``model_id`` back to its previous version; returns the version now active."""
+        with self._lock:
+            record = next((m for m in self._book.models if m.model_id == model_id), None)
+            if record is None:
+                raise UnknownModelError(f"no model {model_id!r} is deployed")
+            previous = record.version(record.previous) if record.previous else None
+            if previous is None or record.active is None:
+                raise RollbackError(f"model {model_id!r} has no previous version to go back to")
+            versions = [
+                _with_state(
+                    v,
+                    "previous"
+                    if v.plan_version == record.active
+                    else "active"
+                    if v.plan_version == previous.plan_version
+                    else v.state,
+                )
+                for v in record.versions
+            ]
+            self._put(
+                record.model_copy(
+                    update={
+                        "active": previous.plan_version,
+                        "previous": record.active,
+                        "versions": versions,
+                    }
+                )
+            )
+            return _with_state(previous, "active")
+
+    def _put(self, record: ModelRecord) -> None:
+        models = [m for m in self._book.models if m.model_id != record.model_id]
+        self._save(self._book.model_copy(update={"models": [*models, record]}))
+
+    def _load(self) -> DeploymentBook:
+        if not self._path.exists():
+            return DeploymentBook()
+        try:
+            return DeploymentBook.from_json(self._path.read_bytes())
+        except (OSError, SchemaError) as exc:
+            raise StateError(f"cannot read {self._path}: {exc}") from exc
+
+    def _save(self, book: DeploymentBook) -> None:
+        write_atomic(self._path, book.to_json().encode(), mode=0o600)
+        self._book = book
+
+
+def _with_state(version: VersionRecord, state: VersionState) -> VersionRecord:
+    return version if version.state == state else version.model_copy(update={"state": state})
+
+
+def now() -> float:
+    """Wall-clock time for records."""
+    return time.time()

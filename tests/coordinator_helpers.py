@@ -1,0 +1,134 @@
+"""Helpers for the coordinator's integration tests: real processes, the CLI, the API.
+
+Everything binds to 127.0.0.1; every process started here is stopped by the context managers.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import os
+import re
+import shutil
+import signal
+import socket
+import subprocess
+import time
+from collections.abc import Iterator
+from dataclasses import dataclass
+from pathlib import Path
+
+import httpx
+from agent_helpers import PYTHON, REPO, AgentProc, start_agent, stop_agent
+
+FEDSHARD = str(Path(PYTHON).parent / "fedshard")
+CODE = re.compile(r"pairing code ([A-Z2-7]{4}-[A-Z2-7]{4})")
+
+
+@dataclass
+class CoordinatorProc:
+    """A running ``fedshard coordinator``."""
+
+    proc: subprocess.Popen[bytes]
+    state_dir: Path
+    log_path: Path
+    url: str
+    token: str
+
+    def log(self) -> str:
+        return self.log_path.read_text(errors="replace")
+
+    def client(self, timeout: float = 120.0) -> httpx.Client:
+        headers = {"Authorization": f"Bearer {self.token}"}
+        return httpx.Client(base_url=self.url, headers=headers, timeout=timeout, trust_env=False)
+
+    def cli(self, *args: str, timeout: float = 600.0) -> subprocess.CompletedProcess[str]:
+        """Run ``fedshard ARGS --coordinator URL --token T`` the way an operator would."""
+        command = [FEDSHARD, *args, "--coordinator", self.url, "--token", self.token]
+        return subprocess.run(
+            command, cwd=REPO, capture_output=True, text=True, timeout=timeout, check=False
+        )
+
+
+def free_port() -> int:
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        port: int = sock.getsockname()[1]
+        return port
+
+
+def start_coordinator(tmp: Path) -> CoordinatorProc:
+    """Start ``fedshard coordinator`` and wait until its API answers."""
+    state = tmp / "coordinator-state"
+    port = free_port()
+    log_path = tmp / "coordinator.log"
+    command = [FEDSHARD, "coordinator", "--state-dir", str(state)]
+    command += ["--interface", "127.0.0.1", "--port", str(port)]
+    env = {**os.environ, "COLUMNS": "400"}
+    with open(log_path, "wb") as log_file:
+        proc = subprocess.Popen(
+            command, cwd=REPO, stdout=log_file, stderr=subprocess.STDOUT, env=env
+        )
+    url = f"http://127.0.0.1:{port}"
+    deadline = time.monotonic() + 60
+    coordinator = CoordinatorProc(proc, state, log_path, url, "")
+    while True:
+        match = re.search(r"console: (http://\S+)/\?token=(\S+)", coordinator.log())
+        if match:
+            coordinator.token = match.group(2)
+            with contextlib.suppress(httpx.TransportError):
+                if coordinator.client().get("/v1/devices").status_code == 200:
+                    return coordinator
+        if proc.poll() is not None or time.monotonic() > deadline:
+            stop_process(proc)
+            raise RuntimeError(f"coordinator did not start:\n{coordinator.log()}")
+        time.sleep(0.1)
+
+
+def stop_process(proc: subprocess.Popen[bytes], timeout: float = 20.0) -> int:
+    """SIGTERM, wait, SIGKILL if needed; the exit code."""
+    if proc.poll() is None:
+        proc.send_signal(signal.SIGTERM)
+        try:
+            proc.wait(timeout)
+        except subprocess.TimeoutExpired:
+            proc.kill()
+            proc.wait(timeout)
+    return proc.returncode
+
+
+def pairing_code(agent: AgentProc, timeout: float = 20.0) -> str:
+    """The code an unpaired agent shows its operator (in its log)."""
+    deadline = time.monotonic() + timeout
+    while (match := CODE.search(agent.log())) is None:
+        if time.monotonic() > deadline:
+            raise RuntimeError(f"{agent.name} shows no pairing code:\n{agent.log()}")
+        time.sleep(0.1)
+    return match.group(1)
+
+
+@contextlib.contextmanager
+def unpaired_agents(tmp: Path, names: list[str], memory: str) -> Iterator[list[AgentProc]]:
+    """Start unpaired agents (advertising over mDNS); always stop them."""
+    started: list[AgentProc] = []
+    try:
+        for name in names:
+            if started:  # reuse the first agent's measured profile
+                (tmp / f"state-{name}").mkdir(parents=True, exist_ok=True)
+                shutil.copy(
+                    started[0].state_dir / "profile.json", tmp / f"state-{name}" / "profile.json"
+                )
+            started.append(start_agent(tmp, name, None, memory=memory))
+        yield started
+    finally:
+        for agent in started:
+            stop_agent(agent)
+
+
+def wait_for(predicate, timeout: float, interval: float = 0.2) -> bool:  # type: ignore[no-untyped-def]
+    """Poll ``predicate()`` until it is true or ``timeout`` passes."""
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        if predicate():
+            return True
+        time.sleep(interval)
+    return bool(predicate())

@@ -1,0 +1,169 @@
+"""The coordinator's data-plane client against fake agents (in-process TLS servers).
+
+Checks the topology of protocols.deploy: the answer is claimed at the last agent before the
+request goes to the first; a refusal from the first agent releases the claim; requests in
+flight together are matched by id; a certificate naming another device is refused.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import ssl
+from collections.abc import Iterator
+from pathlib import Path
+
+import numpy as np
+import pytest
+from cryptography.hazmat.primitives import serialization
+from cryptography.hazmat.primitives.asymmetric import ec
+
+from coordinator.ca import CertificateAuthority
+from coordinator.dataplane import RELEASE, ChainClient, DataPlane
+from coordinator.errors import AgentError, NotServableError, RequestError
+from coordinator.identity import client_context, open_identity
+from protocols.deploy import ROLE_AGENT, Hop
+from protocols.frames import PREFIX_BYTES, FrameHeader, decode_frame, encode_frame, frame_length
+
+
+class FakeAgent:
+    """A TLS frame server that records what it receives and answers through ``reply``."""
+
+    def __init__(self, ca: CertificateAuthority, tmp: Path, name: str) -> None:
+        key = ec.generate_private_key(ec.SECP256R1())
+        issued = ca.issue_for_key(key.public_key(), name, ROLE_AGENT)
+        cert, key_path = tmp / f"{name}.pem", tmp / f"{name}.key"
+        cert.write_bytes(issued.pem)
+        key_path.write_bytes(
+            key.private_bytes(
+                serialization.Encoding.PEM,
+                serialization.PrivateFormat.PKCS8,
+                serialization.NoEncryption(),
+            )
+        )
+        self.ctx = ssl.SSLContext(ssl.PROTOCOL_TLS_SERVER)
+        self.ctx.minimum_version = ssl.TLSVersion.TLSv1_3
+        self.ctx.verify_mode = ssl.CERT_REQUIRED
+        self.ctx.load_cert_chain(cert, key_path)
+        self.ctx.load_verify_locations(cafile=str(tmp / "ca_cert.pem"))
+        self.received: list[FrameHeader] = []
+        self.writers: list[asyncio.StreamWriter] = []
+        self.port = 0
+
+    async def start(self) -> asyncio.Server:
+        server = await asyncio.start_server(self._serve, "127.0.0.1", 0, ssl=self.ctx)
+        self.port = server.sockets[0].getsockname()[1]
+        return server
+
+    async def _serve(self, reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
+        self.writers.append(writer)
+        try:
+            while True:
+                prefix = await reader.readexactly(PREFIX_BYTES)
+                rest = await reader.readexactly(frame_length(prefix) - PREFIX_BYTES)
+                frame = decode_frame(prefix + rest)
+                self.received.append(frame.header)
+                await self.on_frame(frame.header, dict(frame.tensors))
+        except (asyncio.IncompleteReadError, ConnectionError):
+            return
+
+    async def on_frame(self, header: FrameHeader, tensors: dict[str, np.ndarray]) -> None:
+        """Overridden per test."""
+
+    async def send(self, header: FrameHeader, tensors: dict[str, np.ndarray]) -> None:
+        writer = self.writers[-1]
+        writer.write(encode_frame(header, tensors))
+        await writer.drain()
+
+
+SERVERS: list[asyncio.Server] = []
+
+
+@pytest.fixture
+def setup(tmp_path: Path) -> Iterator[tuple[DataPlane, ssl.SSLContext, CertificateAuthority]]:
+    ca = CertificateAuthority.open(tmp_path)
+    plane = DataPlane()
+    try:
+        yield plane, client_context(open_identity(tmp_path, ca)), ca
+    finally:
+        while SERVERS:
+            server = SERVERS.pop()
+            server.close()
+            plane.call(server.wait_closed(), 10)
+        plane.close()
+
+
+def _chain(plane: DataPlane, first: FakeAgent, last: FakeAgent) -> list[Hop]:
+    SERVERS.extend(plane.call(agent.start(), 10) for agent in (first, last))
+    return [
+        Hop(device="first", host="127.0.0.1", data_port=first.port),
+        Hop(device="last", host="127.0.0.1", data_port=last.port),
+    ]
+
+
+def test_claim_at_the_last_agent_then_answer_from_it(setup, tmp_path: Path) -> None:  # type: ignore[no-untyped-def]
+    plane, ctx, ca = setup
+    first, last = FakeAgent(ca, tmp_path, "first"), FakeAgent(ca, tmp_path, "last")
+
+    async def compute(header: FrameHeader, tensors: dict[str, np.ndarray]) -> None:
+        # "the chain": the first agent hands the request to the last, which answers its claim
+        await asyncio.sleep(0.01 * (int(header.request_id.rsplit("-", 1)[1]) % 3))
+        assert any(h.request_id == header.request_id for h in last.received)  # claimed first
+        await last.send(FrameHeader(request_id=header.request_id), {"y": tensors["x"] * 2})
+
+    first.on_frame = compute  # type: ignore[method-assign]
+    client = ChainClient(plane, _chain(plane, first, last), 7, ctx)
+    try:
+
+        async def many() -> list[dict[str, np.ndarray]]:
+            xs = [np.full((1, 4), i, np.float32) for i in range(12)]
+            return await asyncio.gather(*(client.infer_async({"x": x}, 10) for x in xs))
+
+        answers = plane.call(many(), 20)
+        assert [float(a["y"][0, 0]) for a in answers] == [2.0 * i for i in range(12)]
+        claims = [h for h in last.received if h.segment_index == 2]
+        assert len(claims) == 12 and all(h.plan_version == 7 and not h.error for h in claims)
+        assert all(h.segment_index == 0 and h.plan_version == 7 for h in first.received)
+    finally:
+        client.close()
+
+
+def test_refusal_from_the_first_agent_releases_the_claim(setup, tmp_path: Path) -> None:  # type: ignore[no-untyped-def]
+    plane, ctx, ca = setup
+    first, last = FakeAgent(ca, tmp_path, "first"), FakeAgent(ca, tmp_path, "last")
+
+    async def refuse(header: FrameHeader, tensors: dict[str, np.ndarray]) -> None:
+        error = "InputMismatchError: x has the wrong shape"
+        await first.send(FrameHeader(request_id=header.request_id, error=error), {})
+
+    first.on_frame = refuse  # type: ignore[method-assign]
+    client = ChainClient(plane, _chain(plane, first, last), 1, ctx)
+    try:
+        with pytest.raises(RequestError, match="wrong shape"):
+            client.infer({"x": np.ones((1, 4), np.float32)}, 10)
+
+        async def settle() -> None:
+            for _ in range(100):
+                if len(last.received) == 2:
+                    return
+                await asyncio.sleep(0.01)
+
+        plane.call(settle(), 5)
+        claim, release = last.received
+        assert claim.request_id == release.request_id and release.error == RELEASE
+    finally:
+        client.close()
+
+
+def test_wrong_certificate_name_and_silence(setup, tmp_path: Path) -> None:  # type: ignore[no-untyped-def]
+    plane, ctx, ca = setup
+    first, last = FakeAgent(ca, tmp_path, "first"), FakeAgent(ca, tmp_path, "last")
+    hops = _chain(plane, first, last)
+    swapped = [hops[1].model_copy(update={"device": "first"}), hops[0]]
+    client = ChainClient(plane, swapped, 1, ctx)
+    with pytest.raises(AgentError, match="expected agent 'first'"):
+        client.infer({"x": np.ones((1, 4), np.float32)}, 5)
+    client.close()
+    silent = ChainClient(plane, hops, 1, ctx)  # nobody answers: a bounded wait, then 503
+    with pytest.raises(NotServableError, match="no answer"):
+        silent.infer({"x": np.ones((1, 4), np.float32)}, 0.5)
+    silent.close()
