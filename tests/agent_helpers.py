@@ -11,6 +11,7 @@ import datetime as dt
 import hashlib
 import itertools
 import json
+import secrets
 import shutil
 import signal
 import ssl
@@ -468,11 +469,15 @@ def minilm_feeds(batch: int = 1, tokens: int = 128, seed: int = 0) -> dict[str, 
 
 # ---------------------------------------------------------------------------- MiniLM via split
 
+AGENT_NAMES = [f"a{i}-{secrets.token_hex(3)}" for i in range(3)]
+"""Names of the agent processes tests start: unique per test run, because every process on this
+machine shares loopback mDNS and another run's agents must not be mistaken for ours."""
+
 MINILM_DEVICES = {
     "devices": [
-        {"name": "a0", "memory_bytes": 70_000_000, "gflops": 80, "bandwidth_mbps": 10000},
-        {"name": "a1", "memory_bytes": 30_000_000, "gflops": 80, "bandwidth_mbps": 10000},
-        {"name": "a2", "memory_bytes": 30_000_000, "gflops": 80, "bandwidth_mbps": 10000},
+        {"name": AGENT_NAMES[0], "memory_bytes": 70_000_000, "gflops": 80, "bandwidth_mbps": 1e4},
+        {"name": AGENT_NAMES[1], "memory_bytes": 30_000_000, "gflops": 80, "bandwidth_mbps": 1e4},
+        {"name": AGENT_NAMES[2], "memory_bytes": 30_000_000, "gflops": 80, "bandwidth_mbps": 1e4},
     ]
 }
 """Budgets that force three segments: no two devices hold MiniLM's 90 MB."""

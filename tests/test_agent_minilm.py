@@ -14,6 +14,7 @@ import numpy as np
 import onnxruntime as ort
 import pytest
 from agent_helpers import (
+    AGENT_NAMES,
     TestCA,
     agents,
     control_client,
@@ -53,7 +54,7 @@ def test_minilm_over_three_agents(minilm: tuple[Path, Path, Manifest], tmp_path:
     expected = [whole.run(["last_hidden_state"], feeds)[0] for feeds in requests]
     warmups = segment_inputs(manifest, seg_dir, minilm_feeds(1, 128))
 
-    with agents(tmp_path, ["a0", "a1", "a2"], ca, memory="512MiB") as procs:
+    with agents(tmp_path, AGENT_NAMES, ca, memory="512MiB") as procs:
         by_name = {p.name: p for p in procs}
         with control_client(ca) as client:
             chain, reports = deploy_manifest(client, ca, by_name, manifest, seg_dir, warmups)

@@ -17,6 +17,7 @@ import httpx
 import numpy as np
 import pytest
 from agent_helpers import (
+    AGENT_NAMES,
     WIDTH,
     AgentProc,
     TestCA,
@@ -77,7 +78,7 @@ def env(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Env]:
     ca = TestCA(tmp / "ca")
     extra = ["--max-frame", "1MiB"]
     with (
-        agents(tmp, ["a0", "a1", "a2"], ca, memory="64MiB", extra=extra) as procs,
+        agents(tmp, AGENT_NAMES, ca, memory="64MiB", extra=extra) as procs,
         control_client(ca) as client,
     ):
         e = Env(tmp, ca, procs, client)
@@ -119,7 +120,7 @@ def test_zeroconf_finds_every_agent_with_its_profile(env: Env) -> None:
     browser = ZeroconfBrowser("127.0.0.1")
     try:
         found = browser.wait_for(
-            lambda s: {a.profile.name for a in s.values()} >= {"a0", "a1", "a2"}, 10
+            lambda s: {a.profile.name for a in s.values()} >= set(AGENT_NAMES), 10
         )
     finally:
         browser.close()
@@ -292,7 +293,11 @@ def test_link_probe(env: Env) -> None:
     response = env.client.post(env.procs[0].url("/v1/probe"), json=body)
     assert response.status_code == 200, response.text
     report = response.json()
-    assert report["target"] == "a1" and report["bandwidth_mbps"] > 0 and report["latency_ms"] > 0
+    assert (
+        report["target"] == AGENT_NAMES[1]
+        and report["bandwidth_mbps"] > 0
+        and report["latency_ms"] > 0
+    )
 
 
 def test_revoked_devices_are_refused_on_both_planes(env: Env) -> None:
