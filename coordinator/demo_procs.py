@@ -1,0 +1,261 @@
+"""The processes ``fedshard demo`` starts: a coordinator and agents on 127.0.0.1.
+
+:func:`demo_processes` is a context manager that owns every child it starts and stops all of them
+when it exits, whatever the reason: normal return, an exception, Ctrl-C (SIGINT), SIGTERM or
+SIGHUP (all turned into :class:`KeyboardInterrupt` while it is active). Each child runs in its own
+session so the terminal's Ctrl-C reaches only the demo, which then stops the children in order
+(agents first, then the coordinator): SIGTERM to the child's process group, SIGKILL if it does
+not exit in time. No threads are started.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import json
+import os
+import re
+import shutil
+import signal
+import socket
+import subprocess
+import sys
+import time
+from collections.abc import Iterator
+from dataclasses import dataclass, field
+from pathlib import Path
+from types import FrameType
+
+STOP_TIMEOUT_S = 20.0
+START_TIMEOUT_S = 90.0
+CONSOLE_LINE = re.compile(r"console: (http://\S+)/\?token=(\S+)")
+PAIRING_CODE = re.compile(r"pairing code ([A-Z2-7]{4}-[A-Z2-7]{4})")
+
+
+class DemoProcessError(RuntimeError):
+    """A child process did not start or died."""
+
+
+@dataclass
+class Child:
+    """One process the demo started."""
+
+    name: str
+    proc: subprocess.Popen[bytes]
+    log_path: Path
+
+    def log(self) -> str:
+        try:
+            return self.log_path.read_text(errors="replace")
+        except OSError:
+            return ""
+
+    def tail(self, lines: int = 20) -> str:
+        return "\n".join(self.log().splitlines()[-lines:])
+
+    def alive(self) -> bool:
+        return self.proc.poll() is None
+
+
+@dataclass
+class CoordinatorChild(Child):
+    url: str = ""
+    token: str = ""
+    port: int = 0
+    state_dir: Path = Path()
+
+    @property
+    def console_url(self) -> str:
+        return f"{self.url}/?token={self.token}"
+
+
+@dataclass
+class AgentChild(Child):
+    state_dir: Path = Path()
+    memory: str = ""
+    control_port: int = 0
+    device_id: str = ""
+
+
+def fedshard_command() -> list[str]:
+    """The ``fedshard`` console script of this interpreter (or the same entry point via -c)."""
+    script = Path(sys.executable).parent / "fedshard"
+    if script.is_file() and os.access(script, os.X_OK):
+        return [str(script)]
+    return [sys.executable, "-c", "from coordinator.cli import main; main()"]
+
+
+def port_is_free(port: int) -> bool:
+    """Whether 127.0.0.1:``port`` can be bound now."""
+    with socket.socket() as sock:
+        try:
+            sock.bind(("127.0.0.1", port))
+        except OSError:
+            return False
+    return True
+
+
+def free_port() -> int:
+    """A port on 127.0.0.1 that was free a moment ago."""
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        port: int = sock.getsockname()[1]
+        return port
+
+
+@dataclass
+class DemoProcesses:
+    """The children of one demo run; use through :func:`demo_processes`."""
+
+    workdir: Path
+    pid_file: Path | None = None
+    children: list[Child] = field(default_factory=list)
+
+    def _spawn(self, name: str, command: list[str], log_path: Path) -> subprocess.Popen[bytes]:
+        env = {**os.environ, "COLUMNS": "400", "PYTHONUNBUFFERED": "1"}
+        with open(log_path, "wb") as log_file:
+            proc = subprocess.Popen(
+                command,
+                stdin=subprocess.DEVNULL,
+                stdout=log_file,
+                stderr=subprocess.STDOUT,
+                env=env,
+                start_new_session=True,  # Ctrl-C reaches the demo, which stops children in order
+            )
+        self._record_pid(name, proc.pid)
+        return proc
+
+    def _record_pid(self, name: str, pid: int) -> None:
+        if self.pid_file is None:
+            return
+        with open(self.pid_file, "a", encoding="utf-8") as handle:
+            handle.write(f"{pid} {name}\n")
+
+    def start_coordinator(self, state_dir: Path, port: int) -> CoordinatorChild:
+        """Start ``fedshard coordinator`` on 127.0.0.1:``port``; wait until its API answers."""
+        import httpx
+
+        log_path = self.workdir / "coordinator.log"
+        command = [*fedshard_command(), "coordinator", "--state-dir", str(state_dir)]
+        command += ["--interface", "127.0.0.1", "--port", str(port)]
+        proc = self._spawn("coordinator", command, log_path)
+        child = CoordinatorChild("coordinator", proc, log_path, port=port, state_dir=state_dir)
+        self.children.append(child)
+        deadline = time.monotonic() + START_TIMEOUT_S
+        while True:
+            match = CONSOLE_LINE.search(child.log())
+            if match:
+                child.url, child.token = match.group(1), match.group(2)
+                headers = {"Authorization": f"Bearer {child.token}"}
+                with contextlib.suppress(httpx.TransportError):
+                    reply = httpx.get(
+                        f"{child.url}/v1/devices", headers=headers, timeout=5, trust_env=False
+                    )
+                    if reply.status_code == 200:
+                        return child
+            if not child.alive() or time.monotonic() > deadline:
+                raise DemoProcessError(f"the coordinator did not start:\n{child.tail()}")
+            time.sleep(0.1)
+
+    def start_agent(
+        self, name: str, memory: str, state_dir: Path, profile_from: Path | None = None
+    ) -> AgentChild:
+        """Start ``python -m edge_agent agent``; wait for its ready file.
+
+        ``profile_from``: a sibling's measured ``profile.json`` to reuse (saves a measurement).
+        """
+        state_dir.mkdir(parents=True, exist_ok=True)
+        ready = state_dir / "agent.json"
+        ready.unlink(missing_ok=True)
+        own_profile = state_dir / "profile.json"
+        if profile_from is not None and profile_from.is_file() and not own_profile.exists():
+            shutil.copy(profile_from, state_dir / "profile.json")
+        command = [sys.executable, "-m", "edge_agent", "agent", "--name", name]
+        command += ["--memory", memory, "--state-dir", str(state_dir), "--interface", "127.0.0.1"]
+        log_path = self.workdir / f"agent-{name}.log"
+        proc = self._spawn(name, command, log_path)
+        child = AgentChild(name, proc, log_path, state_dir=state_dir, memory=memory)
+        self.children.append(child)
+        deadline = time.monotonic() + START_TIMEOUT_S
+        while not ready.exists():
+            if not child.alive() or time.monotonic() > deadline:
+                raise DemoProcessError(f"agent {name} did not start:\n{child.tail()}")
+            time.sleep(0.05)
+        with contextlib.suppress(OSError, ValueError, KeyError):
+            info = json.loads(ready.read_text())
+            child.control_port, child.device_id = info["control_port"], info["device_id"]
+        return child
+
+    def check_alive(self) -> None:
+        """Raise DemoProcessError if a child has exited."""
+        for child in self.children:
+            if not child.alive():
+                raise DemoProcessError(
+                    f"{child.name} exited with {child.proc.returncode}:\n{child.tail()}"
+                )
+
+    def stop_all(self) -> list[str]:
+        """Stop every child (agents first, the coordinator last); what was stopped."""
+        stopped = []
+        agents = [c for c in self.children if not isinstance(c, CoordinatorChild)]
+        others = [c for c in self.children if isinstance(c, CoordinatorChild)]
+        for child in [*reversed(agents), *others]:
+            if _stop(child.proc):
+                stopped.append(child.name)
+        return stopped
+
+
+def _stop(proc: subprocess.Popen[bytes], timeout: float = STOP_TIMEOUT_S) -> bool:
+    """SIGTERM to the child's process group, wait, SIGKILL if needed; whether it was running."""
+    if proc.poll() is not None:
+        _kill_group(proc.pid, signal.SIGKILL)  # anything it left behind in its group
+        return False
+    _kill_group(proc.pid, signal.SIGTERM)
+    try:
+        proc.wait(timeout)
+    except subprocess.TimeoutExpired:
+        _kill_group(proc.pid, signal.SIGKILL)
+        proc.wait(timeout)
+    _kill_group(proc.pid, signal.SIGKILL)
+    return True
+
+
+def _kill_group(pgid: int, signum: int) -> None:
+    with contextlib.suppress(ProcessLookupError, PermissionError):
+        os.killpg(pgid, signum)
+
+
+def _interrupt(signum: int, frame: FrameType | None) -> None:
+    raise KeyboardInterrupt(f"signal {signum}")
+
+
+@contextlib.contextmanager
+def demo_processes(workdir: Path, pid_file: Path | None = None) -> Iterator[DemoProcesses]:
+    """Own the demo's children: every one started through the yielded object is stopped on exit.
+
+    While active, SIGINT, SIGTERM and SIGHUP raise KeyboardInterrupt in the main thread,
+    so every way out passes through the ``finally`` that stops the children.
+    """
+    workdir.mkdir(parents=True, exist_ok=True)
+    if pid_file is not None:
+        pid_file.parent.mkdir(parents=True, exist_ok=True)
+        pid_file.write_text("")
+    procs = DemoProcesses(workdir, pid_file)
+    # SIGINT too: a shell's background job inherits it ignored, and Ctrl-C must still stop us;
+    # SIGHUP only when nobody (nohup) chose to ignore it
+    numbers = [signal.SIGINT, signal.SIGTERM]
+    if signal.getsignal(signal.SIGHUP) != signal.SIG_IGN:
+        numbers.append(signal.SIGHUP)
+    previous = {number: signal.signal(number, _interrupt) for number in numbers}
+    try:
+        yield procs
+    finally:
+        # a second Ctrl-C (or a SIGTERM) must not cut the clean-up short
+        during = {
+            number: signal.signal(number, signal.SIG_IGN)
+            for number in (signal.SIGINT, signal.SIGTERM, signal.SIGHUP)
+        }
+        try:
+            procs.stop_all()
+        finally:
+            for number, handler in {**during, **previous}.items():
+                signal.signal(number, handler)

@@ -1,0 +1,83 @@
+"""Integration: ``fedshard demo --exit --skip-training`` as a user runs it.
+
+It starts a coordinator and three agents on 127.0.0.1, pairs them, deploys MiniLM across all
+three, prints the plan and a similarity matrix and the console line, and stops every process it
+started before it exits.
+"""
+
+from __future__ import annotations
+
+import os
+import re
+import subprocess
+from pathlib import Path
+
+import pytest
+from agent_helpers import PYTHON, REPO
+from coordinator_helpers import free_port
+
+pytestmark = [pytest.mark.slow, pytest.mark.timeout(300)]
+
+FEDSHARD = str(Path(PYTHON).parent / "fedshard")
+
+
+def _running(pid: int) -> bool:
+    psutil = pytest.importorskip("psutil")
+    try:
+        return bool(psutil.Process(pid).status() != psutil.STATUS_ZOMBIE)
+    except psutil.NoSuchProcess:
+        return False
+
+
+def _processes_mentioning(text: str) -> list[str]:
+    psutil = pytest.importorskip("psutil")
+    found = []
+    for proc in psutil.process_iter(["pid", "cmdline"]):
+        cmdline = " ".join(proc.info["cmdline"] or [])
+        if text in cmdline:
+            found.append(f"{proc.info['pid']}: {cmdline}")
+    return found
+
+
+def test_demo_exit_skip_training(tmp_path: Path) -> None:
+    pytest.importorskip("transformers")
+    state = tmp_path / "demo-state"
+    pids = tmp_path / "pids.txt"
+    port = free_port()
+    command = [FEDSHARD, "demo", "--exit", "--skip-training", "--port", str(port)]
+    command += ["--state-dir", str(state), "--pid-file", str(pids)]
+    result = subprocess.run(
+        command,
+        cwd=REPO,
+        capture_output=True,
+        text=True,
+        timeout=240,
+        check=False,
+        env={**os.environ, "COLUMNS": "200", "PYTHONIOENCODING": "utf-8"},
+    )
+    out = result.stdout + result.stderr
+    assert result.returncode == 0, out
+    assert "demo mode: pairing automatically" in out
+    assert "plan: all-minilm-l6-v2" in out
+    started = [line.split(maxsplit=1) for line in pids.read_text().splitlines() if line.strip()]
+    names = [name for _, name in started]
+    assert len(started) == 4 and names[0] == "coordinator", started
+    assert sum(1 for name in names[1:] if re.search(rf"\b{re.escape(name)}\b", out)) == 3
+    plan_rows = [
+        line for line in out.splitlines() if any(name in line for name in names[1:]) and "│" in line
+    ]
+    assert len([row for row in plan_rows if re.search(r"\d+-\d+", row)]) == 3, out
+    matrix = [
+        line
+        for line in out.splitlines()
+        if re.match(r"^│ \d │", line) and line.count("│") >= 7 and "." in line
+    ]
+    assert len(matrix) == 4, out
+    for index, row in enumerate(matrix):
+        cells = [cell.strip() for cell in row.strip("│").split("│")]
+        values = [float(cell) for cell in cells[2:6]]
+        assert f"{values[index]:.2f}" == "1.00", row
+        assert all(-1.0 <= v <= 1.0001 for v in values), row
+    assert re.search(rf"console: http://127\.0\.0\.1:{port}/\?token=\S+", out), out
+    assert [f"{pid} {name}" for pid, name in started if _running(int(pid))] == []
+    assert _processes_mentioning(str(state)) == []
