@@ -81,15 +81,17 @@ def device_list(
 
 def forward_names(manifest: Manifest, index: int) -> list[str]:
     """What segment ``index`` sends on: names later segments (or the results) need that the
-    model inputs and segments ``0..index`` make available."""
+    model inputs and segments ``0..index`` make available. Per-session state (a decoder's KV
+    cache) stays on its stage and is never sent."""
     segments = manifest.segments
+    state = {n for s in segments for pair in s.state for n in (pair.past, pair.present)}
     if index == len(segments) - 1:
         later = {o.name for o in manifest.model.outputs}
     else:
         later = {n for s in segments[index + 1 :] for n in s.inputs}
     available = {i.name for i in manifest.model.inputs}
     available |= {n for s in segments[: index + 1] for n in s.outputs}
-    return sorted(later & available)
+    return sorted((later & available) - state)
 
 
 def deploy_bodies(
@@ -112,6 +114,7 @@ def deploy_bodies(
             chain=list(chain),
             forward=forward_names(manifest, seg.index),
             warmup_sha256=hashlib.sha256(frame).hexdigest(),
+            sessions=manifest.sessions if seg.state else None,
         )
         request = DeployRequest(
             manifest=signed,

@@ -8,6 +8,12 @@ nodes are never cut: every segment that needs a static tensor recomputes it. The
 tensors that ever travel between segments are *shape leaves* (the output of ``Shape``/``Size``
 of an activation), and only when that activation is not available in the later segment.
 
+Model inputs can be declared *replicated* (a decoder's ``attention_mask`` and ``position_ids``):
+nodes computed from them, constants and small initializers only (causal masks, rotary tables)
+are then static too, so each segment rebuilds them from those small inputs instead of receiving
+them. A node that reads an initializer over :data:`REPLICATE_MAX_INITIALIZER_BYTES` (an
+embedding table) stays a main node.
+
 Every other node is a *main* node; cuts are placed between main nodes. Nothing here looks at
 tensor or node names.
 """
@@ -20,6 +26,7 @@ from dataclasses import dataclass
 
 import onnx
 
+from partitioner.costs import tensor_proto_bytes
 from partitioner.errors import GraphError
 
 SHAPE_READERS = frozenset({"Shape", "Size"})
@@ -38,6 +45,8 @@ NONDETERMINISTIC = frozenset(
 """Ops whose output differs from run to run: never recomputed."""
 
 _STANDARD_DOMAINS = frozenset({"", "ai.onnx"})
+REPLICATE_MAX_INITIALIZER_BYTES = 1 << 16
+"""Largest initializer a node computed from replicated inputs may read and stay static."""
 
 
 @dataclass(frozen=True)
@@ -105,10 +114,14 @@ def _outer_names(graph: onnx.GraphProto) -> list[str]:
     return used
 
 
-def index_graph(graph: onnx.GraphProto) -> GraphIndex:
+def index_graph(
+    graph: onnx.GraphProto, *, replicated_inputs: frozenset[str] = frozenset()
+) -> GraphIndex:
     """Index ``graph``: sort it, drop nodes nothing needs, and split static from main nodes.
 
-    Raises :class:`GraphError` when the graph has a cycle or reads a tensor nobody defines.
+    ``replicated_inputs`` are model inputs whose cheap consequences count as static (see the
+    module docstring). Raises :class:`GraphError` when the graph has a cycle or reads a tensor
+    nobody defines.
     """
     initializers = {t.name: t for t in graph.initializer}
     sparse = frozenset(t.values.name for t in graph.sparse_initializer)
@@ -133,7 +146,17 @@ def index_graph(graph: onnx.GraphProto) -> GraphIndex:
     for name in outputs:
         if name not in producer and name not in defined:
             raise GraphError(f"graph output {name!r} is not produced by any node")
-    static, leaves = _classify(nodes, node_inputs, producer, set(initializers) | sparse)
+    unknown = replicated_inputs - set(inputs)
+    if unknown:
+        raise GraphError(f"replicated inputs {sorted(unknown)} are not inputs of the graph")
+    big = {
+        n
+        for n, t in initializers.items()
+        if tensor_proto_bytes(t) > REPLICATE_MAX_INITIALIZER_BYTES
+    }
+    static, leaves = _classify(
+        nodes, node_inputs, producer, set(initializers) | sparse, replicated_inputs, big | sparse
+    )
     return GraphIndex(
         nodes=nodes,
         node_inputs=node_inputs,
@@ -205,12 +228,20 @@ def _classify(
     node_inputs: tuple[tuple[str, ...], ...],
     producer: Mapping[str, int],
     constants: set[str],
+    replicated: frozenset[str] = frozenset(),
+    big: set[str] | frozenset[str] = frozenset(),
 ) -> tuple[frozenset[int], dict[str, str]]:
     static: set[int] = set()
     leaves: dict[str, str] = {}
+    derived: set[str] = set(replicated)
+    """Tensors computed from replicated inputs (recomputed only if cheap)."""
 
     def is_static(name: str) -> bool:
-        return name in constants or (name in producer and producer[name] in static)
+        return (
+            name in constants
+            or name in replicated
+            or (name in producer and producer[name] in static)
+        )
 
     for i, node in enumerate(nodes):
         if node.domain not in _STANDARD_DOMAINS or node.op_type in NONDETERMINISTIC:
@@ -223,5 +254,9 @@ def _classify(
             if not is_static(names[0]):
                 leaves.update({out: names[0] for out in node.output if out})
         elif all(is_static(name) for name in names):
+            if any(name in derived for name in names):
+                if any(name in big for name in names):
+                    continue
+                derived.update(out for out in node.output if out)
             static.add(i)
     return frozenset(static), leaves

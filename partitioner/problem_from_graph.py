@@ -24,6 +24,7 @@ def build_problem(
     name: str = "",
     compute_shares: Sequence[float] | None = None,
     runtime: RuntimeMemory = GRAPH_ONLY,
+    state_bytes: Sequence[int] | None = None,
 ) -> PlanningProblem:
     """The planning problem for placing ``units`` on ``devices``.
 
@@ -41,11 +42,17 @@ def build_problem(
     overhead once plus the arena for its largest unit. The default, :data:`GRAPH_ONLY`, charges
     the graph's live set alone.
 
+    ``state_bytes`` (one per unit) is per-session state a unit keeps resident, a decoder's KV
+    cache at its planned sessions and context: it is added to the unit's ``weight_bytes``.
+
     Raises :class:`~protocols.errors.SchemaError` if the devices do not make a valid problem
     (e.g. a link given twice), :class:`~partitioner.errors.GraphError` if ``compute_shares``
     does not have one share per unit.
     """
     work = _unit_work(units, compute_shares)
+    state = list(state_bytes) if state_bytes is not None else [0] * len(units.units)
+    if len(state) != len(units.units):
+        raise GraphError(f"{len(state)} state sizes for {len(units.units)} units")
     document = {
         "name": name,
         "input_bytes": units.input_bytes,
@@ -53,14 +60,14 @@ def build_problem(
         "units": [
             {
                 "name": u.name,
-                "weight_bytes": u.weight_bytes,
+                "weight_bytes": u.weight_bytes + kv,
                 "out_bytes": u.out_bytes,
                 "workspace_bytes": runtime.stage_bytes(u.workspace_bytes),
                 "compute_s": {
                     device_type(d.name): flops / (d.gflops * 1e9) for d in devices.devices
                 },
             }
-            for u, flops in zip(units.units, work, strict=True)
+            for u, flops, kv in zip(units.units, work, state, strict=True)
         ],
         "devices": [
             {

@@ -21,7 +21,16 @@ from partitioner.calibrate import (
     time_chain,
 )
 from partitioner.costs import ShapeTable
-from partitioner.errors import GraphError
+from partitioner.decoding import (
+    DEFAULT_SESSIONS,
+    DecoderLayout,
+    decoder_layout,
+    describe_state,
+    replicated_inputs,
+    segment_state,
+    unit_state_bytes,
+)
+from partitioner.errors import GraphError, InfeasiblePlanError
 from partitioner.frontier import Frontier, build_frontier
 from partitioner.graph import GraphIndex, index_graph
 from partitioner.modelio import file_sha256, initializer_bytes, load_model, save_model
@@ -33,7 +42,7 @@ from partitioner.shapes import infer_shapes, symbolic_types
 from partitioner.units import DEFAULT_MAX_UNITS, UnitPlan, build_units
 from partitioner.verify import DEFAULT_TOLERANCE, VerifyResult, verify_chain
 from protocols.devices import DeviceList
-from protocols.manifest import Manifest, ModelInfo, SegmentEntry, TensorInfo
+from protocols.manifest import Manifest, ModelInfo, SegmentEntry, SessionLimits, TensorInfo
 from protocols.plan import Objective, Plan
 from protocols.problem import PlanningProblem
 
@@ -55,6 +64,8 @@ class Analysis:
     samples: Samples
     samples_source: str
     """``"given"``, ``"embedded"`` (front door metadata) or ``"synthesised"``."""
+    decoder: DecoderLayout | None = None
+    """The model's per-session state (KV cache), if it has any."""
 
 
 @dataclass(frozen=True)
@@ -94,7 +105,9 @@ class SplitOptions:
     dims: Mapping[str, int] = field(default_factory=dict)
     samples_path: Path | None = None
     max_units: int = DEFAULT_MAX_UNITS
-    carry_io: bool = True
+    carry_io: bool | None = None
+    """Hand model inputs and outputs along the chain (True) or let each segment read and emit
+    its own (False); None: direct for a model with per-session state, carried otherwise."""
     external_threshold_bytes: int | None = None
     calibrate: bool = False
     """Time every unit in ONNX Runtime and plan with the measured distribution of compute."""
@@ -103,6 +116,8 @@ class SplitOptions:
     runtime: RuntimeMemory = field(default_factory=RuntimeMemory)
     """What the agent's ONNX Runtime keeps resident per segment beyond weights and queued
     frames; predicted memory includes it (see :mod:`partitioner.runtime_memory`)."""
+    sessions: SessionLimits = DEFAULT_SESSIONS
+    """For a model with per-session state: the KV cache every stage reserves memory for."""
 
 
 def analyse(
@@ -111,16 +126,21 @@ def analyse(
     dims: Mapping[str, int] | None = None,
     samples: Samples | None = None,
     max_units: int = DEFAULT_MAX_UNITS,
-    carry_io: bool = True,
+    carry_io: bool | None = None,
 ) -> Analysis:
     """Index, size and cost the graph and group it into planning units.
 
     Shapes for costing are bound from ``dims`` by dimension name, then from ``samples`` (else
     the model's embedded samples), then defaults: ``dims`` wins, so a model can be costed at
     its deployment's shapes (batch 1 x 128 tokens, say) and still verified on small samples.
-    Without samples, inputs are synthesised at that binding.
+    Without samples, inputs are synthesised at that binding. ``carry_io=None`` analyses a model
+    with per-session state (see :mod:`partitioner.decoding`) with direct I/O, keeping each
+    layer's state on its stage, and any other model with carried I/O.
     """
-    index = index_graph(model.graph)
+    layout = decoder_layout(model) if carry_io is not True else None
+    replicated = replicated_inputs(model, layout) if layout is not None else frozenset()
+    carry_io = layout is None if carry_io is None else carry_io
+    index = index_graph(model.graph, replicated_inputs=replicated)
     source = "given"
     given = samples
     if given is None:
@@ -137,7 +157,7 @@ def analyse(
     if frontier.size == 0:
         raise GraphError("nothing to split: every node of the model is a constant")
     units = build_units(index, frontier, table, max_units=max_units)
-    return Analysis(model, index, table, frontier, units, given, source)
+    return Analysis(model, index, table, frontier, units, given, source, layout)
 
 
 def _sample_shapes(
@@ -251,7 +271,7 @@ def split_model(
         model, dims=opts.dims, samples=given, max_units=opts.max_units, carry_io=opts.carry_io
     )
     problem = _problem(analysis, devices, opts, model_path.stem)
-    plan = choose(problem, opts.objective)  # an infeasible model fails before any timing
+    plan = _choose(choose, problem, opts, analysis)  # an infeasible model fails before timing
     calibration = flop_plan = None
     if opts.calibrate:
         calibration = calibrate_units(
@@ -262,7 +282,7 @@ def split_model(
             threads=opts.calibration_threads,
         )
         problem = _problem(analysis, devices, opts, model_path.stem, calibration.shares)
-        flop_plan, plan = plan, choose(problem, opts.objective)
+        flop_plan, plan = plan, _choose(choose, problem, opts, analysis)
     (out_dir / MANIFEST_NAME).unlink(missing_ok=True)
     written = write_segments(
         analysis,
@@ -276,7 +296,7 @@ def split_model(
         result = verify_chain(
             model_path, [w.files[0] for w in written], [analysis.samples], opts.tolerance
         )
-    manifest = build_manifest(model_path, analysis, plan, written)
+    manifest = build_manifest(model_path, analysis, plan, written, opts.sessions)
     (out_dir / MANIFEST_NAME).write_text(manifest.to_json() + "\n")
     return SplitResult(
         manifest, plan, problem, analysis, tuple(written), result, calibration, flop_plan
@@ -297,7 +317,31 @@ def _problem(
         name=name,
         compute_shares=shares,
         runtime=opts.runtime,
+        state_bytes=_state_bytes(analysis, opts.sessions),
     )
+
+
+def _state_bytes(analysis: Analysis, sessions: SessionLimits) -> list[int] | None:
+    if analysis.decoder is None:
+        return None
+    return unit_state_bytes(
+        analysis.index, analysis.frontier, analysis.units, analysis.decoder, sessions
+    )
+
+
+def _choose(
+    choose: Planner, problem: PlanningProblem, opts: SplitOptions, analysis: Analysis
+) -> Plan:
+    """Plan; for a decoder, an infeasible plan's error also says what the KV cache takes."""
+    try:
+        return choose(problem, opts.objective)
+    except InfeasiblePlanError as exc:
+        state = _state_bytes(analysis, opts.sessions)
+        if not state:
+            raise
+        raise InfeasiblePlanError(
+            f"{exc}; {describe_state(sum(state), opts.sessions)}", exc.shortfall_bytes
+        ) from exc
 
 
 def _default_planner() -> Planner:
@@ -311,6 +355,7 @@ def build_manifest(
     analysis: Analysis,
     plan: Plan,
     written: Sequence[WrittenSegment],
+    sessions: SessionLimits = DEFAULT_SESSIONS,
 ) -> Manifest:
     """The ``fedshard.manifest/1`` document for written segments of a plan.
 
@@ -319,8 +364,12 @@ def build_manifest(
     """
     graph = analysis.model.graph
     declared = {v.name: v for v in [*graph.input, *graph.output]}
+    layout = analysis.decoder
+    state = _state_bytes(analysis, sessions) or [0] * len(analysis.units.units)
     segments = []
     for stage, seg in zip(plan.stages, written, strict=True):
+        spec = seg.spec
+        pairs = segment_state(spec.inputs, spec.outputs, layout) if layout else []
         segments.append(
             SegmentEntry(
                 index=seg.spec.index,
@@ -333,6 +382,8 @@ def build_manifest(
                 predicted_memory_bytes=stage.memory_bytes,
                 predicted_compute_s=stage.compute_s,
                 units=(stage.start, stage.end),
+                state=pairs,
+                state_bytes=sum(state[stage.start : stage.end]),
             )
         )
     return Manifest(
@@ -347,6 +398,7 @@ def build_manifest(
         bottleneck_s=plan.bottleneck_s,
         latency_s=plan.latency_s,
         segments=segments,
+        sessions=sessions if layout else None,
     )
 
 

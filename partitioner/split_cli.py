@@ -193,7 +193,7 @@ def run_split(args: argparse.Namespace) -> int:
         dims=dims,
         samples_path=args.inputs,
         max_units=args.max_units,
-        carry_io=not args.direct_io,
+        carry_io=False if args.direct_io else None,
         calibrate=args.calibrate,
         calibration_runs=args.calibration_runs,
         calibration_threads=args.calibration_threads,

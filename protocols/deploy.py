@@ -65,7 +65,7 @@ from pydantic import Field, NonNegativeFloat, NonNegativeInt, PositiveInt, model
 
 from protocols.base import FrozenModel
 from protocols.errors import SchemaError
-from protocols.manifest import SegmentEntry
+from protocols.manifest import SegmentEntry, SessionLimits
 
 DEPLOY_FORMAT: Final = "fedshard.deploy/1"
 ROLE_AGENT: Final = "agent"
@@ -114,6 +114,8 @@ class DeployManifest(FrozenModel):
     free dimensions default to 1."""
     warmup_sha256: str | None = Field(default=None, pattern=r"^[0-9a-f]{64}$")
     """SHA-256 of the warm-up frame carried in the deploy body, if any."""
+    sessions: SessionLimits | None = None
+    """Required when the segment keeps per-session state (``segment.state``)."""
 
     @model_validator(mode="after")
     def _check_chain(self) -> Self:
@@ -123,6 +125,11 @@ class DeployManifest(FrozenModel):
             raise ValueError("chain entry of this segment names another device")
         if len(set(self.forward)) != len(self.forward):
             raise ValueError("forward names a tensor twice")
+        if self.segment.state and self.sessions is None:
+            raise ValueError("a segment with per-session state needs session limits")
+        state = {n for pair in self.segment.state for n in (pair.past, pair.present)}
+        if state & set(self.forward):
+            raise ValueError("session state never travels: it may not be forwarded")
         return self
 
     @property

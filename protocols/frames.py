@@ -70,7 +70,14 @@ class FrameHeader(FrozenModel):
     """Everything about a frame except the tensor bytes."""
 
     request_id: str = Field(min_length=1, max_length=128)
-    session_id: str | None = Field(default=None, max_length=128)
+    session_id: str | None = Field(default=None, min_length=1, max_length=128)
+    """Set on every step of a generation session; stages with per-session state key it by the
+    requester's name and this id."""
+    session_position: NonNegativeInt | None = None
+    """Tokens the session holds before this step; a stage refuses a step that does not match
+    its own count (a replayed or reordered frame)."""
+    session_end: bool = False
+    """Ends the session: every stage frees its state, then the last answers with no tensors."""
     segment_index: NonNegativeInt = 0
     plan_version: NonNegativeInt = 0
     tensors: list[TensorSpec] = Field(default_factory=list, max_length=MAX_TENSORS)

@@ -8,10 +8,18 @@ from __future__ import annotations
 
 from typing import Literal, Self
 
-from pydantic import Field, NonNegativeFloat, NonNegativeInt, model_validator
+from pydantic import (
+    Field,
+    NonNegativeFloat,
+    NonNegativeInt,
+    PositiveFloat,
+    PositiveInt,
+    model_validator,
+)
 
 from protocols.base import FrozenModel
 from protocols.constants import MANIFEST_FORMAT
+from protocols.decoder import StatePair
 from protocols.plan import Objective
 
 Sha256Hex = str
@@ -49,6 +57,23 @@ class SegmentEntry(FrozenModel):
     predicted_compute_s: NonNegativeFloat
     units: tuple[NonNegativeInt, NonNegativeInt] = (0, 0)
     """Half-open range of planning units this segment holds."""
+    state: list[StatePair] = Field(default_factory=list)
+    """Per-session state this segment keeps (its layers' KV cache): each ``past`` input is fed
+    from the ``present`` output of the session's previous step, on this device; neither ever
+    travels in a frame."""
+    state_bytes: NonNegativeInt = 0
+    """Memory reserved for that state at the plan's sessions and context length (included in
+    ``predicted_memory_bytes``)."""
+
+
+class SessionLimits(FrozenModel):
+    """How many sessions of how many tokens each stage keeps state for."""
+
+    max_sessions: PositiveInt
+    max_context: PositiveInt
+    """Tokens per session (prompt plus generated)."""
+    idle_timeout_s: PositiveFloat = 300.0
+    """A session with no step for this long is ended and its state freed."""
 
 
 class Manifest(FrozenModel):
@@ -60,6 +85,8 @@ class Manifest(FrozenModel):
     bottleneck_s: NonNegativeFloat
     latency_s: NonNegativeFloat
     segments: list[SegmentEntry] = Field(min_length=1)
+    sessions: SessionLimits | None = None
+    """For a model with per-session state (a decoder): what its memory was planned for."""
 
     @model_validator(mode="after")
     def _check_indices(self) -> Self:

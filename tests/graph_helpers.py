@@ -166,3 +166,76 @@ def kv_feeds(layers: int = 4, n: int = 3, past: int = 5) -> dict[str, np.ndarray
     for i in range(layers):
         feeds[f"past{i}"] = rng.standard_normal((past, HIDDEN)).astype(np.float32)
     return feeds
+
+
+def token_decoder(layers: int = 4, vocab: int = 5000, seed: int = 0) -> onnx.ModelProto:
+    """A decoder with the shape of :mod:`protocols.decoder`'s contract, built from plain ops.
+
+    ``input_ids`` index a large table ``E`` (tied to the output head); a mask term and a
+    position term are computed once from ``attention_mask`` and ``position_ids`` and read by
+    every layer; layer ``i`` appends ``h @ K_i`` (as ``[1, 2, q, 4]``) to ``past.i.key`` and
+    adds a summary of the grown cache back into ``h``. Outputs ``logits`` and the presents.
+    """
+    rng = np.random.default_rng(seed)
+    f32, i64 = TensorProto.FLOAT, TensorProto.INT64
+    inits = [
+        _init("E", rng.standard_normal((vocab, HIDDEN)).astype(np.float32)),
+        _init("kv_shape", np.array([1, -1, 2, 4], np.int64)),
+        _init("sum_shape", np.array([1, 1, HIDDEN], np.int64)),
+        _init("inv_freq", np.linspace(0.1, 1.0, HIDDEN).astype(np.float32)),
+        _init("last", np.array([-1], np.int64)),
+        _init("one", np.array([1], np.int64)),
+        _init("axis1", np.array([1], np.int64)),
+    ]
+    inputs = [
+        helper.make_tensor_value_info("input_ids", i64, [1, "q"]),
+        helper.make_tensor_value_info("attention_mask", i64, [1, "kv"]),
+        helper.make_tensor_value_info("position_ids", i64, [1, "q"]),
+    ]
+    nodes = [
+        helper.make_node("Gather", ["E", "input_ids"], ["h0"]),
+        helper.make_node("Cast", ["attention_mask"], ["mask_f"], to=f32),
+        helper.make_node("ReduceMean", ["mask_f"], ["mask_term"], keepdims=0),
+        helper.make_node("Cast", ["position_ids"], ["pos_f"], to=f32),
+        helper.make_node("Unsqueeze", ["pos_f", "last"], ["pos_col"]),
+        helper.make_node("Mul", ["pos_col", "inv_freq"], ["angles"]),
+        helper.make_node("Cos", ["angles"], ["rope"]),
+    ]
+    outputs = []
+    for i in range(layers):
+        inits.append(_init(f"K{i}", rng.standard_normal((HIDDEN, HIDDEN)).astype(np.float32)))
+        inputs.append(helper.make_tensor_value_info(f"past.{i}.key", f32, [1, 2, "past", 4]))
+        outputs.append(helper.make_tensor_value_info(f"present.{i}.key", f32, [1, 2, "kv", 4]))
+        nodes += [
+            helper.make_node("Mul", [f"h{i}", "rope"], [f"hr{i}"]),
+            helper.make_node("MatMul", [f"hr{i}", f"K{i}"], [f"k{i}"]),
+            helper.make_node("Reshape", [f"k{i}", "kv_shape"], [f"k4_{i}"]),
+            helper.make_node("Transpose", [f"k4_{i}"], [f"kt{i}"], perm=[0, 2, 1, 3]),
+            helper.make_node("Concat", [f"past.{i}.key", f"kt{i}"], [f"present.{i}.key"], axis=2),
+            helper.make_node("ReduceMean", [f"present.{i}.key"], [f"r{i}"], axes=[2], keepdims=1),
+            helper.make_node("Reshape", [f"r{i}", "sum_shape"], [f"rs{i}"]),
+            helper.make_node("Tanh", [f"rs{i}"], [f"t{i}"]),
+            helper.make_node("Add", [f"h{i}", f"t{i}"], [f"a{i}"]),
+            helper.make_node("Add", [f"a{i}", "mask_term"], [f"h{i + 1}"]),
+        ]
+    nodes += [
+        helper.make_node("Gather", [f"h{layers}", "last"], ["h_last"], axis=1),
+        helper.make_node("Transpose", ["E"], ["ET"]),
+        helper.make_node("MatMul", ["h_last", "ET"], ["logits"]),
+    ]
+    outputs.insert(0, helper.make_tensor_value_info("logits", f32, [1, 1, vocab]))
+    graph = helper.make_graph(nodes, "token_decoder", inputs, outputs, inits)
+    return helper.make_model(graph, opset_imports=OPSET)
+
+
+def token_decoder_feeds(layers: int = 4, q: int = 3, past: int = 5) -> dict[str, np.ndarray]:
+    """Inputs for :func:`token_decoder`: ``q`` new tokens after ``past`` cached ones."""
+    rng = np.random.default_rng(3)
+    feeds = {
+        "input_ids": rng.integers(0, 100, (1, q)).astype(np.int64),
+        "attention_mask": np.ones((1, past + q), np.int64),
+        "position_ids": np.arange(past, past + q, dtype=np.int64)[None, :],
+    }
+    for i in range(layers):
+        feeds[f"past.{i}.key"] = rng.standard_normal((1, 2, past, 4)).astype(np.float32)
+    return feeds

@@ -1,0 +1,96 @@
+"""``fedshard.decoder/1``: how a decoder (text-generation) model's ONNX graph is laid out.
+
+``fedshard export NAME OUT_DIR`` writes, for a decoder model::
+
+    OUT_DIR/model.onnx          the whole model, with explicit key/value state
+    OUT_DIR/decoder.json        a DecoderInfo document (this module)
+    OUT_DIR/tokenizer.json      the model package's tokenizer (Hugging Face ``tokenizers`` format)
+    OUT_DIR/tokenizer_config.json, special_tokens_map.json, ... whatever the package ships
+
+The graph's contract, for batch 1 and no padding:
+
+Inputs
+    ``input_ids`` int64 ``[1, q]``: the new tokens of this step (the prompt on prefill, one token
+    on decode). ``attention_mask`` int64 ``[1, past + q]``: all ones. ``position_ids`` int64
+    ``[1, q]``: ``past .. past + q - 1``. ``past.{i}.key`` / ``past.{i}.value`` float32
+    ``[1, kv_heads, past, head_dim]`` for every layer ``i`` (``past = 0`` on the first step).
+    Masks and rotary embeddings are computed in the graph from ``attention_mask`` and
+    ``position_ids`` only (never from the shapes of the past tensors), so any stage can rebuild
+    them from those two small inputs.
+Outputs
+    ``top_logits`` float32 ``[1, top_k]`` and ``top_ids`` int64 ``[1, top_k]``: the largest
+    next-token logits of the last position, in descending order (greedy decoding takes
+    ``top_ids[0, 0]``). ``present.{i}.key`` / ``present.{i}.value``: the past grown by ``q``
+    along axis 2 (every layer keeps the full context; sliding-window layers mask instead of
+    truncating).
+"""
+
+from __future__ import annotations
+
+from typing import Final, Literal
+
+from pydantic import Field, NonNegativeInt, PositiveInt
+
+from protocols.base import FrozenModel
+
+DECODER_FORMAT: Final = "fedshard.decoder/1"
+DECODER_FILE: Final = "decoder.json"
+MODEL_FILE: Final = "model.onnx"
+TOKENIZER_FILE: Final = "tokenizer.json"
+
+INPUT_IDS: Final = "input_ids"
+ATTENTION_MASK: Final = "attention_mask"
+POSITION_IDS: Final = "position_ids"
+TOP_LOGITS: Final = "top_logits"
+TOP_IDS: Final = "top_ids"
+KV_AXIS: Final = 2
+"""The sequence axis of every key/value tensor."""
+
+
+def past_name(layer: int, kind: Literal["key", "value"]) -> str:
+    """Graph input holding layer ``layer``'s cached keys or values."""
+    return f"past.{layer}.{kind}"
+
+
+def present_name(layer: int, kind: Literal["key", "value"]) -> str:
+    """Graph output holding layer ``layer``'s keys or values after this step."""
+    return f"present.{layer}.{kind}"
+
+
+class StatePair(FrozenModel):
+    """A graph input fed back from a graph output on the next step (a layer's KV cache)."""
+
+    past: str = Field(min_length=1, max_length=512)
+    present: str = Field(min_length=1, max_length=512)
+    axis: NonNegativeInt = KV_AXIS
+    """The axis the state grows along, one entry per token."""
+
+
+class DecoderInfo(FrozenModel):
+    """``decoder.json``: what the coordinator and the partitioner need to know of a decoder."""
+
+    format: Literal["fedshard.decoder/1"] = DECODER_FORMAT
+    model: str = Field(min_length=1, max_length=128)
+    """Front-door name, e.g. ``gemma3-270m``."""
+    architecture: str = Field(min_length=1, max_length=128)
+    """The transformers class the weights came from, e.g. ``Gemma3ForCausalLM``."""
+    num_layers: PositiveInt
+    hidden_size: PositiveInt
+    num_kv_heads: PositiveInt
+    head_dim: PositiveInt
+    vocab_size: PositiveInt
+    top_k: PositiveInt
+    """How many next-token candidates the graph returns."""
+    max_context: PositiveInt
+    """Longest context (prompt plus generated tokens) the model supports."""
+    sliding_window: PositiveInt | None = None
+    bos_token_id: NonNegativeInt | None = None
+    eos_token_ids: list[NonNegativeInt] = Field(default_factory=list, max_length=64)
+    chat_template: str | None = Field(default=None, max_length=1 << 20)
+    """Jinja chat template from the model package (rendered in a sandbox)."""
+    state: list[StatePair] = Field(min_length=1)
+
+    @property
+    def kv_bytes_per_token(self) -> int:
+        """Bytes of key/value cache one token adds across all layers (float32)."""
+        return 2 * self.num_layers * self.num_kv_heads * self.head_dim * 4
