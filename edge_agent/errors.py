@@ -16,6 +16,9 @@ everything the agent itself refuses raises one of these::
     │   ├── InputMismatchError names, dtypes, ranks or fixed dims differ from the segment's inputs
     │   ├── NoSegmentError     no segment for that plan version and segment index
     │   ├── ExecutionError     ONNX Runtime failed while running the segment
+    │   ├── SessionLimitError  no room for another session's state        -> 503 at the coordinator
+    │   ├── SessionStateError  a step for an unknown session or the wrong position (replay)
+    │   ├── ContextLengthError a session would grow past the planned context length
     │   └── RemoteRequestError a requester got an error frame back from the chain
     ├── LinkError              the next agent of the chain cannot be reached
     └── PairingError           a pairing grant does not fit this agent   -> HTTP 409
@@ -89,6 +92,18 @@ class NoSegmentError(RequestError):
 
 class ExecutionError(RequestError):
     """ONNX Runtime failed while running the segment."""
+
+
+class SessionLimitError(RequestError):
+    """Every session slot the plan reserved memory for is in use."""
+
+
+class SessionStateError(RequestError):
+    """A step names a session this stage does not hold, or the wrong position in it."""
+
+
+class ContextLengthError(RequestError):
+    """A session would hold more tokens than the deployment was planned for."""
 
 
 class LinkError(AgentError):

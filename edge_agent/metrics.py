@@ -58,6 +58,12 @@ class AgentMetrics:
             ["plan_version"],
             registry=r,
         )
+        self.sessions = Gauge(
+            "fedshard_sessions", "Generation sessions whose state this agent holds", registry=r
+        )
+        self.session_state_bytes = Gauge(
+            "fedshard_session_state_bytes", "Bytes of per-session state (KV cache)", registry=r
+        )
         self.resident = Gauge(
             "fedshard_resident_memory_bytes", "Resident memory of the agent process", registry=r
         )

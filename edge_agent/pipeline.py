@@ -27,7 +27,6 @@ from edge_agent.channel import FrameChannel
 from edge_agent.checks import Array, check_tensors
 from edge_agent.errors import (
     AgentError,
-    ExecutionError,
     LinkError,
     NoSegmentError,
     PeerRejectedError,
@@ -36,6 +35,7 @@ from edge_agent.errors import (
 from edge_agent.links import Link
 from edge_agent.metrics import AgentMetrics
 from edge_agent.segments import Deployed, SegmentStore
+from edge_agent.sessions import SessionTable, check_session_fields, session_key
 from edge_agent.tls import check_peer
 from protocols.deploy import (
     MAX_CLAIMS,
@@ -207,8 +207,20 @@ class Pipeline:
         if header.error:
             await self._send_q.put(_Outgoing(deployed, header, {}, None))
             return
+        problem = check_session_fields(
+            deployed.sessions is not None,
+            header.session_id,
+            header.session_position,
+            header.session_end,
+        )
+        if problem is not None:
+            await self._fail(deployed, header, RequestError(problem), origin)
+            return
+        if header.session_end:  # queued behind the session's steps, like any work
+            await self._compute_q.put(_Work(deployed, header, {}, {}, time.perf_counter(), origin))
+            return
         try:
-            feeds, carried = check_tensors(deployed.session.inputs, tensors, deployed.passthrough)
+            feeds, carried = check_tensors(deployed.frame_inputs, tensors, deployed.passthrough)
         except RequestError as exc:
             self._count_error(exc)
             await self._fail(deployed, header, exc, origin)
@@ -256,20 +268,49 @@ class Pipeline:
             self._metrics.queue_wait_seconds.observe(start - work.enqueued)
             self._metrics.queue_depth.labels("compute").set(self._compute_q.qsize())
             try:
-                outputs = await loop.run_in_executor(
-                    self._executor, work.deployed.session.run, work.feeds
-                )
-            except ExecutionError as exc:
+                outputs = await self._run(loop, work)
+            except RequestError as exc:
                 self._count_error(exc)
                 await self._fail(work.deployed, work.header, exc, work.origin)
                 continue
             self._metrics.compute_seconds.observe(time.perf_counter() - start)
-            forward = {
-                name: outputs[name] if name in outputs else work.carried[name]
-                for name in work.deployed.manifest.forward
-            }
+            forward = (
+                {}
+                if work.header.session_end
+                else {
+                    name: outputs[name] if name in outputs else work.carried[name]
+                    for name in work.deployed.manifest.forward
+                }
+            )
             await self._send_q.put(_Outgoing(work.deployed, work.header, forward, work.origin))
             self._metrics.queue_depth.labels("send").set(self._send_q.qsize())
+
+    async def _run(self, loop: asyncio.AbstractEventLoop, work: _Work) -> dict[str, Array]:
+        """Run one request's segment; for a stateful segment, one step of its session."""
+        table, header = work.deployed.sessions, work.header
+        if table is None or header.session_id is None:
+            return await loop.run_in_executor(self._executor, work.deployed.session.run, work.feeds)
+        key = session_key(header.request_id, header.session_id)
+        if header.session_end:
+            table.end(key)
+            self._record_sessions(table)
+            return {}
+        step = table.begin_step(key, header.session_position or 0)
+        try:
+            outputs = await loop.run_in_executor(
+                self._executor, work.deployed.session.run, {**work.feeds, **step.feeds}
+            )
+            table.end_step(step, outputs)
+        except RequestError:
+            table.discard(key)
+            raise
+        finally:
+            self._record_sessions(table)
+        return outputs
+
+    def _record_sessions(self, table: SessionTable) -> None:
+        self._metrics.sessions.set(len(table))
+        self._metrics.session_state_bytes.set(table.state_bytes())
 
     async def drop_links(self, devices: frozenset[str]) -> None:
         """Close the outgoing links to these devices (they were revoked)."""

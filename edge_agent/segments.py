@@ -19,7 +19,7 @@ import threading
 from dataclasses import dataclass
 from pathlib import Path
 
-from edge_agent.checks import Array, check_tensors
+from edge_agent.checks import Array, InputSpec, check_tensors
 from edge_agent.config import RuntimeConfig
 from edge_agent.errors import (
     BudgetError,
@@ -38,6 +38,7 @@ from edge_agent.runtime import (
     reset_peak_resident,
     resident_bytes,
 )
+from edge_agent.sessions import SessionTable
 from protocols.deploy import DeployManifest, DeployReport, DeployRequest, signing_bytes
 from protocols.errors import FrameError
 from protocols.frames import decode_frame
@@ -52,6 +53,16 @@ class Deployed:
     manifest: DeployManifest
     session: SegmentSession
     report: DeployReport
+    sessions: SessionTable | None = None
+    """Per-session state (a decoder's KV cache), when the segment keeps any."""
+
+    @property
+    def frame_inputs(self) -> tuple[InputSpec, ...]:
+        """Declared inputs that arrive in frames (state inputs are fed from ``sessions``)."""
+        if self.sessions is None:
+            return self.session.inputs
+        pasts = self.sessions.pasts
+        return tuple(spec for spec in self.session.inputs if spec.name not in pasts)
 
     @property
     def passthrough(self) -> tuple[str, ...]:
@@ -128,6 +139,7 @@ class SegmentStore:
             peak_known = reset_peak_resident()
             try:
                 session = SegmentSession.load(path, self._runtime)
+                table = _session_table(manifest, session)
                 feeds = _warmup_feeds(session, warmup) if len(warmup) else None
                 first, median = session.warm_up(
                     feeds, manifest.warmup_shapes, self._runtime.warmup_runs
@@ -153,7 +165,7 @@ class SegmentStore:
                 warmup_first_s=first,
                 warmup_s=median,
             )
-            deployed = Deployed(manifest=manifest, session=session, report=report)
+            deployed = Deployed(manifest, session, report, table)
             self._segments[manifest.plan_version] = deployed
         log.info(
             "loaded segment %d of plan %d: %d bytes resident (predicted %d; %s while loading), "
@@ -173,6 +185,8 @@ class SegmentStore:
         with self._lock:
             dropped = self._segments.pop(plan_version, None)
             if dropped is not None:
+                if dropped.sessions is not None:
+                    dropped.sessions.clear()
                 self._drop_file(dropped.manifest.segment.sha256)
             return dropped is not None
 
@@ -190,6 +204,20 @@ class SegmentStore:
     def _drop_file(self, sha256: str) -> None:
         if all(d.manifest.segment.sha256 != sha256 for d in self._segments.values()):
             (self._dir / f"{sha256}.onnx").unlink(missing_ok=True)
+
+
+def _session_table(manifest: DeployManifest, session: SegmentSession) -> SessionTable | None:
+    pairs = manifest.segment.state
+    if not pairs:
+        return None
+    if manifest.sessions is None:  # the manifest's validator already refuses this
+        raise SegmentLoadError("a segment with state needs session limits")
+    declared = {spec.name for spec in session.inputs}
+    missing = [p.past for p in pairs if p.past not in declared]
+    missing += [p.present for p in pairs if p.present not in session.outputs]
+    if missing:
+        raise SegmentLoadError(f"state tensors {missing} are not inputs/outputs of the segment")
+    return SessionTable(pairs, manifest.sessions, session.inputs)
 
 
 def _warmup_feeds(session: SegmentSession, warmup: bytes | memoryview) -> dict[str, Array]:
