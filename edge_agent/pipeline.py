@@ -288,8 +288,11 @@ class Pipeline:
     async def _run(self, loop: asyncio.AbstractEventLoop, work: _Work) -> dict[str, Array]:
         """Run one request's segment; for a stateful segment, one step of its session."""
         table, header = work.deployed.sessions, work.header
-        if table is None or header.session_id is None:
+        if table is None:
             return await loop.run_in_executor(self._executor, work.deployed.session.run, work.feeds)
+        if header.session_id is None:  # one-shot: a fresh state, kept by nobody
+            feeds = {**work.feeds, **table.empty_feeds()}
+            return await loop.run_in_executor(self._executor, work.deployed.session.run, feeds)
         key = session_key(header.request_id, header.session_id)
         if header.session_end:
             table.end(key)

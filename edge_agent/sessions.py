@@ -71,6 +71,10 @@ class SessionTable:
         """Inputs this table feeds (they never come in a frame)."""
         return frozenset(p.past for p in self._pairs)
 
+    def empty_feeds(self) -> dict[str, Array]:
+        """Zero-length state, for a one-shot request that belongs to no session."""
+        return dict(self._empty)
+
     def __len__(self) -> int:
         return len(self._sessions)
 
@@ -182,7 +186,7 @@ def check_session_fields(
             return "this deployment keeps no sessions"
         return None
     if session_id is None:
-        return "this segment keeps per-session state: every step needs a session_id"
+        return "session_end needs a session_id" if end else None
     if position is None and not end:
         return "a session step needs session_position"
     return None

@@ -102,6 +102,7 @@ def test_session_keys_and_fields() -> None:
     assert session_key("coordinator|req-7", "s1") == "coordinator|s1"
     assert check_session_fields(False, None, None, False) is None
     assert check_session_fields(False, "s", 0, False) == "this deployment keeps no sessions"
-    assert "session_id" in (check_session_fields(True, None, 0, False) or "")
+    assert check_session_fields(True, None, None, False) is None  # a one-shot request
+    assert "session_id" in (check_session_fields(True, None, None, True) or "")
     assert "session_position" in (check_session_fields(True, "s", None, False) or "")
     assert check_session_fields(True, "s", None, True) is None
