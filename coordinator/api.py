@@ -7,21 +7,26 @@ load). Errors come back as ``{"detail": ...}`` with a 4xx/5xx status, never a st
 from __future__ import annotations
 
 import hmac
+import math
 from dataclasses import dataclass
-from typing import TYPE_CHECKING, Annotated
+from pathlib import Path
+from typing import TYPE_CHECKING, Annotated, Any
 
 from fastapi import APIRouter, Depends, FastAPI, HTTPException, Query, params, status
 from fastapi.security import HTTPAuthorizationCredentials, HTTPBearer
 from pydantic import BaseModel, ConfigDict
 
-from coordinator.errors import PairingError, RevokedError, WrongCodeError
+from coordinator.errors import PairingError, RevokedError, TooManyAttemptsError, WrongCodeError
 from coordinator.pairing import Pairing, PairingBook
 from coordinator.registry import DeviceRegistry
 from protocols.constants import SOFTWARE_VERSION
 from protocols.profile import Announcement
 
 if TYPE_CHECKING:
+    from coordinator.agent_client import AgentClient
     from coordinator.api_serving import Serving
+    from coordinator.generation.backend import ModelLookup
+    from coordinator.training.runs import TrainingRuns
     from coordinator.trust import TrustService
 
 
@@ -36,6 +41,14 @@ class Services:
     """Delivers grants and revocations to agents (absent in unit tests of the book alone)."""
     serving: Serving | None = None
     """Deployments, inference and embeddings (absent: ``/v1/models`` lists nothing)."""
+    generation: ModelLookup | None = None
+    """Decoder models for ``/v1/chat/completions`` and ``/v1/completions`` (absent: no routes)."""
+    agents: AgentClient | None = None
+    """Control-plane client (the console reads the agents' metrics with it)."""
+    state_dir: Path | None = None
+    """The coordinator's state dir (the console reads deployed manifests from it)."""
+    training: TrainingRuns | None = None
+    """Federated fine-tuning runs (absent: no ``/v1/training`` routes)."""
 
 
 _BEARER = HTTPBearer(auto_error=False)
@@ -59,6 +72,29 @@ class DeviceView(ApiModel):
     announcement: Announcement
 
 
+class ErrorBody(ApiModel):
+    """Every error reply: a message (or, for a malformed request, the validation errors)."""
+
+    detail: str | list[dict[str, Any]]
+
+
+ERROR_RESPONSES: dict[int | str, dict[str, Any]] = {
+    code: {"model": ErrorBody, "description": text}
+    for code, text in (
+        (400, "the request cannot be served as asked"),
+        (401, "no valid bearer token"),
+        (403, "wrong pairing code, or a revoked device"),
+        (404, "no such model, device or pairing request"),
+        (409, "infeasible or failed deployment, nothing to roll back"),
+        (422, "malformed body, or wrong tensor names, types or shapes"),
+        (429, "too many wrong pairing codes (see Retry-After)"),
+        (502, "an agent failed"),
+        (503, "not servable now, with the reason"),
+    )
+}
+"""Error statuses every ``/v1`` route may answer, documented in the OpenAPI schema."""
+
+
 class ApproveBody(ApiModel):
     """``POST /v1/pairing/approve``."""
 
@@ -76,10 +112,15 @@ def create_app(services: Services) -> FastAPI:
     """The FastAPI application over ``services``."""
     from coordinator.api_serving import install_error_handlers, serving_router
     from coordinator.console import install_console
+    from coordinator.console_api import mount_console_api
 
     app = FastAPI(title="fedshard coordinator", version=SOFTWARE_VERSION)
     install_error_handlers(app)
-    v1 = APIRouter(prefix="/v1", dependencies=[_token_dependency(services.token)])
+    v1 = APIRouter(
+        prefix="/v1",
+        dependencies=[_token_dependency(services.token)],
+        responses=ERROR_RESPONSES,
+    )
 
     @v1.get("/devices")
     def list_devices() -> list[DeviceView]:
@@ -107,6 +148,11 @@ def create_app(services: Services) -> FastAPI:
                 device = services.trust.approve(body.name, body.code)
             else:
                 device = services.pairing.approve(body.name, body.code)
+        except TooManyAttemptsError as exc:
+            retry_after = {"Retry-After": str(max(1, math.ceil(exc.retry_after_s)))}
+            raise HTTPException(
+                status.HTTP_429_TOO_MANY_REQUESTS, str(exc), headers=retry_after
+            ) from exc
         except WrongCodeError as exc:
             raise HTTPException(status.HTTP_403_FORBIDDEN, str(exc)) from exc
         except RevokedError as exc:
@@ -135,6 +181,15 @@ def create_app(services: Services) -> FastAPI:
         def list_models() -> dict[str, object]:
             return {"object": "list", "data": []}
 
+    mount_console_api(app, v1, services)
+    if services.training is not None:
+        from coordinator.training_api import mount_training
+
+        mount_training(app, v1, services.training)
+    if services.generation is not None:
+        from coordinator.generation.api_generation import generation_router
+
+        v1.include_router(generation_router(services.generation))
     app.include_router(v1)
     install_console(app)
     return app

@@ -22,12 +22,13 @@ import logging
 import ssl
 import threading
 from collections.abc import Callable, Coroutine, Mapping, Sequence
+from dataclasses import dataclass
 from typing import Any, TypeVar
 
 import numpy as np
 import numpy.typing as npt
 
-from coordinator.errors import AgentError, NotServableError, RequestError
+from coordinator.errors import AgentError, CapacityError, NotServableError, RequestError
 from coordinator.identity import check_peer
 from protocols.deploy import ROLE_AGENT, Hop
 from protocols.errors import FrameError
@@ -181,21 +182,34 @@ class ChainClient:
         self._connecting = asyncio.Lock()
         self._ids = itertools.count()
         self._prefix = f"c{plan_version}-{id(self):x}-"
+        self._aborted: AgentError | None = None
 
     def infer(self, tensors: Mapping[str, Array], timeout: float) -> dict[str, Array]:
         """Send one request and wait for its named outputs (blocking)."""
         return self._plane.call(self.infer_async(tensors, timeout), timeout + 1.0)
 
-    async def infer_async(self, tensors: Mapping[str, Array], timeout: float) -> dict[str, Array]:
-        """Send one request and wait for its outputs; runs on the data-plane loop."""
+    async def infer_async(
+        self, tensors: Mapping[str, Array], timeout: float, session: SessionStep | None = None
+    ) -> dict[str, Array]:
+        """Send one request and wait for its outputs; runs on the data-plane loop.
+
+        With ``session`` the request is one step (or the end) of a generation session whose
+        per-stage state the agents keep.
+        """
         first, last = await self._connect()
         request_id = f"{self._prefix}{next(self._ids)}"
         future: asyncio.Future[tuple[Frame, bool]] = asyncio.get_running_loop().create_future()
+        if self._aborted is not None:  # checked on the loop, with no await before registering
+            raise self._aborted
         self._pending[request_id] = future
         try:
             if last is not None:
                 await last.send(self._claim(request_id), {})
-            header = FrameHeader(request_id=request_id, plan_version=self._plan_version)
+            header = FrameHeader(
+                request_id=request_id,
+                plan_version=self._plan_version,
+                **(session.header_fields() if session is not None else {}),
+            )
             await first.send(header, tensors)
             frame, from_first = await asyncio.wait_for(future, timeout)
         except TimeoutError as exc:
@@ -218,6 +232,8 @@ class ChainClient:
 
     async def _connect(self) -> tuple[FrameConnection, FrameConnection | None]:
         async with self._connecting:
+            if self._aborted is not None:
+                raise self._aborted
             if _broken(self._first) or (len(self._chain) > 1 and _broken(self._last)):
                 await self._close()
                 self._first = await self._open(self._chain[0], from_first=True)
@@ -243,6 +259,19 @@ class ChainClient:
             if not future.done():
                 future.set_exception(error)
 
+    def abort(self, reason: str) -> None:
+        """Fail every request in flight with ``reason`` and refuse new ones (blocking).
+
+        For a chain that lost a device: requests inside the lost agent would otherwise wait
+        for an answer that never comes.
+        """
+        self._plane.call(self._abort(AgentError(reason)), 15.0)
+
+    async def _abort(self, error: AgentError) -> None:
+        self._aborted = error
+        self._on_close(error)
+        await self._close()
+
     def close(self) -> None:
         """Close the connections (blocking)."""
         self._plane.call(self._close(), 15.0)
@@ -258,9 +287,31 @@ def _broken(connection: FrameConnection | None) -> bool:
     return connection is None or connection.closed
 
 
+@dataclass(frozen=True)
+class SessionStep:
+    """The session fields of a request (see :class:`protocols.frames.FrameHeader`)."""
+
+    session_id: str
+    position: int = 0
+    end: bool = False
+
+    def header_fields(self) -> dict[str, Any]:
+        """Keyword arguments for the request's :class:`FrameHeader`."""
+        return {
+            "session_id": self.session_id,
+            "session_position": None if self.end else self.position,
+            "session_end": self.end,
+        }
+
+
+SESSION_FULL_RETRY_S = 1.0
+
+
 def _remote_error(message: str) -> Exception:
     """An agent's error frame: bad input is the caller's fault, anything else the chain's."""
     kind = message.split(":", 1)[0]
-    if kind in {"InputMismatchError", "ExecutionError", "TensorSpecError"}:
+    if kind == "SessionLimitError":
+        return CapacityError(message, SESSION_FULL_RETRY_S)
+    if kind in {"InputMismatchError", "ExecutionError", "TensorSpecError", "ContextLengthError"}:
         return RequestError(message)
     return NotServableError(f"the chain failed: {message}")

@@ -50,15 +50,18 @@ def device_list(
     devices: Sequence[LiveDevice],
     links: Sequence[DeviceLink],
     memory_caps: Mapping[str, int],
+    strict: bool = True,
 ) -> DeviceList:
     """``DEVICES.json`` for the planner: free memory (capped by the operator), GFLOP/s, links.
 
     A device's memory is what its budget leaves beside the segments already loaded, since a
     new version is loaded next to the live one. Links between devices not in the list are
-    dropped; unmeasured pairs fall back to the device bandwidth.
+    dropped; unmeasured pairs fall back to the device bandwidth. With ``strict``, caps naming
+    a device that is not in the list are refused; otherwise they are ignored (a re-plan while
+    a device is away).
     """
     unknown = sorted(set(memory_caps) - {d.name for d in devices})
-    if unknown:
+    if unknown and strict:
         raise DeployError(f"memory caps name devices that are not paired and online: {unknown}")
     specs = []
     for device in devices:
@@ -114,7 +117,7 @@ def deploy_bodies(
             chain=list(chain),
             forward=forward_names(manifest, seg.index),
             warmup_sha256=hashlib.sha256(frame).hexdigest(),
-            sessions=manifest.sessions if seg.state else None,
+            sessions=manifest.sessions,
         )
         request = DeployRequest(
             manifest=signed,

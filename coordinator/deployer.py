@@ -10,6 +10,7 @@ version untouched.
 from __future__ import annotations
 
 import logging
+import shutil
 import threading
 from collections.abc import Callable, Mapping, Sequence
 from concurrent.futures import ThreadPoolExecutor
@@ -25,6 +26,7 @@ from coordinator.deployments import DeploymentStore, Placement, VersionRecord, n
 from coordinator.errors import AgentError, CoordinatorError, DeployError
 from coordinator.registry import DeviceRecord
 from protocols.deploy import DeployReport, Hop
+from protocols.errors import SchemaError
 from protocols.links import Link as DeviceLink
 from protocols.manifest import Manifest
 from protocols.plan import Objective
@@ -48,6 +50,11 @@ class DeployCommand:
     memory_caps: Mapping[str, int] = field(default_factory=dict)
     """Per-device planning caps in bytes (at most the agent's free budget is used anyway)."""
     tokenizer_dir: str | None = None
+    trigger: str = "operator"
+    """Why this version is deployed: ``operator``, or ``failover: ...``/``expand: ...``."""
+    strict_caps: bool = True
+    """Refuse caps naming devices that are not online (False for re-plans: the operator's caps
+    stay with the model while a device is away)."""
 
 
 @dataclass(frozen=True)
@@ -91,53 +98,117 @@ class Deployer:
             raise DeployError(f"no model file at {command.model_path}")
         with self._lock:
             live = self._live_devices()
-            devices = device_list(live, self._links(), command.memory_caps)
+            devices = device_list(live, self._links(), command.memory_caps, command.strict_caps)
             plan_version = self._store.reserve_plan_version()
-            out = self._dir / command.model_id / f"v{plan_version}"
+            out = self.segment_dir(command.model_id, plan_version)
             split = split_and_run(command, devices, out)
-            by_name = {d.name: d for d in live}
-            chain = [
-                Hop(
-                    device=s.device,
-                    host=by_name[s.device].host,
-                    data_port=by_name[s.device].data_port,
-                )
-                for s in split.manifest.segments
-            ]
-            bodies = deploy_bodies(
-                split.manifest,
-                chain,
-                split.segment_dir,
-                split.warmups,
-                f"{command.model_id}@{plan_version}",
-                plan_version,
-                self._sign,
-            )
-            addresses = [_address(by_name[s.device]) for s in split.manifest.segments]
-            reports = self._push(addresses, bodies, plan_version)
+            return self._install(command, plan_version, split, live)
+
+    def replan(self, version: VersionRecord, trigger: str) -> VersionRecord:
+        """Deploy ``version``'s model again, planned on the devices online now (failover).
+
+        Same source, objective and operator caps (caps of devices that are away are kept for
+        later but not applied); raises DeployError when the devices cannot hold it.
+        """
+        command = DeployCommand(
+            model_path=Path(version.source),
+            model_id=version.model_id,
+            objective=version.objective,
+            memory_caps=version.memory_caps,
+            trigger=trigger,
+            strict_caps=False,
+        )
+        return self.deploy(command)
+
+    def segment_dir(self, model_id: str, plan_version: int) -> Path:
+        """Where the manifest and segment files of a deployed version are kept."""
+        return self._dir / model_id / f"v{plan_version}"
+
+    def deploy_version(
+        self, model_id: str, version_dir: Path, samples: Arrays, objective: Objective
+    ) -> VersionRecord:
+        """Roll out an already-cut version (``manifest.json`` plus segment files, e.g. one that
+        federated fine-tuning wrote) on the devices its manifest names, without re-planning:
+        loaded beside the live version, health-checked on ``samples``, then switched to."""
+        from partitioner.errors import PartitionerError
+        from partitioner.verify import run_chain
+
+        with self._lock:
+            live = self._live_devices()
+            plan_version = self._store.reserve_plan_version()
+            out = self.segment_dir(model_id, plan_version)
+            shutil.copytree(version_dir, out)
             try:
-                diff = self._check(chain, plan_version, split)
-            except CoordinatorError:
-                self._unload(addresses, plan_version)
-                raise
-            version = VersionRecord(
-                model_id=command.model_id,
-                plan_version=plan_version,
-                state="active",
-                created_at=now(),
-                source=str(command.model_path),
-                objective=command.objective,
-                inputs=split.manifest.model.inputs,
-                outputs=split.manifest.model.outputs,
-                segments=_placements(split.manifest, by_name, reports),
-                health_max_abs_diff=diff,
+                manifest = Manifest.from_json((out / "manifest.json").read_bytes())
+                known = run_chain([out / s.file for s in manifest.segments], samples)
+            except (SchemaError, OSError, PartitionerError) as exc:
+                raise DeployError(f"cannot read version {version_dir}: {exc}") from exc
+            missing = sorted({s.device for s in manifest.segments} - {d.name for d in live})
+            if missing:
+                raise DeployError(f"devices of {version_dir.name} are not online: {missing}")
+            split = SplitOutcome(
+                manifest,
+                out,
+                dict(samples),
+                [{n: known[n] for n in s.inputs} for s in manifest.segments],
+                {o.name: known[o.name] for o in manifest.model.outputs},
             )
-            retired = self._store.activate(version, command.tokenizer_dir)
-            for old in retired:
-                self._retired(old.plan_version)
-                self._unload([_placement_address(p) for p in old.segments], old.plan_version)
-            log.info("model %s is live at plan version %d", command.model_id, plan_version)
-            return version
+            command = DeployCommand(version_dir, model_id, objective)
+            return self._install(command, plan_version, split, live)
+
+    def _install(
+        self,
+        command: DeployCommand,
+        plan_version: int,
+        split: SplitOutcome,
+        live: list[LiveDevice],
+    ) -> VersionRecord:
+        """Push, health-check and switch to ``split`` (the caller holds the lock)."""
+        by_name = {d.name: d for d in live}
+        chain = [
+            Hop(
+                device=s.device,
+                host=by_name[s.device].host,
+                data_port=by_name[s.device].data_port,
+            )
+            for s in split.manifest.segments
+        ]
+        bodies = deploy_bodies(
+            split.manifest,
+            chain,
+            split.segment_dir,
+            split.warmups,
+            f"{command.model_id}@{plan_version}",
+            plan_version,
+            self._sign,
+        )
+        addresses = [_address(by_name[s.device]) for s in split.manifest.segments]
+        reports = self._push(addresses, bodies, plan_version)
+        try:
+            diff = self._check(chain, plan_version, split)
+        except CoordinatorError:
+            self._unload(addresses, plan_version)
+            raise
+        version = VersionRecord(
+            model_id=command.model_id,
+            plan_version=plan_version,
+            state="active",
+            created_at=now(),
+            source=str(command.model_path),
+            objective=command.objective,
+            inputs=split.manifest.model.inputs,
+            outputs=split.manifest.model.outputs,
+            segments=_placements(split.manifest, by_name, reports),
+            health_max_abs_diff=diff,
+            memory_caps=dict(command.memory_caps),
+            trigger=command.trigger,
+        )
+        retired = self._store.activate(version, command.tokenizer_dir)
+        for old in retired:
+            self._retired(old.plan_version)
+            self._unload([_placement_address(p) for p in old.segments], old.plan_version)
+        log.info("model %s is live at plan version %d", command.model_id, plan_version)
+        return version
 
     def rollback(self, model_id: str) -> VersionRecord:
         """Switch back to the previous version (still loaded on its agents)."""
@@ -205,6 +276,7 @@ def split_and_run(command: DeployCommand, devices: Any, out: Path) -> SplitOutco
     The local run gives each segment a real warm-up input and the health check its expected
     answer. Partitioner errors become DeployError.
     """
+    from coordinator.decoder_serving import health_feeds, state_names
     from partitioner.errors import PartitionerError
     from partitioner.split import SplitOptions, split_model
     from partitioner.verify import run_chain
@@ -217,7 +289,11 @@ def split_and_run(command: DeployCommand, devices: Any, out: Path) -> SplitOutco
         raise DeployError(f"cannot plan or split {command.model_path.name}: {exc}") from exc
     manifest = result.manifest
     warmups = [{n: known[n] for n in s.inputs} for s in manifest.segments]
-    expected = {o.name: known[o.name] for o in manifest.model.outputs}
+    if manifest.sessions is not None:  # a decoder: the health check is a one-shot prefill
+        samples, local = health_feeds(manifest, samples)
+        known = run_chain([w.files[0] for w in result.segments], local)
+    state = state_names(manifest)
+    expected = {o.name: known[o.name] for o in manifest.model.outputs if o.name not in state}
     return SplitOutcome(manifest, out, samples, warmups, expected)
 
 

@@ -4,14 +4,18 @@ CoordinatorError
 ├── StateError              the state dir is unreadable or inconsistent
 ├── PairingError            a pairing request or approval is refused
 │   ├── WrongCodeError      the typed code is not the device's code
-│   └── RevokedError        the device was revoked
+│   ├── RevokedError        the device was revoked
+│   └── TooManyAttemptsError  too many wrong codes: approvals locked for a while (429)
 ├── AgentError              an agent could not be reached or refused a request
 │   └── AgentRefusedError   it answered with an error (status and message kept)
 ├── DeployError             a deployment could not be planned, pushed or checked
 ├── RollbackError           there is no earlier version to switch back to
 ├── RequestError            an inference request is malformed (4xx)
-│   └── UnknownModelError   no deployment has that model id (404)
+│   ├── UnknownModelError   no deployment has that model id (404)
+│   └── ContextLengthError  prompt plus requested tokens exceed the model's context (400)
 └── NotServableError        the model cannot be served right now (503)
+    ├── CapacityError       no room for a new generation session now (503, Retry-After)
+    └── UnavailableError    the devices left cannot hold the model (503, Retry-After)
 
 The HTTP API translates these at its boundary (see :mod:`coordinator.api_serving`).
 """
@@ -37,6 +41,14 @@ class WrongCodeError(PairingError):
 
 class RevokedError(PairingError):
     """The device has been revoked and is refused everywhere."""
+
+
+class TooManyAttemptsError(PairingError):
+    """Too many wrong pairing codes: approvals are locked for ``retry_after_s`` seconds."""
+
+    def __init__(self, message: str, retry_after_s: float) -> None:
+        super().__init__(message)
+        self.retry_after_s = max(0.0, float(retry_after_s))
 
 
 class AgentError(CoordinatorError):
@@ -71,3 +83,39 @@ class UnknownModelError(RequestError):
 
 class NotServableError(CoordinatorError):
     """The model is known but cannot be served now (no live version, chain broken)."""
+
+
+class ContextLengthError(RequestError):
+    """The prompt plus the tokens asked for do not fit the model's context window."""
+
+    def __init__(self, max_context: int, prompt_tokens: int, max_tokens: int) -> None:
+        super().__init__(
+            f"this model's maximum context length is {max_context} tokens, but "
+            f"{prompt_tokens + max_tokens} were requested ({prompt_tokens} in the prompt, "
+            f"{max_tokens} for the completion)"
+        )
+        self.max_context = max_context
+        self.prompt_tokens = prompt_tokens
+        self.max_tokens = max_tokens
+
+
+class CapacityError(NotServableError):
+    """No room for a new generation session now (KV memory or session slots are full).
+
+    ``retry_after_s`` is the backend's estimate of when a retry may succeed.
+    """
+
+    def __init__(self, message: str, retry_after_s: float = 1.0) -> None:
+        super().__init__(message)
+        self.retry_after_s = max(0.0, float(retry_after_s))
+
+
+class UnavailableError(NotServableError):
+    """A device of the model's plan was lost and the devices left cannot hold the model.
+
+    ``retry_after_s`` is when the coordinator will next try to re-plan it.
+    """
+
+    def __init__(self, message: str, retry_after_s: float = 10.0) -> None:
+        super().__init__(message)
+        self.retry_after_s = max(0.0, float(retry_after_s))

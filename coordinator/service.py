@@ -19,16 +19,21 @@ from coordinator.api_serving import Serving
 from coordinator.ca import CertificateAuthority
 from coordinator.config import CoordinatorConfig
 from coordinator.dataplane import DataPlane
+from coordinator.decoder_serving import DecoderModels, planned_context
 from coordinator.deployer import Deployer
 from coordinator.deployments import DeploymentStore
 from coordinator.discovery import ZeroconfDiscovery
 from coordinator.embeddings import Embedder
+from coordinator.failover import Failover
 from coordinator.identity import client_context, open_identity
 from coordinator.links import LinkMeter
+from coordinator.liveness import Liveness
 from coordinator.pairing import Pairing
-from coordinator.registry import DeviceRegistry
+from coordinator.registry import DeviceRecord, DeviceRegistry
 from coordinator.serving import Router
-from coordinator.trust import TrustService
+from coordinator.state import sweep_temp_files
+from coordinator.training.service import coordinator_runs
+from coordinator.trust import TrustService, address_of
 
 log = logging.getLogger(__name__)
 
@@ -38,34 +43,69 @@ def serve(config: CoordinatorConfig, console: Console) -> int:
     import uvicorn
 
     config.state_dir.mkdir(parents=True, exist_ok=True, mode=0o700)
+    for leftover in sweep_temp_files(config.state_dir):
+        log.warning("removed %s, left by a write that a crash interrupted", leftover.name)
     ca = CertificateAuthority.open(config.state_dir)
     ctx = client_context(open_identity(config.state_dir, ca))
     pairing = Pairing(config.state_dir, ca)
-    registry = DeviceRegistry()
+    registry = DeviceRegistry(paired_fingerprint=pairing.fingerprint_of)
     agents = AgentClient(ctx)
     trust = TrustService(pairing, registry, ca, agents)
     store = DeploymentStore(config.state_dir)
     plane = DataPlane()
-    router = Router(store, plane, ctx, lambda: pairing.book().revoked_names)
-    links = LinkMeter(agents, trust.trusted)
+    # failover, router, liveness and deployer need one another: late-bound through lambdas
+    failover = Failover(
+        store,
+        replan=lambda version, why: deployer.replan(version, why),
+        abort=lambda plan_version, why: router.abort(plan_version, why),
+        probe=lambda names: liveness.probe(names),
+    )
+    router = Router(store, plane, ctx, lambda: pairing.book().revoked_names, failover)
+    liveness = Liveness(
+        trust.trusted,
+        failover.expected_devices,
+        lambda record, timeout: agents.status(address_of(record), timeout),
+        failover,
+    )
+
+    def live() -> list[DeviceRecord]:
+        return [r for r in trust.trusted() if liveness.alive(r.name)]
+
+    links = LinkMeter(agents, live)
     deployer = Deployer(
         config.state_dir,
         store,
         agents,
-        trust.trusted,
+        live,
         lambda: links.measure(only_missing=True),
         ca.sign,
         router.health,
         router.retire,
     )
-    serving = Serving(store, deployer, router, Embedder(store, router), links)
-    app = create_app(Services(config.token, registry, pairing, trust, serving))
+    serving = Serving(store, deployer, router, Embedder(store, router), links, failover)
+    app = create_app(
+        Services(
+            config.token,
+            registry,
+            pairing,
+            trust,
+            serving,
+            agents=agents,
+            state_dir=config.state_dir,
+            training=coordinator_runs(config.state_dir, ca, deployer, store),
+            generation=DecoderModels(
+                store, plane, router.chain_client, planned_context(deployer.segment_dir)
+            ),
+        )
+    )
     server = uvicorn.Server(
         uvicorn.Config(app, host=config.interface, port=config.port, log_level="warning")
     )
     discovery = ZeroconfDiscovery(registry, config.interface)
     try:
         trust.start()
+        failover.start()
+        liveness.start()
         console.print(f"console: {config.console_url}", soft_wrap=True)
         log.info("coordinator listening on %s:%d", config.interface, config.port)
         with _signals_absorbed():
@@ -73,6 +113,8 @@ def serve(config: CoordinatorConfig, console: Console) -> int:
         log.info("coordinator stopping")
     finally:
         trust.stop()
+        liveness.stop()
+        failover.stop()
         discovery.close()
         router.close()
         plane.close()

@@ -208,7 +208,7 @@ class Pipeline:
             await self._send_q.put(_Outgoing(deployed, header, {}, None))
             return
         problem = check_session_fields(
-            deployed.sessions is not None,
+            deployed.manifest.sessions is not None,
             header.session_id,
             header.session_position,
             header.session_end,
@@ -288,16 +288,17 @@ class Pipeline:
     async def _run(self, loop: asyncio.AbstractEventLoop, work: _Work) -> dict[str, Array]:
         """Run one request's segment; for a stateful segment, one step of its session."""
         table, header = work.deployed.sessions, work.header
-        if table is None:
+        if header.session_end:
+            if table is not None and header.session_id is not None:
+                table.end(session_key(header.request_id, header.session_id))
+                self._record_sessions(table)
+            return {}
+        if table is None:  # a stage of a decoder that holds no layer's cache runs as usual
             return await loop.run_in_executor(self._executor, work.deployed.session.run, work.feeds)
         if header.session_id is None:  # one-shot: a fresh state, kept by nobody
             feeds = {**work.feeds, **table.empty_feeds()}
             return await loop.run_in_executor(self._executor, work.deployed.session.run, feeds)
         key = session_key(header.request_id, header.session_id)
-        if header.session_end:
-            table.end(key)
-            self._record_sessions(table)
-            return {}
         step = table.begin_step(key, header.session_position or 0)
         try:
             outputs = await loop.run_in_executor(

@@ -178,10 +178,13 @@ def session_key(routed_request_id: str, session_id: str) -> str:
 
 
 def check_session_fields(
-    has_state: bool, session_id: str | None, position: int | None, end: bool
+    has_sessions: bool, session_id: str | None, position: int | None, end: bool
 ) -> str | None:
-    """Why a frame's session fields do not fit the segment, or None when they do."""
-    if not has_state:
+    """Why a frame's session fields do not fit the deployment, or None when they do.
+
+    ``has_sessions``: the deployment keeps per-session state (on this stage or another).
+    """
+    if not has_sessions:
         if session_id is not None or end:
             return "this deployment keeps no sessions"
         return None

@@ -115,7 +115,8 @@ class DeployManifest(FrozenModel):
     warmup_sha256: str | None = Field(default=None, pattern=r"^[0-9a-f]{64}$")
     """SHA-256 of the warm-up frame carried in the deploy body, if any."""
     sessions: SessionLimits | None = None
-    """Required when the segment keeps per-session state (``segment.state``)."""
+    """Set on every stage of a model with per-session state (a decoder), whether or not this
+    segment keeps some (``segment.state``); required when it does."""
 
     @model_validator(mode="after")
     def _check_chain(self) -> Self:
