@@ -10,7 +10,7 @@ import logging
 from pathlib import Path
 from typing import Any
 
-from edge_agent.config import AgentConfig, RuntimeConfig, TlsFiles, parse_size
+from edge_agent.config import AgentConfig, RuntimeConfig, TlsFiles, TrainConfig, parse_size
 from edge_agent.errors import AgentError, ConfigError
 
 log = logging.getLogger(__name__)
@@ -43,6 +43,7 @@ def register(subparsers: Any) -> None:
     agent.add_argument("--no-advertise", action="store_true", help="do not announce over mDNS")
     agent.add_argument("--reprofile", action="store_true", help="re-measure GFLOP/s at start")
     _add_runtime_args(agent)
+    _add_train_args(agent)
     agent.add_argument("-v", "--verbose", action="store_true", help="debug logging")
     agent.set_defaults(run=run_agent)
 
@@ -68,6 +69,31 @@ def _add_runtime_args(parser: argparse.ArgumentParser) -> None:
     )
 
 
+def _add_train_args(parser: argparse.ArgumentParser) -> None:
+    train = parser.add_argument_group("federated fine-tuning (needs fedshard[agent,train])")
+    train.add_argument(
+        "--train-data", type=Path, help="directory with data.npz: also run a Flower SuperNode"
+    )
+    train.add_argument("--train-superlink", help="HOST:PORT of the coordinator's SuperLink")
+    train.add_argument("--train-segments", type=Path, help="the version being fine-tuned")
+    train.add_argument("--train-budget", help="training memory budget (default: --memory)")
+
+
+def _train_config(args: argparse.Namespace, memory_bytes: int) -> TrainConfig | None:
+    if args.train_data is None:
+        if args.train_superlink or args.train_segments or args.train_budget:
+            raise ConfigError(
+                "--train-superlink, --train-segments and --train-budget need --train-data"
+            )
+        return None
+    if not (args.train_superlink and args.train_segments and args.ca):
+        raise ConfigError("--train-data needs --train-superlink, --train-segments and --ca")
+    if not (args.train_data / "data.npz").is_file():
+        raise ConfigError(f"--train-data {args.train_data} holds no data.npz")
+    budget = parse_size(args.train_budget) if args.train_budget else memory_bytes
+    return TrainConfig(args.train_data, args.train_superlink, args.train_segments, budget)
+
+
 def config_from_args(args: argparse.Namespace) -> AgentConfig:
     """Build the one AgentConfig from the command line; raises ConfigError."""
     tls_args = (args.ca, args.cert, args.key)
@@ -77,9 +103,10 @@ def config_from_args(args: argparse.Namespace) -> AgentConfig:
     data_port = (
         args.data_port if args.data_port is not None else (args.port + 1 if args.port else 0)
     )
+    memory_bytes = parse_size(args.memory)
     return AgentConfig(
         name=args.name,
-        memory_bytes=parse_size(args.memory),
+        memory_bytes=memory_bytes,
         state_dir=args.state_dir,
         interface=args.interface,
         control_port=args.port,
@@ -90,6 +117,7 @@ def config_from_args(args: argparse.Namespace) -> AgentConfig:
         queue_depth=args.queue_depth,
         advertise=not args.no_advertise,
         reprofile=args.reprofile,
+        training=_train_config(args, memory_bytes),
     )
 
 
@@ -103,7 +131,12 @@ def run_agent(args: argparse.Namespace) -> int:
         config = config_from_args(args)
         from edge_agent.service import serve
 
-        return serve(config)
+        if config.training is None:
+            return serve(config)
+        from edge_agent.training.supernode import agent_supernode
+
+        with agent_supernode(config):
+            return serve(config)
     except ConfigError as exc:
         log.error("%s", exc)
         return 2

@@ -42,6 +42,20 @@ class RuntimeConfig:
 
 
 @dataclass(frozen=True)
+class TrainConfig:
+    """``--train-data``: also run a Flower SuperNode that fine-tunes on this device's data."""
+
+    data_dir: Path
+    """Holds ``data.npz`` (x, y); it never leaves the device."""
+    superlink: str
+    """``HOST:PORT`` of the coordinator's SuperLink (``fedshard train --superlink-port``)."""
+    segments_dir: Path
+    """The version being fine-tuned: its ``manifest.json`` and segment files."""
+    budget_bytes: int
+    """Training-memory budget: decides which shards this device trains."""
+
+
+@dataclass(frozen=True)
 class AgentConfig:
     """Everything ``fedshard agent`` was told."""
 
@@ -62,6 +76,8 @@ class AgentConfig:
     advertise: bool = True
     reprofile: bool = False
     """Measure GFLOP/s at start even when the state dir holds a cached profile."""
+    training: TrainConfig | None = None
+    """Run a Flower SuperNode beside the agent (``--train-data``)."""
 
     def __post_init__(self) -> None:
         if self.memory_bytes <= 0:

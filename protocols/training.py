@@ -69,3 +69,74 @@ class TrainPlan(FrozenModel):
     def num_arrays(self) -> int:
         """How many parameter arrays travel with each message."""
         return sum(len(s.params) for s in self.shards)
+
+
+# --------------------------------------------------------------------- training-run API (HTTP)
+
+RunState = Literal["starting", "running", "finished", "failed"]
+MAX_API_ROUNDS: Final = 1000
+
+
+class TrainingRunRequest(FrozenModel):
+    """``POST /v1/training/runs``: start a federated fine-tuning run.
+
+    ``rollout_every`` (optional): also roll a new version out after every that many rounds,
+    not only at the end of the run.
+    """
+
+    rounds: PositiveInt = Field(le=MAX_API_ROUNDS)
+    secure_aggregation: bool = True
+    dp: bool = True
+    rollout_every: PositiveInt | None = None
+
+
+class TrainingRunCreated(FrozenModel):
+    """The answer to ``POST /v1/training/runs``."""
+
+    run_id: str
+
+
+class RunRound(FrozenModel):
+    """One finished round of a run, as the API and console show it."""
+
+    round: PositiveInt
+    loss: float
+    """Held-out cross-entropy of the global model after the round."""
+    accuracy: float
+    """Held-out accuracy of the global model after the round."""
+    epsilon: float | None
+    """Cumulative epsilon after the round (``None`` without differential privacy)."""
+    clients: NonNegativeInt
+    bytes_uploaded: NonNegativeInt
+    """Model-update bytes all clients of the round sent together."""
+    seconds: float = Field(ge=0)
+
+
+class RunRollout(FrozenModel):
+    """A version a run produced (and, where a deployment is served, rolled out live)."""
+
+    round: PositiveInt
+    version: str
+    """The version directory's name (``v0002``, ...)."""
+    model_id: str | None = None
+    plan_version: PositiveInt | None = None
+    """The served deployment's new plan version (``None`` when nothing is served)."""
+
+
+class RunStatus(FrozenModel):
+    """``GET /v1/training/runs/{run_id}``: a run's state and the rounds finished so far."""
+
+    run_id: str
+    status: RunState
+    error: str | None = None
+    """Why the run failed, in plain words (``None`` unless ``status`` is ``failed``)."""
+    rounds: list[RunRound] = Field(default_factory=list)
+    baseline_accuracy: float | None = None
+    """Held-out accuracy before the first round (once known)."""
+    rollouts: list[RunRollout] = Field(default_factory=list)
+
+
+class RunList(FrozenModel):
+    """``GET /v1/training/runs``: every run this coordinator started, oldest first."""
+
+    runs: list[RunStatus]

@@ -53,6 +53,12 @@ def register(subparsers: Any) -> None:
     )
     p.add_argument("--version", type=Path, help="version directory to fine-tune")
     p.add_argument("--test-data", type=Path, help="held-out .npz (x, y) for --version")
+    p.add_argument(
+        "--superlink-port",
+        type=int,
+        default=0,
+        help="fixed SuperLink port on 127.0.0.1, for agents started with --train-superlink",
+    )
     p.add_argument("--state-dir", type=Path, default=DEFAULT_STATE_DIR, help="coordinator CA")
     p.add_argument("--work-dir", type=Path, default=Path("fedshard-train"))
     p.add_argument("--timeout", type=float, default=1800.0, help="seconds before giving up")
@@ -136,7 +142,7 @@ def _train(args: argparse.Namespace, console: Any) -> int:
     ca = CertificateAuthority.open(args.state_dir)
     run_dir = work / "runs" / time_stamp()
     with ExitStack() as stack:
-        link = stack.enter_context(superlink(run_dir, ca))
+        link = stack.enter_context(superlink(run_dir, ca, port=args.superlink_port))
         console.print(f"SuperLink on [bold]{link.address}[/] (TLS, CA {link.tls.ca_cert})")
         if demo:
             budgets = args.budgets or [50_000] + [1 << 30] * (args.clients - 1)

@@ -5,7 +5,9 @@ CoordinatorError
     ├── FlowerProcessError   flower-superlink or flwr run could not start or stopped early
     ├── TrainingRunError     the run ended without a complete metrics record
     ├── SegmentError         a segment cannot be cut, read or rewritten
-    └── RolloutError         a new version cannot be written
+    ├── RolloutError         a new version cannot be written
+    ├── RunConflictError     a training run is already going (one at a time)
+    └── UnknownRunError      no training run has that id
 """
 
 from __future__ import annotations
@@ -31,3 +33,11 @@ class SegmentError(TrainingError):
 
 class RolloutError(TrainingError):
     """A new segment version cannot be produced."""
+
+
+class RunConflictError(TrainingError):
+    """Another training run is still going; runs go one at a time."""
+
+
+class UnknownRunError(TrainingError):
+    """No training run has the given id."""

@@ -212,8 +212,12 @@ def superlink(
     ca: CertificateAuthority,
     start_timeout_s: float = 60.0,
     node_auth: bool = False,
+    port: int = 0,
 ) -> Iterator[SuperLink]:
     """Start a SuperLink for one run under ``work_dir``; stop it (and its children) on exit.
+
+    ``port`` 0 picks a free one; a fixed port lets agents started with ``--train-superlink``
+    find it (their SuperNodes keep retrying until it is up).
 
     With ``node_auth`` only SuperNodes whose public key was registered with
     :func:`register_supernode` may connect.
@@ -221,7 +225,7 @@ def superlink(
     flwr_home = work_dir / "flwr-home"
     flwr_home.mkdir(parents=True, exist_ok=True)
     tls = issue_superlink_tls(ca, work_dir / "tls")
-    port = free_port()
+    port = port or free_port()
     write_connection(flwr_home, port, tls.ca_cert)
     log_path = work_dir / "superlink.log"
     cmd = [

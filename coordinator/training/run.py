@@ -2,7 +2,10 @@
 
 :func:`run_training` writes the app and the run file, starts the run on a running SuperLink with
 ``flwr run``, follows the ServerApp's record round by round until it finishes (bounded by a
-timeout), and :func:`roll_out` turns the final weights into a new version directory.
+timeout, or stopped by the caller), and :func:`roll_out` turns the final weights into a new
+version directory. With ``checkpoint_every=k`` the ServerApp also saves the global weights after
+every k-th round (:func:`~coordinator.training.server_app.checkpoint_path`) and the caller hears
+of each one as soon as its round is recorded, to roll it out while the run goes on.
 """
 
 from __future__ import annotations
@@ -25,7 +28,7 @@ from coordinator.training.flower import (
 )
 from coordinator.training.records import Lineage, RoundMetrics, TrainingRecord, TrainingSettings
 from coordinator.training.rollout import Signer, next_version_dir, write_version
-from coordinator.training.server_app import ServerRunConfig, load_weights
+from coordinator.training.server_app import ServerRunConfig, checkpoint_path, load_weights
 from coordinator.training.version import Version, split_by_shard
 from protocols.errors import SchemaError
 
@@ -63,8 +66,17 @@ def run_training(
     stage_timeout_s: float = 120.0,
     timeout_s: float = 1800.0,
     on_round: Callable[[RoundMetrics], None] | None = None,
+    checkpoint_every: int = 0,
+    on_checkpoint: Callable[[TrainingRecord, Path], None] | None = None,
+    should_stop: Callable[[], bool] = lambda: False,
 ) -> RunResult:
-    """Run ``settings.rounds`` rounds on the SuperNodes connected to ``link``."""
+    """Run ``settings.rounds`` rounds on the SuperNodes connected to ``link``.
+
+    ``on_round`` hears of every round as soon as the ServerApp records it; ``on_checkpoint``
+    of every ``checkpoint_every``-th round before the last, with the record up to that round and
+    the weights file saved after it. ``should_stop`` is asked about once a second; when it says
+    yes the run is abandoned with :class:`TrainingRunError`.
+    """
     work_dir.mkdir(parents=True, exist_ok=True)
     shares, threshold = secagg_parameters(population)
     cfg = ServerRunConfig(
@@ -77,6 +89,7 @@ def run_training(
         reconstruction_threshold=threshold,
         stage_timeout_s=stage_timeout_s,
         population=population,
+        checkpoint_every=checkpoint_every,
     )
     run_file = work_dir / "run.json"
     write_atomic(run_file, cfg.to_json().encode())
@@ -92,12 +105,20 @@ def run_training(
         ensure_alive(link.process, "flower-superlink", link.log_path)
         record = _read_record(record_path)
         if record is not None:
-            for metrics in record.rounds[reported:]:
+            for k, metrics in enumerate(record.rounds[reported:], start=reported + 1):
                 if on_round is not None:
                     on_round(metrics)
+                if _is_checkpoint(metrics.round, checkpoint_every, settings.rounds):
+                    partial = record.model_copy(update={"rounds": record.rounds[:k]})
+                    if on_checkpoint is not None:
+                        on_checkpoint(
+                            partial, checkpoint_path(Path(cfg.weights_file), metrics.round)
+                        )
             reported = len(record.rounds)
             if record.finished:
                 return RunResult(record, Path(cfg.weights_file), run_id)
+        if should_stop():
+            raise TrainingRunError(f"run {run_id} was stopped")
         now = time.monotonic()
         if now > deadline:
             raise TrainingRunError(f"run {run_id} did not finish within {timeout_s:.0f} s")
@@ -111,6 +132,11 @@ def run_training(
                 if record is None or not record.finished:
                     raise TrainingRunError(f"run {run_id} completed without a finished record")
         time.sleep(POLL_S)
+
+
+def _is_checkpoint(round_number: int, every: int, rounds: int) -> bool:
+    """Whether the ServerApp saved a checkpoint after ``round_number`` (never the last)."""
+    return every > 0 and round_number % every == 0 and round_number < rounds
 
 
 def _read_record(path: Path) -> TrainingRecord | None:
@@ -129,19 +155,33 @@ def roll_out(
     signer: Signer | None = None,
 ) -> Version:
     """Write the run's final weights as a new version next to ``parent`` with its lineage."""
-    settings = result.record.settings
+    return write_trained_version(
+        parent, result.record, result.weights_file, next_version_dir(versions_root), signer
+    )
+
+
+def write_trained_version(
+    parent: Version,
+    record: TrainingRecord,
+    weights_file: Path,
+    out_dir: Path,
+    signer: Signer | None = None,
+) -> Version:
+    """Write ``weights_file`` (the trainable arrays after ``record``'s last round) into
+    ``parent``'s segments as the version ``out_dir``, with the lineage of ``record``."""
+    settings = record.settings
     specs = parent.shard_specs(settings.trainable_shards)
-    weights = split_by_shard(specs, load_weights(result.weights_file))
-    eps = result.record.rounds[-1].epsilon if result.record.rounds else None
+    weights = split_by_shard(specs, load_weights(weights_file))
+    eps = record.rounds[-1].epsilon if record.rounds else None
     lineage = Lineage(
         parent_version=parent.name,
         parent_model_sha256=parent.manifest.model.sha256,
         trained_segments=sorted(weights),
-        rounds=len(result.record.rounds),
-        clients_per_round=[m.clients for m in result.record.rounds],
+        rounds=len(record.rounds),
+        clients_per_round=[m.clients for m in record.rounds],
         epsilon=eps,
         delta=settings.delta if eps is not None else None,
         settings=settings,
-        metrics=result.record.rounds,
+        metrics=record.rounds,
     )
-    return write_version(parent, weights, lineage, next_version_dir(versions_root), signer)
+    return write_version(parent, weights, lineage, out_dir, signer)

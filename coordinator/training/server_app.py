@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import io
 import logging
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
@@ -53,6 +54,13 @@ class ServerRunConfig(FrozenModel):
     reconstruction_threshold: PositiveInt
     stage_timeout_s: PositiveFloat
     population: NonNegativeInt
+    checkpoint_every: NonNegativeInt = 0
+    """Save the global weights after every that many rounds too (0: only at the end)."""
+
+
+def checkpoint_path(weights_file: Path, round_number: int) -> Path:
+    """Where the weights after ``round_number`` go when a run saves checkpoints."""
+    return weights_file.with_name(f"{weights_file.stem}-r{round_number:04d}{weights_file.suffix}")
 
 
 def save_weights(path: Path, arrays: list[np.ndarray]) -> None:
@@ -154,8 +162,20 @@ def build_strategy(
         noise_multiplier=s.noise_multiplier if dp else None,
         full_model_bytes=version.full_weight_bytes(),
         on_round=recorder.add if recorder is not None else None,
+        on_weights=_checkpointer(cfg) if cfg.checkpoint_every else None,
     )
     return strategy, recorder
+
+
+def _checkpointer(cfg: ServerRunConfig) -> Callable[[int, list[np.ndarray]], None]:
+    """Saves the global weights after every ``checkpoint_every``-th round but the last."""
+    every, last = cfg.checkpoint_every, cfg.settings.rounds
+
+    def save(round_number: int, arrays: list[np.ndarray]) -> None:
+        if round_number % every == 0 and round_number < last:
+            save_weights(checkpoint_path(Path(cfg.weights_file), round_number), arrays)
+
+    return save
 
 
 app = ServerApp()

@@ -113,6 +113,7 @@ class ShardwiseStrategy(Strategy):
         noise_multiplier: float | None = None,
         full_model_bytes: int = 0,
         on_round: Callable[[RoundMetrics], None] | None = None,
+        on_weights: Callable[[int, list[np.ndarray]], None] | None = None,
     ) -> None:
         super().__init__()
         self.inner = inner
@@ -123,6 +124,7 @@ class ShardwiseStrategy(Strategy):
         self.noise_multiplier = noise_multiplier
         self.full_model_bytes = full_model_bytes
         self.on_round = on_round
+        self.on_weights = on_weights
         self._round = _RoundState()
 
     def __repr__(self) -> str:
@@ -206,9 +208,13 @@ class ShardwiseStrategy(Strategy):
     def evaluate(
         self, server_round: int, parameters: Parameters
     ) -> tuple[float, dict[str, Scalar]] | None:
-        """Held-out loss and accuracy; after a round, also publish that round's metrics."""
-        loss, accuracy = self.evaluator(parameters_to_ndarrays(parameters))
+        """Held-out loss and accuracy; after a round, also publish that round's weights (first)
+        and metrics."""
+        arrays = parameters_to_ndarrays(parameters)
+        loss, accuracy = self.evaluator(arrays)
         fit = self._round.fit
+        if server_round > 0 and self.on_weights is not None:
+            self.on_weights(server_round, arrays)
         if server_round > 0 and self.on_round is not None:
             self.on_round(
                 RoundMetrics(

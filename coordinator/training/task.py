@@ -29,6 +29,8 @@ from protocols.plan import Objective
 from protocols.training import TRAIN_DATA_FILE
 
 TEST_FILE = "test.npz"
+MODEL_FILE = "digits-cnn.onnx"
+"""The pre-trained model as one ONNX file (what ``fedshard deploy`` or the API deploys)."""
 PRETRAIN_CLASSES = 5
 INPUT_NAME = "image"
 OUTPUT_NAME = "logits"
@@ -221,11 +223,13 @@ def write_initial_version(
 
 @dataclass(frozen=True)
 class PreparedTask:
-    """Everything a run needs on disk: first version, test set, one data dir per client."""
+    """Everything a run needs on disk: first version, test set, one data dir per client, and
+    the pre-trained model as one ONNX file."""
 
     version_dir: Path
     test_file: Path
     client_dirs: list[Path]
+    model_file: Path
 
 
 def prepare_task(
@@ -235,12 +239,14 @@ def prepare_task(
     split = load_digits_split(num_clients, alpha, seed)
     model = build_cnn(seed)
     pretrain(model, *split.pretrain, epochs=pretrain_epochs, seed=seed)
+    exported = export_onnx(model)
+    write_atomic(root / MODEL_FILE, exported.SerializeToString())
     version = write_initial_version(
-        export_onnx(model), root / "versions" / "v0001", [f"agent-{i}" for i in range(num_clients)]
+        exported, root / "versions" / "v0001", [f"agent-{i}" for i in range(num_clients)]
     )
     save_arrays(root / TEST_FILE, *split.test)
     dirs = []
     for i, (x, y) in enumerate(split.clients):
         save_arrays(root / "clients" / str(i) / TRAIN_DATA_FILE, x, y)
         dirs.append(root / "clients" / str(i))
-    return PreparedTask(version.path, root / TEST_FILE, dirs)
+    return PreparedTask(version.path, root / TEST_FILE, dirs, root / MODEL_FILE)

@@ -4,8 +4,8 @@ The node connects to the coordinator's SuperLink over TLS (``--root-certificates
 certificate), serves its own Runtime API on ``127.0.0.1:--port``, installs nothing at run time,
 sends no telemetry and checks for no updates. Its node config tells the ClientApp where this
 agent's segments, training data and feature cache are, and its training budget.
-``fedshard agent --train-data DIR`` is meant to call :func:`start_supernode` and
-:meth:`SuperNodeProcess.stop`.
+``fedshard agent --train-data DIR`` runs one for the agent's whole life
+(:func:`agent_supernode`).
 """
 
 from __future__ import annotations
@@ -17,9 +17,12 @@ import signal
 import socket
 import subprocess
 import sys
+from collections.abc import Iterator
+from contextlib import contextmanager
 from dataclasses import dataclass
 from pathlib import Path
 
+from edge_agent.config import AgentConfig
 from edge_agent.training.errors import SuperNodeError
 
 log = logging.getLogger(__name__)
@@ -185,6 +188,33 @@ def start_supernode(config: SuperNodeConfig) -> SuperNodeProcess:
         raise SuperNodeError(f"cannot start flower-supernode: {exc}") from exc
     log.info("SuperNode pid %d on %s:%d -> %s", proc.pid, HOST, port, config.superlink)
     return SuperNodeProcess(config, proc, port, log_path)
+
+
+@contextmanager
+def agent_supernode(config: AgentConfig) -> Iterator[SuperNodeProcess]:
+    """The SuperNode of an agent started with ``--train-data``, stopped when the agent stops.
+
+    It trusts the coordinator's CA (``--ca``) for the SuperLink's certificate and keeps its
+    Flower home and feature cache under ``STATE_DIR/training``. It keeps retrying until the
+    SuperLink is up, so the coordinator may start runs later.
+    """
+    train, tls = config.training, config.tls
+    if train is None or tls is None:
+        raise SuperNodeError("training needs --train-data and the coordinator's CA (--ca)")
+    node = start_supernode(
+        SuperNodeConfig(
+            superlink=train.superlink,
+            root_certificates=tls.ca,
+            segments_dir=train.segments_dir.resolve(),
+            data_dir=train.data_dir.resolve(),
+            work_dir=(config.state_dir / "training").resolve(),
+            budget_bytes=train.budget_bytes,
+        )
+    )
+    try:
+        yield node
+    finally:
+        node.stop()
 
 
 def main(argv: list[str] | None = None) -> int:

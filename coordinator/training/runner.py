@@ -1,0 +1,244 @@
+"""The real runner behind :class:`~coordinator.training.runs.TrainingRuns`: Flower, then rollout.
+
+One run: resolve the :class:`TrainingTarget` (which version to fine-tune, its held-out set, the
+local SuperNodes to start if any, the served deployment to update), start a SuperLink (and those
+SuperNodes), run the ServerApp through ``flwr run`` with per-round metrics streamed to the
+reporter, and write a new version after the run (and after every ``rollout_every`` rounds). When
+the target names a served deployment, each new version is rolled out to it live through the
+deployer (loaded beside the live version, health-checked, then switched to).
+"""
+
+from __future__ import annotations
+
+import logging
+import threading
+from collections.abc import Callable, Iterator
+from contextlib import AbstractContextManager, contextmanager
+from dataclasses import dataclass
+from pathlib import Path
+
+from coordinator.ca import CertificateAuthority
+from coordinator.errors import CoordinatorError
+from coordinator.training.errors import RolloutError, TrainingRunError
+from coordinator.training.flower import SuperLink, superlink
+from coordinator.training.local_agents import start_local_agents
+from coordinator.training.records import RoundMetrics, TrainingRecord, TrainingSettings
+from coordinator.training.rollout import next_version_dir
+from coordinator.training.run import run_training, write_trained_version
+from coordinator.training.runs import RunReporter
+from coordinator.training.segments import trainable_names
+from coordinator.training.version import Version
+from protocols.errors import SchemaError
+from protocols.training import RunRollout, RunRound, TrainingRunRequest
+
+log = logging.getLogger(__name__)
+
+
+@dataclass(frozen=True)
+class TrainingTarget:
+    """What a run fine-tunes and where its results go."""
+
+    version_dir: Path
+    """The version to start from (``manifest.json`` plus segment files)."""
+    test_file: Path
+    """Held-out ``.npz`` (x, y) that stays on the coordinator."""
+    versions_root: Path
+    """Where the run's new versions are written (``vNNNN`` directories)."""
+    population: int
+    """Clients every round waits for."""
+    data_dirs: tuple[Path, ...] = ()
+    """Local SuperNodes to start, one per data dir (empty: agents connect their own)."""
+    budgets: tuple[int, ...] = ()
+    """Training-memory budgets of those local SuperNodes."""
+    model_id: str | None = None
+    """The served deployment whose version this is; new versions are rolled out to it."""
+
+
+@dataclass(frozen=True)
+class RunnerSettings:
+    """Fixed training settings of the runs (the API chooses rounds, SecAgg+ and DP)."""
+
+    clipping_norm: float = 1.0
+    noise_multiplier: float = 0.05
+    delta: float = 1e-5
+    local_epochs: int = 2
+    learning_rate: float = 0.003
+    batch_size: int = 32
+    timeout_s: float = 1800.0
+    stage_timeout_s: float = 120.0
+    superlink_port: int = 0
+    """0: a free port per run."""
+
+
+Federation = Callable[[Path, TrainingTarget], AbstractContextManager[SuperLink]]
+"""Starts the SuperLink (and local SuperNodes) of a run under a directory; stops them on exit."""
+Publish = Callable[[str, Version], int]
+"""Rolls a version out to a served deployment (model id); returns its new plan version."""
+
+
+def default_shards(version: Version, count: int = 2) -> list[int]:
+    """The last ``count`` segments that have weights to train."""
+    weighted = [i for i, seg in enumerate(version.segments) if trainable_names(seg)]
+    if not weighted:
+        raise TrainingRunError(f"version {version.name} has no weights to train")
+    return weighted[-count:]
+
+
+def training_settings(
+    request: TrainingRunRequest, parent: Version, target: TrainingTarget, fixed: RunnerSettings
+) -> TrainingSettings:
+    """The run's :class:`TrainingSettings` from the API request and the fixed settings."""
+    if request.secure_aggregation and target.population < 3:
+        raise TrainingRunError("secure aggregation needs at least 3 clients")
+    return TrainingSettings(
+        rounds=request.rounds,
+        secagg=request.secure_aggregation,
+        clipping_norm=fixed.clipping_norm if request.dp else None,
+        noise_multiplier=fixed.noise_multiplier if request.dp else None,
+        delta=fixed.delta,
+        trainable_shards=default_shards(parent),
+        local_epochs=fixed.local_epochs,
+        learning_rate=fixed.learning_rate,
+        batch_size=fixed.batch_size,
+        min_clients=target.population,
+    )
+
+
+def run_round(metrics: RoundMetrics) -> RunRound:
+    """A recorded round as the API shows it (loss: held-out; bytes: all clients together)."""
+    return RunRound(
+        round=metrics.round,
+        loss=metrics.test_loss,
+        accuracy=metrics.accuracy,
+        epsilon=metrics.epsilon,
+        clients=metrics.clients,
+        bytes_uploaded=round(metrics.upload_bytes_per_client * metrics.clients),
+        seconds=metrics.seconds,
+    )
+
+
+def local_federation(ca: CertificateAuthority, port: int = 0) -> Federation:
+    """A SuperLink on 127.0.0.1, plus one local SuperNode per data dir of the target."""
+
+    @contextmanager
+    def start(run_dir: Path, target: TrainingTarget) -> Iterator[SuperLink]:
+        with superlink(run_dir, ca, port=port) as link:
+            if not target.data_dirs:
+                log.info("waiting for agents' SuperNodes on %s", link.address)
+                yield link
+                return
+            with start_local_agents(
+                link, target.version_dir, target.data_dirs, target.budgets, run_dir
+            ):
+                yield link
+
+    return start
+
+
+class Follower:
+    """Turns the run's rounds into reports, and checkpoints into versions (and rollouts)."""
+
+    def __init__(
+        self,
+        parent: Version,
+        target: TrainingTarget,
+        report: RunReporter,
+        publish: Publish | None,
+        signer: CertificateAuthority | None,
+        record_file: Path,
+    ) -> None:
+        self.current = parent
+        self.target = target
+        self.report = report
+        self.publish = publish
+        self.signer = signer
+        self.record_file = record_file
+        self.baseline_sent = False
+
+    def round(self, metrics: RoundMetrics) -> None:
+        """Report a finished round (with the baseline accuracy before the first)."""
+        if not self.baseline_sent:
+            self.baseline_sent = True
+            self.report.running(self._baseline())
+        self.report.round(run_round(metrics))
+
+    def checkpoint(self, record: TrainingRecord, weights_file: Path) -> None:
+        """Write (and roll out) the version of ``record``'s rounds from ``weights_file``."""
+        out_dir = next_version_dir(self.target.versions_root)
+        version = write_trained_version(self.current, record, weights_file, out_dir, self.signer)
+        self.current = version
+        plan_version = None
+        model_id = self.target.model_id
+        if model_id is not None and self.publish is not None:
+            try:
+                plan_version = self.publish(model_id, version)
+            except CoordinatorError as exc:
+                raise RolloutError(
+                    f"rolling {version.name} out to {model_id} failed: {exc}"
+                ) from exc
+        last = record.rounds[-1].round
+        log.info("round %d: version %s (plan version %s)", last, version.name, plan_version)
+        self.report.rollout(
+            RunRollout(
+                round=last,
+                version=version.name,
+                model_id=model_id,
+                plan_version=plan_version,
+            )
+        )
+
+    def _baseline(self) -> float | None:
+        try:
+            return TrainingRecord.from_json(self.record_file.read_bytes()).baseline_accuracy
+        except (OSError, SchemaError) as exc:
+            log.warning("no baseline accuracy: %s", exc)
+            return None
+
+
+class FlowerRunner:
+    """Runs a :class:`TrainingRunRequest` with real Flower processes, then rolls out."""
+
+    def __init__(
+        self,
+        work_dir: Path,
+        ca: CertificateAuthority,
+        target: Callable[[], TrainingTarget],
+        settings: RunnerSettings | None = None,
+        publish: Publish | None = None,
+        federation: Federation | None = None,
+    ) -> None:
+        self.work_dir = work_dir
+        self.ca = ca
+        self.target = target
+        self.settings = settings or RunnerSettings()
+        self.publish = publish
+        self.federation = federation or local_federation(ca, self.settings.superlink_port)
+
+    def run(
+        self, run_id: str, request: TrainingRunRequest, report: RunReporter, stop: threading.Event
+    ) -> None:
+        """One run, blocking (see the module doc)."""
+        target = self.target()
+        parent = Version.load(target.version_dir)
+        settings = training_settings(request, parent, target, self.settings)
+        run_dir = self.work_dir / "runs" / run_id
+        follower = Follower(
+            parent, target, report, self.publish, self.ca, (run_dir / "record.json").resolve()
+        )
+        with self.federation(run_dir, target) as link:
+            report.running()
+            result = run_training(
+                link,
+                run_dir,
+                target.version_dir,
+                target.test_file,
+                settings,
+                population=target.population,
+                stage_timeout_s=self.settings.stage_timeout_s,
+                timeout_s=self.settings.timeout_s,
+                on_round=follower.round,
+                checkpoint_every=request.rollout_every or 0,
+                on_checkpoint=follower.checkpoint,
+                should_stop=stop.is_set,
+            )
+        follower.checkpoint(result.record, result.weights_file)
