@@ -9,6 +9,7 @@ Routes (bearer token, see :mod:`coordinator.api`)::
     POST /v1/infer                             named tensors as JSON, or a raw .npz body
     POST /v1/embeddings                        OpenAI-compatible embeddings
     GET  /v1/links, POST /v1/links/measure     measured links between paired agents
+    GET  /v1/failover                          lost/returned devices, re-plans, refused models
 
 Coordinator errors are translated into HTTP statuses in :func:`install_error_handlers`.
 """
@@ -17,6 +18,7 @@ from __future__ import annotations
 
 import io
 import logging
+import math
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -32,6 +34,7 @@ from coordinator.deployments import DeploymentStore, ModelRecord, VersionRecord
 from coordinator.embeddings import Embedder, default_tokenizer_dir
 from coordinator.errors import (
     AgentError,
+    CapacityError,
     CoordinatorError,
     DeployError,
     NotServableError,
@@ -39,9 +42,11 @@ from coordinator.errors import (
     RequestError,
     RevokedError,
     RollbackError,
+    UnavailableError,
     UnknownModelError,
     WrongCodeError,
 )
+from coordinator.failover import Failover
 from coordinator.links import LinkMeter
 from coordinator.serving import Router
 from protocols.links import Link as DeviceLink
@@ -62,6 +67,8 @@ class Serving:
     router: Router
     embedder: Embedder
     links: LinkMeter
+    failover: Failover | None = None
+    """Re-plans after a device loss (absent: chain failures are only retried)."""
 
 
 class Body(BaseModel):
@@ -96,6 +103,14 @@ class InferBody(Body):
     inputs: dict[str, Any]
 
 
+def _model_path(text: str) -> Path:
+    """The absolute path of a model file named in a request; RequestError if it cannot be one."""
+    try:
+        return Path(text).expanduser().resolve()
+    except (ValueError, RuntimeError, OSError) as exc:  # NUL bytes, ~unknown-user, loops
+        raise RequestError(f"model_path is not a usable path: {exc}") from exc
+
+
 def model_id_of(path: Path) -> str:
     """Default model id from a file name: ``all-MiniLM-L6-v2.onnx`` -> ``all-minilm-l6-v2``."""
     stem = "".join(ch if ch.isalnum() or ch in "._-" else "-" for ch in path.stem.lower())
@@ -117,7 +132,7 @@ def serving_router(serving: Serving) -> APIRouter:
 
     @api.post("/deployments")
     async def deploy(body: DeployBody) -> VersionRecord:
-        path = Path(body.model_path).expanduser().resolve()
+        path = _model_path(body.model_path)
         model_id = body.model_id or model_id_of(path)
         command = DeployCommand(
             model_path=path,
@@ -139,6 +154,17 @@ def serving_router(serving: Serving) -> APIRouter:
     @api.post("/links/measure")
     async def measure_links() -> list[DeviceLink]:
         return await run_in_threadpool(serving.links.measure)
+
+    @api.get("/failover")
+    def failover() -> dict[str, Any]:
+        if serving.failover is None:
+            return {"enabled": False, "models": {}, "events": []}
+        conditions = {
+            model_id: {"state": c.state, "plan_version": c.plan_version, "reason": c.reason}
+            for model_id, c in serving.failover.conditions().items()
+        }
+        events = [e.model_dump() for e in serving.failover.events()]
+        return {"enabled": True, "models": conditions, "events": events}
 
     @api.post("/infer")
     async def infer(request: Request) -> dict[str, Any]:
@@ -237,7 +263,10 @@ def install_error_handlers(app: FastAPI) -> None:
         assert isinstance(exc, CoordinatorError)
         code = status_of(exc)
         log.log(logging.ERROR if code >= 500 else logging.INFO, "%s: %s", request.url.path, exc)
-        return JSONResponse({"detail": str(exc)}, status_code=code)
+        headers = None
+        if isinstance(exc, UnavailableError | CapacityError):
+            headers = {"Retry-After": str(max(1, math.ceil(exc.retry_after_s)))}
+        return JSONResponse({"detail": str(exc)}, status_code=code, headers=headers)
 
     async def unexpected(request: Request, exc: Exception) -> JSONResponse:
         log.error("internal error on %s", request.url.path, exc_info=exc)

@@ -2,8 +2,12 @@
 
 Devices are keyed by their certificate fingerprint, never by advertised name: a second device
 announcing a name already taken by another key is kept apart and flagged as an impostor, and
-cannot take the first one's place. The registry is fed by a discovery source (see
-:mod:`coordinator.discovery`) and is safe to read from other threads.
+cannot take the first one's place. Who owns a name is, for a paired name, the certificate it was
+paired with (``paired_fingerprint``, asked at every read), whoever announced first; otherwise the
+first device seen with it. mDNS is unauthenticated, so these flags are for the operator: whether
+a device is *used* is decided by the pairing book (see :class:`coordinator.trust.TrustService`).
+The registry is fed by a discovery source (see :mod:`coordinator.discovery`) and is safe to read
+from other threads.
 """
 
 from __future__ import annotations
@@ -43,8 +47,14 @@ class DeviceRecord:
 class DeviceRegistry:
     """Devices by fingerprint, updated by announcements and departures."""
 
-    def __init__(self, clock: Callable[[], float] = time.monotonic) -> None:
+    def __init__(
+        self,
+        clock: Callable[[], float] = time.monotonic,
+        paired_fingerprint: Callable[[str], str | None] | None = None,
+    ) -> None:
+        """``paired_fingerprint(name)``: the certificate ``name`` is paired with, if any."""
         self._clock = clock
+        self._paired_fingerprint = paired_fingerprint
         self._lock = threading.Lock()
         self._devices: dict[str, DeviceRecord] = {}
         self._changed = threading.Condition(self._lock)
@@ -67,7 +77,7 @@ class DeviceRegistry:
             )
             self._devices[fingerprint] = record
             self._changed.notify_all()
-            return record
+            return self._flagged(record)
 
     def depart(self, service_name: str) -> None:
         """Mark the device announced under ``service_name`` as gone."""
@@ -81,12 +91,13 @@ class DeviceRegistry:
         """Every known device, in first-seen order."""
         with self._lock:
             records = sorted(self._devices.values(), key=lambda r: r.first_seen)
-        return [r for r in records if r.online or not online_only]
+        return [self._flagged(r) for r in records if r.online or not online_only]
 
     def get(self, fingerprint: str) -> DeviceRecord | None:
         """The record of one device, online or not."""
         with self._lock:
-            return self._devices.get(fingerprint)
+            record = self._devices.get(fingerprint)
+        return None if record is None else self._flagged(record)
 
     def wait_for(self, predicate: Callable[[list[DeviceRecord]], bool], timeout: float) -> bool:
         """Block until ``predicate(devices())`` holds or ``timeout`` seconds pass."""
@@ -94,7 +105,8 @@ class DeviceRegistry:
         with self._lock:
             while True:
                 online = sorted(
-                    (r for r in self._devices.values() if r.online), key=lambda r: r.first_seen
+                    (self._flagged(r) for r in self._devices.values() if r.online),
+                    key=lambda r: r.first_seen,
                 )
                 if predicate(online):
                     return True
@@ -104,15 +116,35 @@ class DeviceRegistry:
                 self._changed.wait(remaining)
 
     def _forget_replaced(self, service_name: str, fingerprint: str) -> None:
-        """Drop a record whose mDNS service now announces another certificate.
+        """Settle a record whose mDNS service now announces another certificate.
 
         An agent that pairs re-announces under the same service instance with its new
-        certificate; the instance name is unique on the link (mDNS probes for conflicts), so
-        this is the same device, not a second one claiming its name.
+        certificate, so an *unpaired* record replaced that way is dropped. A record that
+        announced itself paired is only marked offline: anyone can announce any instance name
+        (a rogue skips mDNS conflict probing), and a paired device must not vanish from the
+        operator's view because another key took over its instance name.
         """
         for fp, record in list(self._devices.items()):
-            if fp != fingerprint and record.service_name == service_name:
+            if fp == fingerprint or record.service_name != service_name:
+                continue
+            if record.announcement.state.paired:
+                self._devices[fp] = replace(record, online=False)
+            else:
                 del self._devices[fp]
+
+    def _flagged(self, record: DeviceRecord) -> DeviceRecord:
+        """``record`` with ``impostor_of`` set from the pairing book when its name is paired."""
+        if self._paired_fingerprint is None:
+            return record
+        owner = self._paired_fingerprint(record.name)
+        if owner is None:
+            return record
+        impostor_of = None if owner == record.fingerprint else owner
+        return (
+            record
+            if impostor_of == record.impostor_of
+            else replace(record, impostor_of=impostor_of)
+        )
 
     def _name_owner(self, name: str, exclude: str) -> DeviceRecord | None:
         owners = [

@@ -31,6 +31,7 @@ from edge_agent.errors import (
     WrongTargetError,
 )
 from edge_agent.identity import Identity, verify_signature
+from edge_agent.onnx_limits import check_declared_sizes
 from edge_agent.runtime import (
     SegmentSession,
     peak_resident_bytes,
@@ -133,6 +134,7 @@ class SegmentStore:
                     f"segment needs {entry.predicted_memory_bytes} bytes (predicted), "
                     f"{free} of the {self._budget}-byte budget are free"
                 )
+            check_declared_sizes(segment, free, manifest.warmup_shapes)
             path = self._store_file(entry.sha256, segment)
             release_freed_heap()  # else freed heap from earlier work hides what loading adds
             before = resident_bytes()

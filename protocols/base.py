@@ -1,4 +1,5 @@
-"""The base class of every wire and file model: frozen, and unknown fields are refused."""
+"""The base class of every wire and file model: frozen, unknown fields and non-finite numbers
+(``NaN``, ``Infinity``) refused."""
 
 from __future__ import annotations
 
@@ -11,9 +12,9 @@ from protocols.errors import SchemaError
 
 
 class FrozenModel(BaseModel):
-    """Immutable pydantic model that refuses unknown fields."""
+    """Immutable pydantic model that refuses unknown fields and non-finite floats."""
 
-    model_config = ConfigDict(frozen=True, extra="forbid")
+    model_config = ConfigDict(frozen=True, extra="forbid", allow_inf_nan=False)
 
     @classmethod
     def from_json(cls, data: str | bytes) -> Self:

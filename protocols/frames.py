@@ -56,6 +56,8 @@ DTYPES: Final[Mapping[str, np.dtype[np.generic]]] = {
 """The only element types a frame may carry, by wire name."""
 
 _WIRE_NAME = {dtype: name for name, dtype in DTYPES.items()}
+_MAX_ARRAY_BYTES: Final = 2**63 - 1
+"""numpy refuses a shape whose non-zero dimensions multiply past this, even with a zero dim."""
 
 
 class TensorSpec(FrozenModel):
@@ -195,6 +197,8 @@ def _views(
         shape = tuple(spec.shape)
         count = math.prod(shape)
         nbytes = count * dtype.itemsize
+        if math.prod(max(d, 1) for d in shape) * dtype.itemsize > _MAX_ARRAY_BYTES:
+            raise TensorSpecError(f"tensor {spec.name!r} declares an impossible shape {shape}")
         if offset + nbytes > payload_len:
             raise TensorSpecError(f"tensor {spec.name!r} runs past the end of the payload")
         if spec.name in tensors:

@@ -2,7 +2,9 @@
 
 Each entry ``key=value`` stays within DNS-SD's 255-byte limit. ``pv`` carries the protocol
 version. Unknown keys are ignored (newer agents may add some); missing or malformed values
-raise :class:`TxtRecordError`.
+raise :class:`TxtRecordError`, and so does a record a real agent could not have sent: an entry
+over 255 bytes, more than :data:`MAX_TXT_ENTRIES` entries or over :data:`MAX_RECORD_BYTES` in
+all (checked before anything is parsed).
 """
 
 from __future__ import annotations
@@ -16,6 +18,11 @@ from protocols.errors import TxtRecordError
 from protocols.profile import AgentState, Announcement, DeviceProfile
 
 MAX_ENTRY_BYTES: Final = 255
+MAX_TXT_ENTRIES: Final = 64
+"""Most entries a record may have (an agent sends 13 at most)."""
+MAX_RECORD_BYTES: Final = 4096
+"""Most bytes a whole record may have, with one length byte per entry (an agent's fit in
+13 x 256)."""
 
 # TXT key -> model field. Every profile key is required; state keys are optional.
 _PROFILE_KEYS: Final = {
@@ -50,6 +57,7 @@ def encode_txt(announcement: Announcement) -> dict[str, str]:
 
 def decode_txt(properties: Mapping[bytes, bytes | None] | Mapping[str, str | None]) -> Announcement:
     """Parse TXT entries as zeroconf hands them over (bytes or str keys and values)."""
+    _check_size(properties)
     text = {_as_text(k): _as_text(v) for k, v in properties.items() if v is not None}
     missing = [key for key in _PROFILE_KEYS if key not in text]
     if missing:
@@ -67,6 +75,24 @@ def decode_txt(properties: Mapping[bytes, bytes | None] | Mapping[str, str | Non
         err = exc.errors()[0]
         where = ".".join(str(p) for p in err["loc"])
         raise TxtRecordError(f"TXT record has a bad {where}: {err['msg']}") from exc
+
+
+def _check_size(properties: Mapping[bytes, bytes | None] | Mapping[str, str | None]) -> None:
+    """Refuse a record no agent sends: too many entries, one over 255 bytes, too big in all."""
+    if len(properties) > MAX_TXT_ENTRIES:
+        raise TxtRecordError(f"TXT record has {len(properties)} entries, over {MAX_TXT_ENTRIES}")
+    total = 0
+    for key, value in properties.items():
+        size = _wire_len(key) + (0 if value is None else 1 + _wire_len(value))
+        if size > MAX_ENTRY_BYTES:
+            raise TxtRecordError(f"TXT entry of {size} bytes is over {MAX_ENTRY_BYTES}")
+        total += 1 + size
+    if total > MAX_RECORD_BYTES:
+        raise TxtRecordError(f"TXT record of {total} bytes is over {MAX_RECORD_BYTES}")
+
+
+def _wire_len(part: bytes | str) -> int:
+    return len(part) if isinstance(part, bytes) else len(part.encode("utf-8", "surrogatepass"))
 
 
 def _to_text(value: object) -> str:

@@ -216,13 +216,15 @@ def test_store_refuses_a_segment_whose_measured_memory_is_over_budget(tmp_path: 
     """The plan says 1 KiB; the 8 MiB of weights it really holds do not fit a 2 MiB budget."""
     from onnx import TensorProto, helper, numpy_helper
 
-    weight = np.ones((1024, 2048), np.float32)
+    # four 2 MiB weights: each passes the declared-size check, together they do not fit
+    weight = np.ones((1024, 512), np.float32)
     graph = helper.make_graph(
-        [helper.make_node("MatMul", ["x", "w0"], ["h"])],
+        [helper.make_node("MatMul", ["x", f"w{i}"], [f"p{i}"]) for i in range(4)]
+        + [helper.make_node("Concat", [f"p{i}" for i in range(4)], ["h"], axis=1)],
         "big",
         [helper.make_tensor_value_info("x", TensorProto.FLOAT, ["batch", 1024])],
         [helper.make_tensor_value_info("h", TensorProto.FLOAT, ["batch", 2048])],
-        [numpy_helper.from_array(weight, "w0")],
+        [numpy_helper.from_array(weight + i, f"w{i}") for i in range(4)],
     )
     model = helper.make_model(graph, opset_imports=[helper.make_opsetid("", 17)])
     model.ir_version = 8

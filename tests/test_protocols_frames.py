@@ -40,7 +40,7 @@ arrays = st.sampled_from(sorted(DTYPES)).flatmap(
 headers = st.builds(
     FrameHeader,
     request_id=st.text(min_size=1, max_size=40),
-    session_id=st.none() | st.text(max_size=40),
+    session_id=st.none() | st.text(min_size=1, max_size=40),
     segment_index=st.integers(0, 1000),
     plan_version=st.integers(0, 2**40),
 )

@@ -1,0 +1,261 @@
+"""Generation speed: three agents vs the whole model in one ONNX Runtime session vs transformers.
+
+Same prompt (a chat message rendered with the model's own template), same number of new tokens,
+greedy, one intra-op thread everywhere (the agents' default), in one run:
+
+- fedshard: a coordinator and three agents on 127.0.0.1 (planning caps force three segments),
+  streamed ``/v1/chat/completions``: time to first token and decode tokens/s for one stream,
+  then 4 concurrent streams (total tokens/s);
+- ONNX Runtime: the exported model in one session, its own KV cache (``OrtDecoder``);
+- transformers: ``generate`` on the same weights in torch.
+
+    .venv/bin/python bench/generate.py [--model gemma3-270m] [--tokens 64] [--runs 2]
+
+Prints a table and writes bench/results/generate.md (+ generate.json). Targets: one stream at
+least 0.7x the single-session ONNX Runtime decode speed; 4 streams at least 1.8x one stream's
+total tokens/s.
+"""
+
+from __future__ import annotations
+
+import argparse
+import concurrent.futures
+import json
+import os
+import secrets
+import statistics
+import sys
+import tempfile
+import time
+from dataclasses import dataclass
+from pathlib import Path
+
+REPO = Path(__file__).resolve().parents[1]
+# bench/ holds profile.py, which would shadow the standard library's profile module
+sys.path[:] = [str(REPO), *(p for p in sys.path if Path(p or ".").resolve() != REPO / "bench")]
+
+import httpx  # noqa: E402
+from rich.console import Console  # noqa: E402
+from rich.table import Table  # noqa: E402
+
+from coordinator.demo_decoder import (  # noqa: E402
+    decoder_info,
+    deploy_decoder,
+    export_decoder,
+    three_way_caps,
+)
+from coordinator.demo_procs import demo_processes, free_port  # noqa: E402
+from coordinator.demo_steps import Api, pair_automatically  # noqa: E402
+
+QUESTION = "Explain in a few sentences why splitting a model across several devices helps."
+CACHE = REPO / ".cache" / "fedshard"
+RESULTS = REPO / "bench" / "results"
+
+
+@dataclass(frozen=True)
+class Run:
+    """One generation: time to first token, tokens generated, decode tokens per second."""
+
+    ttft_s: float
+    tokens: int
+    decode_tps: float
+    wall_s: float
+
+
+def stream_chat(api: Api, model_id: str, tokens: int) -> Run:
+    """One streamed greedy chat completion through the coordinator."""
+    body = {
+        "model": model_id,
+        "messages": [{"role": "user", "content": QUESTION}],
+        "max_tokens": tokens,
+        "temperature": 0,
+        "stream": True,
+        "stream_options": {"include_usage": True},
+    }
+    headers = {"Authorization": f"Bearer {api.token}"}
+    start = time.perf_counter()
+    first = last = 0.0
+    count = 0
+    with (
+        httpx.Client(base_url=api.url, timeout=600, trust_env=False) as client,
+        client.stream("POST", "/v1/chat/completions", json=body, headers=headers) as reply,
+    ):
+        if reply.status_code != 200:
+            raise RuntimeError(f"chat completion failed: {reply.status_code} {reply.read()!r}")
+        for line in reply.iter_lines():
+            if not line.startswith("data: {"):
+                continue
+            chunk = json.loads(line[len("data: ") :])
+            if chunk.get("usage"):
+                count = int(chunk["usage"]["completion_tokens"])
+            if chunk.get("choices") and chunk["choices"][0]["delta"].get("content"):
+                now = time.perf_counter()
+                first = first or now
+                last = now
+    wall = time.perf_counter() - start
+    decode = (count - 1) / (last - first) if count > 1 and last > first else 0.0
+    return Run(first - start, count, decode, wall)
+
+
+def concurrent_streams(api: Api, model_id: str, tokens: int, streams: int) -> tuple[float, Run]:
+    """``streams`` generations at once: total tokens/s and the slowest stream's numbers."""
+    start = time.perf_counter()
+    with concurrent.futures.ThreadPoolExecutor(streams) as pool:
+        runs = list(pool.map(lambda _: stream_chat(api, model_id, tokens), range(streams)))
+    wall = time.perf_counter() - start
+    return sum(r.tokens for r in runs) / wall, max(runs, key=lambda r: r.wall_s)
+
+
+def prompt_ids(export: Path) -> list[int]:
+    """The chat prompt's token ids exactly as the coordinator renders them."""
+    from coordinator.generation.tokenizer import ChatTokenizer
+
+    tokenizer = ChatTokenizer.from_file(export, decoder_info(export))
+    return tokenizer.encode(tokenizer.render_chat([{"role": "user", "content": QUESTION}]))
+
+
+def ort_run(export: Path, ids: list[int], tokens: int) -> Run:
+    """The whole model in one ONNX Runtime session (one intra-op thread)."""
+    from partitioner.decoders.ort_runner import OrtDecoder
+
+    decoder = OrtDecoder(export, threads=1)
+    start = time.perf_counter()
+    result = decoder.prefill(ids)
+    ttft = time.perf_counter() - start
+    token = result.token
+    decode_start = time.perf_counter()
+    for _ in range(tokens - 1):
+        token = decoder.decode(token).token
+    decode = time.perf_counter() - decode_start
+    return Run(ttft, tokens, (tokens - 1) / decode, time.perf_counter() - start)
+
+
+def transformers_run(name: str, ids: list[int], tokens: int) -> Run:
+    """transformers' ``generate`` on the same weights (torch, one thread)."""
+    import torch
+
+    from partitioner.decoders.progress import Steps
+    from partitioner.decoders.sources import load_source
+
+    torch.set_num_threads(1)
+    model = load_source(name, CACHE, Steps()).model
+    prompt = torch.tensor([ids], dtype=torch.int64)
+    options = {"do_sample": False, "pad_token_id": model.config.pad_token_id}
+    with torch.no_grad():
+        start = time.perf_counter()
+        model.generate(prompt, attention_mask=torch.ones_like(prompt), max_new_tokens=1, **options)
+        ttft = time.perf_counter() - start
+        start = time.perf_counter()
+        model.generate(
+            prompt,
+            attention_mask=torch.ones_like(prompt),
+            max_new_tokens=tokens,
+            min_new_tokens=tokens,
+            **options,
+        )
+        wall = time.perf_counter() - start
+    return Run(ttft, tokens, (tokens - 1) / max(wall - ttft, 1e-9), wall)
+
+
+def fedshard_runs(
+    console: Console, name: str, export: Path, tokens: int, runs: int
+) -> tuple[list[Run], float, Run]:
+    """Deploy across three agents; one-stream runs, then four concurrent streams."""
+    model_id = name
+    with tempfile.TemporaryDirectory(prefix="fedshard-bench-gen-") as tmp:
+        work = Path(tmp)
+        with demo_processes(work) as procs:
+            coordinator = procs.start_coordinator(work / "coordinator", free_port())
+            suffix = secrets.token_hex(2)
+            names = [f"gen{i}-{suffix}" for i in range(3)]
+            first = None
+            for agent in names:
+                child = procs.start_agent(agent, "4GiB", work / agent, profile_from=first)
+                first = first or child.state_dir / "profile.json"
+            api = Api(coordinator.url, coordinator.token)
+            pair_automatically(console, api, names, procs.check_alive)
+            deploy_decoder(console, api, export, model_id, three_way_caps(export, names))
+            stream_chat(api, model_id, 4)  # warm the connections
+            single = [stream_chat(api, model_id, tokens) for _ in range(runs)]
+            total_tps, slowest = concurrent_streams(api, model_id, tokens, 4)
+    return single, total_tps, slowest
+
+
+def main() -> int:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--model", default="gemma3-270m")
+    parser.add_argument("--tokens", type=int, default=64)
+    parser.add_argument("--runs", type=int, default=2)
+    parser.add_argument("--out", type=Path, default=RESULTS / "generate.md")
+    args = parser.parse_args()
+    os.environ.setdefault("HF_HUB_OFFLINE", "1")
+    console = Console()
+    export = export_decoder(console, args.model, CACHE / "exports" / args.model, CACHE)
+    ids = prompt_ids(export)
+    single, total_tps, slowest = fedshard_runs(console, args.model, export, args.tokens, args.runs)
+    ort = ort_run(export, ids, args.tokens)
+    hf = transformers_run(args.model, ids, args.tokens)
+    one = statistics.median(r.decode_tps for r in single)
+    ttft = statistics.median(r.ttft_s for r in single)
+    one_total = statistics.median(r.tokens / r.wall_s for r in single)
+    rows = [
+        ("fedshard, 3 agents, 1 stream", ttft, one, one_total),
+        ("fedshard, 3 agents, 4 streams", slowest.ttft_s, slowest.decode_tps, total_tps),
+        (
+            "ONNX Runtime, whole model, 1 session",
+            ort.ttft_s,
+            ort.decode_tps,
+            ort.tokens / ort.wall_s,
+        ),
+        ("transformers generate", hf.ttft_s, hf.decode_tps, hf.tokens / hf.wall_s),
+    ]
+    vs_ort = one / ort.decode_tps
+    streams = total_tps / one_total
+    report(console, args, ids, rows, vs_ort, streams)
+    return 0
+
+
+def report(
+    console: Console,
+    args: argparse.Namespace,
+    ids: list[int],
+    rows: list[tuple[str, float, float, float]],
+    vs_ort: float,
+    streams: float,
+) -> None:
+    """Print the table and write the markdown and JSON results."""
+    table = Table(title=f"{args.model}: {len(ids)}-token prompt, {args.tokens} new tokens, greedy")
+    for column in ("engine", "time to first token", "decode tokens/s", "total tokens/s"):
+        table.add_column(column)
+    for name, ttft, decode, total in rows:
+        table.add_row(name, f"{ttft * 1e3:.0f} ms", f"{decode:.1f}", f"{total:.1f}")
+    console.print(table)
+    lines = [
+        f"# Generation speed ({args.model})",
+        "",
+        f"`.venv/bin/python bench/generate.py --model {args.model} --tokens {args.tokens} "
+        f"--runs {args.runs}` on {os.cpu_count()} cores; one intra-op thread everywhere; "
+        f"{len(ids)}-token chat prompt, {args.tokens} new tokens, greedy.",
+        "",
+        "| engine | time to first token | decode tokens/s | total tokens/s |",
+        "|---|---|---|---|",
+        *(f"| {n} | {t * 1e3:.0f} ms | {d:.1f} | {w:.1f} |" for n, t, d, w in rows),
+        "",
+        f"- one stream vs one ONNX Runtime session (decode): **{vs_ort:.2f}x** (target >= 0.7x)",
+        f"- 4 streams vs one stream (total tokens/s): **{streams:.2f}x** (target >= 1.8x)",
+        "",
+    ]
+    args.out.parent.mkdir(parents=True, exist_ok=True)
+    args.out.write_text("\n".join(lines))
+    headlines = {
+        "headlines": [
+            {"name": "generation: 1 stream vs ORT session", "value": vs_ort, "target": 0.7},
+            {"name": "generation: 4 streams vs 1 stream", "value": streams, "target": 1.8},
+        ]
+    }
+    args.out.with_suffix(".json").write_text(json.dumps(headlines, indent=2) + "\n")
+    console.print(f"one stream / ORT: {vs_ort:.2f}x; 4 streams / one: {streams:.2f}x")
+
+
+if __name__ == "__main__":
+    sys.exit(main())

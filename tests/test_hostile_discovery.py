@@ -1,0 +1,160 @@
+"""Hostile mDNS: a rogue agent with a paired device's name, and oversized TXT records.
+
+Real zeroconf on 127.0.0.1: the advertisers are separate processes (the ``advertise`` fixture of
+``test_coordinator_registry``), the coordinator side is :class:`ZeroconfDiscovery` feeding a
+:class:`DeviceRegistry`, and trust is decided as the running coordinator decides it.
+"""
+
+from __future__ import annotations
+
+import secrets
+from pathlib import Path
+
+import pytest
+from cryptography import x509
+from cryptography.hazmat.primitives import hashes, serialization
+from cryptography.hazmat.primitives.asymmetric import ec
+from cryptography.x509.oid import NameOID
+from fastapi.testclient import TestClient
+from test_coordinator_registry import advertise  # noqa: F401  (the fixture)
+
+from coordinator.agent_client import AgentClient
+from coordinator.api import Services, create_app
+from coordinator.ca import CertificateAuthority
+from coordinator.discovery import ZeroconfDiscovery
+from coordinator.identity import client_context, open_identity
+from coordinator.pairing import PairedDevice, Pairing
+from coordinator.registry import DeviceRecord, DeviceRegistry
+from coordinator.trust import TrustService
+from protocols.profile import AgentState, Announcement, DeviceProfile
+from protocols.txt import MAX_RECORD_BYTES, encode_txt
+
+pytestmark = pytest.mark.timeout(120)
+TOKEN = "tok"
+
+
+def _announcement(name: str, device_id: str, fingerprint: str, port: int) -> Announcement:
+    return Announcement(
+        profile=DeviceProfile(
+            device_id=device_id,
+            name=name,
+            memory_bytes=1 << 30,
+            gflops=10.0,
+            control_port=port,
+            data_port=port + 1,
+            cert_fingerprint=fingerprint,
+        ),
+        state=AgentState(paired=True),
+    )
+
+
+class Coordinator:
+    """CA, pairing book, registry (with the book's owners), trust service and API."""
+
+    def __init__(self, state: Path) -> None:
+        ca = CertificateAuthority.open(state)
+        self.pairing = Pairing(state, ca)
+        self.registry = DeviceRegistry(paired_fingerprint=self.pairing.fingerprint_of)
+        agents = AgentClient(client_context(open_identity(state, ca)))
+        self.trust = TrustService(self.pairing, self.registry, ca, agents)
+        app = create_app(Services(TOKEN, self.registry, self.pairing, self.trust))
+        self.api = TestClient(app)
+
+    def pair(self, name: str) -> PairedDevice:
+        key = ec.generate_private_key(ec.SECP256R1())
+        csr = (
+            x509.CertificateSigningRequestBuilder()
+            .subject_name(x509.Name([x509.NameAttribute(NameOID.COMMON_NAME, name)]))
+            .sign(key, hashes.SHA256())
+        )
+        code = self.pairing.request(name, csr.public_bytes(serialization.Encoding.PEM).decode())
+        return self.pairing.approve(name, code)
+
+    def statuses(self) -> dict[str, tuple[str, bool]]:
+        listed = self.api.get("/v1/devices", headers={"Authorization": f"Bearer {TOKEN}"}).json()
+        return {d["fingerprint"]: (d["status"], d["online"]) for d in listed}
+
+
+def _mine(records: list[DeviceRecord], *names: str) -> list[DeviceRecord]:
+    """Only this test's devices: other tests may be announcing on 127.0.0.1 at the same time."""
+    return [r for r in records if r.name in names]
+
+
+def _unique(prefix: str) -> str:
+    return f"{prefix}-{secrets.token_hex(4)}"
+
+
+def _hex(n: int) -> str:
+    return secrets.token_hex(n // 2)
+
+
+@pytest.mark.parametrize("rogue_first", [True, False], ids=["rogue-first", "rogue-second"])
+def test_a_rogue_with_a_paired_name_and_a_fake_fingerprint_is_never_used(
+    tmp_path: Path,
+    advertise,  # noqa: F811
+    rogue_first: bool,
+) -> None:
+    coordinator = Coordinator(tmp_path)
+    name, device_id, fake = _unique("nas"), _hex(16), _hex(64)
+    nas = coordinator.pair(name)
+    real = _announcement(name, device_id, nas.fingerprint, 9000)
+    # the paired name and a copied device id, with a certificate fingerprint it made up
+    rogue = _announcement(name, device_id, fake, 9100)
+    registry = coordinator.registry
+    with ZeroconfDiscovery(registry, "127.0.0.1"):
+        order = [(_unique("rogue"), rogue), (_unique("real"), real)]
+        for service, announcement in order if rogue_first else order[::-1]:
+            port = announcement.profile.control_port
+            advertise(service, port, encode_txt(announcement))
+            fingerprint = announcement.profile.cert_fingerprint
+            assert registry.wait_for(
+                lambda ds, fp=fingerprint: fp in {d.fingerprint for d in ds}, 5.0
+            )
+        # the registry flags the rogue whoever announced first, and only the real one is used
+        flagged = {r.fingerprint: r.impostor_of for r in _mine(registry.devices(), name)}
+        assert flagged == {nas.fingerprint: None, fake: nas.fingerprint}
+        assert [r.fingerprint for r in coordinator.trust.trusted()] == [nas.fingerprint]
+        statuses = coordinator.statuses()
+        assert (statuses[nas.fingerprint], statuses[fake]) == (
+            ("paired", True),
+            ("impostor", True),
+        )
+
+
+def test_a_rogue_taking_over_the_instance_name_cannot_erase_the_paired_device(
+    tmp_path: Path,
+) -> None:
+    """mDNS does not stop a rogue from announcing the real agent's instance name."""
+    coordinator = Coordinator(tmp_path)
+    nas, fake = coordinator.pair("nas"), "e" * 64
+    registry = coordinator.registry
+    registry.announce(_announcement("nas", "a" * 16, nas.fingerprint, 9000), "127.0.0.1", "svc")
+    registry.announce(_announcement("nas", "a" * 16, fake, 9100), "10.0.0.9", "svc")
+    assert coordinator.trust.trusted() == []
+    assert coordinator.statuses() == {nas.fingerprint: ("paired", False), fake: ("impostor", True)}
+    # the real agent announces again: it is back, and still the only one used
+    registry.announce(_announcement("nas", "a" * 16, nas.fingerprint, 9000), "127.0.0.1", "svc")
+    assert [r.host for r in coordinator.trust.trusted()] == ["127.0.0.1"]
+
+
+def test_an_oversized_txt_record_is_refused_and_the_browser_keeps_running(
+    tmp_path: Path,
+    advertise,  # noqa: F811
+) -> None:
+    registry = DeviceRegistry()
+    big, good, late = _unique("big"), _unique("sbc"), _unique("late")
+    padding = {f"x{i:02d}": "p" * 200 for i in range(MAX_RECORD_BYTES // 200 + 1)}
+
+    def names() -> set[str]:
+        return {d.name for d in _mine(registry.devices(online_only=False), big, good, late)}
+
+    with ZeroconfDiscovery(registry, "127.0.0.1"):
+        # a record whose every required key is valid, padded past the size limit
+        oversized = encode_txt(_announcement(big, _hex(16), _hex(64), 9300))
+        advertise(big, 9300, {**oversized, **padding})
+        advertise(good, 9200, encode_txt(_announcement(good, _hex(16), _hex(64), 9200)))
+        assert registry.wait_for(lambda ds: good in {d.name for d in ds}, 5.0)
+        # still browsing: a device announced after the oversized record is seen too
+        advertise(late, 9400, encode_txt(_announcement(late, _hex(16), _hex(64), 9400)))
+        assert registry.wait_for(lambda ds: late in {d.name for d in ds}, 5.0)
+    assert names() == {good, late}

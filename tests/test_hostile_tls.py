@@ -1,0 +1,107 @@
+"""Peers with certificates from another CA, over real TLS sockets in one process.
+
+The stranger's certificate carries a name and role that would be accepted (``a0``, agent): only
+the issuing CA is wrong. The data-plane server refuses it during the handshake, before any frame
+reaches the handler, while an honest peer's connection that was already open keeps working; an
+agent's outgoing link refuses a next agent whose certificate comes from another CA. The control
+plane uses the same server context (``test_agent_process`` checks it on a running agent).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import ssl
+from pathlib import Path
+
+import numpy as np
+import pytest
+from agent_helpers import TestCA
+from test_agent_links import _identity
+
+from edge_agent.channel import FrameChannel, FrameServer
+from edge_agent.errors import LinkError
+from edge_agent.links import PeerLink
+from edge_agent.tls import client_context, server_context
+from protocols.deploy import Hop
+from protocols.frames import FrameHeader, encode_frame
+
+pytestmark = pytest.mark.timeout(60)
+
+
+async def _until(predicate, what: str) -> None:  # type: ignore[no-untyped-def]
+    for _ in range(250):
+        if predicate():
+            return
+        await asyncio.sleep(0.02)
+    raise AssertionError(f"timed out waiting for {what}")
+
+
+def test_a_peer_from_another_ca_is_refused_and_others_keep_being_served(tmp_path: Path) -> None:
+    ca, other_ca = TestCA(tmp_path / "ca"), TestCA(tmp_path / "other")
+    receiver, honest = _identity(ca, "a1", tmp_path), _identity(ca, "a0", tmp_path)
+    stranger = _identity(other_ca, "a0", tmp_path / "stranger")  # same name, wrong CA
+    received: list[str] = []
+
+    async def record(channel: FrameChannel) -> None:
+        while (item := await channel.read()) is not None:
+            received.append(item[0].header.request_id)
+
+    async def main() -> None:
+        server = FrameServer(record, server_context(receiver), 1 << 20)
+        port = await server.start("127.0.0.1", 0)
+        hop = Hop(device="a1", host="127.0.0.1", data_port=port)
+        link = PeerLink(hop, client_context(honest), 1 << 20)
+        tensor = {"t": np.arange(4, dtype=np.float32)}
+        await link.send(FrameHeader(request_id="before"), tensor)
+        await _until(lambda: received == ["before"], "the honest frame")
+
+        ctx = client_context(stranger)
+        ctx.check_hostname = False
+        ctx.verify_mode = ssl.CERT_NONE  # the stranger does not even check the server
+        with pytest.raises((ssl.SSLError, ConnectionError, asyncio.IncompleteReadError)):
+            reader, writer = await asyncio.open_connection("127.0.0.1", port, ssl=ctx)
+            try:
+                writer.write(encode_frame(FrameHeader(request_id="stranger"), tensor))
+                await writer.drain()
+                await asyncio.wait_for(reader.readexactly(1), 5)
+            finally:
+                writer.close()
+
+        await link.send(FrameHeader(request_id="after"), tensor)  # the same open connection
+        await _until(lambda: received == ["before", "after"], "the honest frame after")
+        await link.close()
+        await server.close()
+
+    asyncio.run(main())
+    assert "stranger" not in received
+
+
+def test_a_link_refuses_a_next_agent_from_another_ca(tmp_path: Path) -> None:
+    ca, other_ca = TestCA(tmp_path / "ca"), TestCA(tmp_path / "other")
+    sender = _identity(ca, "a0", tmp_path)
+    fake_next = _identity(other_ca, "a1", tmp_path / "fake")  # the right name, wrong CA
+    reached: list[str] = []
+
+    async def record(channel: FrameChannel) -> None:
+        while (item := await channel.read()) is not None:
+            reached.append(item[0].header.request_id)
+
+    async def main() -> None:
+        server = FrameServer(record, server_context(fake_next), 1 << 20)
+        port = await server.start("127.0.0.1", 0)
+        link = PeerLink(
+            Hop(device="a1", host="127.0.0.1", data_port=port),
+            client_context(sender),
+            1 << 20,
+            attempts=2,
+            backoff_s=0.01,
+        )
+        try:
+            with pytest.raises(LinkError, match="certificate verify failed"):
+                await link.send(FrameHeader(request_id="secret"), {})
+        finally:
+            await link.close()
+            await server.close()
+
+    asyncio.run(main())
+    assert reached == []
