@@ -39,8 +39,6 @@ _INTEGER_TYPES = frozenset(
         onnx.TensorProto.BOOL,
     }
 )
-DEFAULT_SESSIONS = SessionLimits(max_sessions=4, max_context=1024)
-"""What a decoder's stages reserve KV memory for unless told otherwise."""
 
 
 @dataclass(frozen=True)

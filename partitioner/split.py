@@ -22,7 +22,6 @@ from partitioner.calibrate import (
 )
 from partitioner.costs import ShapeTable
 from partitioner.decoding import (
-    DEFAULT_SESSIONS,
     DecoderLayout,
     decoder_layout,
     describe_state,
@@ -42,7 +41,14 @@ from partitioner.shapes import infer_shapes, symbolic_types
 from partitioner.units import DEFAULT_MAX_UNITS, UnitPlan, build_units
 from partitioner.verify import DEFAULT_TOLERANCE, VerifyResult, verify_chain
 from protocols.devices import DeviceList
-from protocols.manifest import Manifest, ModelInfo, SegmentEntry, SessionLimits, TensorInfo
+from protocols.manifest import (
+    DEFAULT_SESSIONS,
+    Manifest,
+    ModelInfo,
+    SegmentEntry,
+    SessionLimits,
+    TensorInfo,
+)
 from protocols.plan import Objective, Plan
 from protocols.problem import PlanningProblem
 

@@ -13,6 +13,8 @@ import dataclasses
 from pathlib import Path
 from typing import Any
 
+from protocols.manifest import DEFAULT_SESSIONS
+
 EXIT_BAD_INPUT = 1
 EXIT_INFEASIBLE = 3
 EXIT_VERIFY_FAILED = 4
@@ -67,6 +69,20 @@ def register(subparsers: Any) -> None:
         help="feed model inputs straight to the segments using them (no pass-through)",
     )
     split.add_argument(
+        "--sessions",
+        type=_positive_int,
+        default=DEFAULT_SESSIONS.max_sessions,
+        metavar="N",
+        help="decoders: concurrent generation sessions every stage reserves KV cache for (4)",
+    )
+    split.add_argument(
+        "--context",
+        type=_positive_int,
+        default=DEFAULT_SESSIONS.max_context,
+        metavar="TOKENS",
+        help="decoders: tokens per session (prompt plus generated) the KV cache holds (1024)",
+    )
+    split.add_argument(
         "--calibrate",
         action="store_true",
         help="time every unit in ONNX Runtime here and plan with the measured compute shares",
@@ -110,14 +126,33 @@ def register(subparsers: Any) -> None:
     export = subparsers.add_parser(
         "export",
         help="export a packaged model to ONNX",
-        description="Export a packaged model (real weights) to ONNX with dynamic axes.",
+        description=(
+            "Export a packaged model (real weights) to ONNX with dynamic axes. minilm writes "
+            "OUT.onnx; the decoders (gemma3-270m, tiny-gemma3, tiny-llama) write the directory "
+            "OUT with model.onnx, decoder.json and the tokenizer files."
+        ),
     )
     from partitioner.frontdoor import FRONT_DOORS
 
     export.add_argument("name", choices=sorted(FRONT_DOORS), help="which model")
-    export.add_argument("out", type=Path, metavar="OUT.onnx")
+    export.add_argument("out", type=Path, metavar="OUT", help="OUT.onnx (minilm) or OUT_DIR")
     export.add_argument(
-        "--pooled", action="store_true", help="also output the normalised sentence embedding"
+        "--pooled", action="store_true", help="minilm: also output the sentence embedding"
+    )
+    export.add_argument(
+        "--top-k",
+        type=_positive_int,
+        default=64,
+        metavar="K",
+        help="decoders: next-token candidates the graph returns (64)",
+    )
+    export.add_argument(
+        "--cache-dir",
+        type=Path,
+        default=None,
+        metavar="DIR",
+        help="decoders: converted checkpoints kept between runs ($FEDSHARD_CACHE, else "
+        "~/.cache/fedshard)",
     )
     export.set_defaults(run=run_export)
 
@@ -175,6 +210,7 @@ def run_split(args: argparse.Namespace) -> int:
     from partitioner.split import SplitOptions, split_model
     from protocols.devices import DeviceList
     from protocols.errors import SchemaError
+    from protocols.manifest import SessionLimits
     from protocols.plan import Objective
 
     console = Console()
@@ -194,6 +230,7 @@ def run_split(args: argparse.Namespace) -> int:
         samples_path=args.inputs,
         max_units=args.max_units,
         carry_io=False if args.direct_io else None,
+        sessions=SessionLimits(max_sessions=args.sessions, max_context=args.context),
         calibrate=args.calibrate,
         calibration_runs=args.calibration_runs,
         calibration_threads=args.calibration_threads,
@@ -327,20 +364,30 @@ def _layout(plan: Any) -> list[tuple[str, int, int]]:
 
 def run_export(args: argparse.Namespace) -> int:
     """Handler of ``fedshard export``."""
+    import os
+
     from rich.console import Console
 
+    from partitioner.decoders.cache import CACHE_ENV, default_cache_dir
+    from partitioner.decoders.progress import RichSteps
+    from partitioner.decoders.sources import DECODER_NAMES
     from partitioner.errors import GraphError
     from partitioner.frontdoor import FRONT_DOORS
 
     console = Console()
+    options: dict[str, Any] = {"pooled": args.pooled}
+    if args.name in DECODER_NAMES:
+        cache_dir = args.cache_dir or default_cache_dir(os.environ.get(CACHE_ENV))
+        options = {"top_k": args.top_k, "cache_dir": cache_dir, "steps": RichSteps(console)}
     try:
-        result = FRONT_DOORS[args.name](args.out, pooled=args.pooled)
+        result = FRONT_DOORS[args.name](args.out, **options)
     except (GraphError, OSError) as exc:
         console.print(f"[red]error:[/] {exc}")
         return EXIT_BAD_INPUT
+    outputs = list(result.outputs)
+    shown = ", ".join(outputs if len(outputs) <= 4 else [*outputs[:3], f"... ({len(outputs)})"])
     console.print(
         f"wrote {result.path} ({_size(result.param_bytes)} of weights, outputs "
-        f"{', '.join(result.outputs)}); ONNX Runtime vs PyTorch max abs diff "
-        f"{result.max_abs_diff:.3g}"
+        f"{shown}); ONNX Runtime vs PyTorch max abs diff {result.max_abs_diff:.3g}"
     )
     return 0

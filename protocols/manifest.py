@@ -76,6 +76,10 @@ class SessionLimits(FrozenModel):
     """A session with no step for this long is ended and its state freed."""
 
 
+DEFAULT_SESSIONS = SessionLimits(max_sessions=4, max_context=1024)
+"""What a decoder's stages reserve KV memory for unless told otherwise."""
+
+
 class Manifest(FrozenModel):
     """The ``DIR/manifest.json`` document."""
 
