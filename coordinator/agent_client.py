@@ -49,9 +49,9 @@ class AgentClient:
     def __init__(self, ctx: ssl.SSLContext) -> None:
         self._ctx = ctx
 
-    def status(self, agent: AgentAddress) -> AgentStatus:
+    def status(self, agent: AgentAddress, timeout: float = DEFAULT_TIMEOUT_S) -> AgentStatus:
         """``GET /v1/status``."""
-        return self._call(agent, "GET", "/v1/status", b"", AgentStatus)
+        return self._call(agent, "GET", "/v1/status", b"", AgentStatus, timeout)
 
     def deploy(self, agent: AgentAddress, body: bytes) -> DeployReport:
         """``POST /v1/deploy`` with a body from :func:`protocols.deploy.encode_deploy_body`."""
@@ -68,6 +68,14 @@ class AgentClient:
         return self._call(
             agent, "POST", "/v1/probe", request.model_dump_json().encode(), ProbeReport
         )
+
+    def metrics(self, agent: AgentAddress) -> str:
+        """``GET /metrics``: the agent's Prometheus text exposition."""
+        status, data = _request(agent, "GET", "/metrics", b"", self._ctx, 10.0, check=True)
+        if status != 200:
+            message = data[:200].decode(errors="replace")
+            raise AgentRefusedError(agent.device, status, "HttpError", message)
+        return data.decode("utf-8", errors="replace")
 
     def revocations(self, agent: AgentAddress, revoked: Revocations) -> AgentStatus:
         """``POST /v1/revocations``: install the complete revocation list."""

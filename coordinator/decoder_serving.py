@@ -13,7 +13,10 @@ from an empty cache, compared with the same prefill run here.
 from __future__ import annotations
 
 import asyncio
+import logging
+import secrets
 import threading
+import time
 from collections.abc import Callable, Mapping, Sequence
 from pathlib import Path
 from typing import Any
@@ -22,7 +25,13 @@ import numpy as np
 
 from coordinator.dataplane import ChainClient, DataPlane, SessionStep
 from coordinator.deployments import DeploymentStore, VersionRecord
-from coordinator.errors import CoordinatorError, NotServableError, RequestError
+from coordinator.errors import (
+    AgentError,
+    CapacityError,
+    CoordinatorError,
+    NotServableError,
+    RequestError,
+)
 from coordinator.generation.backend import GenerationModel, TopCandidates
 from coordinator.generation.tokenizer import ChatTokenizer
 from protocols.decoder import (
@@ -37,8 +46,11 @@ from protocols.decoder import (
 from protocols.errors import ProtocolError
 from protocols.manifest import Manifest
 
+log = logging.getLogger(__name__)
 Arrays = dict[str, np.ndarray[Any, Any]]
 STEP_TIMEOUT_S = 60.0
+RECOVERY_S = 60.0
+"""How long a step may wait, in all, for a broken chain to be re-planned and replayed."""
 
 
 def step_inputs(position: int, token_ids: Sequence[int]) -> Arrays:
@@ -75,56 +87,137 @@ def health_feeds(manifest: Manifest, samples: Mapping[str, Any]) -> tuple[Arrays
     return wire, local
 
 
-class ChainDecoderBackend:
-    """A :class:`~coordinator.generation.backend.DecoderBackend` over one deployed chain.
+ClientOf = Callable[[float], tuple[VersionRecord, ChainClient]]
+"""The version to step on and its chain client; may wait (until a monotonic deadline) for a
+re-plan after a device was lost."""
+FailureReport = Callable[[VersionRecord, CoordinatorError], None]
 
-    ``client`` returns the chain client of the model's live version (looked up per step, so a
-    new version takes over between sessions' steps); calls run on the data-plane loop.
+
+class ChainDecoderBackend:
+    """A :class:`~coordinator.generation.backend.DecoderBackend` over one model's chain.
+
+    It remembers every token each session's stages hold. When a step fails because the chain
+    broke (an agent lost, a stage that no longer knows the session), it reports the failure,
+    takes the version the failover hands out (the same chain, or a re-planned one) and
+    *replays*: the whole history, prefilled under a fresh session id, rebuilds every stage's KV
+    cache, as Petals does, and the step's answer comes from that. The continuation is the one
+    an uninterrupted session would have produced.
     """
 
     def __init__(
-        self, plane: DataPlane, client: Callable[[], ChainClient], timeout: float = STEP_TIMEOUT_S
+        self,
+        plane: DataPlane,
+        client_of: ClientOf,
+        failed: FailureReport,
+        timeout: float = STEP_TIMEOUT_S,
+        recovery_s: float = RECOVERY_S,
     ) -> None:
         self._plane = plane
-        self._client = client
+        self._client_of = client_of
+        self._failed = failed
         self._timeout = timeout
+        self._recovery_s = recovery_s
+        self._history: dict[str, list[int]] = {}
+        self._wire: dict[str, tuple[str, int]] = {}
+        """Per session: the id its stages know it by, and the plan version holding it."""
 
     async def step(self, session: str, position: int, token_ids: Sequence[int]) -> TopCandidates:
         """One step of ``session`` through the chain; its next-token candidates."""
+        history = self._history.setdefault(session, [])
+        if position != len(history):
+            raise RequestError(f"session {session!r} holds {len(history)} tokens, not {position}")
+        deadline = time.monotonic() + self._recovery_s
+        version, client = await asyncio.to_thread(self._client_of, deadline)
+        wire, held_on = self._wire.setdefault(session, (session, version.plan_version))
         tensors = step_inputs(position, token_ids)
-        out = await self._call(tensors, SessionStep(session, position))
-        if TOP_LOGITS not in out or TOP_IDS not in out:
-            raise NotServableError(f"the chain answered without {TOP_LOGITS}/{TOP_IDS}")
-        return TopCandidates.of(out[TOP_LOGITS], out[TOP_IDS])
+        if held_on == version.plan_version:
+            try:
+                out = await self._call(client, tensors, SessionStep(wire, position))
+            except (AgentError, NotServableError) as exc:
+                if isinstance(exc, CapacityError) or (position == 0 and not _lost(exc)):
+                    raise
+                await asyncio.to_thread(self._failed, version, exc)
+                log.warning(
+                    "session %s lost its chain (%s); replaying %d tokens",
+                    session,
+                    exc,
+                    position + len(token_ids),
+                )
+                out = await self._replay(session, [*history, *token_ids], deadline)
+        else:
+            out = await self._replay(session, [*history, *token_ids], deadline)
+        history.extend(token_ids)
+        return _candidates(out)
+
+    async def _replay(self, session: str, tokens: list[int], deadline: float) -> Arrays:
+        """Prefill ``tokens`` under a fresh id on the version in service now."""
+        while True:
+            version, client = await asyncio.to_thread(self._client_of, deadline)
+            wire = f"{session}~{secrets.token_hex(4)}"
+            try:
+                out = await self._call(client, step_inputs(0, tokens), SessionStep(wire, 0))
+            except (AgentError, NotServableError) as exc:
+                if isinstance(exc, CapacityError) or time.monotonic() > deadline:
+                    raise
+                await asyncio.to_thread(self._failed, version, exc)
+                continue
+            self._wire[session] = (wire, version.plan_version)
+            return out
 
     async def end(self, session: str) -> None:
-        """Free ``session``'s cache on every stage."""
-        await self._call({}, SessionStep(session, end=True))
+        """Free ``session``'s cache on every stage that holds it."""
+        self._history.pop(session, None)
+        wire, held_on = self._wire.pop(session, (session, 0))
+        try:
+            version, client = await asyncio.to_thread(self._client_of, time.monotonic())
+            if version.plan_version == held_on:
+                await self._call(client, {}, SessionStep(wire, end=True))
+        except CoordinatorError as exc:  # its stages drop it when it times out
+            log.info("could not end session %s: %s", session, exc)
 
-    async def _call(self, tensors: Arrays, session: SessionStep) -> Arrays:
-        client = self._client()
+    async def _call(self, client: ChainClient, tensors: Arrays, session: SessionStep) -> Arrays:
         future = self._plane.submit(client.infer_async(tensors, self._timeout, session))
         return await asyncio.wrap_future(future)
+
+
+def _lost(error: CoordinatorError) -> bool:
+    """Whether a failure means the chain (not the request) is broken."""
+    return (
+        isinstance(error, AgentError)
+        or "SessionStateError" in str(error)
+        or ("LinkError" in str(error))
+    )
+
+
+def _candidates(out: Arrays) -> TopCandidates:
+    if TOP_LOGITS not in out or TOP_IDS not in out:
+        raise NotServableError(f"the chain answered without {TOP_LOGITS}/{TOP_IDS}")
+    return TopCandidates.of(out[TOP_LOGITS], out[TOP_IDS])
 
 
 class DecoderModels:
     """The generation API's model lookup: deployed models whose directory holds a
     ``decoder.json`` (what ``fedshard export`` writes for a decoder) and a tokenizer.
 
-    ``client_of`` gives the chain client of a model's live version; ``planned_context`` the
-    context length the live version's stages reserved KV memory for (None when unknown).
+    ``client_of`` gives the version to use and its chain client (see :data:`ClientOf`),
+    ``failed`` hears of broken chains, ``planned_context`` gives the context length a version's
+    stages reserved KV memory for (None when unknown). One backend per model keeps its
+    sessions' histories.
     """
 
     def __init__(
         self,
         store: DeploymentStore,
         plane: DataPlane,
-        client_of: Callable[[str], ChainClient],
+        client_of: Callable[[str, float], tuple[VersionRecord, ChainClient]],
+        failed: FailureReport,
         planned_context: Callable[[VersionRecord], int | None] = lambda _: None,
     ) -> None:
         self._store = store
         self._plane = plane
         self._client_of = client_of
+        self._failed = failed
+        self._backends: dict[str, ChainDecoderBackend] = {}
         self._planned_context = planned_context
         self._loaded: dict[tuple[str, str], tuple[ChatTokenizer, DecoderInfo]] = {}
         self._lock = threading.Lock()
@@ -145,7 +238,11 @@ class DecoderModels:
         planned = self._planned_context(version)
         if planned is not None and planned < info.max_context:
             info = info.model_copy(update={"max_context": planned})
-        backend = ChainDecoderBackend(self._plane, lambda: self._client_of(model_id))
+        backend = self._backends.get(model_id)
+        if backend is None:
+            backend = self._backends[model_id] = ChainDecoderBackend(
+                self._plane, lambda deadline: self._client_of(model_id, deadline), self._failed
+            )
         return GenerationModel(backend=backend, tokenizer=tokenizer, info=info)
 
     def _load(self, model_id: str, directory: Path) -> tuple[ChatTokenizer, DecoderInfo] | None:

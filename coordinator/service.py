@@ -94,7 +94,11 @@ def serve(config: CoordinatorConfig, console: Console) -> int:
             state_dir=config.state_dir,
             training=coordinator_runs(config.state_dir, ca, deployer, store),
             generation=DecoderModels(
-                store, plane, router.chain_client, planned_context(deployer.segment_dir)
+                store,
+                plane,
+                router.chain_client,
+                router.chain_failed,
+                planned_context(deployer.segment_dir),
             ),
         )
     )

@@ -135,9 +135,15 @@ class Router:
             self._drop(version.plan_version, client)
             raise
 
-    def chain_client(self, model_id: str) -> ChainClient:
-        """The chain client of the model's live version (generation steps use it directly)."""
-        return self._client(self._store.active(model_id))
+    def chain_client(self, model_id: str, deadline: float) -> tuple[VersionRecord, ChainClient]:
+        """The version to use now and its chain client, for callers that drive the chain
+        themselves (generation steps); may wait until ``deadline`` for a re-plan."""
+        version = self._guard.current(model_id, deadline)
+        return version, self._client(version)
+
+    def chain_failed(self, version: VersionRecord, error: CoordinatorError) -> None:
+        """Report a failure on ``version``'s chain seen by such a caller."""
+        self._guard.failed(version, error)
 
     def health(self, chain: list[Hop], plan_version: int, feeds: Arrays) -> Arrays:
         """A request into a chain that is not active yet (the deployer's health check)."""

@@ -1,0 +1,379 @@
+"""The web console in a real browser: Debian's Chromium driven by Playwright, headless.
+
+One module-scoped lab: a coordinator and three unpaired agents as real processes on 127.0.0.1.
+The tests run in order on one page, as an operator would: sign in with the token, approve the
+agents by their pairing codes, deploy MiniLM under caps that force three stages and read its
+plan, compare sentences in the playground, watch live metrics move under load, and follow a
+training run's charts. Screenshots go to ``tests/artifacts/`` (git-ignored).
+
+The training test first reads the coordinator's own (empty) run list, then serves a run from
+the page's network layer (Playwright routes) with documents built from :mod:`protocols.training`:
+a real federated run takes minutes and needs agents with training data. Everything else talks to
+the real coordinator.
+"""
+
+from __future__ import annotations
+
+import re
+import secrets
+import shutil
+import subprocess
+import threading
+from collections.abc import Iterator
+from dataclasses import dataclass
+from pathlib import Path
+
+import httpx
+import pytest
+from agent_helpers import AgentProc, minilm_model
+from coordinator_helpers import (
+    CoordinatorProc,
+    pairing_code,
+    start_coordinator,
+    stop_process,
+    unpaired_agents,
+    wait_for,
+)
+
+from protocols.training import (
+    RunList,
+    RunRound,
+    RunStatus,
+    TrainingRunCreated,
+    TrainingRunRequest,
+)
+
+pytestmark = [pytest.mark.slow, pytest.mark.timeout(400)]
+playwright_api = pytest.importorskip("playwright.sync_api")
+expect = playwright_api.expect
+expect.set_options(timeout=20_000)
+
+CHROMIUM = Path("/usr/bin/chromium")
+ARTIFACTS = Path(__file__).resolve().parent / "artifacts"
+MODEL_ID = "all-minilm-l6-v2"
+CAPS_MB = (70, 30, 30)
+"""Planning caps that force three stages: MiniLM's ~90 MB fit on no single device, nor two."""
+CHROMIUM_ARGS = [
+    "--no-sandbox",
+    "--disable-gpu",
+    "--disable-dev-shm-usage",
+    "--disable-background-networking",
+    "--disable-component-update",
+    "--disable-sync",
+    "--no-first-run",
+]
+
+
+@dataclass
+class Lab:
+    coordinator: CoordinatorProc
+    agents: list[AgentProc]
+    model: Path
+
+    def api(self) -> httpx.Client:
+        return self.coordinator.client()
+
+
+@pytest.fixture(scope="session")
+def chromium() -> Path:
+    """Debian's Chromium, installed with apt when missing (never ``playwright install``)."""
+    if not CHROMIUM.exists():
+        if shutil.which("apt-get") is None:
+            pytest.fail("Chromium is missing and apt-get is not available to install it")
+        done = subprocess.run(
+            ["apt-get", "install", "-y", "chromium"],
+            capture_output=True,
+            text=True,
+            timeout=900,
+            check=False,
+        )
+        if done.returncode != 0 or not CHROMIUM.exists():
+            pytest.fail(
+                "`apt-get install -y chromium` failed; the console's browser tests need "
+                f"Debian's Chromium at {CHROMIUM}:\n{done.stdout[-2000:]}\n{done.stderr[-2000:]}"
+            )
+    return CHROMIUM
+
+
+@pytest.fixture(scope="module")
+def lab(request: pytest.FixtureRequest, tmp_path_factory: pytest.TempPathFactory) -> Iterator[Lab]:
+    pytest.importorskip("transformers")
+    model = minilm_model(Path(request.config.cache.mkdir("fedshard-minilm")))
+    tmp = tmp_path_factory.mktemp("console-browser")
+    suffix = secrets.token_hex(3)  # other tests on this host advertise agents too
+    coordinator = start_coordinator(tmp)
+    try:
+        names = [f"{role}-{suffix}" for role in ("nas", "laptop", "sbc")]
+        with unpaired_agents(tmp, names, "512MiB") as agents:
+            lab = Lab(coordinator, agents, model)
+            with lab.api() as api:
+
+                def waiting() -> bool:
+                    pending = api.get("/v1/pairing").json()["pending"]
+                    return set(names) <= {p["name"] for p in pending}
+
+                assert wait_for(waiting, 30), api.get("/v1/pairing").text
+            yield lab
+    finally:
+        stop_process(coordinator.proc)
+
+
+@pytest.fixture(scope="module")
+def page(chromium: Path, lab: Lab) -> Iterator[object]:
+    ARTIFACTS.mkdir(exist_ok=True)
+    with playwright_api.sync_playwright() as p:
+        browser = p.chromium.launch(
+            executable_path=str(chromium), headless=True, args=CHROMIUM_ARGS
+        )
+        context = browser.new_context(viewport={"width": 1280, "height": 900})
+        page = context.new_page()
+        page.set_default_timeout(20_000)
+        outside: list[str] = []
+        page.on(
+            "request",
+            lambda r: None if r.url.startswith(lab.coordinator.url) else outside.append(r.url),
+        )
+        page.outside = outside  # type: ignore[attr-defined]
+        try:
+            yield page
+        finally:
+            context.close()
+            browser.close()
+
+
+def _note_outside(url: str, home: str, outside: list[str]) -> None:
+    """Record a request the page made to anywhere but the coordinator (there must be none)."""
+    if not url.startswith(home + "/"):
+        outside.append(url)
+
+
+def shot(page: object, name: str) -> None:
+    page.screenshot(path=str(ARTIFACTS / f"{name}.png"), full_page=True)  # type: ignore[attr-defined]
+
+
+def tab(page: object, name: str) -> None:
+    page.get_by_role("tab", name=name).click()  # type: ignore[attr-defined]
+
+
+def test_sign_in_with_the_token(page, lab: Lab) -> None:  # type: ignore[no-untyped-def]
+    page.goto(lab.coordinator.url + "/")
+    expect(page.locator("#login")).to_be_visible()
+    page.get_by_label("API token").fill("not-the-token")
+    page.get_by_role("button", name="Sign in").click()
+    expect(page.locator("#login-status")).to_contain_text("not accepted")
+    shot(page, "01-login-refused")
+    page.goto(f"{lab.coordinator.url}/?token={lab.coordinator.token}")
+    expect(page.get_by_role("tab", name="Devices")).to_have_attribute("aria-selected", "true")
+    assert "token=" not in page.url  # taken out of the address bar
+    for agent in lab.agents:  # other tests' agents on this host may be waiting too
+        expect(page.locator(f'#pending-table tr[data-device="{agent.name}"]')).to_have_count(1)
+    shot(page, "02-signed-in")
+    assert page.outside == []  # type: ignore[attr-defined]
+
+
+def test_approve_a_pairing_by_its_code(page, lab: Lab) -> None:  # type: ignore[no-untyped-def]
+    tab(page, "Devices")
+    first = lab.agents[0]
+    page.get_by_label("Device", exact=True).select_option(first.name)
+    code = pairing_code(first)
+    page.get_by_label("Pairing code").fill("AAAA-AAAA" if code != "AAAA-AAAA" else "BBBB-BBBB")
+    page.get_by_role("button", name="Approve", exact=True).click()
+    expect(page.locator("#approve-status")).to_contain_text("does not match")
+    assert "Traceback" not in page.content()
+    for agent in lab.agents:
+        row = page.locator("#pending-table tr", has_text=agent.name)
+        expect(row).to_contain_text(pairing_code(agent))  # the code the agent shows
+        row.get_by_role("button", name="Approve…").click()
+        page.get_by_label("Pairing code").fill(pairing_code(agent))
+        page.get_by_label("Pairing code").press("Enter")
+        expect(page.locator("#approve-status")).to_contain_text(f"{agent.name} is paired")
+    rows = page.locator("#paired-table tbody tr[data-device]")
+    expect(rows).to_have_count(3, timeout=30_000)
+    expect(page.locator("#paired-table")).to_contain_text("online")
+    shot(page, "03-paired")
+
+
+def test_deploy_minilm_and_see_three_stages(page, lab: Lab) -> None:  # type: ignore[no-untyped-def]
+    tab(page, "Models")
+    page.get_by_label("ONNX file on the coordinator's host").fill("/no/such/model.onnx")
+    page.get_by_role("button", name="Deploy", exact=True).click()
+    expect(page.locator("#deploy-status")).to_contain_text("no model file")
+    page.get_by_label("ONNX file on the coordinator's host").fill(str(lab.model))
+    page.get_by_label("Model id (optional)").fill(MODEL_ID)
+    for agent, cap in zip(lab.agents, CAPS_MB, strict=True):
+        page.locator("#deploy-caps").get_by_label(agent.name).fill(str(cap))
+    page.get_by_role("button", name="Deploy", exact=True).click()
+    expect(page.locator("#deploy-status")).to_contain_text("is live on 3 stage(s)", timeout=300_000)
+    expect(page.locator(f'article.model[data-model="{MODEL_ID}"] .lineage li')).to_have_count(1)
+    shot(page, "04-deployed")
+
+    tab(page, "Plan")
+    stages = page.locator("#plan-stages article.stage")
+    expect(stages).to_have_count(3)
+    for k in range(3):
+        card = stages.nth(k)
+        for kind in ("budget", "predicted", "measured"):
+            expect(card.locator(f"svg.memory-bars rect.hbar.{kind}")).to_have_count(1)
+        expect(card.locator(".units")).to_contain_text(re.compile(r"units \d+–\d+ of \d+"))
+    expect(page.locator("#plan-stages article.stage.bottleneck")).to_have_count(1)
+    devices = [stages.nth(k).get_attribute("data-device") for k in range(3)]
+    assert sorted(devices) == sorted(a.name for a in lab.agents)
+    shot(page, "05-plan")
+
+    dropped = devices[2]
+    page.locator(f'#whatif-table tr[data-device="{dropped}"]').get_by_label(
+        f"drop {dropped}"
+    ).check()
+    page.get_by_role("button", name="Show the new plan").click()
+    expect(page.locator("#whatif-status")).to_contain_text("The new plan uses", timeout=60_000)
+    result = page.locator("#whatif-result article.stage")
+    assert 1 <= result.count() <= 2
+    assert dropped not in [
+        result.nth(k).get_attribute("data-device") for k in range(result.count())
+    ]
+    shot(page, "06-what-if")
+
+
+def test_link_topology_shows_bandwidth(page, lab: Lab) -> None:  # type: ignore[no-untyped-def]
+    tab(page, "Devices")
+    expect(page.locator("#topology line.edge")).to_have_count(3, timeout=30_000)
+    expect(page.locator("#topology .edge-label").first).to_contain_text(re.compile(r"[MGT]bit/s"))
+    expect(page.locator("#topology g.node")).to_have_count(3)
+    shot(page, "07-topology")
+
+
+def test_playground_similarity_matrix(page, lab: Lab) -> None:  # type: ignore[no-untyped-def]
+    tab(page, "Playground")
+    expect(page.locator("#no-decoder")).to_be_visible()  # MiniLM is an encoder
+    page.get_by_role("tabpanel", name="Playground").get_by_label("Model").select_option(MODEL_ID)
+    page.get_by_role("button", name="Compare").click()
+    expect(page.locator("#similarity-status")).to_contain_text("384 dimensions", timeout=60_000)
+    cells = page.locator("#similarity g.cell text")
+    expect(cells).to_have_count(16)
+    values = [float(cells.nth(k).text_content() or "nan") for k in range(16)]
+    assert all(abs(values[k * 5] - 1.0) < 0.01 for k in range(4))  # the diagonal
+    assert values[1] > 0.6 > values[2]  # the two fox sentences are alike, Paris is not
+    shot(page, "08-similarity")
+
+
+def test_live_metrics_move_under_load(page, lab: Lab) -> None:  # type: ignore[no-untyped-def]
+    tab(page, "Live")
+    expect(page.locator("#live-stages article.stage")).to_have_count(3, timeout=30_000)
+    before = int(page.locator("#live-total").text_content() or "0")
+    stop = threading.Event()
+
+    def load() -> None:
+        with lab.api() as api:
+            while not stop.is_set():
+                api.post("/v1/embeddings", json={"model": MODEL_ID, "input": ["load", "more"]})
+
+    workers = [threading.Thread(target=load) for _ in range(2)]
+    for worker in workers:
+        worker.start()
+    try:
+        expect(page.locator("#live-total")).not_to_have_text(str(before), timeout=20_000)
+        expect(page.locator("#live-rps")).not_to_have_text(
+            re.compile(r"^(–|0\.0)$"), timeout=20_000
+        )
+        expect(page.locator("#live-p95")).to_contain_text("ms")
+        compute = page.locator("#live-stages article.stage").first.locator("text.value").first
+        expect(compute).not_to_have_text("–", timeout=20_000)
+        expect(page.locator("#live-rps-chart polyline")).to_have_count(1, timeout=20_000)
+        shot(page, "09-live")
+    finally:
+        stop.set()
+        for worker in workers:
+            worker.join(timeout=60)
+    after = int(page.locator("#live-total").text_content() or "0")
+    assert after > before
+
+
+class ContractRuns:
+    """The training-run API as its contract (protocols.training) says, one round per 2 polls."""
+
+    run_id = "run-console-test"
+
+    def __init__(self, rounds: int) -> None:
+        self.rounds = rounds
+        self.started = False
+        self.polls = 0
+        self.asked: list[dict[str, object]] = []
+
+    def status(self) -> RunStatus:
+        self.polls += 1
+        done = min(self.rounds, self.polls // 2 + 1)
+        rounds = [
+            RunRound(
+                round=r,
+                loss=1.5 / r,
+                accuracy=0.5 + 0.08 * r,
+                epsilon=1.8 * r,
+                clients=3,
+                bytes_uploaded=120_000 * r,
+                seconds=2.5,
+            )
+            for r in range(1, done + 1)
+        ]
+        state = "finished" if done == self.rounds else "running"
+        return RunStatus(run_id=self.run_id, status=state, rounds=rounds)
+
+    def handle(self, route) -> None:  # type: ignore[no-untyped-def]
+        request = route.request
+        if request.method == "POST":
+            self.asked.append(
+                TrainingRunRequest.model_validate_json(request.post_data).model_dump()
+            )
+            self.started = True
+            body = TrainingRunCreated(run_id=self.run_id).model_dump_json()
+        elif request.url.split("?")[0].endswith("/runs"):
+            body = RunList(runs=[self.status()] if self.started else []).model_dump_json()
+        else:
+            body = self.status().model_dump_json()
+        route.fulfill(status=200, content_type="application/json", body=body)
+
+
+def test_training_chart_gains_points(page, lab: Lab) -> None:  # type: ignore[no-untyped-def]
+    tab(page, "Training")  # first the coordinator's own training API: no run yet
+    expect(page.locator("#train-summary")).to_contain_text("No run yet")
+    runs = ContractRuns(rounds=5)
+    page.route("**/v1/training/runs**", runs.handle)
+    try:
+        page.get_by_label("Rounds").fill("5")
+        page.get_by_label("Differential privacy").uncheck()
+        page.get_by_label("Differential privacy").check()
+        page.get_by_role("button", name="Start a run").click()
+        expect(page.locator("#train-status")).to_contain_text(f"Run {runs.run_id} started")
+        assert runs.asked == [
+            {"rounds": 5, "secure_aggregation": True, "dp": True, "rollout_every": None}
+        ]
+        points = page.locator("#train-loss circle.pt")
+        expect(points).not_to_have_count(0)
+        first = points.count()
+        expect(points).to_have_count(5, timeout=30_000)
+        assert first < 5  # the chart gained points while the run went on
+        expect(page.locator("#train-epsilon circle.pt")).to_have_count(5)
+        expect(page.locator("#train-accuracy circle.pt")).to_have_count(5)
+        expect(page.locator("#train-clients rect.bar")).to_have_count(5)
+        expect(page.locator("#train-bytes rect.bar")).to_have_count(5)
+        expect(page.locator("#train-summary")).to_contain_text("finished")
+        shot(page, "10-training")
+    finally:
+        page.unroute("**/v1/training/runs**")
+
+
+def test_keyboard_and_phone_width(page, lab: Lab) -> None:  # type: ignore[no-untyped-def]
+    tab(page, "Devices")
+    page.get_by_role("tab", name="Devices").focus()
+    page.keyboard.press("ArrowRight")
+    expect(page.get_by_role("tab", name="Plan")).to_have_attribute("aria-selected", "true")
+    expect(page.get_by_role("tab", name="Plan")).to_be_focused()
+    page.keyboard.press("End")
+    expect(page.get_by_role("tab", name="Playground")).to_have_attribute("aria-selected", "true")
+    page.set_viewport_size({"width": 390, "height": 844})
+    tab(page, "Plan")
+    expect(page.locator("#plan-stages article.stage")).to_have_count(3)
+    overflow = page.evaluate("document.documentElement.scrollWidth - window.innerWidth")
+    assert overflow <= 1, f"the page is {overflow}px wider than a phone screen"
+    shot(page, "11-phone-plan")
+    page.set_viewport_size({"width": 1280, "height": 900})
+    assert page.outside == []  # type: ignore[attr-defined]
