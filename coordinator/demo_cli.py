@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import argparse
 import hashlib
+import os
 import tempfile
 import time
 from pathlib import Path
@@ -21,9 +22,13 @@ from rich.console import Console
 
 if TYPE_CHECKING:
     from coordinator.demo_procs import DemoProcesses
+    from coordinator.demo_steps import Api
 
 DEFAULT_PORT = 8470
 ROLES = ("nas", "laptop", "sbc")
+GEMMA = "gemma3-270m"
+QUESTION = "In two sentences: why run one model across several small devices?"
+CACHE_ENV = "FEDSHARD_CACHE"
 
 
 def register(subparsers: argparse._SubParsersAction[argparse.ArgumentParser]) -> None:
@@ -43,6 +48,18 @@ def register(subparsers: argparse._SubParsersAction[argparse.ArgumentParser]) ->
     )
     parser.add_argument(
         "--skip-training", action="store_true", help="skip the federated fine-tuning part"
+    )
+    parser.add_argument(
+        "--skip-gemma",
+        action="store_true",
+        help="skip Gemma 3 270M (the text-generation part; its first export takes minutes)",
+    )
+    parser.add_argument(
+        "--cache-dir",
+        type=Path,
+        default=None,
+        help=f"converted checkpoints and exports kept between runs (${CACHE_ENV}, else "
+        "~/.cache/fedshard)",
     )
     parser.add_argument(
         "--exit", action="store_true", help="exit after printing instead of serving until Ctrl-C"
@@ -65,6 +82,8 @@ def run_demo(args: argparse.Namespace) -> int:
     """Run the demo; returns the exit code."""
     console = Console()
     console.rule("[bold]fedshard demo")
+    if args.cache_dir is None:
+        args.cache_dir = Path(os.environ.get(CACHE_ENV) or Path.home() / ".cache" / "fedshard")
     started = time.monotonic()
     if args.state_dir is not None:
         root = args.state_dir.expanduser().resolve()
@@ -147,10 +166,10 @@ def _steps(
     deploy_minilm(console, api, model, caps)
     console.print(plan_table(api, state_dir))
     console.print(similarity_table(console, api))
-    console.print(
-        "Gemma 3 270M (text generation across devices, /v1/chat/completions) lands with a "
-        "later issue; this demo deploys MiniLM only."
-    )
+    if args.skip_gemma:
+        console.print("Gemma 3 270M skipped (--skip-gemma)")
+    else:
+        _gemma(console, api, state_dir, args.cache_dir, list(names.values()))
     if args.skip_training:
         console.print("federated fine-tuning skipped (--skip-training)")
     else:
@@ -164,6 +183,26 @@ def _steps(
     while True:
         time.sleep(1.0)
         procs.check_alive()
+
+
+def _gemma(console: Console, api: Api, state_dir: Path, cache_dir: Path, names: list[str]) -> None:
+    """Export (cached), deploy across the three agents, print the plan and a chat answer."""
+    from coordinator.demo_decoder import chat, deploy_decoder, export_decoder, three_way_caps
+    from coordinator.demo_steps import plan_table
+
+    export = export_decoder(console, GEMMA, cache_dir / "exports" / GEMMA, cache_dir)
+    deploy_decoder(console, api, export, GEMMA, three_way_caps(export, names))
+    console.print(plan_table(api, state_dir, GEMMA))
+    with console.status(f"asking {GEMMA} through the three agents (/v1/chat/completions)..."):
+        started = time.monotonic()
+        reply = chat(api, GEMMA, QUESTION)
+    usage = reply["usage"]
+    console.print(f"[bold]you:[/] {QUESTION}")
+    console.print(f"[bold]{GEMMA}:[/] {reply['choices'][0]['message']['content'].strip()}")
+    console.print(
+        f"({usage['completion_tokens']} tokens in {time.monotonic() - started:.1f} s; each "
+        "stage kept its own layers' KV cache, only hidden states crossed between agents)"
+    )
 
 
 def _suffix(root: Path) -> str:

@@ -23,9 +23,9 @@ from rich.console import Console
 from rich.table import Table
 
 MODEL_ID = "all-minilm-l6-v2"
-AGENT_MEMORY = "512MiB"
-"""Each agent's own budget: ONNX Runtime's real resident memory fits, and a second version fits
-beside the first during a redeploy (the agent refuses a segment that exceeds its free budget)."""
+AGENT_MEMORY = "1GiB"
+"""Each agent's own budget. Gemma 3 270M (1,023 MiB of float32 weights, plus its KV cache and
+runtime) fits on none of them; MiniLM is held to three devices by the planning caps below."""
 CAPS_MB = {"nas": 70, "laptop": 30, "sbc": 30}
 """Planning caps (MB) the deployment is made with: MiniLM's ~90 MB of weights fit on no single
 device, nor on any two, so the planner must use all three."""
@@ -176,16 +176,16 @@ def deploy_minilm(console: Console, api: Api, model: Path, caps: dict[str, int])
     return dict(reply)
 
 
-def plan_table(api: Api, state_dir: Path) -> Table:
-    """The active plan of MiniLM next to what the agents measured (GET /v1/deployments)."""
+def plan_table(api: Api, state_dir: Path, model_id: str = MODEL_ID) -> Table:
+    """A model's active plan next to what the agents measured (GET /v1/deployments)."""
     records = api.get("/v1/deployments")
-    record = next((r for r in records if r["model_id"] == MODEL_ID), None)
+    record = next((r for r in records if r["model_id"] == model_id), None)
     if record is None or record.get("active") is None:
-        raise DemoStepError(f"{MODEL_ID} has no active version")
+        raise DemoStepError(f"{model_id} has no active version")
     version = next(v for v in record["versions"] if v["plan_version"] == record["active"])
-    units = _units(state_dir / "deployments" / MODEL_ID / f"v{version['plan_version']}")
+    units = _units(state_dir / "deployments" / model_id / f"v{version['plan_version']}")
     table = Table(
-        title=f"plan: {MODEL_ID} v{version['plan_version']} ({version['objective']}), "
+        title=f"plan: {model_id} v{version['plan_version']} ({version['objective']}), "
         f"health check max |diff| {version['health_max_abs_diff']:.1e}",
         caption="pred.: the planner's prediction; meas.: what the agent measured (resident "
         "memory after loading, stage time in the warm-up)",

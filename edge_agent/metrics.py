@@ -38,6 +38,12 @@ class AgentMetrics:
             registry=r,
             buckets=_BUCKETS,
         )
+        self.batch_size = Histogram(
+            "fedshard_batch_size",
+            "Requests run together in one call (batches of more than one only)",
+            registry=r,
+            buckets=(2, 3, 4, 6, 8),
+        )
         self.bytes_in = Counter("fedshard_bytes_in", "Data-plane bytes received", registry=r)
         self.bytes_out = Counter("fedshard_bytes_out", "Data-plane bytes sent", registry=r)
         self.idle_seconds = Counter(

@@ -18,11 +18,12 @@ import asyncio
 import logging
 import ssl
 import time
-from collections import OrderedDict
+from collections import OrderedDict, deque
 from collections.abc import Callable, Mapping
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 
+from edge_agent.batching import MAX_BATCH, signature, split, stack
 from edge_agent.channel import FrameChannel
 from edge_agent.checks import Array, check_tensors
 from edge_agent.errors import (
@@ -102,6 +103,8 @@ class Pipeline:
         self._open_claims: dict[FrameChannel, set[str]] = {}
         """The same claims by connection (for the per-connection bound and the cleanup)."""
         self._parked: OrderedDict[str, _Parked] = OrderedDict()
+        self._held: deque[_Work] = deque()
+        """A request taken from the compute queue that did not fit the batch before it."""
         self._links: dict[Hop, Link] = {}
         self._executor = ThreadPoolExecutor(max_workers=1, thread_name_prefix="segment")
         self._tasks: list[asyncio.Task[None]] = []
@@ -262,28 +265,71 @@ class Pipeline:
         loop = asyncio.get_running_loop()
         while True:
             idle_from = time.perf_counter()
-            work = await self._compute_q.get()
+            batch = await self._next_batch()
             start = time.perf_counter()
             self._metrics.idle_seconds.inc(start - idle_from)
-            self._metrics.queue_wait_seconds.observe(start - work.enqueued)
+            for work in batch:
+                self._metrics.queue_wait_seconds.observe(start - work.enqueued)
             self._metrics.queue_depth.labels("compute").set(self._compute_q.qsize())
             try:
-                outputs = await self._run(loop, work)
+                if len(batch) == 1:
+                    results = [await self._run(loop, batch[0])]
+                else:
+                    results = await self._run_batch(loop, batch)
             except RequestError as exc:
                 self._count_error(exc)
-                await self._fail(work.deployed, work.header, exc, work.origin)
+                for work in batch:
+                    await self._fail(work.deployed, work.header, exc, work.origin)
                 continue
-            self._metrics.compute_seconds.observe(time.perf_counter() - start)
-            forward = (
-                {}
-                if work.header.session_end
-                else {
-                    name: outputs[name] if name in outputs else work.carried[name]
-                    for name in work.deployed.manifest.forward
-                }
-            )
-            await self._send_q.put(_Outgoing(work.deployed, work.header, forward, work.origin))
-            self._metrics.queue_depth.labels("send").set(self._send_q.qsize())
+            elapsed = time.perf_counter() - start
+            for work, outputs in zip(batch, results, strict=True):
+                self._metrics.compute_seconds.observe(elapsed / len(batch))
+                await self._emit(work, outputs)
+
+    async def _emit(self, work: _Work, outputs: Mapping[str, Array]) -> None:
+        """Queue a computed request's forward tensors for sending."""
+        forward = (
+            {}
+            if work.header.session_end
+            else {
+                name: outputs[name] if name in outputs else work.carried[name]
+                for name in work.deployed.manifest.forward
+            }
+        )
+        await self._send_q.put(_Outgoing(work.deployed, work.header, forward, work.origin))
+        self._metrics.queue_depth.labels("send").set(self._send_q.qsize())
+
+    async def _next_batch(self) -> list[_Work]:
+        """The next request, with the queued ones that can run in the same call (see
+        :mod:`edge_agent.batching`); a queued request that cannot waits for the next turn."""
+        first = self._held.popleft() if self._held else await self._compute_q.get()
+        batch = [first]
+        if not _batchable(first):
+            return batch
+        shape = signature(first.feeds)
+        while len(batch) < MAX_BATCH:
+            try:
+                following = self._compute_q.get_nowait()
+            except asyncio.QueueEmpty:
+                break
+            if (
+                _batchable(following)
+                and following.deployed is first.deployed
+                and signature(following.feeds) == shape
+            ):
+                batch.append(following)
+            else:
+                self._held.append(following)
+                break
+        return batch
+
+    async def _run_batch(
+        self, loop: asyncio.AbstractEventLoop, batch: list[_Work]
+    ) -> list[dict[str, Array]]:
+        feeds, sizes = stack([work.feeds for work in batch])
+        self._metrics.batch_size.observe(len(batch))
+        outputs = await loop.run_in_executor(self._executor, batch[0].deployed.session.run, feeds)
+        return split(outputs, sizes)
 
     async def _run(self, loop: asyncio.AbstractEventLoop, work: _Work) -> dict[str, Array]:
         """Run one request's segment; for a stateful segment, one step of its session."""
@@ -435,6 +481,10 @@ class Pipeline:
 
     def _count_error(self, exc: Exception) -> None:
         self._metrics.frame_errors.labels(type(exc).__name__).inc()
+
+
+def _batchable(work: _Work) -> bool:
+    return work.deployed.batchable and not work.header.session_end
 
 
 def _worker_ended(task: asyncio.Task[None]) -> None:

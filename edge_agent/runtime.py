@@ -163,6 +163,13 @@ class SegmentSession:
         outputs = tuple(arg.name for arg in session.get_outputs())
         return cls(session, inputs, outputs, resident_bytes() - before, load_s)
 
+    def batch_axis(self) -> str | None:
+        """The symbol of the free first axis shared by every input and output, if any."""
+        from edge_agent.batching import batch_axis_symbol
+
+        shapes = [arg.shape for arg in self.session.get_outputs()]
+        return batch_axis_symbol(self.inputs, shapes)
+
     def run(self, feeds: dict[str, Array]) -> dict[str, Array]:
         """Run the segment (blocking; call from a worker thread)."""
         try:

@@ -56,6 +56,8 @@ class Deployed:
     report: DeployReport
     sessions: SessionTable | None = None
     """Per-session state (a decoder's KV cache), when the segment keeps any."""
+    batchable: bool = False
+    """Queued requests may run together (see :mod:`edge_agent.batching`)."""
 
     @property
     def frame_inputs(self) -> tuple[InputSpec, ...]:
@@ -167,7 +169,8 @@ class SegmentStore:
                 warmup_first_s=first,
                 warmup_s=median,
             )
-            deployed = Deployed(manifest, session, report, table)
+            batchable = table is None and session.batch_axis() is not None
+            deployed = Deployed(manifest, session, report, table, batchable)
             self._segments[manifest.plan_version] = deployed
         log.info(
             "loaded segment %d of plan %d: %d bytes resident (predicted %d; %s while loading), "

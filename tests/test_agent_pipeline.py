@@ -184,3 +184,43 @@ def test_backpressure_stops_reading(tmp_path: Path) -> None:
         await pipeline.stop()
 
     asyncio.run(main())
+
+
+def test_queued_requests_run_as_one_batch_and_each_gets_its_own_answer(tmp_path: Path) -> None:
+    ca = TestCA(tmp_path)
+    chain = [Hop(device=f"a{i}", host="127.0.0.1", data_port=9000 + i) for i in range(3)]
+    store = _store(ca, name="a0")
+    seg = tiny_chain()[0]
+    store.deploy(ca.sign(manifest_for(0, seg, chain)), seg)
+    assert store.get(1) is not None and store.get(1).batchable  # type: ignore[union-attr]
+    sent: list[tuple[str, Frame]] = []
+    metrics = AgentMetrics()
+    rng = np.random.default_rng(3)
+    inputs = {f"r{k}": rng.standard_normal((1 + k % 2, WIDTH)).astype(np.float32) for k in range(6)}
+
+    async def main() -> None:
+        pipeline = Pipeline(store, metrics, lambda hop: FakeLink(hop, sent), 8)
+        requester = FakeChannel(Peer("req", "coordinator"))
+        for rid, x in inputs.items():  # all queued before the compute worker first runs
+            header = FrameHeader(request_id=rid, plan_version=1)
+            await requester.incoming.put(encode_frame(header, {"x": x}))
+        task = asyncio.create_task(pipeline.serve(requester))
+        pipeline.start()
+        for _ in range(200):
+            if len(sent) == len(inputs):
+                break
+            await asyncio.sleep(0.02)
+        await requester.incoming.put(None)
+        await asyncio.wait_for(task, 5)
+        await pipeline.stop()
+
+    asyncio.run(main())
+    w0 = chain_weights()["w0"]
+    got = {frame.header.request_id: frame.tensors for _, frame in sent}
+    assert set(got) == {f"req|{rid}" for rid in inputs}
+    for rid, x in inputs.items():
+        np.testing.assert_allclose(got[f"req|{rid}"]["h"], x @ w0, rtol=1e-5, atol=1e-5)
+        np.testing.assert_array_equal(got[f"req|{rid}"]["x"], x)
+    text = metrics.render().decode()
+    batches = float(text.split("fedshard_batch_size_count ")[1].split()[0])
+    assert batches >= 1

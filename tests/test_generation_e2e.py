@@ -12,100 +12,34 @@ from __future__ import annotations
 
 import concurrent.futures
 import json
-import re
-import secrets
-import ssl
-import subprocess
 from collections.abc import Iterator
-from dataclasses import dataclass
 from pathlib import Path
 
 import httpx
 import pytest
-from agent_helpers import PYTHON, REPO, AgentProc
-from coordinator_helpers import (
-    CoordinatorProc,
-    pairing_code,
-    start_coordinator,
-    stop_process,
-    unpaired_agents,
-    wait_for,
-)
+from agent_helpers import AgentProc
+from generation_lab import GenLab, agent_metric, decoder_lab
 
 pytestmark = [pytest.mark.slow, pytest.mark.timeout(900)]
 
 MODEL_ID = "tiny-llama"
 PROMPT = "The devices of a local network"
+AGENT_MEMORY = "512MiB"
 CAP = "12MB"
 """Per-device planning cap: the embedding and the output head (7.8 MB each) plus runtime and KV
 cache fit on no two devices, so the plan needs all three."""
 SESSIONS = 4
 
 
-@dataclass
-class GenLab:
-    coordinator: CoordinatorProc
-    agents: list[AgentProc]
-    export: Path
-    client_ctx: ssl.SSLContext
-
-
-def _export(cache: Path) -> Path:
-    out = cache / MODEL_ID
-    if not (out / "decoder.json").is_file():
-        fedshard = str(Path(PYTHON).parent / "fedshard")
-        done = subprocess.run(
-            [fedshard, "export", MODEL_ID, str(out)], cwd=REPO, capture_output=True, text=True
-        )
-        assert done.returncode == 0, done.stdout + done.stderr
-    return out
-
-
 @pytest.fixture(scope="module")
-def lab(
-    request: pytest.FixtureRequest, tmp_path_factory: pytest.TempPathFactory
-) -> Iterator[GenLab]:
-    pytest.importorskip("transformers")
-    export = _export(Path(request.config.cache.mkdir("fedshard-decoders")))
+def lab(tiny_llama_dir: Path, tmp_path_factory: pytest.TempPathFactory) -> Iterator[GenLab]:
     tmp = tmp_path_factory.mktemp("generation-e2e")
-    suffix = secrets.token_hex(3)
-    coordinator = start_coordinator(tmp)
-    try:
-        names = [f"g{i}-{suffix}" for i in range(3)]
-        with unpaired_agents(tmp, names, "512MiB") as agents:
-            with coordinator.client() as api:
-                assert wait_for(
-                    lambda: set(names) <= {d["name"] for d in api.get("/v1/devices").json()}, 15
-                )
-            for agent in agents:
-                paired = coordinator.cli("pair", agent.name, pairing_code(agent))
-                assert paired.returncode == 0, paired.stdout + paired.stderr
-            args = ["deploy", str(export / "model.onnx"), "--name", MODEL_ID]
-            args += ["--tokenizer", str(export)]
-            for name in names:
-                args += ["--memory-cap", f"{name}={CAP}"]
-            deployed = coordinator.cli(*args)
-            assert deployed.returncode == 0, deployed.stdout + deployed.stderr + coordinator.log()
-            yield GenLab(coordinator, agents, export, _coordinator_context(coordinator))
-    finally:
-        stop_process(coordinator.proc)
-
-
-def _coordinator_context(coordinator: CoordinatorProc) -> ssl.SSLContext:
-    """The coordinator's own client identity (to read the agents' metrics as it does)."""
-    from coordinator.ca import CertificateAuthority
-    from coordinator.identity import client_context, open_identity
-
-    ca = CertificateAuthority.open(coordinator.state_dir)
-    return client_context(open_identity(coordinator.state_dir, ca))
+    with decoder_lab(tiny_llama_dir, tmp, MODEL_ID, AGENT_MEMORY, CAP) as started:
+        yield started
 
 
 def _metric(lab: GenLab, agent: AgentProc, name: str) -> float:
-    with httpx.Client(verify=lab.client_ctx, timeout=10) as client:
-        text = client.get(agent.url("/metrics")).text
-    match = re.search(rf"^{re.escape(name)} (\S+)$", text, re.MULTILINE)
-    assert match is not None, f"{name} not in the metrics of {agent.name}"
-    return float(match.group(1))
+    return agent_metric(lab, agent, name)
 
 
 def _complete(api: httpx.Client, max_tokens: int, **extra: object) -> httpx.Response:

@@ -1,0 +1,76 @@
+"""A coordinator and three paired agents on 127.0.0.1 serving one exported decoder."""
+
+from __future__ import annotations
+
+import contextlib
+import re
+import secrets
+import ssl
+from collections.abc import Iterator
+from dataclasses import dataclass
+from pathlib import Path
+
+import httpx
+from agent_helpers import AgentProc
+from coordinator_helpers import (
+    CoordinatorProc,
+    pairing_code,
+    start_coordinator,
+    stop_process,
+    unpaired_agents,
+    wait_for,
+)
+
+
+@dataclass
+class GenLab:
+    coordinator: CoordinatorProc
+    agents: list[AgentProc]
+    export: Path
+    client_ctx: ssl.SSLContext
+    deploy_out: str
+
+
+@contextlib.contextmanager
+def decoder_lab(export: Path, tmp: Path, model_id: str, memory: str, cap: str) -> Iterator[GenLab]:
+    """Start, pair, ``fedshard deploy`` the export under per-device ``cap``; stop everything."""
+    suffix = secrets.token_hex(3)
+    coordinator = start_coordinator(tmp)
+    try:
+        names = [f"g{i}-{suffix}" for i in range(3)]
+        with unpaired_agents(tmp, names, memory) as agents:
+            with coordinator.client() as api:
+                assert wait_for(
+                    lambda: set(names) <= {d["name"] for d in api.get("/v1/devices").json()}, 15
+                )
+            for agent in agents:
+                paired = coordinator.cli("pair", agent.name, pairing_code(agent))
+                assert paired.returncode == 0, paired.stdout + paired.stderr
+            args = ["deploy", str(export / "model.onnx"), "--name", model_id]
+            args += ["--tokenizer", str(export)]
+            for name in names:
+                args += ["--memory-cap", f"{name}={cap}"]
+            deployed = coordinator.cli(*args)
+            assert deployed.returncode == 0, deployed.stdout + deployed.stderr + coordinator.log()
+            context = _coordinator_context(coordinator)
+            yield GenLab(coordinator, agents, export, context, deployed.stdout)
+    finally:
+        stop_process(coordinator.proc)
+
+
+def _coordinator_context(coordinator: CoordinatorProc) -> ssl.SSLContext:
+    """The coordinator's own client identity (to read the agents' metrics as it does)."""
+    from coordinator.ca import CertificateAuthority
+    from coordinator.identity import client_context, open_identity
+
+    ca = CertificateAuthority.open(coordinator.state_dir)
+    return client_context(open_identity(coordinator.state_dir, ca))
+
+
+def agent_metric(lab: GenLab, agent: AgentProc, name: str) -> float:
+    """One unlabelled metric from an agent's ``/metrics``."""
+    with httpx.Client(verify=lab.client_ctx, timeout=10) as client:
+        text = client.get(agent.url("/metrics")).text
+    match = re.search(rf"^{re.escape(name)} (\S+)$", text, re.MULTILINE)
+    assert match is not None, f"{name} not in the metrics of {agent.name}"
+    return float(match.group(1))
