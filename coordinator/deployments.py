@@ -62,6 +62,11 @@ class VersionRecord(FrozenModel):
     segments: list[Placement] = Field(min_length=1)
     health_max_abs_diff: NonNegativeFloat
     """Largest difference between the chain's answer and the local run in the health check."""
+    memory_caps: dict[str, NonNegativeInt] = Field(default_factory=dict)
+    """The operator's per-device planning caps, kept for re-plans after a device loss."""
+    trigger: str = "operator"
+    """Why it was deployed: ``operator``, ``failover: ...`` (a device was lost) or
+    ``expand: ...`` (a lost device came back)."""
 
 
 class ModelRecord(FrozenModel):

@@ -6,6 +6,8 @@ import os
 import tempfile
 from pathlib import Path
 
+TEMP_SUFFIX = ".tmp"
+
 
 def write_atomic(path: Path, data: bytes, mode: int = 0o644) -> None:
     """Write ``data`` to ``path`` so readers see the old or the new content, never a mix.
@@ -14,7 +16,7 @@ def write_atomic(path: Path, data: bytes, mode: int = 0o644) -> None:
     ``path`` with one ``rename``; the directory is synced so the rename itself survives a crash.
     """
     path.parent.mkdir(parents=True, exist_ok=True)
-    fd, tmp = tempfile.mkstemp(dir=path.parent, prefix=f".{path.name}.", suffix=".tmp")
+    fd, tmp = tempfile.mkstemp(dir=path.parent, prefix=f".{path.name}.", suffix=TEMP_SUFFIX)
     try:
         os.fchmod(fd, mode)
         with os.fdopen(fd, "wb") as out:
@@ -30,3 +32,20 @@ def write_atomic(path: Path, data: bytes, mode: int = 0o644) -> None:
         os.fsync(dir_fd)
     finally:
         os.close(dir_fd)
+
+
+def sweep_temp_files(directory: Path) -> list[Path]:
+    """Delete the temporary files that writes interrupted by a crash left in ``directory``.
+
+    They are never read (a write only becomes visible through its final ``rename``), so this
+    is tidying, not repair. Only the coordinator writes its state dir: call it at start, before
+    anything writes. Returns the files removed.
+    """
+    if not directory.is_dir():
+        return []
+    removed = []
+    for path in directory.iterdir():
+        if path.name.startswith(".") and path.name.endswith(TEMP_SUFFIX) and path.is_file():
+            path.unlink(missing_ok=True)
+            removed.append(path)
+    return removed
