@@ -6,6 +6,9 @@ embeds real sample inputs (tokenizer output) in the model's metadata so that
 inside the functions: importing this module is cheap. Nothing is downloaded
 (``HF_HUB_OFFLINE=1``).
 
+Decoders (``gemma3-270m``, ``tiny-gemma3``, ``tiny-llama``) write a directory instead of one
+file (:mod:`protocols.decoder`); their code lives in :mod:`partitioner.decoders`.
+
 Adding a model: write ``export_<name>(out, **options) -> ExportResult`` and register it in
 :data:`FRONT_DOORS`.
 """
@@ -15,10 +18,15 @@ from __future__ import annotations
 import os
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
+from functools import partial
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
+from partitioner.decoders.sources import DECODER_NAMES
 from partitioner.errors import GraphError
+
+if TYPE_CHECKING:
+    from partitioner.decoders.progress import Steps
 
 DEFAULT_SENTENCES = (
     "The partitioner cuts one network across the devices of a local network.",
@@ -38,7 +46,8 @@ class ExportResult:
     param_bytes: int
 
 
-def _offline() -> None:
+def offline() -> None:
+    """Forbid the Hugging Face libraries any download (models come from packages)."""
     os.environ.setdefault("HF_HUB_OFFLINE", "1")
     os.environ.setdefault("TRANSFORMERS_OFFLINE", "1")
     os.environ.setdefault("HF_HUB_DISABLE_TELEMETRY", "1")
@@ -62,7 +71,7 @@ def export_minilm(
     Outputs: ``last_hidden_state`` and, with ``pooled``, ``sentence_embedding`` (mean pooling
     over the mask, L2-normalised, as sentence-transformers does).
     """
-    _offline()
+    offline()
     import torch
     from transformers import AutoModel, AutoTokenizer
 
@@ -143,5 +152,34 @@ def _export(
     return ExportResult(out, tuple(output_names), diff, initializer_bytes(model))
 
 
-FRONT_DOORS: dict[str, Callable[..., ExportResult]] = {"minilm": export_minilm}
+def export_decoder(
+    name: str,
+    out_dir: Path,
+    *,
+    top_k: int = 64,
+    cache_dir: Path | None = None,
+    steps: Steps | None = None,
+) -> ExportResult:
+    """Export decoder ``name`` to the directory ``out_dir`` (``model.onnx``, ``decoder.json``,
+    tokenizer files); ``result.path`` is the ``model.onnx`` file.
+
+    ``cache_dir`` keeps converted checkpoints between runs (default ``~/.cache/fedshard``;
+    the CLI passes ``$FEDSHARD_CACHE`` when set); ``steps`` reports the slow steps.
+    """
+    from partitioner.decoders.cache import default_cache_dir
+    from partitioner.decoders.export import export_decoder as export_source
+    from partitioner.decoders.progress import Steps
+    from partitioner.decoders.sources import load_source
+
+    steps = steps or Steps()
+    source = load_source(name, cache_dir or default_cache_dir(None), steps)
+    done = export_source(source, out_dir, top_k=top_k, steps=steps)
+    outputs = ("top_logits", "top_ids", *(pair.present for pair in done.info.state))
+    return ExportResult(done.model_path, outputs, done.max_abs_diff, done.param_bytes)
+
+
+FRONT_DOORS: dict[str, Callable[..., ExportResult]] = {
+    "minilm": export_minilm,
+    **{name: partial(export_decoder, name) for name in DECODER_NAMES},
+}
 """Front doors by name, as ``fedshard export NAME`` offers them."""

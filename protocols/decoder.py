@@ -37,6 +37,8 @@ DECODER_FORMAT: Final = "fedshard.decoder/1"
 DECODER_FILE: Final = "decoder.json"
 MODEL_FILE: Final = "model.onnx"
 TOKENIZER_FILE: Final = "tokenizer.json"
+DECODER_METADATA_KEY: Final = "fedshard.decoder"
+"""ONNX ``metadata_props`` key under which ``model.onnx`` carries its DecoderInfo JSON."""
 
 INPUT_IDS: Final = "input_ids"
 ATTENTION_MASK: Final = "attention_mask"

