@@ -202,6 +202,20 @@ def test_unpaired_fourth_agent_is_never_used(lab: Lab) -> None:
     assert device["status"] == "unpaired" and device["announcement"]["state"]["plan_version"] == 0
 
 
+def test_joins_and_leaves_are_seen_within_3_s(lab: Lab) -> None:
+    """A new agent appears in the registry, and one that stops disappears, within 3 s each."""
+    name = f"visitor-{secrets.token_hex(3)}"
+
+    def online() -> bool:
+        with lab.coordinator.client() as api:
+            return any(d["name"] == name and d["online"] for d in api.get("/v1/devices").json())
+
+    with unpaired_agents(lab.tmp, [name], AGENT_MEMORY) as [visitor]:
+        assert wait_for(online, 3.0), f"{name} not seen within 3 s of its start"
+        stop_process(visitor.proc)
+        assert wait_for(lambda: not online(), 3.0), f"{name} still listed 3 s after it stopped"
+
+
 def test_no_token_gets_401(lab: Lab) -> None:
     with httpx.Client(base_url=lab.coordinator.url, trust_env=False) as anonymous:
         assert anonymous.get("/v1/models").status_code == 401
