@@ -27,7 +27,10 @@ if TYPE_CHECKING:
 DEFAULT_PORT = 8470
 ROLES = ("nas", "laptop", "sbc")
 GEMMA = "gemma3-270m"
-QUESTION = "In two sentences: why run one model across several small devices?"
+QUESTION = "What does a router do in a home network?"
+STOP = ("\nQuestion:",)
+"""The packaged Gemma is the pretrained base model: it answers a question/answer prompt, then
+would go on to ask itself the next question."""
 CACHE_ENV = "FEDSHARD_CACHE"
 
 
@@ -195,7 +198,7 @@ def _gemma(console: Console, api: Api, state_dir: Path, cache_dir: Path, names: 
     console.print(plan_table(api, state_dir, GEMMA))
     with console.status(f"asking {GEMMA} through the three agents (/v1/chat/completions)..."):
         started = time.monotonic()
-        reply = chat(api, GEMMA, QUESTION)
+        reply = chat(api, GEMMA, QUESTION, stop=STOP)
     usage = reply["usage"]
     console.print(f"[bold]you:[/] {QUESTION}")
     console.print(f"[bold]{GEMMA}:[/] {reply['choices'][0]['message']['content'].strip()}")

@@ -73,14 +73,18 @@ def deploy_decoder(
     return dict(reply)
 
 
-def chat(api: Api, model_id: str, question: str, max_tokens: int = 48) -> dict[str, Any]:
+def chat(
+    api: Api, model_id: str, question: str, max_tokens: int = 48, stop: Sequence[str] = ()
+) -> dict[str, Any]:
     """One greedy chat completion (not streamed); the response body."""
-    body = {
+    body: dict[str, Any] = {
         "model": model_id,
         "messages": [{"role": "user", "content": question}],
         "max_tokens": max_tokens,
         "temperature": 0,
     }
+    if stop:
+        body["stop"] = list(stop)
     code, reply = api.call("POST", "/v1/chat/completions", body, timeout=600)
     if code != 200:
         raise DemoStepError(f"chat completion failed ({code}): {json.dumps(reply)[:400]}")

@@ -7,18 +7,20 @@
     OUT_DIR/tokenizer.json      the model package's tokenizer (Hugging Face ``tokenizers`` format)
     OUT_DIR/tokenizer_config.json, special_tokens_map.json, ... whatever the package ships
 
-The graph's contract, for batch 1 and no padding:
+The graph's contract, with no padding. Every tensor's first axis is ``batch``: independent
+sequences of equal length. A session is one sequence (batch 1); a stage that keeps no state may
+run several sessions' steps together along that axis.
 
 Inputs
-    ``input_ids`` int64 ``[1, q]``: the new tokens of this step (the prompt on prefill, one token
-    on decode). ``attention_mask`` int64 ``[1, past + q]``: all ones. ``position_ids`` int64
-    ``[1, q]``: ``past .. past + q - 1``. ``past.{i}.key`` / ``past.{i}.value`` float32
-    ``[1, kv_heads, past, head_dim]`` for every layer ``i`` (``past = 0`` on the first step).
+    ``input_ids`` int64 ``[batch, q]``: the new tokens of this step (the prompt on prefill, one
+    token on decode). ``attention_mask`` int64 ``[batch, past + q]``: all ones. ``position_ids``
+    int64 ``[batch, q]``: ``past .. past + q - 1``. ``past.{i}.key`` / ``past.{i}.value`` float32
+    ``[batch, kv_heads, past, head_dim]`` for every layer ``i`` (``past = 0`` on the first step).
     Masks and rotary embeddings are computed in the graph from ``attention_mask`` and
     ``position_ids`` only (never from the shapes of the past tensors), so any stage can rebuild
     them from those two small inputs.
 Outputs
-    ``top_logits`` float32 ``[1, top_k]`` and ``top_ids`` int64 ``[1, top_k]``: the largest
+    ``top_logits`` float32 ``[batch, top_k]`` and ``top_ids`` int64 ``[batch, top_k]``: the largest
     next-token logits of the last position, in descending order (greedy decoding takes
     ``top_ids[0, 0]``). ``present.{i}.key`` / ``present.{i}.value``: the past grown by ``q``
     along axis 2 (every layer keeps the full context; sliding-window layers mask instead of

@@ -36,6 +36,8 @@ from protocols.decoder import (
 )
 
 DEFAULT_TOP_K = 64
+BATCH = "batch"
+MAX_BATCH = 64
 SAMPLE_TEXT = "The devices of a local network share one model and generate text together."
 SAMPLE_PAST = 5
 """Tokens of context in the embedded sample step (a one-token step follows them)."""
@@ -164,7 +166,8 @@ def _torch_cases(
     past = prefill_out[2:]
     next_token = int(prefill_out[1][0, 0])
     step_in = step_feeds([next_token], past)
-    trace_in = step_feeds(ids[SAMPLE_PAST:], past)
+    # two identical rows: a batch axis traced at size 1 would be fixed to 1 in the graph
+    trace_in = [np.concatenate([f, f]) for f in step_feeds(ids[SAMPLE_PAST:], past)]
     return {
         "prefill": (prefill_in, prefill_out),
         "step": (step_in, _run_torch(module, step_in)),
@@ -176,12 +179,13 @@ def _trace(module: Any, info: DecoderInfo, feeds: Sequence[np.ndarray]) -> Any:
     import torch
 
     inputs, outputs = state_names(info)
-    sequence = torch.export.Dim.DYNAMIC
+    free = torch.export.Dim.DYNAMIC
+    batch = torch.export.Dim(BATCH, max=MAX_BATCH)  # one symbol, first seen on input_ids
     dynamic = (
-        {1: sequence},
-        {1: sequence},
-        {1: sequence},
-        tuple({2: sequence} for _ in info.state),
+        {0: batch, 1: free},
+        {0: batch, 1: free},
+        {0: batch, 1: free},
+        tuple({0: batch, 2: free} for _ in info.state),
     )
     args = tuple(torch.from_numpy(f) for f in feeds)
     with torch.no_grad():
@@ -197,30 +201,63 @@ def _trace(module: Any, info: DecoderInfo, feeds: Sequence[np.ndarray]) -> Any:
     if program is None:
         raise GraphError("torch.onnx.export returned no program")
     model = program.model_proto
+    _batch_from_input_ids(model, info)
     _name_dims(model, info)
     return model
 
 
+def _batch_from_input_ids(model: Any, info: DecoderInfo) -> None:
+    """Read the batch size from ``input_ids``, never from a key/value tensor.
+
+    The exporter takes the batch symbol's value from whichever input carries it, sometimes a
+    layer's past; every layer's reshapes would then read that one layer's cache, which only
+    its own stage holds. All inputs share the batch axis by construction, so reading it from
+    ``input_ids`` is the same value.
+    """
+    kv = {n for p in info.state for n in (p.past, p.present)}
+    for node in model.graph.node:
+        if node.op_type != "Shape" or node.input[0] not in kv:
+            continue
+        attrs = {a.name: a.i for a in node.attribute}
+        if attrs.get("start", 0) == 0 and attrs.get("end") == 1:
+            node.input[0] = INPUT_IDS
+
+
 def _name_dims(model: Any, info: DecoderInfo) -> None:
-    """Readable symbolic dimensions on the graph's inputs and outputs."""
+    """Readable symbolic dimensions, the same name for one symbol everywhere in the graph.
+
+    The exporter's own symbols (``s0``, ``s1``, ...) are renamed on the inputs and outputs and
+    in every ``value_info``, so a segment cut from the graph declares, e.g., its hidden-state
+    input as ``[batch, sequence, hidden]`` like the model's outputs (an agent batches requests
+    along a shared free first axis).
+    """
     past = {p.past for p in info.state}
     present = {p.present for p in info.state}
     names = {
-        INPUT_IDS: {1: "sequence"},
-        POSITION_IDS: {1: "sequence"},
-        ATTENTION_MASK: {1: "total_sequence"},
+        INPUT_IDS: {0: BATCH, 1: "sequence"},
+        POSITION_IDS: {0: BATCH, 1: "sequence"},
+        ATTENTION_MASK: {0: BATCH, 1: "total_sequence"},
+        TOP_LOGITS: {0: BATCH},
+        TOP_IDS: {0: BATCH},
     }
+    renamed: dict[str, str] = {}
     for value in [*model.graph.input, *model.graph.output]:
         if value.name in past:
-            axes = {2: "past_sequence"}
+            axes = {0: BATCH, 2: "past_sequence"}
         elif value.name in present:
-            axes = {2: "total_sequence"}
+            axes = {0: BATCH, 2: "total_sequence"}
         else:
             axes = names.get(value.name, {})
         dims = value.type.tensor_type.shape.dim
         for axis, label in axes.items():
             if axis < len(dims) and not dims[axis].HasField("dim_value"):
+                if dims[axis].dim_param:
+                    renamed.setdefault(dims[axis].dim_param, label)
                 dims[axis].dim_param = label
+    for value in model.graph.value_info:
+        for dim in value.type.tensor_type.shape.dim:
+            if dim.dim_param in renamed:
+                dim.dim_param = renamed[dim.dim_param]
 
 
 def _write(

@@ -72,8 +72,7 @@ def load(cache_dir: Path, steps: Steps) -> tuple[Any, Any]:
     with steps.step("loading the cached Gemma 3 checkpoint"):
         tokenizer = transformers.AutoTokenizer.from_pretrained(directory)
         model = auto.from_pretrained(directory, dtype=torch.float32).eval()
-    if not tokenizer.chat_template:
-        tokenizer.chat_template = GEMMA_CHAT_TEMPLATE
+    tokenizer.chat_template = GEMMA_CHAT_TEMPLATE
     return model, tokenizer
 
 
@@ -88,20 +87,17 @@ def eos_token_ids(tokenizer: Any) -> list[int]:
 
 GEMMA_CHAT_TEMPLATE = (
     "{{ bos_token }}"
-    "{%- if messages[0]['role'] == 'system' -%}"
-    "{%- set first_user_prefix = messages[0]['content'] + '\\n\\n' -%}"
-    "{%- set loop_messages = messages[1:] -%}"
-    "{%- else -%}"
-    "{%- set first_user_prefix = '' -%}"
-    "{%- set loop_messages = messages -%}"
+    "{%- for message in messages -%}"
+    "{%- if message['role'] == 'system' -%}{{ message['content'] | trim }}{{ '\\n\\n' }}"
+    "{%- elif message['role'] == 'user' -%}{{ 'Question: ' + (message['content'] | trim) + '\\n' }}"
+    "{%- else -%}{{ 'Answer: ' + (message['content'] | trim) + '\\n' }}"
     "{%- endif -%}"
-    "{%- for message in loop_messages -%}"
-    "{%- set role = 'model' if message['role'] == 'assistant' else message['role'] -%}"
-    "{{ '<start_of_turn>' + role + '\\n' + (first_user_prefix if loop.first else '') "
-    "+ (message['content'] | trim) + '<end_of_turn>\\n' }}"
     "{%- endfor -%}"
-    "{%- if add_generation_prompt -%}{{ '<start_of_turn>model\\n' }}{%- endif -%}"
+    "{%- if add_generation_prompt -%}{{ 'Answer:' }}{%- endif -%}"
 )
-"""Gemma 3's chat template for text turns (the GGUF file carries none)."""
+"""A question/answer chat template. The GGUF file carries none, and the packaged checkpoint is
+the pretrained base model (not the instruction-tuned one): under Gemma 3's turn template it
+repeats the prompt, while plain ``Question: ...`` / ``Answer:`` turns get answers (stop on
+``"\\nQuestion:"``)."""
 
 END_OF_TURN = "<end_of_turn>"
