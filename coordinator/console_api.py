@@ -3,13 +3,16 @@
     GET  /v1/console/models          deployed models with their kind (encoder or decoder)
     GET  /v1/plan/{model}            the active (or ``?version=``) plan next to what agents measured
     POST /v1/plan/what-if            re-plan a deployed model on changed budgets, without deploying
-    GET  /v1/metrics                 one snapshot of the live metrics
+    GET  /v1/metrics                 one snapshot of the live metrics (with slow stages)
     GET  /v1/metrics/stream          the same as server-sent events, one per ``?interval=`` s
 
 Live metrics are the coordinator's own request counters (requests/s, latency percentiles,
 measured by :class:`~coordinator.console.stats.InferenceTimer`) and each stage's compute, send
-and idle shares from its agent's ``/metrics``. A stream ends after :data:`STREAM_SECONDS` so
-that an open console never holds up the coordinator's shutdown; clients reconnect.
+and idle shares from its agent's ``/metrics``. Every snapshot also feeds a
+:class:`~coordinator.slowness.SlownessSampler`: a stage that persistently runs slower than its
+plan is listed under ``slow``, with a what-if that leaves its device out. A stream ends after
+:data:`STREAM_SECONDS` so that an open console never holds up the coordinator's shutdown;
+clients reconnect.
 """
 
 from __future__ import annotations
@@ -41,6 +44,7 @@ from coordinator.console.stages import StageRates, StageSampler, StageTarget
 from coordinator.console.stats import InferenceTimer, RequestSnapshot, RequestStats
 from coordinator.deployments import VersionRecord
 from coordinator.errors import DeployError, NotServableError, RequestError, UnknownModelError
+from coordinator.slowness import SlownessSampler, SlowStage, StageReading
 from protocols.decoder import DECODER_FILE
 from protocols.plan import Objective
 
@@ -86,6 +90,12 @@ class WhatIfAnswer(BaseModel):
     what_if: PlanView
 
 
+class SlowSuggestion(SlowStage):
+    """A slow stage, with the what-if that re-plans without its device."""
+
+    what_if: WhatIfBody
+
+
 class LiveSnapshot(BaseModel):
     """What the Live page shows at one moment."""
 
@@ -96,6 +106,8 @@ class LiveSnapshot(BaseModel):
     plan_version: int | None
     requests: RequestSnapshot
     stages: list[StageRates]
+    slow: list[SlowSuggestion] = Field(default_factory=list)
+    """Stages that run persistently slower than planned (see :mod:`coordinator.slowness`)."""
 
 
 def model_kind(version: VersionRecord) -> Literal["encoder", "decoder"]:
@@ -109,17 +121,25 @@ def model_kind(version: VersionRecord) -> Literal["encoder", "decoder"]:
 class LiveMetrics:
     """Request counters plus per-stage rates of a model's active version, sampled on demand."""
 
-    def __init__(self, services: Services, stats: RequestStats) -> None:
+    def __init__(
+        self,
+        services: Services,
+        stats: RequestStats,
+        clock: Callable[[], float] = time.monotonic,
+        slowness: SlownessSampler | None = None,
+    ) -> None:
         self._services = services
         self.stats = stats
-        self._sampler = StageSampler(time.monotonic)
+        self._clock = clock
+        self._sampler = StageSampler(clock)
+        self._slowness = slowness or SlownessSampler()
         self._last: tuple[float, LiveSnapshot] | None = None
         self._lock = threading.Lock()
 
     def snapshot(self, model_id: str | None) -> LiveSnapshot:
         """A fresh snapshot, or the last one if it is under half a second old (same model)."""
         with self._lock:
-            now = time.monotonic()
+            now = self._clock()
             last = self._last
             fresh = last is not None and now - last[0] < MIN_SAMPLE_INTERVAL_S
             if last is not None and fresh and model_id in (None, last[1].model_id):
@@ -127,6 +147,7 @@ class LiveMetrics:
             version = self._version(model_id)
             stages = self._sampler.sample(self._targets(version)) if version else []
             snap = LiveSnapshot(
+                slow=self._slow(version, stages) if version else [],
                 time=time.time(),
                 model_id=version.model_id if version else model_id,
                 plan_version=version.plan_version if version else None,
@@ -135,6 +156,31 @@ class LiveMetrics:
             )
             self._last = (now, snap)
             return snap
+
+    def _slow(self, version: VersionRecord, stages: list[StageRates]) -> list[SlowSuggestion]:
+        readings = []
+        for placement, rates in zip(version.segments, stages, strict=True):
+            counters = self._sampler.last(placement.device)
+            if rates.error is not None or counters is None:
+                continue
+            readings.append(
+                StageReading(
+                    plan_version=version.plan_version,
+                    index=placement.index,
+                    device=placement.device,
+                    expected_s=placement.predicted_compute_s or placement.warmup_s,
+                    at=counters.at,
+                    compute_s=counters.compute_s,
+                    requests=counters.compute_count,
+                )
+            )
+        return [
+            SlowSuggestion(
+                **stage.model_dump(),
+                what_if=WhatIfBody(model=version.model_id, drop=[stage.device]),
+            )
+            for stage in self._slowness.observe(readings)
+        ]
 
     def _version(self, model_id: str | None) -> VersionRecord | None:
         serving = self._services.serving

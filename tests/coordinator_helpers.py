@@ -43,7 +43,8 @@ class CoordinatorProc:
 
     def cli(self, *args: str, timeout: float = 600.0) -> subprocess.CompletedProcess[str]:
         """Run ``fedshard ARGS --coordinator URL --token T`` the way an operator would."""
-        command = [FEDSHARD, *args, "--coordinator", self.url, "--token", self.token]
+        # ``--token=T``: a url-safe token may begin with "-", which argparse takes for an option
+        command = [FEDSHARD, *args, f"--coordinator={self.url}", f"--token={self.token}"]
         return subprocess.run(
             command, cwd=REPO, capture_output=True, text=True, timeout=timeout, check=False
         )

@@ -146,6 +146,11 @@ class StageSampler:
         with ThreadPoolExecutor(max_workers=len(targets)) as pool:
             return list(pool.map(self._one, targets))
 
+    def last(self, device: str) -> Counters | None:
+        """The latest scrape of ``device`` that could be read."""
+        with self._lock:
+            return self._last.get(device)
+
     def _one(self, target: StageTarget) -> StageRates:
         try:
             now = parse_counters(target.fetch(), self._clock())

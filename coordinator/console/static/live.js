@@ -2,7 +2,7 @@
 // streamed as server-sent events) and the Training page (runs, and charts per round).
 "use strict";
 
-FS.live = {abort: null, history: [], model: ""};
+FS.live = {abort: null, history: [], model: "", slow: []};
 const HISTORY = 90;
 
 FS.pages.live = {
@@ -73,6 +73,26 @@ function renderLive(snap) {
     {name: "p99", cls: "series-2", points: pts(s => s.requests.latency_ms.p99)},
   ], {dots: false, xFormat: secs, empty: "no request yet"});
   renderLiveStages(snap.stages);
+  renderSlow(snap.slow || []);
+}
+
+// Stages that run persistently slower than planned, each with a button that opens the Plan
+// page and shows the what-if without that device (deployed only when the operator asks).
+function renderSlow(slow) {
+  const box = $("live-slow");
+  const key = slow.map(s => s.device).join(",");
+  if (box.dataset.key !== key) {
+    box.dataset.key = key;
+    box.innerHTML = slow.map((s, k) => `<p class="notice slow-stage" data-device="${esc(s.device)}">
+      <span class="slow-text"></span> <button type="button" data-k="${k}">Re-plan without
+      ${esc(s.device)}</button></p>`).join("");
+    box.querySelectorAll("button").forEach(button => button.addEventListener("click", () => {
+      FS.plan.pending = FS.live.slow[Number(button.dataset.k)].what_if;
+      showPage("plan", true);
+    }));
+  }
+  FS.live.slow = slow;
+  box.querySelectorAll(".slow-text").forEach((span, k) => { span.textContent = slow[k].message + "."; });
 }
 
 function renderLiveStages(stages) {

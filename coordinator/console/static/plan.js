@@ -2,7 +2,7 @@
 // time (predicted against measured, bottleneck highlighted), and the what-if re-planner.
 "use strict";
 
-FS.plan = {whatIf: null};
+FS.plan = {whatIf: null, pending: null};
 
 FS.pages.plan = {
   every: 5000,
@@ -10,6 +10,10 @@ FS.pages.plan = {
     const [, devices] = await Promise.all([loadModels(), api("GET", "/v1/devices")]);
     FS.devices = devices;
     fillSelect($("plan-model"), modelOptions(), "nothing is deployed");
+    const pending = FS.plan.pending;
+    if (pending && modelOptions().some(o => o.value === pending.model)) {
+      $("plan-model").value = pending.model;
+    }
     const model = $("plan-model").value;
     if (!model) {
       $("plan-summary").textContent = "Deploy a model (Models page) to see its plan.";
@@ -20,6 +24,13 @@ FS.pages.plan = {
     renderSummary(view);
     renderStages($("plan-stages"), view);
     renderWhatIfDevices(view);
+    if (pending) {  // a suggestion from the Live page: show its what-if
+      FS.plan.pending = null;
+      for (const row of $("whatif-table").tBodies[0].querySelectorAll("tr[data-device]")) {
+        row.querySelector(".wi-drop").checked = pending.drop.includes(row.dataset.device);
+      }
+      await runWhatIf();
+    }
   },
   wire() {
     $("plan-model").addEventListener("change", () => {
