@@ -5,10 +5,12 @@ records stay cached for minutes. :class:`Liveness` therefore asks each trusted a
 ``GET /v1/status`` every :data:`PING_INTERVAL_S` with a short timeout and decides:
 
 - **lost** after :data:`MISSES` failed pings in a row (timeouts: a busy agent may answer
-  late); at once when its port refuses the connection (nothing listens: the process is gone),
-  when a caller's own evidence (a broken chain) is confirmed by a failed
-  :meth:`Liveness.probe`, when the device leaves the trusted set (mDNS goodbye, revocation), or
-  when a device the deployments expect has not shown up :data:`STARTUP_GRACE_S` after start;
+  late; after a miss the next round starts at once, so a silent device, such as one behind a
+  cut link, is lost about ``PING_INTERVAL_S + MISSES * PING_TIMEOUT_S`` after it went quiet);
+  at once when its port refuses the connection (nothing listens: the process is gone), when a
+  caller's own evidence (a broken chain) is confirmed by a failed :meth:`Liveness.probe`, when
+  the device leaves the trusted set (mDNS goodbye, revocation), or when a device the
+  deployments expect has not shown up :data:`STARTUP_GRACE_S` after start;
 - **back** once a lost device has answered every ping for :data:`SETTLE_S` (no flapping).
 
 Events go to a :class:`LivenessListener` (the failover policy), outside any lock. The status
@@ -151,11 +153,17 @@ class Liveness:
         self._pool.shutdown(wait=False, cancel_futures=True)
 
     def _run(self) -> None:
-        while not self._stop.wait(PING_INTERVAL_S):
+        while not self._stop.wait(self._pause()):
             try:
                 self.tick()
             except Exception:  # the monitor must outlive any one bad round
                 log.exception("liveness round failed")
+
+    def _pause(self) -> float:
+        """The wait before the next round: none while a device not yet lost has just missed."""
+        with self._lock:
+            suspect = any(d.state == "alive" and d.misses > 0 for d in self._known.values())
+        return 0.0 if suspect else PING_INTERVAL_S
 
     def _ping_all(self, records: list[DeviceRecord]) -> dict[str, _Reply]:
         def one(record: DeviceRecord) -> _Reply:

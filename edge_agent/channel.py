@@ -21,6 +21,7 @@ from __future__ import annotations
 import asyncio
 import collections
 import logging
+import socket
 import ssl
 from collections.abc import Awaitable, Callable, Mapping
 from typing import Protocol
@@ -294,14 +295,26 @@ def _coalesced(parts: list[bytes | memoryview]) -> list[memoryview]:
 
 
 async def open_channel(
-    host: str, port: int, ctx: ssl.SSLContext | None, max_frame_bytes: int, timeout: float = 10.0
+    host: str,
+    port: int,
+    ctx: ssl.SSLContext | None,
+    max_frame_bytes: int,
+    timeout: float = 10.0,
+    unacked_timeout_s: float | None = None,
 ) -> ProtocolChannel:
-    """Connect to a data plane; with ``ctx`` None, plain TCP (benchmarks only)."""
+    """Connect to a data plane; with ``ctx`` None, plain TCP (benchmarks only).
+
+    With ``unacked_timeout_s`` the kernel drops the connection once sent data has waited that
+    long for the peer's acknowledgement (``TCP_USER_TIMEOUT``), and the next write fails.
+    """
     loop = asyncio.get_running_loop()
     transport, protocol = await asyncio.wait_for(
         loop.create_connection(lambda: FrameProtocol(max_frame_bytes), host, port, ssl=ctx),
         timeout,
     )
+    if unacked_timeout_s is not None:
+        sock = transport.get_extra_info("socket")
+        sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_USER_TIMEOUT, int(unacked_timeout_s * 1e3))
     if ctx is None:
         peer = Peer(name=f"{host}:{port}", role="")
     else:

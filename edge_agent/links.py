@@ -17,6 +17,12 @@ from protocols.errors import FrameError
 from protocols.frames import FrameHeader
 
 log = logging.getLogger(__name__)
+UNACKED_TIMEOUT_S = 10.0
+"""How long data sent on a link may wait for the peer's acknowledgement before the connection is
+dropped. A cut link (cable pulled, port down) sends no RST: without this bound TCP retransmits
+into it for about 15 minutes, and when the link returns, frames queued behind the stranded data
+wait for the next retransmission, up to two minutes later. A peer that reads nothing for this
+long (a zero window) counts as unreachable too."""
 
 
 class Link(Protocol):
@@ -77,7 +83,11 @@ class PeerLink:
         async with self._connect_lock:
             if self._channel is None:
                 channel = await open_channel(
-                    self.hop.host, self.hop.data_port, self._ctx, self._max
+                    self.hop.host,
+                    self.hop.data_port,
+                    self._ctx,
+                    self._max,
+                    unacked_timeout_s=UNACKED_TIMEOUT_S,
                 )
                 try:
                     check_peer(channel.peer, name=self.hop.device, roles={ROLE_AGENT})
