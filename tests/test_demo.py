@@ -1,8 +1,9 @@
 """Integration: ``fedshard demo --exit --skip-training`` as a user runs it.
 
 It starts a coordinator and three agents on 127.0.0.1, pairs them, deploys MiniLM across all
-three, prints the plan and a similarity matrix and the console line, and stops every process it
-started before it exits.
+three, prints the plan and a similarity matrix, deploys Gemma 3 270M across the three and prints
+its plan and a chat answer, prints the console line, and stops every process it started before
+it exits. The Gemma export is cached in ``<repo>/.cache/fedshard`` (shared with the Gemma tests).
 """
 
 from __future__ import annotations
@@ -16,7 +17,8 @@ import pytest
 from agent_helpers import PYTHON, REPO
 from coordinator_helpers import free_port
 
-pytestmark = [pytest.mark.slow, pytest.mark.timeout(300)]
+pytestmark = [pytest.mark.slow, pytest.mark.timeout(900)]
+CACHE = Path(REPO) / ".cache" / "fedshard"
 
 FEDSHARD = str(Path(PYTHON).parent / "fedshard")
 
@@ -51,14 +53,22 @@ def test_demo_exit_skip_training(tmp_path: Path) -> None:
         cwd=REPO,
         capture_output=True,
         text=True,
-        timeout=240,
+        timeout=840,
         check=False,
-        env={**os.environ, "COLUMNS": "200", "PYTHONIOENCODING": "utf-8"},
+        env={
+            **os.environ,
+            "COLUMNS": "200",
+            "PYTHONIOENCODING": "utf-8",
+            "FEDSHARD_CACHE": str(CACHE),
+        },
     )
     out = result.stdout + result.stderr
     assert result.returncode == 0, out
     assert "demo mode: pairing automatically" in out
     assert "plan: all-minilm-l6-v2" in out
+    assert "plan: gemma3-270m" in out
+    answer = re.search(r"^gemma3-270m: (.+)$", out, re.MULTILINE)
+    assert answer is not None and len(answer.group(1).split()) >= 3, out
     started = [line.split(maxsplit=1) for line in pids.read_text().splitlines() if line.strip()]
     names = [name for _, name in started]
     assert len(started) == 4 and names[0] == "coordinator", started
@@ -66,7 +76,8 @@ def test_demo_exit_skip_training(tmp_path: Path) -> None:
     plan_rows = [
         line for line in out.splitlines() if any(name in line for name in names[1:]) and "│" in line
     ]
-    assert len([row for row in plan_rows if re.search(r"\d+-\d+", row)]) == 3, out
+    # two plans (MiniLM, Gemma), each a row per device with its unit range
+    assert len([row for row in plan_rows if re.search(r"\d+-\d+", row)]) == 6, out
     matrix = [
         line
         for line in out.splitlines()
