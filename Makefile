@@ -27,9 +27,11 @@ test: $(VENV)/.installed-dev
 demo: $(VENV)/.installed-dev
 	$(BIN)/fedshard demo
 
-# Every benchmark, each measuring its alternatives side by side in one run.
+# Every benchmark (bench/*.py; helpers start with _), each measuring its alternatives side by side
+# in one run, then bench/results/REPORT.md from all their results (bench/report).
 bench: $(VENV)/.installed-dev
-	set -e; for script in bench/*.py; do echo "== $$script"; $(BIN)/python $$script; done
+	set -e; for script in bench/[!_]*.py; do echo "== $$script"; $(BIN)/python $$script; done
+	$(BIN)/python bench/report
 
 clean:
 	rm -rf $(VENV) .mypy_cache .pytest_cache .ruff_cache

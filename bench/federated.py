@@ -23,6 +23,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 import numpy as np
+from report.headlines import Headline, write_headlines
 from rich.console import Console
 from rich.table import Table
 
@@ -243,7 +244,21 @@ def report(
     RESULTS.mkdir(exist_ok=True)
     (RESULTS / "federated.md").write_text("\n".join(lines))
     plot(modes, baseline)
+    write_headlines("federated", headlines(modes, plain / full_plain.upload_bytes))
     console.print(f"wrote {RESULTS / 'federated.md'} and federated.png")
+
+
+def headlines(modes: list[ModeResult], upload_ratio: float) -> list[Headline]:
+    """Final accuracy per mode, round time against plain FedAvg, epsilon, upload saved."""
+    out = [Headline(f"digits accuracy, {m.name}", m.accuracy[-1]) for m in modes]
+    fedavg_s = float(np.mean(modes[1].round_s))
+    out += [
+        Headline(f"round time, {m.name} / FedAvg", float(np.mean(m.round_s)) / fedavg_s, "x")
+        for m in modes[2:]
+    ]
+    out += [Headline(f"epsilon, {m.name}", m.epsilon) for m in modes if m.epsilon is not None]
+    out.append(Headline("upload per round, shard-wise / full model", upload_ratio, "x"))
+    return out
 
 
 def plot(modes: list[ModeResult], baseline: float) -> None:

@@ -46,6 +46,8 @@ sys.path[:0] = [str(REPO), str(REPO / "tests")]
 
 import handoff_lab  # noqa: E402
 from agent_helpers import TestCA, agents  # noqa: E402
+from report import plots  # noqa: E402
+from report.headlines import Headline, write_headlines  # noqa: E402
 from rich.console import Console  # noqa: E402
 from rich.table import Table  # noqa: E402
 
@@ -544,11 +546,30 @@ def main() -> int:
         sections.append(f"## Between two lab hosts (LAN link)\n\n{note}\n")
     if max(len(loop_runs), len(lab_runs)) > 1:
         sections.append(report_runs(loop_runs, lab_runs))
-    text = "\n".join(sections)
     out = REPO / "bench" / "results" / "handoff.md"
+    if loop_runs and plots.handoff(loop_runs[-1], out.with_suffix(".png")):
+        sections.insert(1, "![hand-off per hop against payload size](handoff.png)\n")
     out.parent.mkdir(parents=True, exist_ok=True)
-    out.write_text(text)
+    out.write_text("\n".join(sections))
+    write_headlines("handoff", headlines(loop_runs[-1] if loop_runs else [], lab_runs))
     return 0
+
+
+def headlines(
+    loop_rows: list[dict[str, float]], lab_runs: list[list[dict[str, float]]]
+) -> list[Headline]:
+    """TLS/TCP per hop for >= 1 MiB: on loopback (last run), and the worst of every lab run."""
+    out = [
+        Headline(f"TLS / TCP per hop, {r['label']}, loopback", r["tls_over_tcp"], "x", "<= 1.3")
+        for r in loop_rows
+        if r["size"] >= 1 << 20
+    ]
+    lab_rows = [r for rows in lab_runs for r in rows if r["size"] >= 1 << 20]
+    for rate in dict.fromkeys(r["rate_mbps"] for r in lab_rows):
+        worst = max(r["tls_over_tcp"] for r in lab_rows if r["rate_mbps"] == rate)
+        name = f"TLS / TCP per hop, >= 1 MiB, lab link {rate:g} Mbit/s (worst)"
+        out.append(Headline(name, worst, "x", "<= 1.3"))
+    return out
 
 
 if __name__ == "__main__":

@@ -15,13 +15,17 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import contextlib
 import os
 import re
 import statistics
 import sys
 import tempfile
 import time
+from collections.abc import Iterator
+from dataclasses import dataclass
 from pathlib import Path
+from typing import Any
 
 import numpy as np
 
@@ -30,6 +34,7 @@ sys.path[:0] = [str(REPO), str(REPO / "tests")]
 
 import onnxruntime as ort  # noqa: E402
 from agent_helpers import (  # noqa: E402
+    AGENT_NAMES,
     TestCA,
     agents,
     control_client,
@@ -39,12 +44,15 @@ from agent_helpers import (  # noqa: E402
     minilm_split,
     segment_inputs,
 )
+from report import plots  # noqa: E402
+from report.headlines import Headline, write_headlines  # noqa: E402
 from rich.console import Console  # noqa: E402
 from rich.table import Table  # noqa: E402
 
 from edge_agent.config import RuntimeConfig  # noqa: E402
 from edge_agent.requester import Requester  # noqa: E402
 from edge_agent.runtime import session_options  # noqa: E402
+from protocols.manifest import Manifest  # noqa: E402
 
 CACHE = REPO / ".pytest_cache" / "d" / "fedshard-minilm"
 
@@ -59,45 +67,92 @@ def compute_totals(text: str) -> tuple[float, float]:
 
 def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    add_arguments(parser)
+    args = parser.parse_args()
+    with tempfile.TemporaryDirectory() as tmp_name, deployed(Path(tmp_name)) as deployment:
+        result = deployment.measure(args)
+    report(result, deployment.manifest.segments)
+    return 0
+
+
+def add_arguments(parser: argparse.ArgumentParser) -> None:
+    """The measurement options (shared with bench/peer_pipelining.py)."""
     parser.add_argument("--requests", type=int, default=120)
     parser.add_argument("--latency-runs", type=int, default=30)
     parser.add_argument("--in-flight", type=int, default=8)
-    args = parser.parse_args()
+
+
+@dataclass
+class Deployment:
+    """MiniLM split three ways and deployed on three running agents, ready to measure."""
+
+    manifest: Manifest
+    split_dir: Path
+    model: Path
+    chain: list[Any]
+    ca: TestCA
+    client: Any
+    ordered: list[Any]
+    whole: Any
+    local: list[tuple[Any, dict[str, np.ndarray]]]
+    feeds: dict[str, np.ndarray]
+    reports: list[dict[str, object]]
+
+    def measure(self, args: argparse.Namespace) -> dict[str, Any]:
+        """One measurement: interleaved latency runs, then pipelined throughput."""
+        result: dict[str, Any] = asyncio.run(
+            measure(  # type: ignore[no-untyped-call]
+                self.chain,
+                self.ca,
+                self.whole,
+                self.local,
+                self.feeds,
+                args,
+                self.client,
+                self.ordered,
+            )
+        )
+        result["reports"] = self.reports
+        return result
+
+
+@contextlib.contextmanager
+def deployed(tmp: Path) -> Iterator[Deployment]:
+    """Split MiniLM into ``tmp/split`` and deploy it on three agents; stops them on exit."""
     CACHE.mkdir(parents=True, exist_ok=True)
     model = minilm_model(CACHE)
     feeds = minilm_feeds(1, 128)
-    whole = ort.InferenceSession(
-        str(model), session_options(RuntimeConfig()), providers=["CPUExecutionProvider"]
-    )
-    with tempfile.TemporaryDirectory() as tmp_name:
-        tmp = Path(tmp_name)
-        manifest = minilm_split(model, tmp / "split")
-        warmups = segment_inputs(manifest, tmp / "split", feeds)
-        ca = TestCA(tmp / "ca")
-        with agents(
-            tmp, ["a0", "a1", "a2"], ca, memory="512MiB", extra=["--no-advertise"]
-        ) as procs:
-            by_name = {p.name: p for p in procs}
-            with control_client(ca) as client:
-                chain, reports = deploy_manifest(
-                    client, ca, by_name, manifest, tmp / "split", warmups
+    options = session_options(RuntimeConfig())
+    whole = ort.InferenceSession(str(model), options, providers=["CPUExecutionProvider"])
+    manifest = minilm_split(model, tmp / "split")
+    warmups = segment_inputs(manifest, tmp / "split", feeds)
+    ca = TestCA(tmp / "ca")
+    with agents(tmp, AGENT_NAMES, ca, memory="512MiB", extra=["--no-advertise"]) as procs:
+        by_name = {p.name: p for p in procs}
+        with control_client(ca) as client:
+            chain, reports = deploy_manifest(client, ca, by_name, manifest, tmp / "split", warmups)
+            local = [
+                (
+                    ort.InferenceSession(
+                        str(tmp / "split" / s.file), options, providers=["CPUExecutionProvider"]
+                    ),
+                    warm,
                 )
-                ordered = [by_name[s.device] for s in manifest.segments]
-                local = [
-                    (
-                        ort.InferenceSession(
-                            str(tmp / "split" / s.file),
-                            session_options(RuntimeConfig()),
-                            providers=["CPUExecutionProvider"],
-                        ),
-                        warm,
-                    )
-                    for s, warm in zip(manifest.segments, warmups, strict=True)
-                ]
-                result = asyncio.run(measure(chain, ca, whole, local, feeds, args, client, ordered))
-    result["reports"] = reports
-    report(result, manifest.segments)
-    return 0
+                for s, warm in zip(manifest.segments, warmups, strict=True)
+            ]
+            yield Deployment(
+                manifest=manifest,
+                split_dir=tmp / "split",
+                model=model,
+                chain=chain,
+                ca=ca,
+                client=client,
+                ordered=[by_name[s.device] for s in manifest.segments],
+                whole=whole,
+                local=local,
+                feeds=feeds,
+                reports=reports,
+            )
 
 
 async def measure(chain, ca, whole, local, feeds, args, client, ordered):  # type: ignore[no-untyped-def]
@@ -220,7 +275,17 @@ def report(r, segments) -> None:  # type: ignore[no-untyped-def]
     ]
     out = REPO / "bench" / "results" / "pipeline.md"
     out.parent.mkdir(parents=True, exist_ok=True)
+    if plots.pipeline(r["stage_ms"], r["rps"], out.with_suffix(".png")):
+        lines += ["![pipelined throughput against the stage bounds](pipeline.png)", ""]
     out.write_text("\n".join(lines))
+    write_headlines(
+        "pipeline",
+        [
+            Headline("MiniLM on 3 agents / whole model, latency", latency_ratio, "x", "<= 1.15"),
+            Headline("pipelined throughput / slowest-stage bound", throughput_ratio, "", ">= 0.8"),
+            Headline("pipelined throughput, MiniLM 1x128", r["rps"], "req/s"),
+        ],
+    )
 
 
 if __name__ == "__main__":

@@ -13,6 +13,7 @@ Run: ``.venv/bin/python bench/planner.py [--skip-worst-case]``. Results also go 
 from __future__ import annotations
 
 import argparse
+import math
 import os
 import platform
 import resource
@@ -23,6 +24,7 @@ from dataclasses import dataclass
 from functools import partial
 from pathlib import Path
 
+from report.headlines import Headline, write_headlines
 from rich.console import Console
 from rich.table import Table
 
@@ -233,6 +235,29 @@ def plot(rows: list[Comparison], path: Path) -> bool:
     return True
 
 
+def headlines(rows: list[Comparison], scale_cells: list[list[str]]) -> list[Headline]:
+    """Baseline / optimum bottleneck on the PipeEdge problems (worst and geometric mean), the
+    planning time of every synthetic case (throughput objective), exo's ratio on the home lab."""
+    out = []
+    for baseline in Baseline:
+        ratios = [r.baselines[baseline].plan.bottleneck_s / r.throughput.bottleneck_s for r in rows]
+        geo = math.exp(sum(math.log(x) for x in ratios) / len(ratios))
+        what = f"{baseline.value} split / optimum, bottleneck, {len(rows)} PipeEdge problems"
+        out += [
+            Headline(f"{what}, worst", max(ratios), "x"),
+            Headline(f"{what}, geomean", geo, "x"),
+        ]
+    for cells in scale_cells:
+        if cells[5] != Objective.THROUGHPUT.value:
+            continue
+        case = f"{cells[0]}, {cells[2]} units"
+        out.append(Headline(f"planning time, {case}", float(cells[-1]), "s"))
+        if cells[0].startswith("home lab"):
+            exo = cells[9].split()[0].lstrip("×")
+            out.append(Headline(f"exo split / optimum, bottleneck, {case}", float(exo), "x"))
+    return out
+
+
 def main() -> int:
     """Run the benchmark, print it, and write the Markdown and PNG results."""
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
@@ -287,6 +312,7 @@ def main() -> int:
         ]
     )
     (RESULTS / "planner.md").write_text(report + "\n")
+    write_headlines("planner", headlines(rows, scale_cells))
     console.print(f"wrote {RESULTS / 'planner.md'}" + (" and planner.png" if plotted else ""))
     return 0
 

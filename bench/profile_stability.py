@@ -3,7 +3,7 @@
 Target (issue 3): stable to about ±10% from run to run. Prints each measurement and the
 spread (max / min) of the same benchmark repeated in one run.
 
-    .venv/bin/python bench/profile.py [--repeat N]
+    .venv/bin/python bench/profile_stability.py [--repeat N]
 """
 
 from __future__ import annotations
@@ -13,13 +13,14 @@ import os
 import statistics
 from pathlib import Path
 
+from report.headlines import Headline, write_headlines
 from rich.console import Console
 from rich.table import Table
 
 from edge_agent.config import RuntimeConfig
 from edge_agent.microbench import measure_gflops
 
-RESULTS = Path(__file__).parent / "results" / "profile.md"
+RESULTS = Path(__file__).parent / "results" / "profile_stability.md"
 
 
 def main() -> None:
@@ -47,6 +48,15 @@ def main() -> None:
     rows = "\n".join(f"| {i + 1} | {v:.2f} |" for i, v in enumerate(values))
     RESULTS.write_text(
         f"# Profile stability\n\n| run | GFLOP/s |\n|---|---|\n{rows}\n\n{summary}\n"
+    )
+    write_headlines(
+        "profile_stability",
+        [
+            Headline(
+                "`fedshard profile` largest deviation from the median", worst * 100, "%", "<= 10"
+            ),
+            Headline("`fedshard profile` median", median, "GFLOP/s"),
+        ],
     )
 
 
