@@ -3,13 +3,10 @@
 One module-scoped lab: a coordinator and three unpaired agents as real processes on 127.0.0.1.
 The tests run in order on one page, as an operator would: sign in with the token, approve the
 agents by their pairing codes, deploy MiniLM under caps that force three stages and read its
-plan, compare sentences in the playground, watch live metrics move under load, and follow a
-training run's charts. Screenshots go to ``tests/artifacts/`` (git-ignored).
-
-The training test first reads the coordinator's own (empty) run list, then serves a run from
-the page's network layer (Playwright routes) with documents built from :mod:`protocols.training`:
-a real federated run takes minutes and needs agents with training data. Everything else talks to
-the real coordinator.
+plan, compare sentences in the playground, watch live metrics move under load, and start a real
+federated training run from the console (the coordinator's SuperLink, three local SuperNodes and
+the ServerApp) and watch its charts gain a point per round. Screenshots go to
+``tests/artifacts/`` (git-ignored).
 """
 
 from __future__ import annotations
@@ -19,6 +16,7 @@ import secrets
 import shutil
 import subprocess
 import threading
+import time
 from collections.abc import Iterator
 from dataclasses import dataclass
 from pathlib import Path
@@ -35,13 +33,7 @@ from coordinator_helpers import (
     wait_for,
 )
 
-from protocols.training import (
-    RunList,
-    RunRound,
-    RunStatus,
-    TrainingRunCreated,
-    TrainingRunRequest,
-)
+from coordinator.training.runs import CLOSE_TIMEOUT_S
 
 pytestmark = [pytest.mark.slow, pytest.mark.timeout(400)]
 playwright_api = pytest.importorskip("playwright.sync_api")
@@ -53,6 +45,9 @@ ARTIFACTS = Path(__file__).resolve().parent / "artifacts"
 MODEL_ID = "all-minilm-l6-v2"
 CAPS_MB = (70, 30, 30)
 """Planning caps that force three stages: MiniLM's ~90 MB fit on no single device, nor two."""
+TRAINING_ROUNDS = 2
+TRAINING_WAIT_S = 300.0
+"""Bound on a real two-round run (SuperLink, three SuperNodes, ServerApp): 100-135 s here."""
 CHROMIUM_ARGS = [
     "--no-sandbox",
     "--disable-gpu",
@@ -114,8 +109,8 @@ def lab(request: pytest.FixtureRequest, tmp_path_factory: pytest.TempPathFactory
 
                 assert wait_for(waiting, 30), api.get("/v1/pairing").text
             yield lab
-    finally:
-        stop_process(coordinator.proc)
+    finally:  # a run cut short needs time to stop its Flower processes (TrainingRuns.close)
+        stop_process(coordinator.proc, timeout=CLOSE_TIMEOUT_S + 30)
 
 
 @pytest.fixture(scope="module")
@@ -288,77 +283,72 @@ def test_live_metrics_move_under_load(page, lab: Lab) -> None:  # type: ignore[n
     assert after > before
 
 
-class ContractRuns:
-    """The training-run API as its contract (protocols.training) says, one round per 2 polls."""
-
-    run_id = "run-console-test"
-
-    def __init__(self, rounds: int) -> None:
-        self.rounds = rounds
-        self.started = False
-        self.polls = 0
-        self.asked: list[dict[str, object]] = []
-
-    def status(self) -> RunStatus:
-        self.polls += 1
-        done = min(self.rounds, self.polls // 2 + 1)
-        rounds = [
-            RunRound(
-                round=r,
-                loss=1.5 / r,
-                accuracy=0.5 + 0.08 * r,
-                epsilon=1.8 * r,
-                clients=3,
-                bytes_uploaded=120_000 * r,
-                seconds=2.5,
-            )
-            for r in range(1, done + 1)
-        ]
-        state = "finished" if done == self.rounds else "running"
-        return RunStatus(run_id=self.run_id, status=state, rounds=rounds)
-
-    def handle(self, route) -> None:  # type: ignore[no-untyped-def]
-        request = route.request
-        if request.method == "POST":
-            self.asked.append(
-                TrainingRunRequest.model_validate_json(request.post_data).model_dump()
-            )
-            self.started = True
-            body = TrainingRunCreated(run_id=self.run_id).model_dump_json()
-        elif request.url.split("?")[0].endswith("/runs"):
-            body = RunList(runs=[self.status()] if self.started else []).model_dump_json()
-        else:
-            body = self.status().model_dump_json()
-        route.fulfill(status=200, content_type="application/json", body=body)
+def _run_status(lab: Lab, run_id: str) -> str:
+    """The run as the coordinator has it, and the end of its log: what a failure shows."""
+    with lab.api() as api:
+        run = api.get(f"/v1/training/runs/{run_id}").text
+    return f"run: {run}\ncoordinator log:\n{lab.coordinator.log()[-4000:]}"
 
 
+def _within(deadline: float) -> float:
+    """Milliseconds left until ``deadline`` (``time.monotonic()``), at least one."""
+    return max(1.0, (deadline - time.monotonic()) * 1000)
+
+
+@pytest.mark.timeout(TRAINING_WAIT_S + 120)
 def test_training_chart_gains_points(page, lab: Lab) -> None:  # type: ignore[no-untyped-def]
-    tab(page, "Training")  # first the coordinator's own training API: no run yet
+    tab(page, "Training")
     expect(page.locator("#train-summary")).to_contain_text("No run yet")
-    runs = ContractRuns(rounds=5)
-    page.route("**/v1/training/runs**", runs.handle)
-    try:
-        page.get_by_label("Rounds").fill("5")
-        page.get_by_label("Differential privacy").uncheck()
-        page.get_by_label("Differential privacy").check()
+    page.get_by_label("Rounds").fill(str(TRAINING_ROUNDS))
+    page.get_by_label("Secure aggregation").uncheck()  # plain FedAvg: the quickest real run
+    page.get_by_label("Differential privacy").check()
+    with page.expect_response(
+        lambda r: r.request.method == "POST" and r.url.endswith("/v1/training/runs")
+    ) as answer:
         page.get_by_role("button", name="Start a run").click()
-        expect(page.locator("#train-status")).to_contain_text(f"Run {runs.run_id} started")
-        assert runs.asked == [
-            {"rounds": 5, "secure_aggregation": True, "dp": True, "rollout_every": None}
-        ]
-        points = page.locator("#train-loss circle.pt")
-        expect(points).not_to_have_count(0)
-        first = points.count()
-        expect(points).to_have_count(5, timeout=30_000)
-        assert first < 5  # the chart gained points while the run went on
-        expect(page.locator("#train-epsilon circle.pt")).to_have_count(5)
-        expect(page.locator("#train-accuracy circle.pt")).to_have_count(5)
-        expect(page.locator("#train-clients rect.bar")).to_have_count(5)
-        expect(page.locator("#train-bytes rect.bar")).to_have_count(5)
-        expect(page.locator("#train-summary")).to_contain_text("finished")
-        shot(page, "10-training")
-    finally:
-        page.unroute("**/v1/training/runs**")
+    assert answer.value.status == 200, answer.value.text()
+    assert answer.value.request.post_data_json == {
+        "rounds": TRAINING_ROUNDS,
+        "secure_aggregation": False,
+        "dp": True,
+    }
+    run_id = answer.value.json()["run_id"]
+    deadline = time.monotonic() + TRAINING_WAIT_S
+    expect(page.locator("#train-status")).to_contain_text(f"Run {run_id} started")
+    expect(page.locator("#train-run")).to_have_value(run_id)
+    points = page.locator("#train-loss circle.pt")
+    try:
+        expect(points).to_have_count(0)  # the federation is still starting
+        expect(page.locator("#train-loss")).to_contain_text("waiting for round 1")
+        expect(points).to_have_count(1, timeout=_within(deadline))
+        expect(page.locator("#train-summary")).to_contain_text("running")
+        shot(page, "10-training-round-1")
+        expect(points).to_have_count(TRAINING_ROUNDS, timeout=_within(deadline))
+        expect(page.locator("#train-summary")).to_contain_text(
+            f"Run {run_id}: finished, {TRAINING_ROUNDS} round(s) done",
+            timeout=_within(deadline),
+        )
+    except AssertionError as exc:
+        raise AssertionError(f"{exc}\n{_run_status(lab, run_id)}") from exc
+    for chart in ("train-accuracy", "train-epsilon"):
+        expect(page.locator(f"#{chart} circle.pt")).to_have_count(TRAINING_ROUNDS)
+    for chart in ("train-clients", "train-bytes"):
+        expect(page.locator(f"#{chart} rect.bar")).to_have_count(TRAINING_ROUNDS)
+    with lab.api() as api:
+        run = api.get(f"/v1/training/runs/{run_id}").json()
+    assert run["status"] == "finished", run["error"]
+    assert [r["round"] for r in run["rounds"]] == list(range(1, TRAINING_ROUNDS + 1))
+    assert all(r["clients"] == 3 and r["epsilon"] > 0 for r in run["rounds"])
+    assert [v["round"] for v in run["rollouts"]] == [TRAINING_ROUNDS]  # a new version written
+    rows = page.locator("#train-rounds-table tbody tr")
+    expect(rows).to_have_count(TRAINING_ROUNDS)
+    for k, r in enumerate(run["rounds"]):  # the page shows the coordinator's numbers
+        cells = rows.nth(k).locator("td")
+        expect(cells.nth(1)).to_have_text(f"{r['loss']:.4f}")
+        expect(cells.nth(2)).to_have_text(f"{r['accuracy'] * 100:.1f} %")
+        expect(cells.nth(3)).to_have_text(f"{r['epsilon']:.2f}")
+        expect(cells.nth(4)).to_have_text("3")
+    shot(page, "10-training")
 
 
 def test_keyboard_and_phone_width(page, lab: Lab) -> None:  # type: ignore[no-untyped-def]
