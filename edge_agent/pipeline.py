@@ -20,12 +20,11 @@ import ssl
 import time
 from collections import OrderedDict, deque
 from collections.abc import Callable, Mapping
-from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 
-from edge_agent.batching import MAX_BATCH, signature, split, stack
 from edge_agent.channel import FrameChannel
 from edge_agent.checks import Array, check_tensors
+from edge_agent.compute import StageRunner, Work, take_batch
 from edge_agent.errors import (
     AgentError,
     LinkError,
@@ -36,7 +35,7 @@ from edge_agent.errors import (
 from edge_agent.links import Link
 from edge_agent.metrics import AgentMetrics
 from edge_agent.segments import Deployed, SegmentStore
-from edge_agent.sessions import SessionTable, check_session_fields, session_key
+from edge_agent.sessions import check_session_fields
 from edge_agent.tls import check_peer
 from protocols.deploy import (
     MAX_CLAIMS,
@@ -57,17 +56,6 @@ PARKED_MAX = 64
 """Answers kept for a claim that has not arrived yet (the claim normally arrives first)."""
 PARKED_SECONDS = 30.0
 _Parked = tuple[FrameHeader, Mapping[str, Array], float]
-
-
-@dataclass
-class _Work:
-    deployed: Deployed
-    header: FrameHeader
-    feeds: dict[str, Array]
-    carried: dict[str, Array]
-    enqueued: float
-    origin: FrameChannel | None
-    """The requester's connection, on the first stage."""
 
 
 @dataclass
@@ -96,17 +84,17 @@ class Pipeline:
         self._store = store
         self._metrics = metrics
         self._link_factory = link_factory
-        self._compute_q: asyncio.Queue[_Work] = asyncio.Queue(maxsize=queue_depth)
+        self._compute_q: asyncio.Queue[Work] = asyncio.Queue(maxsize=queue_depth)
         self._send_q: asyncio.Queue[_Outgoing] = asyncio.Queue(maxsize=queue_depth)
         self._claims: dict[str, FrameChannel] = {}
         """Unanswered claims on the last stage: routed request id -> the claiming connection."""
         self._open_claims: dict[FrameChannel, set[str]] = {}
         """The same claims by connection (for the per-connection bound and the cleanup)."""
         self._parked: OrderedDict[str, _Parked] = OrderedDict()
-        self._held: deque[_Work] = deque()
+        self._held: deque[Work] = deque()
+        self._runner = StageRunner(metrics)
         """A request taken from the compute queue that did not fit the batch before it."""
         self._links: dict[Hop, Link] = {}
-        self._executor = ThreadPoolExecutor(max_workers=1, thread_name_prefix="segment")
         self._tasks: list[asyncio.Task[None]] = []
 
     def start(self) -> None:
@@ -127,7 +115,7 @@ class Pipeline:
         for link in self._links.values():
             await link.close()
         self._links.clear()
-        self._executor.shutdown(wait=True)
+        self._runner.shutdown()
 
     async def serve(self, channel: FrameChannel) -> None:
         """Read frames from one connection until it ends or sends something unreadable."""
@@ -220,7 +208,7 @@ class Pipeline:
             await self._fail(deployed, header, RequestError(problem), origin)
             return
         if header.session_end:  # queued behind the session's steps, like any work
-            await self._compute_q.put(_Work(deployed, header, {}, {}, time.perf_counter(), origin))
+            await self._compute_q.put(Work(deployed, header, {}, {}, time.perf_counter(), origin))
             return
         try:
             feeds, carried = check_tensors(deployed.frame_inputs, tensors, deployed.passthrough)
@@ -229,7 +217,7 @@ class Pipeline:
             await self._fail(deployed, header, exc, origin)
             return
         await self._compute_q.put(
-            _Work(deployed, header, feeds, carried, time.perf_counter(), origin)
+            Work(deployed, header, feeds, carried, time.perf_counter(), origin)
         )
         self._metrics.queue_depth.labels("compute").set(self._compute_q.qsize())
 
@@ -262,20 +250,16 @@ class Pipeline:
             await self._to_requester(parked[0], parked[1])
 
     async def _compute_loop(self) -> None:
-        loop = asyncio.get_running_loop()
         while True:
             idle_from = time.perf_counter()
-            batch = await self._next_batch()
+            batch = await take_batch(self._compute_q, self._held)
             start = time.perf_counter()
             self._metrics.idle_seconds.inc(start - idle_from)
             for work in batch:
                 self._metrics.queue_wait_seconds.observe(start - work.enqueued)
             self._metrics.queue_depth.labels("compute").set(self._compute_q.qsize())
             try:
-                if len(batch) == 1:
-                    results = [await self._run(loop, batch[0])]
-                else:
-                    results = await self._run_batch(loop, batch)
+                results = await self._runner.run(batch)
             except RequestError as exc:
                 self._count_error(exc)
                 for work in batch:
@@ -286,7 +270,7 @@ class Pipeline:
                 self._metrics.compute_seconds.observe(elapsed / len(batch))
                 await self._emit(work, outputs)
 
-    async def _emit(self, work: _Work, outputs: Mapping[str, Array]) -> None:
+    async def _emit(self, work: Work, outputs: Mapping[str, Array]) -> None:
         """Queue a computed request's forward tensors for sending."""
         forward = (
             {}
@@ -298,69 +282,6 @@ class Pipeline:
         )
         await self._send_q.put(_Outgoing(work.deployed, work.header, forward, work.origin))
         self._metrics.queue_depth.labels("send").set(self._send_q.qsize())
-
-    async def _next_batch(self) -> list[_Work]:
-        """The next request, with the queued ones that can run in the same call (see
-        :mod:`edge_agent.batching`); a queued request that cannot waits for the next turn."""
-        first = self._held.popleft() if self._held else await self._compute_q.get()
-        batch = [first]
-        if not _batchable(first):
-            return batch
-        shape = signature(first.feeds)
-        while len(batch) < MAX_BATCH:
-            try:
-                following = self._compute_q.get_nowait()
-            except asyncio.QueueEmpty:
-                break
-            if (
-                _batchable(following)
-                and following.deployed is first.deployed
-                and signature(following.feeds) == shape
-            ):
-                batch.append(following)
-            else:
-                self._held.append(following)
-                break
-        return batch
-
-    async def _run_batch(
-        self, loop: asyncio.AbstractEventLoop, batch: list[_Work]
-    ) -> list[dict[str, Array]]:
-        feeds, sizes = stack([work.feeds for work in batch])
-        self._metrics.batch_size.observe(len(batch))
-        outputs = await loop.run_in_executor(self._executor, batch[0].deployed.session.run, feeds)
-        return split(outputs, sizes)
-
-    async def _run(self, loop: asyncio.AbstractEventLoop, work: _Work) -> dict[str, Array]:
-        """Run one request's segment; for a stateful segment, one step of its session."""
-        table, header = work.deployed.sessions, work.header
-        if header.session_end:
-            if table is not None and header.session_id is not None:
-                table.end(session_key(header.request_id, header.session_id))
-                self._record_sessions(table)
-            return {}
-        if table is None:  # a stage of a decoder that holds no layer's cache runs as usual
-            return await loop.run_in_executor(self._executor, work.deployed.session.run, work.feeds)
-        if header.session_id is None:  # one-shot: a fresh state, kept by nobody
-            feeds = {**work.feeds, **table.empty_feeds()}
-            return await loop.run_in_executor(self._executor, work.deployed.session.run, feeds)
-        key = session_key(header.request_id, header.session_id)
-        step = table.begin_step(key, header.session_position or 0)
-        try:
-            outputs = await loop.run_in_executor(
-                self._executor, work.deployed.session.run, {**work.feeds, **step.feeds}
-            )
-            table.end_step(step, outputs)
-        except RequestError:
-            table.discard(key)
-            raise
-        finally:
-            self._record_sessions(table)
-        return outputs
-
-    def _record_sessions(self, table: SessionTable) -> None:
-        self._metrics.sessions.set(len(table))
-        self._metrics.session_state_bytes.set(table.state_bytes())
 
     async def drop_links(self, devices: frozenset[str]) -> None:
         """Close the outgoing links to these devices (they were revoked)."""
@@ -481,10 +402,6 @@ class Pipeline:
 
     def _count_error(self, exc: Exception) -> None:
         self._metrics.frame_errors.labels(type(exc).__name__).inc()
-
-
-def _batchable(work: _Work) -> bool:
-    return work.deployed.batchable and not work.header.session_end
 
 
 def _worker_ended(task: asyncio.Task[None]) -> None:
