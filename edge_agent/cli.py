@@ -12,6 +12,7 @@ from typing import Any
 
 from edge_agent.config import AgentConfig, RuntimeConfig, TlsFiles, TrainConfig, parse_size
 from edge_agent.errors import AgentError, ConfigError
+from protocols.constants import DEFAULT_QUEUE_DEPTH
 
 log = logging.getLogger(__name__)
 
@@ -38,7 +39,12 @@ def register(subparsers: Any) -> None:
     agent.add_argument("--ca", type=Path, help="the coordinator's CA certificate (PEM)")
     agent.add_argument("--cert", type=Path, help="this agent's certificate (PEM)")
     agent.add_argument("--key", type=Path, help="this agent's private key (PEM)")
-    agent.add_argument("--queue-depth", type=int, default=8, help="bound of each stage queue")
+    agent.add_argument(
+        "--queue-depth",
+        type=int,
+        default=DEFAULT_QUEUE_DEPTH,
+        help=f"bound of each stage queue ({DEFAULT_QUEUE_DEPTH}, what the planner reserves for)",
+    )
     agent.add_argument("--max-frame", default="256MiB", help="largest data-plane frame accepted")
     agent.add_argument("--no-advertise", action="store_true", help="do not announce over mDNS")
     agent.add_argument("--reprofile", action="store_true", help="re-measure GFLOP/s at start")

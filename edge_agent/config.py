@@ -7,7 +7,7 @@ from pathlib import Path
 
 from edge_agent.errors import ConfigError
 from protocols import sizes
-from protocols.constants import DEFAULT_MAX_FRAME_BYTES
+from protocols.constants import DEFAULT_MAX_FRAME_BYTES, DEFAULT_QUEUE_DEPTH
 from protocols.errors import SchemaError
 
 
@@ -71,7 +71,7 @@ class AgentConfig:
     runtime: RuntimeConfig = RuntimeConfig()
     max_frame_bytes: int = DEFAULT_MAX_FRAME_BYTES
     max_deploy_bytes: int = 1 << 31
-    queue_depth: int = 8
+    queue_depth: int = DEFAULT_QUEUE_DEPTH
     """Bound of each stage queue (frames waiting for compute, results waiting to be sent)."""
     advertise: bool = True
     reprofile: bool = False

@@ -7,6 +7,7 @@ from collections.abc import Sequence
 from partitioner.errors import GraphError
 from partitioner.runtime_memory import GRAPH_ONLY, RuntimeMemory
 from partitioner.units import UnitPlan
+from protocols.constants import DEFAULT_QUEUE_DEPTH
 from protocols.devices import DeviceList
 from protocols.problem import PlanningProblem
 
@@ -20,7 +21,7 @@ def build_problem(
     units: UnitPlan,
     devices: DeviceList,
     *,
-    queue_depth: int = 2,
+    queue_depth: int = DEFAULT_QUEUE_DEPTH,
     name: str = "",
     compute_shares: Sequence[float] | None = None,
     runtime: RuntimeMemory = GRAPH_ONLY,

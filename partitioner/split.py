@@ -40,6 +40,7 @@ from partitioner.segments import SegmentSpec, iter_segments, plan_segments
 from partitioner.shapes import infer_shapes, symbolic_types
 from partitioner.units import DEFAULT_MAX_UNITS, UnitPlan, build_units
 from partitioner.verify import DEFAULT_TOLERANCE, VerifyResult, verify_chain
+from protocols.constants import DEFAULT_QUEUE_DEPTH
 from protocols.devices import DeviceList
 from protocols.manifest import (
     DEFAULT_SESSIONS,
@@ -105,7 +106,7 @@ class SplitOptions:
     """Knobs of :func:`split_model` (the CLI flags)."""
 
     objective: Objective = Objective.THROUGHPUT
-    queue_depth: int = 2
+    queue_depth: int = DEFAULT_QUEUE_DEPTH
     verify: bool = False
     tolerance: float = DEFAULT_TOLERANCE
     dims: Mapping[str, int] = field(default_factory=dict)

@@ -13,6 +13,7 @@ import dataclasses
 from pathlib import Path
 from typing import Any
 
+from protocols.constants import DEFAULT_QUEUE_DEPTH
 from protocols.manifest import DEFAULT_SESSIONS
 
 EXIT_BAD_INPUT = 1
@@ -44,7 +45,11 @@ def register(subparsers: Any) -> None:
         help="minimise the bottleneck stage (default) or end-to-end time",
     )
     split.add_argument(
-        "--queue-depth", type=int, default=2, metavar="N", help="micro-batches buffered per stage"
+        "--queue-depth",
+        type=int,
+        default=DEFAULT_QUEUE_DEPTH,
+        metavar="N",
+        help=f"frames buffered per stage queue ({DEFAULT_QUEUE_DEPTH}, as the agents do)",
     )
     split.add_argument(
         "--verify", action="store_true", help="run the chain in ONNX Runtime and compare"

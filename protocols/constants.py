@@ -16,3 +16,7 @@ PROBLEM_FORMAT: Final = "fedshard.problem/1"
 
 DEFAULT_MAX_FRAME_BYTES: Final = 256 * 1024 * 1024
 """Largest activation frame an agent accepts unless configured otherwise."""
+
+DEFAULT_QUEUE_DEPTH: Final = 2
+"""Frames an agent's stage queues hold (waiting for compute, and results waiting to be sent),
+and what the planner reserves memory for: one number, so predictions match the agents."""

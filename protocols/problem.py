@@ -23,7 +23,7 @@ from typing import Literal, Self
 from pydantic import Field, NonNegativeFloat, NonNegativeInt, PositiveFloat, model_validator
 
 from protocols.base import FrozenModel
-from protocols.constants import PROBLEM_FORMAT
+from protocols.constants import DEFAULT_QUEUE_DEPTH, PROBLEM_FORMAT
 from protocols.links import Link, check_links
 
 
@@ -62,7 +62,7 @@ class PlanningProblem(FrozenModel):
     format: Literal["fedshard.problem/1"] = PROBLEM_FORMAT
     name: str = ""
     input_bytes: NonNegativeInt = 0
-    queue_depth: NonNegativeInt = 2
+    queue_depth: NonNegativeInt = DEFAULT_QUEUE_DEPTH
     units: list[Unit] = Field(min_length=1)
     devices: list[ProblemDevice] = Field(min_length=1)
     links: list[Link] = Field(default_factory=list)
