@@ -49,6 +49,8 @@ class PendingRequest(FrozenModel):
     code: str
     csr_pem: str
     requested_at: float
+    node_public_key: str | None = None
+    """The agent's Flower node-authentication key (OpenSSH), if it sent one."""
 
 
 class PairedDevice(FrozenModel):
@@ -58,6 +60,8 @@ class PairedDevice(FrozenModel):
     fingerprint: str
     cert_pem: str
     paired_at: float
+    node_public_key: str | None = None
+    """Registered with the SuperLink of every training run (see :meth:`Pairing.node_keys`)."""
 
 
 class PairingBook(FrozenModel):
@@ -147,8 +151,8 @@ class Pairing:
         self._book = self._load()
         self._attempts = AttemptLimiter(limits or AttemptLimits(), clock)
 
-    def request(self, name: str, csr_pem: str) -> str:
-        """Record an agent's certificate request; returns its pairing code."""
+    def request(self, name: str, csr_pem: str, node_public_key: str | None = None) -> str:
+        """Record an agent's certificate request (and node key); returns its pairing code."""
         try:
             csr = x509.load_pem_x509_csr(csr_pem.encode())
         except ValueError as exc:
@@ -160,7 +164,13 @@ class Pairing:
             if name in self._book.revoked_names:
                 raise RevokedError(f"device {name!r} is revoked")
             pending = [p for p in self._book.pending if p.name != name][-(MAX_PENDING - 1) :]
-            entry = PendingRequest(name=name, code=code, csr_pem=csr_pem, requested_at=time.time())
+            entry = PendingRequest(
+                name=name,
+                code=code,
+                csr_pem=csr_pem,
+                requested_at=time.time(),
+                node_public_key=node_public_key,
+            )
             self._save(self._book.model_copy(update={"pending": [*pending, entry]}))
         return code
 
@@ -188,6 +198,7 @@ class Pairing:
                 fingerprint=issued.fingerprint,
                 cert_pem=issued.pem.decode(),
                 paired_at=time.time(),
+                node_public_key=request.node_public_key,
             )
             book = self._book
             self._save(
@@ -227,6 +238,11 @@ class Pairing:
         """The certificate fingerprint ``name`` is paired with (None if unpaired or revoked)."""
         with self._lock:
             return next((d.fingerprint for d in self._book.paired if d.name == name), None)
+
+    def node_keys(self) -> dict[str, str]:
+        """Node-authentication keys of the paired (not revoked) devices that sent one, by name."""
+        with self._lock:
+            return {d.name: d.node_public_key for d in self._book.paired if d.node_public_key}
 
     def is_trusted(self, name: str, fingerprint: str) -> bool:
         """Whether ``name`` is paired with exactly this certificate and not revoked."""

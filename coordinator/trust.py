@@ -110,7 +110,7 @@ class TrustService:
                 if offer.name != record.name:
                     log.warning("%s offered a request for %r; ignored", record.name, offer.name)
                     continue
-                code = self._pairing.request(offer.name, offer.csr_pem)
+                code = self._pairing.request(offer.name, offer.csr_pem, offer.node_public_key)
             except (AgentError, PairingError) as exc:
                 log.info("no pairing offer from %s yet: %s", record.name, exc)
                 continue

@@ -8,6 +8,10 @@ with the agent role, and was issued by the CA sent along; the files are then wri
 dir, where later starts find them. Trust rests on the operator comparing the code the agent logs
 with the one the coordinator shows; a grant that arrives first from elsewhere leaves the agent
 paired to that CA, which the coordinator sees as "already paired".
+
+The offer also carries the agent's Flower node-authentication public key (EC P-256, OpenSSH
+format, made on first use under ``STATE_DIR/training/node-auth``); the coordinator registers it
+with its SuperLink, and the agent's SuperNode signs in with the private half.
 """
 
 from __future__ import annotations
@@ -19,7 +23,7 @@ from pathlib import Path
 from cryptography import x509
 from cryptography.exceptions import InvalidSignature
 from cryptography.hazmat.primitives import hashes, serialization
-from cryptography.hazmat.primitives.asymmetric import ed25519
+from cryptography.hazmat.primitives.asymmetric import ec, ed25519
 from cryptography.x509.oid import NameOID
 
 from edge_agent.config import TlsFiles
@@ -30,6 +34,44 @@ from protocols.pairing import PairingGrant, PairingOffer, pairing_code
 
 CA_FILE = "ca.pem"
 CERT_FILE = "cert.pem"
+NODE_KEY_DIR = "node-auth"
+
+
+def node_key_dir(state_dir: Path) -> Path:
+    """Where an agent keeps its node-authentication key pair."""
+    return state_dir / "training" / NODE_KEY_DIR
+
+
+def make_node_key(directory: Path) -> tuple[Path, Path]:
+    """Create a node-authentication key pair (EC P-256, OpenSSH format) in ``directory``.
+
+    Returns (private key path, public key path); the public key is what the coordinator
+    registers with its SuperLink. An existing pair is reused.
+    """
+    private, public = directory / "node_auth_key", directory / "node_auth_key.pub"
+    if private.is_file() and public.is_file():
+        return private, public
+    directory.mkdir(parents=True, exist_ok=True)
+    key = ec.generate_private_key(ec.SECP256R1())
+    pem = key.private_bytes(
+        serialization.Encoding.PEM,
+        serialization.PrivateFormat.OpenSSH,
+        serialization.NoEncryption(),
+    )
+    fd = os.open(private, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o600)
+    with os.fdopen(fd, "wb") as fh:
+        fh.write(pem)
+    text = key.public_key().public_bytes(
+        serialization.Encoding.OpenSSH, serialization.PublicFormat.OpenSSH
+    )
+    public.write_bytes(text + b"\n")
+    return private, public
+
+
+def node_public_key(state_dir: Path) -> str:
+    """The agent's node-authentication public key (OpenSSH, one line), made on first use."""
+    _, public = make_node_key(node_key_dir(state_dir))
+    return public.read_text().strip()
 
 
 def stored_tls(state_dir: Path) -> TlsFiles | None:
@@ -39,7 +81,8 @@ def stored_tls(state_dir: Path) -> TlsFiles | None:
 
 
 def pairing_offer(identity: Identity) -> PairingOffer:
-    """A certificate request for the agent's key (CN = name, OU = agent) and its pairing code."""
+    """A certificate request for the agent's key (CN = name, OU = agent), its pairing code and
+    its node-authentication public key (the key files sit next to the agent's key)."""
     key = load_private_key(identity.key_path.read_bytes())
     subject = x509.Name(
         [
@@ -53,6 +96,7 @@ def pairing_offer(identity: Identity) -> PairingOffer:
         name=identity.name,
         csr_pem=csr.public_bytes(serialization.Encoding.PEM).decode(),
         code=pairing_code(spki(key.public_key())),
+        node_public_key=node_public_key(identity.key_path.parent),
     )
 
 

@@ -16,6 +16,8 @@ from pydantic import Field
 from protocols.base import FrozenModel
 
 CODE_CHARS: Final = 8
+NODE_KEY_PATTERN: Final = r"^ecdsa-sha2-nistp(256|384|521) [A-Za-z0-9+/]+={0,2}$"
+"""A Flower node-authentication public key: EC NIST, OpenSSH format, one line, no comment."""
 
 
 def pairing_code(public_key_der: bytes) -> str:
@@ -42,6 +44,9 @@ class PairingOffer(FrozenModel):
     name: str = Field(min_length=1, max_length=63)
     csr_pem: str = Field(max_length=16384)
     code: str = Field(pattern=r"^[A-Z2-7]{4}-[A-Z2-7]{4}$")
+    node_public_key: str | None = Field(default=None, max_length=1024, pattern=NODE_KEY_PATTERN)
+    """The agent's Flower SuperNode authentication key, registered with the coordinator's
+    SuperLink once the agent is paired (absent from agents that never train)."""
 
 
 class PairingGrant(FrozenModel):

@@ -88,3 +88,62 @@ def test_the_agents_supernode_runs_until_the_agent_stops(tmp_path: Path) -> None
         assert node.config.work_dir == (tmp_path / "state" / "training").resolve()
         assert node.config.data_dir == data.resolve()
     assert not node.alive()
+
+
+def test_the_pairing_offer_carries_the_node_key_and_the_coordinator_registers_it(
+    tmp_path: Path,
+) -> None:
+    """Agent: the offer has its node public key, the same the SuperNode's private key matches.
+    Coordinator: pending request and paired device keep it; only paired devices' keys count."""
+    from cryptography.hazmat.primitives import serialization
+
+    from coordinator.ca import CertificateAuthority
+    from coordinator.pairing import Pairing
+    from edge_agent.config import AgentConfig
+    from edge_agent.identity import load_identity
+    from edge_agent.pairing import make_node_key, node_key_dir, pairing_offer
+    from protocols.errors import SchemaError
+    from protocols.pairing import PairingOffer
+
+    state = tmp_path / "agent"
+    offer = pairing_offer(load_identity(AgentConfig("cam-1", 1 << 20, state)))
+    assert offer.node_public_key is not None
+    assert offer.node_public_key.startswith("ecdsa-sha2-nistp256 ")
+    again = pairing_offer(load_identity(AgentConfig("cam-1", 1 << 20, state)))
+    assert again.node_public_key == offer.node_public_key  # made once, kept
+    private, _ = make_node_key(node_key_dir(state))
+    key = serialization.load_ssh_private_key(private.read_bytes(), password=None)
+    public = key.public_key().public_bytes(
+        serialization.Encoding.OpenSSH, serialization.PublicFormat.OpenSSH
+    )
+    assert public.decode() == offer.node_public_key
+    # the wire model refuses anything but an EC OpenSSH public key
+    bad = offer.model_dump() | {"node_public_key": "ssh-rsa AAAA; rm -rf /"}
+    with pytest.raises(SchemaError):
+        PairingOffer.from_json(PairingOffer.model_construct(**bad).model_dump_json())
+
+    ca = CertificateAuthority.open(tmp_path / "coordinator")
+    pairing = Pairing(tmp_path / "coordinator", ca)
+    code = pairing.request(offer.name, offer.csr_pem, offer.node_public_key)
+    assert code == offer.code
+    assert pairing.node_keys() == {}  # pending devices are not registered
+    pairing.approve("cam-1", code)
+    assert pairing.node_keys() == {"cam-1": offer.node_public_key}
+    reopened = Pairing(tmp_path / "coordinator", ca)  # survives a restart
+    assert reopened.node_keys() == {"cam-1": offer.node_public_key}
+    reopened.revoke("cam-1")
+    assert reopened.node_keys() == {}
+
+
+def test_a_run_on_agents_needs_as_many_node_keys_as_clients(tmp_path: Path) -> None:
+    from coordinator.ca import CertificateAuthority
+    from coordinator.training.errors import TrainingRunError
+    from coordinator.training.runner import TrainingTarget, agent_federation
+
+    federation = agent_federation(
+        CertificateAuthority.open(tmp_path), 1, lambda: {"a": "ecdsa-sha2-nistp256 AAAA"}
+    )
+    target = TrainingTarget(tmp_path, tmp_path / "t.npz", tmp_path / "v", population=3)
+    expected = "1 paired agents have a node key; the run needs 3"
+    with pytest.raises(TrainingRunError, match=expected), federation(tmp_path / "run", target):
+        pass

@@ -12,15 +12,16 @@ from __future__ import annotations
 
 import logging
 import threading
-from collections.abc import Callable, Iterator
+from collections.abc import Callable, Iterator, Mapping
 from contextlib import AbstractContextManager, contextmanager
 from dataclasses import dataclass
 from pathlib import Path
 
 from coordinator.ca import CertificateAuthority
 from coordinator.errors import CoordinatorError
+from coordinator.state import write_atomic
 from coordinator.training.errors import RolloutError, TrainingRunError
-from coordinator.training.flower import SuperLink, superlink
+from coordinator.training.flower import SuperLink, register_supernode, superlink
 from coordinator.training.local_agents import start_local_agents
 from coordinator.training.records import RoundMetrics, TrainingRecord, TrainingSettings
 from coordinator.training.rollout import next_version_dir
@@ -131,6 +132,35 @@ def local_federation(ca: CertificateAuthority, port: int = 0) -> Federation:
                 link, target.version_dir, target.data_dirs, target.budgets, run_dir
             ):
                 yield link
+
+    return start
+
+
+def agent_federation(
+    ca: CertificateAuthority, port: int, node_keys: Callable[[], Mapping[str, str]]
+) -> Federation:
+    """A SuperLink on 127.0.0.1:``port`` that admits only the paired agents' SuperNodes.
+
+    Node authentication is on; every key ``node_keys()`` returns (device name to OpenSSH
+    public key, as sent with the pairing request) is registered before the run starts. The
+    agents' SuperNodes (``fedshard agent --train-superlink 127.0.0.1:PORT``) are refused until
+    their key is registered, and restart until they get in.
+    """
+
+    @contextmanager
+    def start(run_dir: Path, target: TrainingTarget) -> Iterator[SuperLink]:
+        keys = dict(node_keys())
+        if len(keys) < target.population:
+            raise TrainingRunError(
+                f"{len(keys)} paired agents have a node key; the run needs {target.population}"
+            )
+        with superlink(run_dir, ca, node_auth=True, port=port) as link:
+            for name, key in sorted(keys.items()):
+                path = run_dir / "node-keys" / f"{name}.pub"
+                write_atomic(path, f"{key}\n".encode())
+                register_supernode(link, path)
+                log.info("registered the node key of %s", name)
+            yield link
 
     return start
 

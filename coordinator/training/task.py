@@ -176,10 +176,15 @@ def layer_boundaries(model: onnx.ModelProto) -> list[str]:
 
 
 def write_initial_version(
-    model: onnx.ModelProto, out_dir: Path, devices: list[str], name: str = "digits-cnn"
+    model: onnx.ModelProto,
+    out_dir: Path,
+    devices: list[str],
+    name: str = "digits-cnn",
+    boundaries: list[str] | None = None,
 ) -> Version:
-    """Cut ``model`` into its layer segments and write a version directory with a manifest."""
-    segments = cut_chain(model, layer_boundaries(model))
+    """Cut ``model`` at ``boundaries`` (default: every layer, :func:`layer_boundaries`) and
+    write a version directory with a manifest; segment ``i`` goes to ``devices[i % n]``."""
+    segments = cut_chain(model, layer_boundaries(model) if boundaries is None else boundaries)
     full = model.SerializeToString()
     entries = []
     for i, seg in enumerate(segments):

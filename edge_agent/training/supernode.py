@@ -5,7 +5,9 @@ certificate), serves its own Runtime API on ``127.0.0.1:--port``, installs nothi
 sends no telemetry and checks for no updates. Its node config tells the ClientApp where this
 agent's segments, training data and feature cache are, and its training budget.
 ``fedshard agent --train-data DIR`` runs one for the agent's whole life
-(:func:`agent_supernode`).
+(:func:`agent_supernode`), authenticated with the agent's node key (:func:`node_public_key`,
+sent to the coordinator with the pairing request) and restarted whenever it exits: a SuperLink
+refuses a node whose key it has not registered yet, and each training run starts a new one.
 """
 
 from __future__ import annotations
@@ -17,19 +19,34 @@ import signal
 import socket
 import subprocess
 import sys
+import threading
 from collections.abc import Iterator
 from contextlib import contextmanager
 from dataclasses import dataclass
 from pathlib import Path
 
 from edge_agent.config import AgentConfig
+from edge_agent.pairing import make_node_key, node_key_dir, node_public_key
 from edge_agent.training.errors import SuperNodeError
 
 log = logging.getLogger(__name__)
 
+__all__ = [
+    "SuperNodeConfig",
+    "SuperNodeProcess",
+    "SupervisedSuperNode",
+    "agent_supernode",
+    "make_node_key",
+    "node_key_dir",
+    "node_public_key",
+    "start_supernode",
+]
+
 HOST = "127.0.0.1"
 SUPEREXEC_POLL_S = "0.25"
 """How often Flower's SuperExec looks for work (its default, 1 s, slows every SecAgg+ stage)."""
+RESTART_DELAY_S = 3.0
+"""Wait before restarting a SuperNode that exited (refused, or its SuperLink went away)."""
 
 
 @dataclass(frozen=True)
@@ -99,37 +116,6 @@ def _stop_tree(proc: subprocess.Popen[bytes], grace_s: float, hard: bool) -> Non
     proc.wait(timeout=grace_s)
 
 
-def make_node_key(directory: Path) -> tuple[Path, Path]:
-    """Create this agent's node-authentication key pair (EC P-256, OpenSSH format).
-
-    Returns (private key path, public key path); the public key is what the coordinator
-    registers with its SuperLink. An existing pair is reused.
-    """
-    from cryptography.hazmat.primitives import serialization
-    from cryptography.hazmat.primitives.asymmetric import ec
-
-    private, public = directory / "node_auth_key", directory / "node_auth_key.pub"
-    if private.is_file() and public.is_file():
-        return private, public
-    directory.mkdir(parents=True, exist_ok=True)
-    key = ec.generate_private_key(ec.SECP256R1())
-    pem = key.private_bytes(
-        serialization.Encoding.PEM,
-        serialization.PrivateFormat.OpenSSH,
-        serialization.NoEncryption(),
-    )
-    fd = os.open(private, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o600)
-    with os.fdopen(fd, "wb") as fh:
-        fh.write(pem)
-    public.write_bytes(
-        key.public_key().public_bytes(
-            serialization.Encoding.OpenSSH, serialization.PublicFormat.OpenSSH
-        )
-        + b"\n"
-    )
-    return private, public
-
-
 def _free_port() -> int:
     with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as sock:
         sock.bind((HOST, 0))
@@ -175,7 +161,7 @@ def start_supernode(config: SuperNodeConfig) -> SuperNodeProcess:
     )
     log_path = config.work_dir / "supernode.log"
     try:
-        with log_path.open("wb") as log_file:
+        with log_path.open("ab") as log_file:
             proc = subprocess.Popen(
                 cmd,
                 env=env,
@@ -190,18 +176,76 @@ def start_supernode(config: SuperNodeConfig) -> SuperNodeProcess:
     return SuperNodeProcess(config, proc, port, log_path)
 
 
+class SupervisedSuperNode:
+    """One SuperNode kept running: started again whenever it exits, until :meth:`stop`."""
+
+    def __init__(self, config: SuperNodeConfig, restart_delay_s: float = RESTART_DELAY_S) -> None:
+        self.config = config
+        self.restart_delay_s = restart_delay_s
+        self.restarts = 0
+        self._lock = threading.Lock()
+        self._stopping = threading.Event()
+        self._node = start_supernode(config)
+        self._thread = threading.Thread(target=self._watch, name="supernode-watch", daemon=True)
+        self._thread.start()
+
+    @property
+    def node(self) -> SuperNodeProcess:
+        """The current SuperNode process."""
+        with self._lock:
+            return self._node
+
+    @property
+    def log_path(self) -> Path:
+        """The SuperNode's log (every restart appends to it)."""
+        return self.node.log_path
+
+    def alive(self) -> bool:
+        """Whether a SuperNode process is running now."""
+        return self.node.alive()
+
+    def stop(self) -> None:
+        """Stop watching, then stop the SuperNode and its children."""
+        self._stopping.set()
+        self._thread.join(timeout=30)
+        self.node.stop()
+
+    def _watch(self) -> None:
+        while not self._stopping.wait(0.5):
+            node = self.node
+            if node.alive():
+                continue
+            log.warning(
+                "SuperNode exited (%s); restarting in %.0f s", node.process.returncode,
+                self.restart_delay_s,
+            )  # fmt: skip
+            if self._stopping.wait(self.restart_delay_s):
+                return
+            with self._lock:
+                if self._stopping.is_set():
+                    return
+                try:
+                    self._node = start_supernode(self.config)
+                except SuperNodeError as exc:
+                    log.error("cannot restart the SuperNode: %s", exc)
+                    continue
+                self.restarts += 1
+
+
 @contextmanager
-def agent_supernode(config: AgentConfig) -> Iterator[SuperNodeProcess]:
+def agent_supernode(config: AgentConfig) -> Iterator[SupervisedSuperNode]:
     """The SuperNode of an agent started with ``--train-data``, stopped when the agent stops.
 
-    It trusts the coordinator's CA (``--ca``) for the SuperLink's certificate and keeps its
-    Flower home and feature cache under ``STATE_DIR/training``. It keeps retrying until the
-    SuperLink is up, so the coordinator may start runs later.
+    It trusts the coordinator's CA (``--ca``) for the SuperLink's certificate, authenticates
+    with the agent's node key, and keeps its Flower home and feature cache under
+    ``STATE_DIR/training``. It is restarted whenever it exits, so the coordinator may start
+    runs (and register the key) later.
     """
     train, tls = config.training, config.tls
     if train is None or tls is None:
         raise SuperNodeError("training needs --train-data and the coordinator's CA (--ca)")
-    node = start_supernode(
+    private_key, _ = make_node_key(node_key_dir(config.state_dir))
+    node = SupervisedSuperNode(
         SuperNodeConfig(
             superlink=train.superlink,
             root_certificates=tls.ca,
@@ -209,6 +253,7 @@ def agent_supernode(config: AgentConfig) -> Iterator[SuperNodeProcess]:
             data_dir=train.data_dir.resolve(),
             work_dir=(config.state_dir / "training").resolve(),
             budget_bytes=train.budget_bytes,
+            auth_private_key=private_key.resolve(),
         )
     )
     try:

@@ -1,0 +1,229 @@
+"""Federated fine-tuning on real agents: three ``fedshard agent --train-data`` processes, each
+with its own SuperNode (node-authentication key made by the agent), a SuperLink with node
+authentication (only the registered agents' keys get in), SecAgg+ and DP through ``flwr run``,
+started through the coordinator's ``/v1/training/runs`` API, and the trained version rolled out
+live to the deployment those same agents serve.
+
+The coordinator's parts (CA, deployer, router, run manager, API) run in this process; agents,
+SuperLink, SuperNodes and Flower's apps are real processes on 127.0.0.1. Two rounds keep it
+short: the five-round accuracy and accounting checks live in ``test_training_e2e.py``.
+"""
+
+from __future__ import annotations
+
+import shutil
+import time
+from collections.abc import Iterator
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+import onnx
+import pytest
+from agent_helpers import AgentProc, start_agent, stop_agent
+from cryptography.hazmat.primitives import serialization
+from cryptography.hazmat.primitives.asymmetric import ec
+from fastapi.testclient import TestClient
+
+pytest.importorskip("torch")
+pytest.importorskip("flwr")
+
+from coordinator.ca import CertificateAuthority
+from coordinator.training.flower import free_port
+from coordinator.training.task import PreparedTask, load_arrays, prepare_task
+from protocols.deploy import ROLE_AGENT
+
+pytestmark = [pytest.mark.slow, pytest.mark.timeout(600)]
+
+MODEL_ID = "digits-cnn"
+NAMES = ["agent-0", "agent-1", "agent-2"]
+BUDGETS = ["50000", "1GiB", "1GiB"]
+"""agent-0 fits only the head shard's training; the others fit both trainable shards."""
+
+
+@dataclass
+class Cluster:
+    agents: list[AgentProc]
+    ca: CertificateAuthority
+    state: Path
+    superlink_port: int
+    version_dir: Path
+    task: PreparedTask
+
+
+def _three_segment_version(task: PreparedTask, out: Path) -> Path:
+    """The task's CNN cut in three (convolutions | fc1 | fc2): one segment per agent."""
+    from coordinator.training.task import layer_boundaries, write_initial_version
+
+    model = onnx.load(task.model_file)
+    write_initial_version(model, out, NAMES, boundaries=layer_boundaries(model)[1:])
+    return out
+
+
+def _tls_files(ca: CertificateAuthority, name: str, out: Path) -> list[str]:
+    """``--ca --cert --key`` for ``name``, as pairing would have left them."""
+    key = ec.generate_private_key(ec.SECP256R1())
+    issued = ca.issue_for_key(key.public_key(), name, ROLE_AGENT)
+    out.mkdir(parents=True, exist_ok=True)
+    (out / "ca.pem").write_bytes(ca.cert_pem)
+    (out / "cert.pem").write_bytes(issued.pem)
+    (out / "key.pem").write_bytes(
+        key.private_bytes(
+            serialization.Encoding.PEM,
+            serialization.PrivateFormat.PKCS8,
+            serialization.NoEncryption(),
+        )
+    )
+    files = [out / "ca.pem", out / "cert.pem", out / "key.pem"]
+    return [
+        arg
+        for flag, f in zip(("--ca", "--cert", "--key"), files, strict=True)
+        for arg in (flag, str(f))
+    ]
+
+
+@pytest.fixture(scope="module")
+def cluster(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Cluster]:
+    tmp = tmp_path_factory.mktemp("agents-train")
+    task = prepare_task(tmp / "task", num_clients=3, alpha=0.5, seed=0)
+    version_dir = _three_segment_version(task, tmp / "v3")
+    state = tmp / "coordinator"
+    ca = CertificateAuthority.open(state)
+    port = free_port()
+    started: list[AgentProc] = []
+    try:
+        for i, name in enumerate(NAMES):
+            if started:  # reuse the first agent's measured profile
+                (tmp / f"state-{name}").mkdir(parents=True, exist_ok=True)
+                shutil.copy(started[0].state_dir / "profile.json", tmp / f"state-{name}")
+            extra = _tls_files(ca, name, tmp / f"tls-{name}")
+            extra += ["--train-data", str(task.client_dirs[i])]
+            extra += ["--train-superlink", f"127.0.0.1:{port}"]
+            extra += ["--train-segments", str(version_dir), "--train-budget", BUDGETS[i]]
+            started.append(start_agent(tmp, name, None, memory="256MiB", extra=extra))
+        yield Cluster(started, ca, state, port, version_dir, task)
+    finally:
+        for agent in started:
+            stop_agent(agent)
+
+
+def _device(agent: AgentProc) -> Any:
+    from coordinator.registry import DeviceRecord
+    from protocols.profile import AgentState, Announcement, DeviceProfile
+
+    profile = DeviceProfile(
+        device_id=agent.device_id,
+        name=agent.name,
+        memory_bytes=256 << 20,
+        gflops=10.0,
+        control_port=agent.control_port,
+        data_port=agent.data_port,
+        cert_fingerprint="ef" * 32,
+    )
+    state = AgentState(paired=True)
+    return DeviceRecord(Announcement(profile=profile, state=state), "127.0.0.1", agent.name, 0, 0)
+
+
+def _node_keys(cluster: Cluster) -> dict[str, str]:
+    """What the pairing book holds: each agent's node public key, made by the agent itself."""
+    from edge_agent.pairing import node_key_dir
+
+    keys = {}
+    for agent in cluster.agents:
+        public = node_key_dir(agent.state_dir) / "node_auth_key.pub"
+        deadline = time.monotonic() + 30
+        while not public.is_file():
+            assert time.monotonic() < deadline, f"{agent.name} made no node key"
+            time.sleep(0.1)
+        keys[agent.name] = public.read_text().strip()
+    return keys
+
+
+def test_real_agents_train_and_serve_the_new_version(cluster: Cluster) -> None:
+    from coordinator.agent_client import AgentClient
+    from coordinator.api import Services, create_app
+    from coordinator.dataplane import DataPlane
+    from coordinator.deployer import Deployer
+    from coordinator.deployments import DeploymentStore
+    from coordinator.identity import client_context, open_identity
+    from coordinator.pairing import Pairing
+    from coordinator.registry import DeviceRegistry
+    from coordinator.serving import Router
+    from coordinator.training.records import TrainingRecord
+    from coordinator.training.runner import FlowerRunner, TrainingTarget, agent_federation
+    from coordinator.training.runs import TrainingRuns
+    from coordinator.training.segments import run_chain
+    from coordinator.training.server_app import load_weights
+    from coordinator.training.service import LivePublisher
+    from coordinator.training.version import Version
+    from protocols.plan import Objective
+
+    state, ca = cluster.state, cluster.ca
+    ctx = client_context(open_identity(state, ca))
+    store = DeploymentStore(state)
+    plane = DataPlane()
+    router = Router(store, plane, ctx)
+    devices = [_device(a) for a in cluster.agents]
+    deployer = Deployer(
+        state, store, AgentClient(ctx), lambda: devices, list, ca.sign, router.health
+    )
+    x, y = load_arrays(cluster.task.test_file)
+    try:
+        first = deployer.deploy_version(
+            MODEL_ID, cluster.version_dir, {"image": x[:8]}, Objective.THROUGHPUT
+        )
+        served = Version.load(deployer.segment_dir(MODEL_ID, first.plan_version))
+        _, before = router.infer(MODEL_ID, {"image": x})
+        target = TrainingTarget(
+            served.path, cluster.task.test_file, state / "versions", 3, model_id=MODEL_ID
+        )
+        keys = _node_keys(cluster)
+        runner = FlowerRunner(
+            state / "training",
+            ca,
+            lambda: target,
+            publish=LivePublisher(deployer, store, cluster.task.test_file),
+            federation=agent_federation(ca, cluster.superlink_port, lambda: keys),
+        )
+        pairing = Pairing(state, ca)
+        app = create_app(Services("tok", DeviceRegistry(), pairing, training=TrainingRuns(runner)))
+        with TestClient(app, headers={"Authorization": "Bearer tok"}) as api:
+            body = {"rounds": 2, "secure_aggregation": True, "dp": True}
+            run_id = api.post("/v1/training/runs", json=body).json()["run_id"]
+            deadline = time.monotonic() + 480
+            while time.monotonic() < deadline:
+                run = api.get(f"/v1/training/runs/{run_id}").json()
+                if run["status"] in ("finished", "failed"):
+                    break
+                time.sleep(0.5)
+        assert run["status"] == "finished", run["error"]
+        assert [(r["round"], r["clients"]) for r in run["rounds"]] == [(1, 3), (2, 3)]
+        assert run["rounds"][-1]["accuracy"] > run["baseline_accuracy"]
+        run_dir = state / "training" / "runs" / run_id
+        record = TrainingRecord.from_json((run_dir / "record.json").read_bytes())
+        # each real agent trained what its --train-budget fits: agent-0 the head only
+        assert sorted(tuple(s) for s in record.rounds[0].trained_shards.values()) == [
+            (1, 2),
+            (1, 2),
+            (2,),
+        ]
+        # the served deployment's version changed to the trained one
+        (rollout,) = run["rollouts"]
+        active = store.active(MODEL_ID)
+        assert rollout["plan_version"] == active.plan_version == first.plan_version + 1
+        # and what the real agents now serve equals the new weights' predictions, computed directly
+        answered, after = router.infer(MODEL_ID, {"image": x})
+        assert answered.plan_version == active.plan_version
+        w1, b1, w2, b2 = load_weights(run_dir / "weights.npz")
+        features = run_chain(served.segments[:1], {"image": x})[
+            served.manifest.segments[1].inputs[0]
+        ]
+        direct = np.maximum(features @ w1.T + b1, 0) @ w2.T + b2
+        np.testing.assert_allclose(after["logits"], direct, rtol=1e-4, atol=1e-4)
+        assert not np.allclose(after["logits"], before["logits"], atol=1e-3)
+        accuracy = float((after["logits"].argmax(1) == y).mean())
+        assert accuracy == pytest.approx(run["rounds"][-1]["accuracy"])
+    finally:
+        router.close()
+        plane.close()
