@@ -49,6 +49,7 @@ from coordinator.errors import (
 from coordinator.failover import Failover
 from coordinator.links import LinkMeter
 from coordinator.serving import Router
+from partitioner.baselines import Baseline
 from protocols.links import Link as DeviceLink
 from protocols.plan import Objective
 
@@ -86,6 +87,8 @@ class DeployBody(Body):
     memory_caps: dict[str, int] = Field(default_factory=dict)
     """Per-device planning caps in bytes (the operator's headroom)."""
     tokenizer_dir: str | None = None
+    baseline: Baseline | None = None
+    """Cut the way a baseline does (``exo``, ``even``) instead of planning: for comparisons."""
 
 
 class EmbeddingsBody(BaseModel):
@@ -140,6 +143,7 @@ def serving_router(serving: Serving) -> APIRouter:
             objective=body.objective,
             memory_caps=body.memory_caps,
             tokenizer_dir=body.tokenizer_dir or default_tokenizer_dir(model_id),
+            baseline=body.baseline,
         )
         return await run_in_threadpool(serving.deployer.deploy, command)
 

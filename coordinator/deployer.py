@@ -25,11 +25,13 @@ from coordinator.deploy_plan import LiveDevice, deploy_bodies, device_list, max_
 from coordinator.deployments import DeploymentStore, Placement, VersionRecord, now
 from coordinator.errors import AgentError, CoordinatorError, DeployError
 from coordinator.registry import DeviceRecord
+from partitioner.baselines import Baseline
 from protocols.deploy import DeployReport, Hop
 from protocols.errors import SchemaError
 from protocols.links import Link as DeviceLink
 from protocols.manifest import Manifest
-from protocols.plan import Objective
+from protocols.plan import Objective, Plan
+from protocols.problem import PlanningProblem
 
 log = logging.getLogger(__name__)
 HEALTH_TOLERANCE = 1e-4
@@ -55,6 +57,9 @@ class DeployCommand:
     strict_caps: bool = True
     """Refuse caps naming devices that are not online (False for re-plans: the operator's caps
     stay with the model while a device is away)."""
+    baseline: Baseline | None = None
+    """Cut the way a baseline does (exo's memory-weighted split, an even split) instead of
+    planning, to compare against the plan; None (the default) plans."""
 
 
 @dataclass(frozen=True)
@@ -281,8 +286,10 @@ def split_and_run(command: DeployCommand, devices: Any, out: Path) -> SplitOutco
     from partitioner.split import SplitOptions, split_model
     from partitioner.verify import run_chain
 
+    planner = None if command.baseline is None else baseline_planner(command.baseline)
     try:
-        result = split_model(command.model_path, devices, out, SplitOptions(command.objective))
+        options = SplitOptions(command.objective)
+        result = split_model(command.model_path, devices, out, options, planner=planner)
         samples = dict(result.analysis.samples)
         known = run_chain([w.files[0] for w in result.segments], samples)
     except (PartitionerError, OSError) as exc:
@@ -295,6 +302,23 @@ def split_and_run(command: DeployCommand, devices: Any, out: Path) -> SplitOutco
     state = state_names(manifest)
     expected = {o.name: known[o.name] for o in manifest.model.outputs if o.name not in state}
     return SplitOutcome(manifest, out, samples, warmups, expected)
+
+
+def baseline_planner(baseline: Baseline) -> Callable[[PlanningProblem, Objective], Plan]:
+    """A planner that splits the way ``baseline`` does; InfeasiblePlanError when a stage of
+    that split does not fit its device (baselines do not look at memory)."""
+    from partitioner.baselines import run_baseline
+    from partitioner.errors import InfeasiblePlanError
+
+    def choose(problem: PlanningProblem, objective: Objective) -> Plan:
+        result = run_baseline(problem, objective, baseline)
+        if result.overflows:
+            over = ", ".join(f"{device} by {size} bytes" for device, size in result.overflows)
+            shortfall = max(size for _, size in result.overflows)
+            raise InfeasiblePlanError(f"the {baseline} split overflows {over}", shortfall)
+        return result.plan
+
+    return choose
 
 
 def _address_of(record: DeviceRecord) -> AgentAddress:

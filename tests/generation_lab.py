@@ -74,3 +74,12 @@ def agent_metric(lab: GenLab, agent: AgentProc, name: str) -> float:
     match = re.search(rf"^{re.escape(name)} (\S+)$", text, re.MULTILINE)
     assert match is not None, f"{name} not in the metrics of {agent.name}"
     return float(match.group(1))
+
+
+def agents_in_stage_order(lab: GenLab, model_id: str) -> list[AgentProc]:
+    """The lab's agents in the order of the model's live plan (first stage first)."""
+    with lab.coordinator.client() as api:
+        [record] = [m for m in api.get("/v1/deployments").json() if m["model_id"] == model_id]
+    [live] = [v for v in record["versions"] if v["state"] == "active"]
+    by_name = {agent.name: agent for agent in lab.agents}
+    return [by_name[p["device"]] for p in sorted(live["segments"], key=lambda p: p["index"])]

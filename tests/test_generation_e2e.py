@@ -18,7 +18,7 @@ from pathlib import Path
 import httpx
 import pytest
 from agent_helpers import AgentProc
-from generation_lab import GenLab, agent_metric, decoder_lab
+from generation_lab import GenLab, agent_metric, agents_in_stage_order, decoder_lab
 
 pytestmark = [pytest.mark.slow, pytest.mark.timeout(900)]
 
@@ -92,7 +92,7 @@ def test_greedy_generation_matches_the_whole_model(lab: GenLab) -> None:
 
 def test_decode_steps_send_one_hidden_state_per_hop(lab: GenLab) -> None:
     """The middle agent's bytes out per decode step: a frame with the hidden state."""
-    middle = lab.agents[1]
+    middle = agents_in_stage_order(lab, MODEL_ID)[1]
     with lab.coordinator.client() as api:
         before = _metric(lab, middle, "fedshard_bytes_out_total")
         short = _complete(api, 1)

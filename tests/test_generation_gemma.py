@@ -14,7 +14,7 @@ from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
-from generation_lab import GenLab, agent_metric, decoder_lab
+from generation_lab import GenLab, agent_metric, agents_in_stage_order, decoder_lab
 
 pytestmark = [pytest.mark.slow, pytest.mark.timeout(1800)]
 
@@ -82,7 +82,7 @@ def test_32_greedy_tokens_equal_transformers_generate(lab: GenLab) -> None:
 
 
 def test_a_decode_step_hands_one_hidden_state_per_hop(lab: GenLab) -> None:
-    first, middle = lab.agents[0], lab.agents[1]
+    first, middle, _ = agents_in_stage_order(lab, MODEL_ID)
     before = {a.name: agent_metric(lab, a, "fedshard_bytes_out_total") for a in (first, middle)}
     short = _chat(lab, 1)["usage"]["completion_tokens"]
     mid = {a.name: agent_metric(lab, a, "fedshard_bytes_out_total") for a in (first, middle)}
@@ -98,11 +98,12 @@ def test_a_decode_step_hands_one_hidden_state_per_hop(lab: GenLab) -> None:
 def test_sessions_free_their_cache_and_memory_returns(lab: GenLab) -> None:
     _chat(lab, 8)  # the runtime's arenas are sized by now
     baseline = [agent_metric(lab, a, "fedshard_resident_memory_bytes") for a in lab.agents]
+    middle = agents_in_stage_order(lab, MODEL_ID)[1]
     peak = 0.0
     with concurrent.futures.ThreadPoolExecutor(4) as pool:
         running = [pool.submit(_chat, lab, 48, f"Count to {k + 20}.") for k in range(4)]
         while not all(f.done() for f in running):
-            peak = max(peak, agent_metric(lab, lab.agents[1], "fedshard_session_state_bytes"))
+            peak = max(peak, agent_metric(lab, middle, "fedshard_session_state_bytes"))
         answers = [f.result() for f in running]
     assert all(a["usage"]["completion_tokens"] > 0 for a in answers)
     assert peak > 0  # the middle stage did hold the sessions' cache meanwhile

@@ -1,0 +1,256 @@
+"""Planner in the LAN lab: the optimal plan against exo-style and even splits, on a real network.
+
+A lab (``bench/_lab_cluster.py``): ``fedshard coordinator`` in ``h0``, agents in ``h1``-``h3``,
+paired over real mDNS. ``h3`` has the most memory but a slow link (``tbf`` both ways); the
+planning caps give the three devices different budgets. The model is all-MiniLM-L6-v2 with
+its sample inputs set to the request the bench sends (batch 1 x 128 tokens), so the coordinator
+plans for exactly that traffic. The coordinator measures the links once (``POST
+/v1/links/measure``); then the same model is deployed three ways through ``POST
+/v1/deployments``: the coordinator's plan (throughput objective), an even split and exo's
+memory-weighted split (the ``baseline`` field). For each, from a client inside ``h0``:
+
+- predicted (the plan the coordinator wrote, re-scored with the same links) against measured:
+  latency one request at a time, throughput with requests in flight;
+- per stage, predicted compute and transfer against what the agents measured
+  (``GET /v1/metrics``: mean compute and send time per request, both phases).
+
+    .venv/bin/python bench/planner_lab.py [--slow-mbps 10] [--caps 70,60,120] [--requests 100]
+
+Needs root (network namespaces); without it, says so and exits 0. Writes
+bench/results/planner_lab.md, .json and .png. The lab is removed however the run ends.
+"""
+
+from __future__ import annotations
+
+import argparse
+import sys
+import tempfile
+import time
+from pathlib import Path
+from typing import Any
+
+REPO = Path(__file__).resolve().parents[1]
+sys.path[:0] = [str(REPO), str(REPO / "tests")]
+
+from _lab_cluster import LabCluster, lab_cluster, lab_unavailable  # noqa: E402
+from _planner_lab_report import (  # noqa: E402
+    MB,
+    STRATEGIES,
+    TOKENS,
+    Outcome,
+    report,
+)
+from agent_helpers import minilm_model  # noqa: E402
+
+from partitioner.split import Analysis  # noqa: E402
+from protocols.devices import DeviceList  # noqa: E402
+from protocols.plan import Objective, Plan  # noqa: E402
+
+CACHE = REPO / ".pytest_cache" / "d" / "fedshard-minilm"
+MODEL_ID = "all-minilm-l6-v2"
+OBJECTIVES = {"optimal": Objective.THROUGHPUT, "latency-optimal": Objective.LATENCY}
+"""The coordinator's own plans, by the objective they were made for; the rest are baselines."""
+WORDS = [
+    "the",
+    "devices",
+    "of",
+    "a",
+    "local",
+    "network",
+    "share",
+    "one",
+    "model",
+    "and",
+    "hand",
+    "activations",
+    "along",
+]
+
+
+def main() -> int:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--slow-mbps", type=float, default=10.0, help="h3's link rate")
+    parser.add_argument("--caps", default="70,60,120", help="planning caps of h1,h2,h3 in MB")
+    parser.add_argument("--requests", type=int, default=100, help="pipelined requests per plan")
+    parser.add_argument("--in-flight", type=int, default=8)
+    parser.add_argument("--latency-runs", type=int, default=20)
+    args = parser.parse_args()
+    reason = lab_unavailable()
+    if reason:
+        print(f"planner_lab: skipped: {reason}")
+        return 0
+    CACHE.mkdir(parents=True, exist_ok=True)
+    base = minilm_model(CACHE)
+    caps = dict(zip(("h1", "h2", "h3"), (int(c) * MB for c in args.caps.split(",")), strict=True))
+    started = time.monotonic()
+    with tempfile.TemporaryDirectory(prefix="planner-lab-") as tmp_name:
+        tmp = Path(tmp_name)
+        text, feeds = request_text()
+        model = with_samples(base, feeds, tmp / "minilm-1x128.onnx")
+        analysis = analyse_model(model)
+        rates = (None, None, args.slow_mbps)
+        with lab_cluster(tmp, rates, lambda step: print(f"planner_lab: {step}")) as cluster:
+            links = cluster.api.post("/v1/links/measure", None, timeout=120)
+            devices = lab_devices(cluster, caps, links)
+            paper = {s: paper_plan(analysis, devices, s) for s in STRATEGIES}
+            outcomes = [
+                measure(cluster, s, model, text, caps, args, analysis, devices) for s in STRATEGIES
+            ]
+    wall = time.monotonic() - started
+    report(args, links, devices, paper, outcomes, wall, result_bytes(analysis))
+    return 0
+
+
+def request_text() -> tuple[str, dict[str, Any]]:
+    """A sentence the model's tokenizer makes exactly :data:`TOKENS` tokens of, and its feeds."""
+    from coordinator.embeddings import TextEncoder, default_tokenizer_dir
+
+    directory = default_tokenizer_dir(MODEL_ID)
+    if directory is None:
+        raise RuntimeError("the MiniLM tokenizer package is not installed")
+    encoder = TextEncoder(Path(directory))
+    words: list[str] = []
+    while True:
+        feeds, _ = encoder.encode([" ".join([*words, WORDS[len(words) % len(WORDS)]])])
+        if feeds["input_ids"].shape[1] > TOKENS:
+            break
+        words.append(WORDS[len(words) % len(WORDS)])
+    text = " ".join(words)
+    feeds, _ = encoder.encode([text])
+    if feeds["input_ids"].shape != (1, TOKENS):
+        raise RuntimeError(f"the request text makes {feeds['input_ids'].shape} tokens")
+    return text, dict(feeds)
+
+
+def with_samples(model: Path, feeds: dict[str, Any], out: Path) -> Path:
+    """A copy of ``model`` whose embedded sample inputs are ``feeds``: the coordinator plans,
+    warms up and health-checks at the shape of the bench's requests."""
+    import onnx
+
+    from partitioner.samples import SAMPLE_INPUTS_KEY, encode_samples
+
+    proto = onnx.load(str(model))
+    kept = [p for p in proto.metadata_props if p.key != SAMPLE_INPUTS_KEY]
+    del proto.metadata_props[:]
+    proto.metadata_props.extend(kept)
+    entry = proto.metadata_props.add()
+    entry.key, entry.value = SAMPLE_INPUTS_KEY, encode_samples(feeds)
+    onnx.save(proto, str(out))
+    return out
+
+
+def analyse_model(model: Path) -> Analysis:
+    """The partitioner's analysis of the model, as the coordinator's deploy makes it."""
+    from partitioner.modelio import load_model
+    from partitioner.split import analyse
+
+    return analyse(load_model(model))
+
+
+def lab_devices(
+    cluster: LabCluster, caps: dict[str, int], links: list[dict[str, Any]]
+) -> DeviceList:
+    """What the coordinator's planner sees: capped memory, announced GFLOP/s, measured links,
+    devices in the coordinator's order."""
+    found = {d["name"]: d for d in cluster.api.get("/v1/devices")}
+    devices = [
+        {
+            "name": name,
+            "memory_bytes": min(caps[name], found[name]["announcement"]["profile"]["memory_bytes"]),
+            "gflops": found[name]["announcement"]["profile"]["gflops"],
+            "bandwidth_mbps": 1000.0,
+        }
+        for name in found
+        if name in caps
+    ]
+    return DeviceList.from_obj({"devices": devices, "links": links})
+
+
+def result_bytes(analysis: Analysis) -> int:
+    """Bytes of the model's outputs for the bench's request (the last unit's output)."""
+    return int(analysis.units.units[-1].out_bytes)
+
+
+def problem_of(analysis: Analysis, devices: DeviceList) -> Any:
+    """The planning problem a deploy builds (same options as the coordinator's split)."""
+    from partitioner.split import SplitOptions, _problem
+
+    return _problem(analysis, devices, SplitOptions(), MODEL_ID)
+
+
+def paper_plan(analysis: Analysis, devices: DeviceList, strategy: str) -> Plan:
+    """What ``strategy`` gives on paper with the lab's devices and measured links."""
+    from partitioner.baselines import Baseline, run_baseline
+    from partitioner.planner import plan
+
+    problem = problem_of(analysis, devices)
+    if strategy in OBJECTIVES:
+        return plan(problem, OBJECTIVES[strategy])
+    return run_baseline(problem, Objective.THROUGHPUT, Baseline(strategy)).plan
+
+
+def rescore(analysis: Analysis, devices: DeviceList, manifest: Any, objective: Objective) -> Plan:
+    """The deployed arrangement scored with the lab's links: per-stage compute and transfer."""
+    from partitioner.planning.semantics import evaluate
+
+    stages = [(s.device, s.units[0], s.units[1]) for s in manifest.segments]
+    return evaluate(problem_of(analysis, devices), objective, stages)
+
+
+def measure(
+    cluster: LabCluster,
+    strategy: str,
+    model: Path,
+    text: str,
+    caps: dict[str, int],
+    args: argparse.Namespace,
+    analysis: Analysis,
+    devices: DeviceList,
+) -> Outcome:
+    """Deploy ``strategy``, then time requests one at a time and with several in flight."""
+    from protocols.manifest import Manifest
+
+    print(f"planner_lab: deploying the {strategy} split")
+    body: dict[str, Any] = {"model_path": str(model), "model_id": MODEL_ID, "memory_caps": caps}
+    objective = OBJECTIVES.get(strategy, Objective.THROUGHPUT)
+    body["objective"] = objective.value
+    if strategy not in OBJECTIVES:
+        body["baseline"] = strategy
+    start = time.monotonic()
+    record = cluster.api.post("/v1/deployments", body, timeout=900)
+    deploy_s = time.monotonic() - start
+    version = int(record["plan_version"])
+    path = cluster.state_dir / "deployments" / MODEL_ID / f"v{version}" / "manifest.json"
+    manifest = Manifest.from_json(path.read_bytes())
+    ask = {"model": MODEL_ID, "input": text}
+    metrics = f"/v1/metrics?model={MODEL_ID}"
+    cluster.api.load("/v1/embeddings", ask, 8, 4)  # warm the coordinator's chain connections
+    cluster.api.get(metrics)
+    print(f"planner_lab: {strategy}: {args.latency_runs} requests one at a time")
+    sequential = cluster.api.load("/v1/embeddings", ask, args.latency_runs, 1)
+    stages_sequential = _stages(cluster, metrics)
+    print(f"planner_lab: {strategy}: {args.requests} requests, {args.in_flight} in flight")
+    pipelined = cluster.api.load("/v1/embeddings", ask, args.requests, args.in_flight)
+    stages_pipelined = _stages(cluster, metrics)
+    return Outcome(
+        strategy=strategy,
+        plan_version=version,
+        predicted=rescore(analysis, devices, manifest, objective),
+        manifest_bottleneck_s=manifest.bottleneck_s,
+        manifest_latency_s=manifest.latency_s,
+        sequential=sequential,
+        pipelined=pipelined,
+        stages_sequential=stages_sequential,
+        stages_pipelined=stages_pipelined,
+        deploy_s=deploy_s,
+    )
+
+
+def _stages(cluster: LabCluster, path: str) -> list[dict[str, Any]]:
+    time.sleep(0.6)  # the console shares snapshots under half a second old
+    stages: list[dict[str, Any]] = cluster.api.get(path)["stages"]
+    return stages
+
+
+if __name__ == "__main__":
+    sys.exit(main())
