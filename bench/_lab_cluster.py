@@ -235,18 +235,9 @@ class LabCluster:
 
 def lab_unavailable() -> str:
     """Why the lab cannot run here ('' when it can)."""
-    from coordinator.lab.errors import LabCommandError
-    from coordinator.lab.executor import run_command
+    from coordinator.lab.executor import unavailable_reason
 
-    if os.geteuid() != 0:
-        return "the lab needs root (network namespaces)"
-    if shutil.which("ip") is None or shutil.which("tc") is None:
-        return "iproute2 (ip, tc) is not installed"
-    try:
-        run_command(["ip", "netns", "list"])
-    except LabCommandError as exc:
-        return f"`ip netns` does not work here: {exc}"
-    return ""
+    return unavailable_reason()
 
 
 @contextlib.contextmanager

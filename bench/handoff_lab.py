@@ -13,7 +13,6 @@ from __future__ import annotations
 
 import json
 import os
-import shutil
 import signal
 import subprocess
 import sys
@@ -21,8 +20,7 @@ import time
 from pathlib import Path
 from typing import IO, Any
 
-from coordinator.lab.errors import LabCommandError
-from coordinator.lab.executor import run_command
+from coordinator.lab.executor import unavailable_reason
 from coordinator.lab.lab import Lab
 from coordinator.lab.spec import LabSpec
 
@@ -33,15 +31,7 @@ START_TIMEOUT_S = 60.0
 
 def lab_unavailable() -> str:
     """Why the lab cannot run here ('' when it can)."""
-    if os.geteuid() != 0:
-        return "the lab needs root (network namespaces); run as root for the LAN tables"
-    if shutil.which("ip") is None or shutil.which("tc") is None:
-        return "iproute2 (ip, tc) is not installed"
-    try:
-        run_command(["ip", "netns", "list"])
-    except LabCommandError as exc:
-        return f"`ip netns` does not work here: {exc}"
-    return ""
+    return unavailable_reason()
 
 
 def lab_sizes(sizes: list[tuple[int, str, int]], rate_mbps: float) -> list[tuple[int, str, int]]:

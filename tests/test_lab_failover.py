@@ -37,8 +37,7 @@ import pytest
 from agent_helpers import PYTHON, REPO, AgentProc, minilm_model, stop_agent
 from coordinator_helpers import FEDSHARD, pairing_code, stop_process, wait_for
 
-from coordinator.lab.errors import LabCommandError
-from coordinator.lab.executor import lab_netns, run_command
+from coordinator.lab.executor import lab_netns, run_command, unavailable_reason
 from coordinator.lab.lab import Lab
 from coordinator.lab.plan import HostPlan
 from coordinator.lab.spec import LabSpec
@@ -47,21 +46,9 @@ from edge_agent.links import UNACKED_TIMEOUT_S
 log = logging.getLogger(__name__)
 
 
-def _lab_unavailable() -> str:
-    if os.geteuid() != 0:
-        return "the lab needs root (network namespaces)"
-    if shutil.which("ip") is None or shutil.which("tc") is None:
-        return "iproute2 (ip, tc) is not installed"
-    try:
-        run_command(["ip", "netns", "list"])
-    except LabCommandError as exc:
-        return f"`ip netns` does not work here: {exc}"
-    return ""
-
-
 pytestmark = [
     pytest.mark.slow,
-    pytest.mark.skipif(bool(_lab_unavailable()), reason=_lab_unavailable() or "n/a"),
+    pytest.mark.skipif(bool(unavailable_reason()), reason=unavailable_reason() or "n/a"),
 ]
 
 MODEL_ID = "all-minilm-l6-v2"

@@ -9,8 +9,6 @@ from __future__ import annotations
 
 import argparse
 import json
-import os
-import shutil
 import signal
 import subprocess
 import sys
@@ -23,7 +21,7 @@ import pytest
 
 from coordinator.lab import cli
 from coordinator.lab.errors import LabCommandError
-from coordinator.lab.executor import lab_netns, list_netns, run_command
+from coordinator.lab.executor import lab_netns, list_netns, run_command, unavailable_reason
 from coordinator.lab.lab import Lab, agents_available
 from coordinator.lab.plan import CONTROL, new_lab_id
 from coordinator.lab.procs import is_alive
@@ -33,20 +31,8 @@ from coordinator.lab.state import load_state
 PY = sys.executable
 
 
-def _lab_unavailable() -> str:
-    if os.geteuid() != 0:
-        return "the lab needs root (network namespaces)"
-    if shutil.which("ip") is None or shutil.which("tc") is None:
-        return "iproute2 (ip, tc) is not installed"
-    try:
-        run_command(["ip", "netns", "list"])
-    except LabCommandError as exc:
-        return f"`ip netns` does not work here: {exc}"
-    return ""
-
-
 pytestmark = [
-    pytest.mark.skipif(bool(_lab_unavailable()), reason=_lab_unavailable() or "n/a"),
+    pytest.mark.skipif(bool(unavailable_reason()), reason=unavailable_reason() or "n/a"),
     pytest.mark.timeout(90),
 ]
 LAB_IDS: list[str] = []

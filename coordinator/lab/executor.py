@@ -67,6 +67,15 @@ def require_tools(run: Runner = run_command) -> None:
         raise LabUnavailableError(f"`ip netns` does not work here: {exc}") from exc
 
 
+def unavailable_reason(run: Runner = run_command) -> str:
+    """Why labs cannot be built here, in plain words; ``""`` when they can (for skips)."""
+    try:
+        require_tools(run)
+    except LabUnavailableError as exc:
+        return str(exc)
+    return ""
+
+
 def apply(commands: Iterable[Command], run: Runner = run_command) -> None:
     """Run ``commands`` in order; the first failure raises :class:`LabCommandError`."""
     for command in commands:
