@@ -300,3 +300,23 @@ def test_cli_handlers_without_a_lab(tmp_path: Path) -> None:
     assert cli.run_exec(parser.parse_args(["lab", "exec", "h0", *state, "--", "true"])) == 1
     assert cli.run_exec(parser.parse_args(["lab", "exec", "h0", *state, "--"])) == 2
     assert cli.run_up(parser.parse_args(["lab", "up", "2", "--memory", "x", *state])) == 2
+
+
+def test_unavailable_reason_says_why_in_plain_words() -> None:
+    import os
+    import shutil
+
+    from coordinator.lab.errors import LabCommandError
+    from coordinator.lab.executor import unavailable_reason
+
+    def broken(argv: Sequence[str], what: str = "") -> str:
+        raise LabCommandError(argv, 1, "Operation not permitted", what)
+
+    def working(argv: Sequence[str], what: str = "") -> str:
+        return ""
+
+    if os.geteuid() != 0:
+        assert "root" in unavailable_reason(working)
+    elif shutil.which("ip") and shutil.which("tc"):
+        assert unavailable_reason(working) == ""
+        assert "`ip netns` does not work here" in unavailable_reason(broken)
