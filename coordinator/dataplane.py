@@ -28,7 +28,13 @@ from typing import Any, TypeVar
 import numpy as np
 import numpy.typing as npt
 
-from coordinator.errors import AgentError, CapacityError, NotServableError, RequestError
+from coordinator.errors import (
+    AgentError,
+    CapacityError,
+    ChainBrokenError,
+    NotServableError,
+    RequestError,
+)
 from coordinator.identity import check_peer
 from protocols.deploy import ROLE_AGENT, Hop
 from protocols.errors import FrameError
@@ -314,4 +320,6 @@ def _remote_error(message: str) -> Exception:
         return CapacityError(message, SESSION_FULL_RETRY_S)
     if kind in {"InputMismatchError", "ExecutionError", "TensorSpecError", "ContextLengthError"}:
         return RequestError(message)
+    if kind in {"LinkError", "SessionStateError"}:
+        return ChainBrokenError(f"the chain failed: {message}")
     return NotServableError(f"the chain failed: {message}")

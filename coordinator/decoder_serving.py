@@ -28,6 +28,7 @@ from coordinator.deployments import DeploymentStore, VersionRecord
 from coordinator.errors import (
     AgentError,
     CapacityError,
+    ChainBrokenError,
     CoordinatorError,
     NotServableError,
     RequestError,
@@ -182,11 +183,7 @@ class ChainDecoderBackend:
 
 def _lost(error: CoordinatorError) -> bool:
     """Whether a failure means the chain (not the request) is broken."""
-    return (
-        isinstance(error, AgentError)
-        or "SessionStateError" in str(error)
-        or ("LinkError" in str(error))
-    )
+    return isinstance(error, (AgentError, ChainBrokenError))
 
 
 def _candidates(out: Arrays) -> TopCandidates:

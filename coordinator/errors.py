@@ -14,6 +14,7 @@ CoordinatorError
 │   ├── UnknownModelError   no deployment has that model id (404)
 │   └── ContextLengthError  prompt plus requested tokens exceed the model's context (400)
 └── NotServableError        the model cannot be served right now (503)
+    ├── ChainBrokenError    a stage lost its link or its session state: retry on a new chain
     ├── CapacityError       no room for a new generation session now (503, Retry-After)
     └── UnavailableError    the devices left cannot hold the model (503, Retry-After)
 
@@ -97,6 +98,12 @@ class ContextLengthError(RequestError):
         self.max_context = max_context
         self.prompt_tokens = prompt_tokens
         self.max_tokens = max_tokens
+
+
+class ChainBrokenError(NotServableError):
+    """An agent reported that the chain itself broke (a link to the next agent, or a session
+    a stage no longer holds), not that the request was bad: retrying it on a re-planned chain
+    (replaying a session's tokens) can succeed."""
 
 
 class CapacityError(NotServableError):
