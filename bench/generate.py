@@ -32,8 +32,7 @@ from pathlib import Path
 from typing import Any
 
 REPO = Path(__file__).resolve().parents[1]
-# bench/ holds profile.py, which would shadow the standard library's profile module
-sys.path[:] = [str(REPO), *(p for p in sys.path if Path(p or ".").resolve() != REPO / "bench")]
+sys.path[:0] = [str(REPO)]
 
 import httpx  # noqa: E402
 from rich.console import Console  # noqa: E402
