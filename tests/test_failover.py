@@ -34,6 +34,7 @@ from coordinator_helpers import (
     start_coordinator,
     stop_process,
     unpaired_agents,
+    unsharded_embeddings,
     wait_for,
 )
 from test_coordinator_dataplane import SERVERS, FakeAgent
@@ -531,7 +532,7 @@ def lab(request: pytest.FixtureRequest, tmp_path_factory: pytest.TempPathFactory
     try:
         names = [f"f{i}-{suffix}" for i in range(3)]
         with unpaired_agents(tmp, names, AGENT_MEMORY) as procs:
-            lab = Lab(coordinator, tmp, procs, model, _unsharded(model))
+            lab = Lab(coordinator, tmp, procs, model, unsharded_embeddings(model, SENTENCES))
             _pair(lab)
             yield lab
     finally:
@@ -540,24 +541,6 @@ def lab(request: pytest.FixtureRequest, tmp_path_factory: pytest.TempPathFactory
                 stop_agent(agent)
             stop_process(lab.coordinator.proc)
         stop_process(coordinator.proc)
-
-
-def _unsharded(model: Path) -> dict[str, np.ndarray]:
-    """Each sentence's embedding from the whole model in ONNX Runtime (no sharding at all)."""
-    import onnxruntime as ort
-
-    from coordinator.embeddings import TextEncoder, default_tokenizer_dir, mean_pool
-
-    tokenizer = default_tokenizer_dir(MODEL_ID)
-    assert tokenizer is not None
-    encoder = TextEncoder(Path(tokenizer))
-    session = ort.InferenceSession(str(model), providers=["CPUExecutionProvider"])
-    expected = {}
-    for text in SENTENCES:
-        feeds, _ = encoder.encode([text])
-        hidden = session.run(["last_hidden_state"], feeds)[0]
-        expected[text] = mean_pool(hidden, feeds["attention_mask"])[0]
-    return expected
 
 
 def _pair(lab: Lab) -> None:

@@ -35,7 +35,13 @@ from typing import Any
 import numpy as np
 import pytest
 from agent_helpers import PYTHON, REPO, AgentProc, minilm_model, stop_agent
-from coordinator_helpers import FEDSHARD, pairing_code, stop_process, wait_for
+from coordinator_helpers import (
+    FEDSHARD,
+    pairing_code,
+    stop_process,
+    unsharded_embeddings,
+    wait_for,
+)
 
 from coordinator.lab.executor import lab_netns, run_command, unavailable_reason
 from coordinator.lab.lab import Lab
@@ -391,31 +397,13 @@ def _pair(lab: CutLab) -> None:
     assert hosts == {h: lab.lab.plan.node(h).address for h in AGENT_HOSTS}  # found across the lab
 
 
-def _unsharded(model: Path) -> dict[str, np.ndarray]:
-    """Each sentence's embedding from the whole model in ONNX Runtime (no sharding at all)."""
-    import onnxruntime as ort
-
-    from coordinator.embeddings import TextEncoder, default_tokenizer_dir, mean_pool
-
-    tokenizer = default_tokenizer_dir(MODEL_ID)
-    assert tokenizer is not None
-    encoder = TextEncoder(Path(tokenizer))
-    session = ort.InferenceSession(str(model), providers=["CPUExecutionProvider"])
-    expected = {}
-    for text in SENTENCES:
-        feeds, _ = encoder.encode([text])
-        hidden = session.run(["last_hidden_state"], feeds)[0]
-        expected[text] = mean_pool(hidden, feeds["attention_mask"])[0]
-    return expected
-
-
 @pytest.fixture(scope="module")
 def cut_lab(
     request: pytest.FixtureRequest, tmp_path_factory: pytest.TempPathFactory
 ) -> Iterator[CutLab]:
     pytest.importorskip("transformers")
     model = minilm_model(Path(request.config.cache.mkdir("fedshard-minilm")))
-    expected = _unsharded(model)
+    expected = unsharded_embeddings(model, SENTENCES)
     tmp = tmp_path_factory.mktemp("labcut")
     spec = LabSpec.build(1 + len(AGENT_HOSTS), agents=False)
     lab = Lab(spec, tmp / "lab")
