@@ -17,8 +17,13 @@ from pathlib import Path
 
 import httpx
 import pytest
-from agent_helpers import AgentProc
-from generation_lab import GenLab, agent_metric, agents_in_stage_order, decoder_lab
+from generation_lab import (
+    GenLab,
+    agent_metric,
+    agents_in_stage_order,
+    decoder_lab,
+    greedy_reference,
+)
 
 pytestmark = [pytest.mark.slow, pytest.mark.timeout(900)]
 
@@ -38,30 +43,9 @@ def lab(tiny_llama_dir: Path, tmp_path_factory: pytest.TempPathFactory) -> Itera
         yield started
 
 
-def _metric(lab: GenLab, agent: AgentProc, name: str) -> float:
-    return agent_metric(lab, agent, name)
-
-
 def _complete(api: httpx.Client, max_tokens: int, **extra: object) -> httpx.Response:
     body = {"model": MODEL_ID, "prompt": PROMPT, "max_tokens": max_tokens, "temperature": 0}
     return api.post("/v1/completions", json={**body, **extra})
-
-
-def _reference(lab: GenLab, max_tokens: int) -> tuple[str, int]:
-    """Greedy text from the whole model in one ONNX Runtime session, and its token count."""
-    from tokenizers import Tokenizer
-
-    from partitioner.decoders.ort_runner import OrtDecoder
-
-    tokenizer = Tokenizer.from_file(str(lab.export / "tokenizer.json"))
-    decoder = OrtDecoder(lab.export)
-    bos = decoder.info.bos_token_id
-    prompt = ([bos] if bos is not None else []) + tokenizer.encode(
-        PROMPT, add_special_tokens=False
-    ).ids
-    ids = decoder.greedy(prompt, max_tokens, stop_ids=decoder.info.eos_token_ids)
-    ids = [i for i in ids if i not in decoder.info.eos_token_ids]
-    return tokenizer.decode(ids), len(ids)
 
 
 def test_three_stages_each_hold_their_own_layers(lab: GenLab) -> None:
@@ -81,7 +65,7 @@ def test_three_stages_each_hold_their_own_layers(lab: GenLab) -> None:
 
 
 def test_greedy_generation_matches_the_whole_model(lab: GenLab) -> None:
-    want, count = _reference(lab, 32)
+    want, count = greedy_reference(lab.export, PROMPT, 32)
     with lab.coordinator.client() as api:
         response = _complete(api, 32)
     assert response.status_code == 200, response.text
@@ -94,11 +78,11 @@ def test_decode_steps_send_one_hidden_state_per_hop(lab: GenLab) -> None:
     """The middle agent's bytes out per decode step: a frame with the hidden state."""
     middle = agents_in_stage_order(lab, MODEL_ID)[1]
     with lab.coordinator.client() as api:
-        before = _metric(lab, middle, "fedshard_bytes_out_total")
+        before = agent_metric(lab, middle, "fedshard_bytes_out_total")
         short = _complete(api, 1)
-        after_one = _metric(lab, middle, "fedshard_bytes_out_total")
+        after_one = agent_metric(lab, middle, "fedshard_bytes_out_total")
         long = _complete(api, 17)
-        after_many = _metric(lab, middle, "fedshard_bytes_out_total")
+        after_many = agent_metric(lab, middle, "fedshard_bytes_out_total")
     assert short.status_code == long.status_code == 200
     steps = long.json()["usage"]["completion_tokens"] - 1
     per_step = (after_many - after_one - (after_one - before)) / steps
@@ -107,7 +91,7 @@ def test_decode_steps_send_one_hidden_state_per_hop(lab: GenLab) -> None:
 
 
 def test_concurrent_sessions_interleave_and_agree(lab: GenLab) -> None:
-    want, _ = _reference(lab, 24)
+    want, _ = greedy_reference(lab.export, PROMPT, 24)
     with lab.coordinator.client() as api, concurrent.futures.ThreadPoolExecutor(4) as pool:
         results = list(pool.map(lambda _: _complete(api, 24), range(4)))
     assert [r.status_code for r in results] == [200] * 4
@@ -140,8 +124,8 @@ def test_ended_sessions_free_their_cache_on_every_stage(lab: GenLab) -> None:
     with lab.coordinator.client() as api:
         assert _complete(api, 40).status_code == 200
     for agent in lab.agents:
-        assert _metric(lab, agent, "fedshard_sessions") == 0
-        assert _metric(lab, agent, "fedshard_session_state_bytes") == 0
+        assert agent_metric(lab, agent, "fedshard_sessions") == 0
+        assert agent_metric(lab, agent, "fedshard_session_state_bytes") == 0
 
 
 def test_a_flood_beyond_capacity_gets_503_while_running_sessions_finish(lab: GenLab) -> None:

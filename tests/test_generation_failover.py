@@ -17,7 +17,7 @@ from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
-from generation_lab import GenLab, decoder_lab
+from generation_lab import GenLab, decoder_lab, greedy_reference
 
 pytestmark = [pytest.mark.slow, pytest.mark.timeout(600)]
 
@@ -35,21 +35,6 @@ def lab(tiny_llama_dir: Path, tmp_path_factory: pytest.TempPathFactory) -> Itera
         yield started
 
 
-def _reference(lab: GenLab) -> str:
-    from tokenizers import Tokenizer
-
-    from partitioner.decoders.ort_runner import OrtDecoder
-
-    tokenizer = Tokenizer.from_file(str(lab.export / "tokenizer.json"))
-    decoder = OrtDecoder(lab.export)
-    bos = decoder.info.bos_token_id
-    prompt = ([bos] if bos is not None else []) + tokenizer.encode(
-        PROMPT, add_special_tokens=False
-    ).ids
-    ids = decoder.greedy(prompt, TOKENS, stop_ids=decoder.info.eos_token_ids)
-    return str(tokenizer.decode([i for i in ids if i not in decoder.info.eos_token_ids]))
-
-
 def _stateful_device(lab: GenLab) -> str:
     with lab.coordinator.client() as api:
         [record] = [m for m in api.get("/v1/deployments").json() if m["model_id"] == MODEL_ID]
@@ -64,7 +49,7 @@ def _stateful_device(lab: GenLab) -> str:
 
 
 def test_a_stream_survives_losing_the_stage_with_its_cache(lab: GenLab) -> None:
-    want = _reference(lab)
+    want, _ = greedy_reference(lab.export, PROMPT, TOKENS)
     victim_name = _stateful_device(lab)
     victim = next(a for a in lab.agents if a.name == victim_name)
     body = {
