@@ -13,6 +13,17 @@ TOKEN_FILE = "api_token"
 
 
 @dataclass(frozen=True)
+class AgentTrainingConfig:
+    """``--superlink-port``: training runs go to the paired agents' SuperNodes."""
+
+    superlink_port: int
+    """Fixed port of the runs' SuperLink, on the coordinator's interface; agents are started
+    with ``--train-superlink INTERFACE:PORT``."""
+    clients: int = 3
+    """Agents every round waits for."""
+
+
+@dataclass(frozen=True)
 class CoordinatorConfig:
     """Everything ``fedshard coordinator`` was told."""
 
@@ -20,6 +31,8 @@ class CoordinatorConfig:
     interface: str = "127.0.0.1"
     port: int = 8470
     token: str = ""
+    agent_training: AgentTrainingConfig | None = None
+    """None: training runs use local SuperNodes on the reference task's data splits."""
 
     @property
     def console_url(self) -> str:

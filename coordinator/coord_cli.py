@@ -31,6 +31,15 @@ def register(subparsers: Any) -> None:
     run.add_argument("--state-dir", type=Path, required=True, help="CA, pairings, deployments")
     run.add_argument("--interface", default="127.0.0.1", help="IPv4 address to serve and browse")
     run.add_argument("--port", type=int, default=8470, help="HTTP API port")
+    run.add_argument(
+        "--superlink-port",
+        type=int,
+        help="train on paired agents: their SuperNodes connect to a SuperLink on this port"
+        " (node authentication on); without it, runs use local SuperNodes",
+    )
+    run.add_argument(
+        "--train-clients", type=int, default=3, help="agents each training round waits for"
+    )
     run.add_argument("-v", "--verbose", action="store_true", help="debug logging")
     run.set_defaults(run=run_coordinator)
 
@@ -75,7 +84,7 @@ def _client_parser(subparsers: Any, name: str, text: str) -> argparse.ArgumentPa
 
 def run_coordinator(args: argparse.Namespace) -> int:
     """Handler of ``fedshard coordinator``."""
-    from coordinator.config import CoordinatorConfig, load_or_create_token
+    from coordinator.config import AgentTrainingConfig, CoordinatorConfig, load_or_create_token
     from coordinator.errors import CoordinatorError
     from coordinator.service import serve
 
@@ -88,7 +97,10 @@ def run_coordinator(args: argparse.Namespace) -> int:
         state_dir = args.state_dir.expanduser().resolve()
         state_dir.mkdir(parents=True, exist_ok=True, mode=0o700)
         token = load_or_create_token(state_dir)
-        config = CoordinatorConfig(state_dir, args.interface, args.port, token)
+        training = None
+        if args.superlink_port is not None:
+            training = AgentTrainingConfig(args.superlink_port, args.train_clients)
+        config = CoordinatorConfig(state_dir, args.interface, args.port, token, training)
         return serve(config, console)
     except (CoordinatorError, OSError) as exc:
         console.print(f"[red]coordinator failed:[/] {exc}")

@@ -2,10 +2,12 @@
 
 It starts a coordinator and three agents as separate processes, pairs the agents through the API
 (demo mode only), exports all-MiniLM-L6-v2 and deploys it under planning caps that force three
-segments, prints the plan next to what the agents measured, a sentence-similarity matrix from
-``/v1/embeddings`` and (unless ``--skip-training``) a two-round federated fine-tuning summary with
-its epsilon, then prints the console address and serves until Ctrl-C, which stops every process
-it started.
+segments, prints the plan next to what the agents measured and a sentence-similarity matrix from
+``/v1/embeddings``, does the same for Gemma 3 270M with a ``/v1/chat/completions`` answer, and
+(unless ``--skip-training``) prints the summary of a two-round federated fine-tuning run with its
+epsilon, which the coordinator ran in the background meanwhile. Then it prints the console
+address and serves until Ctrl-C, which stops every process it started. Exports are kept in the
+cache dir, so a second run starts faster.
 """
 
 from __future__ import annotations
@@ -32,6 +34,7 @@ STOP = ("\nQuestion:",)
 """The packaged Gemma is the pretrained base model: it answers a question/answer prompt, then
 would go on to ask itself the next question."""
 CACHE_ENV = "FEDSHARD_CACHE"
+TRAINING_ROUNDS = 2
 
 
 def register(subparsers: argparse._SubParsersAction[argparse.ArgumentParser]) -> None:
@@ -145,7 +148,8 @@ def _steps(
         pair_automatically,
         plan_table,
         similarity_table,
-        train_summary,
+        start_training,
+        training_summary,
     )
 
     state_dir = root / "coordinator"
@@ -164,7 +168,17 @@ def _steps(
             console.print(f"  agent {name} up (control port {agent.control_port})")
     api = Api(coordinator.url, coordinator.token)
     pair_automatically(console, api, list(names.values()), procs.check_alive)
-    model = export_model(console, root / "model")
+    run_id = None
+    if args.skip_training:
+        console.print("federated fine-tuning skipped (--skip-training)")
+    else:
+        run_id = start_training(api, TRAINING_ROUNDS)
+        console.print(
+            f"federated fine-tuning started: {TRAINING_ROUNDS} rounds of the digits CNN on 3 "
+            "clients (Flower, SecAgg+, differential privacy), in the coordinator's background "
+            "while the models deploy"
+        )
+    model = export_model(console, args.cache_dir / "exports" / "all-minilm-l6-v2")
     caps = {name: CAPS_MB[role] * 1000**2 for role, name in names.items()}
     deploy_minilm(console, api, model, caps)
     console.print(plan_table(api, state_dir))
@@ -173,10 +187,8 @@ def _steps(
         console.print("Gemma 3 270M skipped (--skip-gemma)")
     else:
         _gemma(console, api, state_dir, args.cache_dir, list(names.values()))
-    if args.skip_training:
-        console.print("federated fine-tuning skipped (--skip-training)")
-    else:
-        train_summary(console, state_dir, root / "training")
+    if run_id is not None:
+        training_summary(console, api, run_id, TRAINING_ROUNDS)
     procs.check_alive()
     console.print(f"ready in {time.monotonic() - started:.0f} s")
     console.print(f"console: {coordinator.console_url}", soft_wrap=True, highlight=False)

@@ -32,7 +32,7 @@ from coordinator.pairing import Pairing
 from coordinator.registry import DeviceRecord, DeviceRegistry
 from coordinator.serving import Router
 from coordinator.state import sweep_temp_files
-from coordinator.training.service import coordinator_runs
+from coordinator.training.service import PairedAgents, coordinator_runs
 from coordinator.trust import TrustService, address_of
 
 log = logging.getLogger(__name__)
@@ -92,7 +92,9 @@ def serve(config: CoordinatorConfig, console: Console) -> int:
             serving,
             agents=agents,
             state_dir=config.state_dir,
-            training=coordinator_runs(config.state_dir, ca, deployer, store),
+            training=coordinator_runs(
+                config.state_dir, ca, deployer, store, _paired_agents(config, pairing)
+            ),
             generation=DecoderModels(
                 store,
                 plane,
@@ -123,6 +125,13 @@ def serve(config: CoordinatorConfig, console: Console) -> int:
         router.close()
         plane.close()
     return 0
+
+
+def _paired_agents(config: CoordinatorConfig, pairing: Pairing) -> PairedAgents | None:
+    """The agents API training runs go to (None: local SuperNodes on the reference data)."""
+    if config.agent_training is None:
+        return None
+    return PairedAgents(config.agent_training, config.interface, pairing.node_keys)
 
 
 @contextlib.contextmanager

@@ -1,9 +1,11 @@
-"""Integration: ``fedshard demo --exit --skip-training`` as a user runs it.
+"""Integration: ``fedshard demo --exit`` as a user runs it.
 
-It starts a coordinator and three agents on 127.0.0.1, pairs them, deploys MiniLM across all
-three, prints the plan and a similarity matrix, deploys Gemma 3 270M across the three and prints
-its plan and a chat answer, prints the console line, and stops every process it started before
-it exits. The Gemma export is cached in ``<repo>/.cache/fedshard`` (shared with the Gemma tests).
+It starts a coordinator and three agents on 127.0.0.1, pairs them, starts a two-round federated
+run in the coordinator's background, deploys MiniLM across all three, prints the plan and a
+similarity matrix, deploys Gemma 3 270M across the three and prints its plan and a chat answer,
+prints the training summary and the console line, and stops every process it started (the
+training's Flower processes included) before it exits. The Gemma export is cached in
+``<repo>/.cache/fedshard`` (shared with the Gemma tests).
 """
 
 from __future__ import annotations
@@ -41,12 +43,12 @@ def _processes_mentioning(text: str) -> list[str]:
     return found
 
 
-def test_demo_exit_skip_training(tmp_path: Path) -> None:
+def test_demo_exit(tmp_path: Path) -> None:
     pytest.importorskip("transformers")
     state = tmp_path / "demo-state"
     pids = tmp_path / "pids.txt"
     port = free_port()
-    command = [FEDSHARD, "demo", "--exit", "--skip-training", "--port", str(port)]
+    command = [FEDSHARD, "demo", "--exit", "--port", str(port)]
     command += ["--state-dir", str(state), "--pid-file", str(pids)]
     result = subprocess.run(
         command,
@@ -69,6 +71,13 @@ def test_demo_exit_skip_training(tmp_path: Path) -> None:
     assert "plan: gemma3-270m" in out
     answer = re.search(r"^gemma3-270m: (.+)$", out, re.MULTILINE)
     assert answer is not None and len(answer.group(1).split()) >= 3, out
+    summary = re.search(
+        r"federated fine-tuning: digits CNN on 3 clients, accuracy (0\.\d+) -> (0\.\d+) after "
+        r"2 rounds \(SecAgg\+\), differential privacy ε = (\d+\.\d+)",
+        out,
+    )
+    assert summary is not None, out
+    assert float(summary.group(3)) > 0
     started = [line.split(maxsplit=1) for line in pids.read_text().splitlines() if line.strip()]
     names = [name for _, name in started]
     assert len(started) == 4 and names[0] == "coordinator", started
@@ -91,4 +100,4 @@ def test_demo_exit_skip_training(tmp_path: Path) -> None:
         assert all(-1.0 <= v <= 1.0001 for v in values), row
     assert re.search(rf"console: http://127\.0\.0\.1:{port}/\?token=\S+", out), out
     assert [f"{pid} {name}" for pid, name in started if _running(int(pid))] == []
-    assert _processes_mentioning(str(state)) == []
+    assert _processes_mentioning(str(state)) == []  # the SuperLink and SuperNodes too

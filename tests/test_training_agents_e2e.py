@@ -1,8 +1,9 @@
 """Federated fine-tuning on real agents: three ``fedshard agent --train-data`` processes, each
 with its own SuperNode (node-authentication key made by the agent), a SuperLink with node
 authentication (only the registered agents' keys get in), SecAgg+ and DP through ``flwr run``,
-started through the coordinator's ``/v1/training/runs`` API, and the trained version rolled out
-live to the deployment those same agents serve.
+started through the coordinator's ``/v1/training/runs`` API as ``fedshard coordinator
+--superlink-port`` wires it (:func:`coordinator_runs` with :class:`PairedAgents`), and the trained
+version rolled out live to the deployment those same agents serve.
 
 The coordinator's parts (CA, deployer, router, run manager, API) run in this process; agents,
 SuperLink, SuperNodes and Flower's apps are real processes on 127.0.0.1. Two rounds keep it
@@ -31,7 +32,8 @@ pytest.importorskip("flwr")
 
 from coordinator.ca import CertificateAuthority
 from coordinator.training.flower import free_port
-from coordinator.training.task import PreparedTask, load_arrays, prepare_task
+from coordinator.training.service import prepared_task, reference_task_dir
+from coordinator.training.task import MODEL_FILE, PreparedTask, load_arrays
 from protocols.deploy import ROLE_AGENT
 
 pytestmark = [pytest.mark.slow, pytest.mark.timeout(600)]
@@ -86,9 +88,10 @@ def _tls_files(ca: CertificateAuthority, name: str, out: Path) -> list[str]:
 @pytest.fixture(scope="module")
 def cluster(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Cluster]:
     tmp = tmp_path_factory.mktemp("agents-train")
-    task = prepare_task(tmp / "task", num_clients=3, alpha=0.5, seed=0)
-    version_dir = _three_segment_version(task, tmp / "v3")
     state = tmp / "coordinator"
+    root = reference_task_dir(state)  # where the coordinator's runs find the held-out set
+    task = PreparedTask(*prepared_task(root), model_file=root / MODEL_FILE)
+    version_dir = _three_segment_version(task, tmp / "v3")
     ca = CertificateAuthority.open(state)
     port = free_port()
     started: list[AgentProc] = []
@@ -143,6 +146,7 @@ def _node_keys(cluster: Cluster) -> dict[str, str]:
 def test_real_agents_train_and_serve_the_new_version(cluster: Cluster) -> None:
     from coordinator.agent_client import AgentClient
     from coordinator.api import Services, create_app
+    from coordinator.config import AgentTrainingConfig
     from coordinator.dataplane import DataPlane
     from coordinator.deployer import Deployer
     from coordinator.deployments import DeploymentStore
@@ -151,11 +155,9 @@ def test_real_agents_train_and_serve_the_new_version(cluster: Cluster) -> None:
     from coordinator.registry import DeviceRegistry
     from coordinator.serving import Router
     from coordinator.training.records import TrainingRecord
-    from coordinator.training.runner import FlowerRunner, TrainingTarget, agent_federation
-    from coordinator.training.runs import TrainingRuns
     from coordinator.training.segments import run_chain
     from coordinator.training.server_app import load_weights
-    from coordinator.training.service import LivePublisher
+    from coordinator.training.service import PairedAgents, coordinator_runs
     from coordinator.training.version import Version
     from protocols.plan import Objective
 
@@ -175,19 +177,12 @@ def test_real_agents_train_and_serve_the_new_version(cluster: Cluster) -> None:
         )
         served = Version.load(deployer.segment_dir(MODEL_ID, first.plan_version))
         _, before = router.infer(MODEL_ID, {"image": x})
-        target = TrainingTarget(
-            served.path, cluster.task.test_file, state / "versions", 3, model_id=MODEL_ID
-        )
         keys = _node_keys(cluster)
-        runner = FlowerRunner(
-            state / "training",
-            ca,
-            lambda: target,
-            publish=LivePublisher(deployer, store, cluster.task.test_file),
-            federation=agent_federation(ca, cluster.superlink_port, lambda: keys),
+        agents = PairedAgents(
+            AgentTrainingConfig(cluster.superlink_port, clients=3), "127.0.0.1", lambda: keys
         )
-        pairing = Pairing(state, ca)
-        app = create_app(Services("tok", DeviceRegistry(), pairing, training=TrainingRuns(runner)))
+        runs = coordinator_runs(state, ca, deployer, store, agents)
+        app = create_app(Services("tok", DeviceRegistry(), Pairing(state, ca), training=runs))
         with TestClient(app, headers={"Authorization": "Bearer tok"}) as api:
             body = {"rounds": 2, "secure_aggregation": True, "dp": True}
             run_id = api.post("/v1/training/runs", json=body).json()["run_id"]

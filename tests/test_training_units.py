@@ -269,6 +269,24 @@ def test_train_command_refuses_bad_arguments() -> None:
     assert parser.parse_args(["train", "--no-secagg", "--clients", "2"]).run is cli.handler
 
 
+def test_train_on_a_version_needs_paired_agents_node_keys(
+    version_dir: Path, tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    """``fedshard train --version`` admits only paired agents: none paired, no SuperLink."""
+    import argparse
+
+    from coordinator.training import cli
+
+    parser = argparse.ArgumentParser(prog="fedshard")
+    cli.register(parser.add_subparsers(dest="command", required=True))
+    argv = ["train", "--version", str(version_dir), "--test-data", str(tmp_path / "t.npz")]
+    argv += ["--state-dir", str(tmp_path / "state"), "--work-dir", str(tmp_path / "work")]
+    args = parser.parse_args(argv)
+    assert args.run(args) == 1
+    assert "0 paired agents have a node key; the run needs 3" in capsys.readouterr().out
+    assert not list((tmp_path / "work").rglob("superlink.db"))
+
+
 def test_secagg_parameters_tolerate_one_dropout_among_three() -> None:
     from coordinator.training.run import secagg_parameters
 

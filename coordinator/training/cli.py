@@ -2,8 +2,10 @@
 
 Without ``--version`` it runs the reference task: the digits CNN is built, pre-trained on half the
 classes, cut into segments, and ``--clients`` local agents (SuperNode processes on 127.0.0.1, one
-per non-IID data split) train it. With ``--version DIR`` it fine-tunes that version with whatever
-agents' SuperNodes connect to the SuperLink it starts (address and CA certificate are printed).
+per non-IID data split) train it. With ``--version DIR`` it fine-tunes that version on the
+agents paired with the coordinator of ``--state-dir``: the SuperLink it starts has node
+authentication on and admits exactly the node keys those agents sent when they paired (address
+and CA certificate are printed).
 """
 
 from __future__ import annotations
@@ -57,9 +59,17 @@ def register(subparsers: Any) -> None:
         "--superlink-port",
         type=int,
         default=0,
-        help="fixed SuperLink port on 127.0.0.1, for agents started with --train-superlink",
+        help="fixed SuperLink port, for agents started with --train-superlink",
     )
-    p.add_argument("--state-dir", type=Path, default=DEFAULT_STATE_DIR, help="coordinator CA")
+    p.add_argument(
+        "--interface", default="127.0.0.1", help="address the SuperLink listens on (--version)"
+    )
+    p.add_argument(
+        "--state-dir",
+        type=Path,
+        default=DEFAULT_STATE_DIR,
+        help="the coordinator's state: its CA, and (--version) its paired agents' node keys",
+    )
     p.add_argument("--work-dir", type=Path, default=Path("fedshard-train"))
     p.add_argument("--timeout", type=float, default=1800.0, help="seconds before giving up")
     p.set_defaults(run=handler)
@@ -106,10 +116,12 @@ def _train(args: argparse.Namespace, console: Any) -> int:
     from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn
 
     from coordinator.ca import CertificateAuthority
+    from coordinator.pairing import Pairing
     from coordinator.training.flower import superlink
     from coordinator.training.local_agents import start_local_agents
     from coordinator.training.records import RoundMetrics, TrainingSettings
     from coordinator.training.run import roll_out, run_training
+    from coordinator.training.runner import paired_superlink
     from coordinator.training.version import Version
 
     work: Path = args.work_dir.resolve()
@@ -142,7 +154,16 @@ def _train(args: argparse.Namespace, console: Any) -> int:
     ca = CertificateAuthority.open(args.state_dir)
     run_dir = work / "runs" / time_stamp()
     with ExitStack() as stack:
-        link = stack.enter_context(superlink(run_dir, ca, port=args.superlink_port))
+        if demo:
+            link = stack.enter_context(superlink(run_dir, ca, port=args.superlink_port))
+        else:
+            keys = Pairing(args.state_dir, ca).node_keys()
+            link = stack.enter_context(
+                paired_superlink(
+                    run_dir, ca, keys, args.clients, args.superlink_port, args.interface
+                )
+            )
+            console.print(f"node keys registered for: {', '.join(sorted(keys))}")
         console.print(f"SuperLink on [bold]{link.address}[/] (TLS, CA {link.tls.ca_cert})")
         if demo:
             budgets = args.budgets or [50_000] + [1 << 30] * (args.clients - 1)

@@ -2,8 +2,9 @@
 
 - One Flower home per run (``FLWR_HOME``), with a ``config.toml`` whose only connection points at
   our SuperLink over TLS (root certificate: fedshard's CA).
-- The SuperLink gets a server certificate for ``localhost`` issued by
-  :class:`coordinator.ca.CertificateAuthority` and binds 127.0.0.1 only.
+- The SuperLink gets a server certificate for ``localhost`` and its address, issued by
+  :class:`coordinator.ca.CertificateAuthority`, and binds one address: 127.0.0.1 unless the
+  coordinator serves another interface.
 - Offline: ``--disable-runtime-dependency-installation``, ``FLWR_TELEMETRY_ENABLED=0``,
   ``FLWR_DISABLE_UPDATE_CHECK=1``.
 - The app that ``flwr run`` ships (a FAB) is a two-file shim generated here: its components
@@ -59,10 +60,10 @@ def offline_env(flwr_home: Path) -> dict[str, str]:
     return env
 
 
-def free_port() -> int:
-    """A TCP port on 127.0.0.1 that is free right now."""
+def free_port(host: str = HOST) -> int:
+    """A TCP port on ``host`` that is free right now."""
     with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as sock:
-        sock.bind((HOST, 0))
+        sock.bind((host, 0))
         return int(sock.getsockname()[1])
 
 
@@ -80,10 +81,11 @@ class TlsFiles:
     key: Path
 
 
-def issue_superlink_tls(ca: CertificateAuthority, out_dir: Path) -> TlsFiles:
-    """A fresh P-256 key and a certificate for ``localhost`` from fedshard's CA."""
+def issue_superlink_tls(ca: CertificateAuthority, out_dir: Path, host: str = HOST) -> TlsFiles:
+    """A fresh P-256 key and a certificate for ``localhost`` and ``host`` from fedshard's CA."""
     key = ec.generate_private_key(ec.SECP256R1())
-    issued = ca.issue_for_key(key.public_key(), TLS_NAME, ROLE_COORDINATOR, ip_addresses=[HOST])
+    addresses = sorted({HOST, host})
+    issued = ca.issue_for_key(key.public_key(), TLS_NAME, ROLE_COORDINATOR, ip_addresses=addresses)
     files = TlsFiles(out_dir / "ca.pem", out_dir / "superlink.pem", out_dir / "superlink.key")
     write_atomic(files.ca_cert, ca.cert_pem)
     write_atomic(files.cert, issued.pem)
@@ -134,30 +136,32 @@ run-file = ""
     return app_dir
 
 
-def write_connection(flwr_home: Path, port: int, ca_cert: Path) -> None:
-    """``$FLWR_HOME/config.toml`` with one default connection to our SuperLink."""
+def write_connection(flwr_home: Path, address: str, ca_cert: Path) -> None:
+    """``$FLWR_HOME/config.toml`` with one default connection to our SuperLink (HOST:PORT)."""
     text = f"""[superlink]
 default = "{CONNECTION}"
 
 [superlink.{CONNECTION}]
-address = "{HOST}:{port}"
+address = "{address}"
 root-certificates = "{ca_cert}"
 """
     write_atomic(flwr_home / "config.toml", text.encode())
 
 
-def wait_for_port(port: int, proc: subprocess.Popen[bytes], timeout_s: float, what: str) -> None:
-    """Block until ``127.0.0.1:port`` accepts connections; fail if ``proc`` exits first."""
+def wait_for_port(
+    port: int, proc: subprocess.Popen[bytes], timeout_s: float, what: str, host: str = HOST
+) -> None:
+    """Block until ``host:port`` accepts connections; fail if ``proc`` exits first."""
     deadline = time.monotonic() + timeout_s
     while time.monotonic() < deadline:
         if proc.poll() is not None:
             raise FlowerProcessError(f"{what} exited with code {proc.returncode}")
         try:
-            with socket.create_connection((HOST, port), timeout=0.5):
+            with socket.create_connection((host, port), timeout=0.5):
                 return
         except OSError:
             time.sleep(0.2)
-    raise FlowerProcessError(f"{what} did not listen on {HOST}:{port} within {timeout_s:.0f} s")
+    raise FlowerProcessError(f"{what} did not listen on {host}:{port} within {timeout_s:.0f} s")
 
 
 def stop_process(proc: subprocess.Popen[bytes], grace_s: float = 10.0) -> None:
@@ -195,11 +199,12 @@ class SuperLink:
     tls: TlsFiles
     process: subprocess.Popen[bytes]
     log_path: Path
+    host: str = HOST
 
     @property
     def address(self) -> str:
         """What SuperNodes pass to ``--superlink``."""
-        return f"{HOST}:{self.port}"
+        return f"{self.host}:{self.port}"
 
     def env(self) -> dict[str, str]:
         """Environment for ``flwr`` commands against this SuperLink."""
@@ -213,25 +218,26 @@ def superlink(
     start_timeout_s: float = 60.0,
     node_auth: bool = False,
     port: int = 0,
+    host: str = HOST,
 ) -> Iterator[SuperLink]:
     """Start a SuperLink for one run under ``work_dir``; stop it (and its children) on exit.
 
-    ``port`` 0 picks a free one; a fixed port lets agents started with ``--train-superlink``
-    find it (their SuperNodes keep retrying until it is up).
+    It listens on ``host`` only. ``port`` 0 picks a free one; a fixed port lets agents started
+    with ``--train-superlink`` find it (their SuperNodes keep retrying until it is up).
 
     With ``node_auth`` only SuperNodes whose public key was registered with
     :func:`register_supernode` may connect.
     """
     flwr_home = work_dir / "flwr-home"
     flwr_home.mkdir(parents=True, exist_ok=True)
-    tls = issue_superlink_tls(ca, work_dir / "tls")
-    port = port or free_port()
-    write_connection(flwr_home, port, tls.ca_cert)
+    tls = issue_superlink_tls(ca, work_dir / "tls", host)
+    port = port or free_port(host)
+    write_connection(flwr_home, f"{host}:{port}", tls.ca_cert)
     log_path = work_dir / "superlink.log"
     cmd = [
         flower_bin("flower-superlink"),
         "--host",
-        HOST,
+        host,
         "--port",
         str(port),
         "--ssl-ca-certfile",
@@ -252,9 +258,9 @@ def superlink(
             start_new_session=True, cwd=work_dir,
         )  # fmt: skip
     try:
-        wait_for_port(port, proc, start_timeout_s, "flower-superlink")
-        log.info("SuperLink listening on %s:%d (log %s)", HOST, port, log_path)
-        yield SuperLink(port, flwr_home, tls, proc, log_path)
+        wait_for_port(port, proc, start_timeout_s, "flower-superlink", host)
+        log.info("SuperLink listening on %s:%d (log %s)", host, port, log_path)
+        yield SuperLink(port, flwr_home, tls, proc, log_path, host)
     finally:
         stop_process(proc)
 

@@ -21,7 +21,7 @@ from coordinator.ca import CertificateAuthority
 from coordinator.errors import CoordinatorError
 from coordinator.state import write_atomic
 from coordinator.training.errors import RolloutError, TrainingRunError
-from coordinator.training.flower import SuperLink, register_supernode, superlink
+from coordinator.training.flower import HOST, SuperLink, register_supernode, superlink
 from coordinator.training.local_agents import start_local_agents
 from coordinator.training.records import RoundMetrics, TrainingRecord, TrainingSettings
 from coordinator.training.rollout import next_version_dir
@@ -136,30 +136,47 @@ def local_federation(ca: CertificateAuthority, port: int = 0) -> Federation:
     return start
 
 
-def agent_federation(
-    ca: CertificateAuthority, port: int, node_keys: Callable[[], Mapping[str, str]]
-) -> Federation:
-    """A SuperLink on 127.0.0.1:``port`` that admits only the paired agents' SuperNodes.
+@contextmanager
+def paired_superlink(
+    run_dir: Path,
+    ca: CertificateAuthority,
+    node_keys: Mapping[str, str],
+    clients: int,
+    port: int = 0,
+    host: str = HOST,
+) -> Iterator[SuperLink]:
+    """A SuperLink on ``host:port`` that admits only the SuperNodes of ``node_keys``.
 
-    Node authentication is on; every key ``node_keys()`` returns (device name to OpenSSH
-    public key, as sent with the pairing request) is registered before the run starts. The
-    agents' SuperNodes (``fedshard agent --train-superlink 127.0.0.1:PORT``) are refused until
-    their key is registered, and restart until they get in.
+    Node authentication is on; every key (device name to OpenSSH public key, as sent with the
+    pairing request) is registered before the SuperLink is handed out. Agents' SuperNodes
+    (``fedshard agent --train-superlink HOST:PORT``) are refused until their key is registered,
+    and restart until they get in. Fewer keys than ``clients`` is a :class:`TrainingRunError`.
     """
+    if len(node_keys) < clients:
+        raise TrainingRunError(
+            f"{len(node_keys)} paired agents have a node key; the run needs {clients}"
+        )
+    with superlink(run_dir, ca, node_auth=True, port=port, host=host) as link:
+        for name, key in sorted(node_keys.items()):
+            path = run_dir / "node-keys" / f"{name}.pub"
+            write_atomic(path, f"{key}\n".encode())
+            register_supernode(link, path)
+            log.info("registered the node key of %s", name)
+        yield link
+
+
+def agent_federation(
+    ca: CertificateAuthority,
+    port: int,
+    node_keys: Callable[[], Mapping[str, str]],
+    host: str = HOST,
+) -> Federation:
+    """Runs on the paired agents: a :func:`paired_superlink` with the keys paired right now."""
 
     @contextmanager
     def start(run_dir: Path, target: TrainingTarget) -> Iterator[SuperLink]:
         keys = dict(node_keys())
-        if len(keys) < target.population:
-            raise TrainingRunError(
-                f"{len(keys)} paired agents have a node key; the run needs {target.population}"
-            )
-        with superlink(run_dir, ca, node_auth=True, port=port) as link:
-            for name, key in sorted(keys.items()):
-                path = run_dir / "node-keys" / f"{name}.pub"
-                write_atomic(path, f"{key}\n".encode())
-                register_supernode(link, path)
-                log.info("registered the node key of %s", name)
+        with paired_superlink(run_dir, ca, keys, target.population, port, host) as link:
             yield link
 
     return start

@@ -2,22 +2,34 @@
 
 ``fedshard coordinator`` builds :func:`coordinator_runs` once. A run (``POST /v1/training/runs``)
 fine-tunes the reference digits CNN (:mod:`coordinator.training.task`, prepared once under the
-state dir) with one local SuperNode per non-IID data split. When the model is served under
-:data:`REFERENCE_MODEL_ID` (deploy ``STATE/training/task/digits-cnn.onnx`` with that id), the
-run trains the served version's own segments and rolls each new version out to it live;
-otherwise it trains the task's offline version and only writes new version directories.
+state dir) with one local SuperNode per non-IID data split, or, when the coordinator was given
+``--superlink-port`` (:class:`PairedAgents`), with the paired agents' own SuperNodes: a
+SuperLink with node authentication admits exactly the keys they sent when they paired.
+
+When the model is served under :data:`REFERENCE_MODEL_ID` (deploy
+``STATE/training/task/digits-cnn.onnx`` with that id), the run trains the served version's own
+segments and rolls each new version out to it live; otherwise it trains the task's offline
+version and only writes new version directories.
 """
 
 from __future__ import annotations
 
 import logging
+from collections.abc import Callable, Mapping
+from dataclasses import dataclass, replace
 from pathlib import Path
 
 from coordinator.ca import CertificateAuthority
+from coordinator.config import AgentTrainingConfig
 from coordinator.deployer import Deployer
 from coordinator.deployments import DeploymentStore
 from coordinator.errors import NotServableError, UnknownModelError
-from coordinator.training.runner import FlowerRunner, TrainingTarget
+from coordinator.training.runner import (
+    FlowerRunner,
+    RunnerSettings,
+    TrainingTarget,
+    agent_federation,
+)
 from coordinator.training.runs import TrainingRuns
 from coordinator.training.version import Version
 
@@ -89,17 +101,49 @@ def reference_target(state_dir: Path, deployer: Deployer, store: DeploymentStore
     )
 
 
+@dataclass(frozen=True)
+class PairedAgents:
+    """API runs train on the paired agents' SuperNodes (``coordinator --superlink-port``)."""
+
+    config: AgentTrainingConfig
+    host: str
+    """The coordinator's interface: the SuperLink listens there."""
+    node_keys: Callable[[], Mapping[str, str]]
+    """The paired agents' node-authentication keys by name (:meth:`Pairing.node_keys`)."""
+
+
+def agents_target(target: TrainingTarget, clients: int) -> TrainingTarget:
+    """``target`` trained by ``clients`` agents' SuperNodes instead of local ones."""
+    return replace(target, population=clients, data_dirs=(), budgets=())
+
+
 def coordinator_runs(
-    state_dir: Path, ca: CertificateAuthority, deployer: Deployer, store: DeploymentStore
+    state_dir: Path,
+    ca: CertificateAuthority,
+    deployer: Deployer,
+    store: DeploymentStore,
+    agents: PairedAgents | None = None,
 ) -> TrainingRuns:
     """The training-run manager the coordinator's API serves."""
     from coordinator.training.task import TEST_FILE
 
     test_file = reference_task_dir(state_dir) / TEST_FILE
+    publish = LivePublisher(deployer, store, test_file)
+    work_dir = state_dir / "training"
+    if agents is None:
+        runner = FlowerRunner(
+            work_dir, ca, lambda: reference_target(state_dir, deployer, store), publish=publish
+        )
+        return TrainingRuns(runner)
+    clients = agents.config.clients
     runner = FlowerRunner(
-        state_dir / "training",
+        work_dir,
         ca,
-        lambda: reference_target(state_dir, deployer, store),
-        publish=LivePublisher(deployer, store, test_file),
+        lambda: agents_target(reference_target(state_dir, deployer, store), clients),
+        settings=RunnerSettings(superlink_port=agents.config.superlink_port),
+        publish=publish,
+        federation=agent_federation(
+            ca, agents.config.superlink_port, agents.node_keys, agents.host
+        ),
     )
     return TrainingRuns(runner)
