@@ -39,15 +39,18 @@ from protocols.training import TrainPlan
 
 RESULTS = Path(__file__).parent / "results"
 NOTE = (
-    "Notes: timings come from a 2-core machine shared with other test runs, so round times"
-    " vary by tens of percent between runs; SecAgg+ rounds have four message stages instea"
-    "d of one. Accuracy after 5 rounds also varies between runs (client shuffles are seede"
-    "d by Flower's node ids). In the DP mode the clipping (norm 1) and uniform client weig"
-    "hts tame the large first-round updates of the over-confident pre-trained model; with "
-    "z = 0.05 and 3 clients the noise is small and epsilon is far too large to be a meanin"
-    "gful guarantee. Shard-wise saves only 22 % here because fc1 (segment 2) holds 75 % of"
-    " the weights; training only the head (`--trainable-shards 3`) would upload 3 % of the"
-    " full model."
+    "Notes: timings come from a 2-core machine shared with other test runs, so round times "
+    "vary by tens of percent between runs. A federated round is not compute: centralized tr"
+    "aining of the same shards takes well under a second per round, while each SuperNode of"
+    " Flower 1.42 starts short-lived `flwr-clientapp` processes for a round's messages (Sec"
+    "Agg+ has four message stages, FedAvg one) and polls for work between them, so round ti"
+    "me is mostly process start-up and polling on 2 shared cores. Accuracy after 5 rounds a"
+    "lso varies between runs (client shuffles are seeded by Flower's node ids). In the DP m"
+    "ode the clipping (norm 1) and uniform client weights tame the large first-round update"
+    "s of the over-confident pre-trained model; with z = 0.05 and 3 clients the noise is sm"
+    "all and epsilon is far too large to be a meaningful guarantee. Shard-wise saves only 2"
+    "2 % here because fc1 (segment 2) holds 75 % of the weights; training only the head (`-"
+    "-trainable-shards 3`) would upload 3 % of the full model."
 )
 BUDGETS = [50_000, 1 << 30, 1 << 30]
 SHARDS = [2, 3]
