@@ -6,8 +6,9 @@ started through the coordinator's ``/v1/training/runs`` API as ``fedshard coordi
 version rolled out live to the deployment those same agents serve.
 
 The coordinator's parts (CA, deployer, router, run manager, API) run in this process; agents,
-SuperLink, SuperNodes and Flower's apps are real processes on 127.0.0.1. Two rounds keep it
-short: the five-round accuracy and accounting checks live in ``test_training_e2e.py``.
+SuperLink, SuperNodes and Flower's apps are real processes on 127.0.0.1. Five rounds with a
+version every two: accuracy rises by a margin, epsilon equals Flower's accountant called
+directly, only the trained segments change, and the agents serve each version in turn.
 """
 
 from __future__ import annotations
@@ -36,10 +37,13 @@ from coordinator.training.service import prepared_task, reference_task_dir
 from coordinator.training.task import MODEL_FILE, PreparedTask, load_arrays
 from protocols.deploy import ROLE_AGENT
 
-pytestmark = [pytest.mark.slow, pytest.mark.timeout(600)]
+pytestmark = [pytest.mark.slow, pytest.mark.timeout(900)]
 
 MODEL_ID = "digits-cnn"
 NAMES = ["agent-0", "agent-1", "agent-2"]
+ROUNDS = 5
+MARGIN = 0.1
+"""Held-out accuracy after the run must beat the pre-trained model's by at least this much."""
 BUDGETS = ["50000", "1GiB", "1GiB"]
 """agent-0 fits only the head shard's training; the others fit both trainable shards."""
 
@@ -143,6 +147,49 @@ def _node_keys(cluster: Cluster) -> dict[str, str]:
     return keys
 
 
+def run_id_of(run: dict[str, Any]) -> str:
+    return str(run["run_id"])
+
+
+def _follow_run(api: TestClient, rounds: int) -> tuple[dict[str, Any], list[int]]:
+    """Start a SecAgg+ and DP run with a rollout every 2 rounds; poll it to its end.
+
+    Returns its final status and the round counts seen while it was still going.
+    """
+    body = {"rounds": rounds, "secure_aggregation": True, "dp": True, "rollout_every": 2}
+    run_id = api.post("/v1/training/runs", json=body).json()["run_id"]
+    assert api.post("/v1/training/runs", json=body).status_code == 409  # one run at a time
+    seen_mid_run: list[int] = []
+    deadline = time.monotonic() + 720
+    while time.monotonic() < deadline:
+        run: dict[str, Any] = api.get(f"/v1/training/runs/{run_id}").json()
+        if run["status"] in ("finished", "failed"):
+            return run, seen_mid_run
+        if 0 < len(run["rounds"]) < rounds:
+            seen_mid_run.append(len(run["rounds"]))
+        time.sleep(0.5)
+    raise AssertionError(f"run {run_id} did not finish in time")
+
+
+def _check_rounds(run: dict[str, Any]) -> None:
+    """Five rounds of all three agents, accuracy up by a margin, epsilon as Flower's accountant."""
+    from flwr.serverapp import GaussianPrivacyEvent
+
+    from coordinator.training.accounting import new_accountant
+    from coordinator.training.runner import RunnerSettings
+
+    rounds = run["rounds"]
+    assert [(r["round"], r["clients"]) for r in rounds] == [(i, 3) for i in range(1, ROUNDS + 1)]
+    assert all(r["bytes_uploaded"] > 0 for r in rounds)
+    final = rounds[-1]["accuracy"]
+    assert final > run["baseline_accuracy"] + MARGIN, (run["baseline_accuracy"], final)
+    fixed = RunnerSettings()  # the coordinator's runs: clipping 1.0, noise multiplier 0.05
+    for r in rounds:
+        direct = new_accountant(3, fixed.delta)
+        direct.compose(GaussianPrivacyEvent(fixed.noise_multiplier, 3, 3), count=r["round"])
+        assert r["epsilon"] == pytest.approx(direct.get_epsilon(fixed.delta), rel=1e-9)
+
+
 def test_real_agents_train_and_serve_the_new_version(cluster: Cluster) -> None:
     from coordinator.agent_client import AgentClient
     from coordinator.api import Services, create_app
@@ -184,18 +231,11 @@ def test_real_agents_train_and_serve_the_new_version(cluster: Cluster) -> None:
         runs = coordinator_runs(state, ca, deployer, store, agents)
         app = create_app(Services("tok", DeviceRegistry(), Pairing(state, ca), training=runs))
         with TestClient(app, headers={"Authorization": "Bearer tok"}) as api:
-            body = {"rounds": 2, "secure_aggregation": True, "dp": True}
-            run_id = api.post("/v1/training/runs", json=body).json()["run_id"]
-            deadline = time.monotonic() + 480
-            while time.monotonic() < deadline:
-                run = api.get(f"/v1/training/runs/{run_id}").json()
-                if run["status"] in ("finished", "failed"):
-                    break
-                time.sleep(0.5)
+            run, seen_mid_run = _follow_run(api, ROUNDS)
         assert run["status"] == "finished", run["error"]
-        assert [(r["round"], r["clients"]) for r in run["rounds"]] == [(1, 3), (2, 3)]
-        assert run["rounds"][-1]["accuracy"] > run["baseline_accuracy"]
-        run_dir = state / "training" / "runs" / run_id
+        assert seen_mid_run, "rounds were not visible before the run finished"
+        _check_rounds(run)
+        run_dir = state / "training" / "runs" / run_id_of(run)
         record = TrainingRecord.from_json((run_dir / "record.json").read_bytes())
         # each real agent trained what its --train-budget fits: agent-0 the head only
         assert sorted(tuple(s) for s in record.rounds[0].trained_shards.values()) == [
@@ -203,11 +243,17 @@ def test_real_agents_train_and_serve_the_new_version(cluster: Cluster) -> None:
             (1, 2),
             (2,),
         ]
-        # the served deployment's version changed to the trained one
-        (rollout,) = run["rollouts"]
+        # a version after rounds 2 and 4 and at the end, each rolled out to the served model
+        rollouts = [(r["round"], r["version"], r["plan_version"]) for r in run["rollouts"]]
+        base = first.plan_version
+        assert rollouts == [(2, "v0001", base + 1), (4, "v0002", base + 2), (5, "v0003", base + 3)]
         active = store.active(MODEL_ID)
-        assert rollout["plan_version"] == active.plan_version == first.plan_version + 1
-        # and what the real agents now serve equals the new weights' predictions, computed directly
+        assert active.plan_version == base + 3
+        trained = Version.load(deployer.segment_dir(MODEL_ID, active.plan_version))
+        for old, new in zip(served.manifest.segments, trained.manifest.segments, strict=True):
+            same = (served.path / old.file).read_bytes() == (trained.path / new.file).read_bytes()
+            assert same == (old.index == 0), old.index  # only the trained shards changed
+        # what the real agents now serve equals the new weights' predictions, computed directly
         answered, after = router.infer(MODEL_ID, {"image": x})
         assert answered.plan_version == active.plan_version
         w1, b1, w2, b2 = load_weights(run_dir / "weights.npz")
