@@ -9,6 +9,7 @@ Routes (bearer token, see :mod:`coordinator.api`)::
     POST /v1/infer                             named tensors as JSON, or a raw .npz body
     POST /v1/embeddings                        OpenAI-compatible embeddings
     GET  /v1/links, POST /v1/links/measure     measured links between paired agents
+    GET  /v1/links/requester                   measured links from the coordinator to them
     GET  /v1/failover                          lost/returned devices, re-plans, refused models
 
 Coordinator errors are translated into HTTP statuses in :func:`install_error_handlers`.
@@ -51,6 +52,7 @@ from coordinator.links import LinkMeter
 from coordinator.serving import Router
 from partitioner.baselines import Baseline
 from protocols.links import Link as DeviceLink
+from protocols.links import RequesterLink
 from protocols.plan import Objective
 
 log = logging.getLogger(__name__)
@@ -154,6 +156,10 @@ def serving_router(serving: Serving) -> APIRouter:
     @api.get("/links")
     def links() -> list[DeviceLink]:
         return serving.links.links()
+
+    @api.get("/links/requester")
+    def requester_links() -> list[RequesterLink]:
+        return serving.links.requester_links()
 
     @api.post("/links/measure")
     async def measure_links() -> list[DeviceLink]:

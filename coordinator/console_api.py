@@ -310,8 +310,10 @@ def _what_if(
     services: Services, analyses: AnalysisCache, version: VersionRecord, body: WhatIfBody
 ) -> WhatIfAnswer:
     profiles = _profiles(services, trusted=True)
-    links = services.serving.links.links() if services.serving is not None else []
-    devices = what_if_devices(profiles, links, body.budgets, body.drop)
+    meter = services.serving.links if services.serving is not None else None
+    links = meter.links() if meter is not None else []
+    requester = meter.requester_links() if meter is not None else []
+    devices = what_if_devices(profiles, links, body.budgets, body.drop, requester)
     analysis = analyses.get(Path(version.source))
     objective = body.objective or version.objective
     new = what_if(analysis, devices, objective, version.model_id)

@@ -26,6 +26,7 @@ from protocols.deploy import (
 from protocols.devices import DeviceList, DeviceSpec
 from protocols.frames import FrameHeader, encode_frame
 from protocols.links import Link as DeviceLink
+from protocols.links import Requester, RequesterLink
 from protocols.manifest import Manifest
 
 Signer = Callable[[bytes], bytes]
@@ -51,6 +52,7 @@ def device_list(
     links: Sequence[DeviceLink],
     memory_caps: Mapping[str, int],
     strict: bool = True,
+    requester: Sequence[RequesterLink] | None = None,
 ) -> DeviceList:
     """``DEVICES.json`` for the planner: free memory (capped by the operator), GFLOP/s, links.
 
@@ -58,7 +60,8 @@ def device_list(
     new version is loaded next to the live one. Links between devices not in the list are
     dropped; unmeasured pairs fall back to the device bandwidth. With ``strict``, caps naming
     a device that is not in the list are refused; otherwise they are ignored (a re-plan while
-    a device is away).
+    a device is away). ``requester``: the coordinator's measured links to the devices, so the
+    planner counts inputs in and results back (None: it does not).
     """
     unknown = sorted(set(memory_caps) - {d.name for d in devices})
     if unknown and strict:
@@ -79,7 +82,10 @@ def device_list(
     kept = [link for link in links if link.a in names and link.b in names]
     if not specs:
         raise DeployError("no paired agent is online")
-    return DeviceList(devices=specs, links=kept)
+    if requester is None:
+        return DeviceList(devices=specs, links=kept)
+    to_devices = [link for link in requester if link.device in names]
+    return DeviceList(devices=specs, links=kept, requester=Requester(links=to_devices))
 
 
 def forward_names(manifest: Manifest, index: int) -> list[str]:

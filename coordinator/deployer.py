@@ -29,6 +29,7 @@ from partitioner.baselines import Baseline
 from protocols.deploy import DeployReport, Hop
 from protocols.errors import SchemaError
 from protocols.links import Link as DeviceLink
+from protocols.links import RequesterLink
 from protocols.manifest import Manifest
 from protocols.plan import Objective, Plan
 from protocols.problem import PlanningProblem
@@ -86,6 +87,7 @@ class Deployer:
         sign: Callable[[bytes], bytes],
         health: HealthCheck,
         retired: Callable[[int], None] = lambda plan_version: None,
+        requester_links: Callable[[], list[RequesterLink]] | None = None,
     ) -> None:
         self._dir = state_dir / "deployments"
         self._store = store
@@ -95,7 +97,10 @@ class Deployer:
         self._sign = sign
         self._health = health
         self._retired = retired
+        self._requester_links = requester_links
         self._lock = threading.Lock()
+        self._busy: set[str] = set()
+        self._busy_lock = threading.Lock()
 
     def deploy(self, command: DeployCommand) -> VersionRecord:
         """The whole deployment; raises DeployError (the live version keeps serving)."""
@@ -103,7 +108,9 @@ class Deployer:
             raise DeployError(f"no model file at {command.model_path}")
         with self._lock:
             live = self._live_devices()
-            devices = device_list(live, self._links(), command.memory_caps, command.strict_caps)
+            links = self._links()
+            requester = None if self._requester_links is None else self._requester_links()
+            devices = device_list(live, links, command.memory_caps, command.strict_caps, requester)
             plan_version = self._store.reserve_plan_version()
             out = self.segment_dir(command.model_id, plan_version)
             split = split_and_run(command, devices, out)
@@ -215,6 +222,11 @@ class Deployer:
         log.info("model %s is live at plan version %d", command.model_id, plan_version)
         return version
 
+    def busy_devices(self) -> frozenset[str]:
+        """Devices a segment is being pushed to (and loaded on) right now."""
+        with self._busy_lock:
+            return frozenset(self._busy)
+
     def rollback(self, model_id: str) -> VersionRecord:
         """Switch back to the previous version (still loaded on its agents)."""
         with self._lock:
@@ -242,11 +254,18 @@ class Deployer:
     def _push(
         self, addresses: Sequence[AgentAddress], bodies: Sequence[bytes], plan_version: int
     ) -> list[DeployReport]:
-        with ThreadPoolExecutor(max_workers=len(bodies)) as pool:
-            futures = [
-                pool.submit(self._agents.deploy, a, b)
-                for a, b in zip(addresses, bodies, strict=True)
-            ]
+        devices = {a.device for a in addresses}
+        with self._busy_lock:
+            self._busy |= devices
+        try:
+            with ThreadPoolExecutor(max_workers=len(bodies)) as pool:
+                futures = [
+                    pool.submit(self._agents.deploy, a, b)
+                    for a, b in zip(addresses, bodies, strict=True)
+                ]
+        finally:
+            with self._busy_lock:
+                self._busy -= devices
         failures = [(a, f.exception()) for a, f in zip(addresses, futures, strict=True)]
         errors = [f"{a.device}: {e}" for a, e in failures if e is not None]
         if errors:

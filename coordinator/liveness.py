@@ -6,7 +6,9 @@ records stay cached for minutes. :class:`Liveness` therefore asks each trusted a
 
 - **lost** after :data:`MISSES` failed pings in a row (timeouts: a busy agent may answer
   late; after a miss the next round starts at once, so a silent device, such as one behind a
-  cut link, is lost about ``PING_INTERVAL_S + MISSES * PING_TIMEOUT_S`` after it went quiet);
+  cut link, is lost about ``PING_INTERVAL_S + MISSES * PING_TIMEOUT_S`` after it went quiet).
+  A device the coordinator is pushing a segment to right now (``busy``) is loading it and may
+  not answer for seconds; its timeouts are forgiven for up to :data:`BUSY_GRACE_S`;
   at once when its port refuses the connection (nothing listens: the process is gone), when a
   caller's own evidence (a broken chain) is confirmed by a failed :meth:`Liveness.probe`, when
   the device leaves the trusted set (mDNS goodbye, revocation), or when a device the
@@ -38,6 +40,7 @@ PING_TIMEOUT_S = 1.0
 MISSES = 2
 SETTLE_S = 2.0
 STARTUP_GRACE_S = 5.0
+BUSY_GRACE_S = 60.0
 
 Ping = Callable[[DeviceRecord, float], AgentStatus]
 """``GET /v1/status`` of a device with a timeout in seconds; raises AgentError."""
@@ -76,6 +79,8 @@ class _Device:
     misses: int = 0
     since: float = 0.0
     """When it started returning (monotonic)."""
+    quiet_since: float = 0.0
+    """When its current run of missed pings began (monotonic)."""
 
 
 class Liveness:
@@ -89,8 +94,10 @@ class Liveness:
         listener: LivenessListener,
         clock: Callable[[], float] = time.monotonic,
         wall: Callable[[], float] = time.time,
+        busy: Callable[[], Collection[str]] = frozenset,
     ) -> None:
         self._devices = devices
+        self._busy = busy
         self._expected = expected
         self._ping = ping
         self._listener = listener
@@ -113,10 +120,11 @@ class Liveness:
         """One round: ping every trusted device, judge the ones that are gone."""
         records = {r.name: r for r in self._devices()}
         replies = self._ping_all(list(records.values()))
+        busy = set(self._busy())
         events: list[tuple[str, str, str]] = []
         with self._lock:
             for name, reply in replies.items():
-                events += self._judge(name, reply, decisive=False)
+                events += self._judge(name, reply, decisive=False, patient=name in busy)
             events += self._judge_absent(set(records))
         self._emit(events, replies)
 
@@ -177,14 +185,18 @@ class Liveness:
         results = list(self._pool.map(one, records))
         return {r.name: result for r, result in zip(records, results, strict=True)}
 
-    def _judge(self, name: str, reply: _Reply, decisive: bool) -> list[tuple[str, str, str]]:
+    def _judge(
+        self, name: str, reply: _Reply, decisive: bool, patient: bool = False
+    ) -> list[tuple[str, str, str]]:
         device = self._known.setdefault(name, _Device())
         if reply.status is None:
+            if device.misses == 0:
+                device.quiet_since = self._clock()
             device.misses += 1
             if device.state == "returning":
                 device.state = "lost"
             decisive = decisive or reply.refused
-            if device.state == "alive" and (decisive or device.misses >= MISSES):
+            if device.state == "alive" and (decisive or self._out_of_patience(device, patient)):
                 return self._lose(name, f"it stopped answering: {reply.error}")
             return []
         device.misses = 0
@@ -194,6 +206,11 @@ class Liveness:
             device.state = "alive"
             return [("back", name, "")]
         return []
+
+    def _out_of_patience(self, device: _Device, patient: bool) -> bool:
+        if not patient:
+            return device.misses >= MISSES
+        return self._clock() - device.quiet_since >= BUSY_GRACE_S
 
     def _judge_absent(self, present: set[str]) -> list[tuple[str, str, str]]:
         events = []

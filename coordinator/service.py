@@ -30,6 +30,7 @@ from coordinator.links import LinkMeter
 from coordinator.liveness import Liveness
 from coordinator.pairing import Pairing
 from coordinator.registry import DeviceRecord, DeviceRegistry
+from coordinator.requester_links import requester_probe
 from coordinator.serving import Router
 from coordinator.state import sweep_temp_files
 from coordinator.training.service import PairedAgents, coordinator_runs
@@ -66,12 +67,13 @@ def serve(config: CoordinatorConfig, console: Console) -> int:
         failover.expected_devices,
         lambda record, timeout: agents.status(address_of(record), timeout),
         failover,
+        busy=lambda: deployer.busy_devices(),
     )
 
     def live() -> list[DeviceRecord]:
         return [r for r in trust.trusted() if liveness.alive(r.name)]
 
-    links = LinkMeter(agents, live)
+    links = LinkMeter(agents, live, requester_probe(plane, ctx))
     deployer = Deployer(
         config.state_dir,
         store,
@@ -81,6 +83,7 @@ def serve(config: CoordinatorConfig, console: Console) -> int:
         ca.sign,
         router.health,
         router.retire,
+        links.requester_links,
     )
     serving = Serving(store, deployer, router, Embedder(store, router), links, failover)
     app = create_app(

@@ -107,6 +107,12 @@ def _table(problem: PlanningProblem, result: Plan, baseline: Baseline | None) ->
         f"bottleneck {result.bottleneck_s:.4g} s ({rate} micro-batches), "
         f"latency {result.latency_s:.4g} s, {used} of {len(devices)} devices"
     )
+    requester = problem.requester is not None
+    if requester:
+        caption += (
+            f"; requester: input {result.input_transfer_s:.4g} s in, "
+            f"result {result.stages[-1].transfer_s:.4g} s back (the last send)"
+        )
     table = Table(title=title, caption=caption, box=box.SIMPLE_HEAD)
     for header in ("#", "device", "type", "units", "first … last"):
         table.add_column(header, no_wrap=header != "first … last")
@@ -124,7 +130,7 @@ def _table(problem: PlanningProblem, result: Plan, baseline: Baseline | None) ->
             f"[{stage.start}, {stage.end})",
             first if first == last else f"{first} … {last}",
             f"{stage.compute_s:.4g}",
-            f"{stage.transfer_s:.4g}" if index + 1 < used else "—",
+            f"{stage.transfer_s:.4g}" if index + 1 < used or requester else "—",
             format_bytes(stage.memory_bytes),
             f"{share:.0%}" + (" OVER" if over else ""),
             style="red" if over else None,

@@ -16,6 +16,9 @@ How (see :mod:`partitioner.planning.engine` for the dynamic programme itself):
   picks, among the chains with that bottleneck, the one with the least latency (then the fewest
   devices).
 - **latency**: one min-plus pass (ties: fewest devices).
+- **requester**: when the problem has one, the in-transfer of the first stage's class starts
+  each chain and the out-transfer of the last stage's sender group ends it, in both passes and
+  in the search (they are candidates for ``B*`` like any other cost).
 - **infeasible**: a min-max pass over each stage's memory overflow gives the least, over all
   arrangements, of the largest overflow: the shortfall reported by
   :class:`~partitioner.errors.InfeasiblePlanError`.
@@ -37,6 +40,7 @@ from partitioner.planning.semantics import (
     evaluate,
     format_bytes,
     memory_overflows,
+    transfer_seconds,
 )
 from partitioner.planning.tables import (
     EXACT_LIMIT,
@@ -71,6 +75,10 @@ class _Setup:
     transfer: FloatArray
     rest: FloatArray
     capacity: FloatArray
+    inbound: FloatArray | None
+    """``(K,)``: the requester's in-transfer to each class; ``None`` without a requester."""
+    outbound: FloatArray | None
+    """``(G,)``: the out-transfer from each sender group to the requester."""
 
 
 def plan(problem: PlanningProblem, objective: Objective = Objective.THROUGHPUT) -> Plan:
@@ -111,6 +119,8 @@ def least_bottleneck(setup: _Setup, search: bool) -> float:
             transfer=setup.transfer,
             rest=setup.rest,
             capacity=setup.capacity,
+            inbound=setup.inbound,
+            outbound=setup.outbound,
         )
         return reach.least_bottleneck(costs)
     return run(_programme(setup, Semiring.MIN_MAX, np.inf), keep=False).best
@@ -135,6 +145,7 @@ def _prepare(problem: PlanningProblem) -> _Setup:
     for cls in fleet.classes:
         fits = tables.memory <= min(cls.memory_bytes, EXACT_LIMIT - 1)
         compute.append(np.where(fits, tables.compute[cls.type], np.inf))
+    inbound, outbound = _requester_transfers(problem, fleet)
     return _Setup(
         problem=problem,
         tables=tables,
@@ -143,6 +154,8 @@ def _prepare(problem: PlanningProblem) -> _Setup:
         transfer=_transfer_tensor(tables, fleet),
         rest=_rest(tables, fleet),
         capacity=_capacity(tables, fleet),
+        inbound=inbound,
+        outbound=outbound,
     )
 
 
@@ -155,6 +168,21 @@ def _transfer_tensor(tables: Tables, fleet: Fleet) -> FloatArray:
             if link is not None:
                 result[group, cls] = tables.transfer(*link)
     return result
+
+
+def _requester_transfers(
+    problem: PlanningProblem, fleet: Fleet
+) -> tuple[FloatArray | None, FloatArray | None]:
+    """``(K,)`` in-transfers of ``input_bytes`` to each class and ``(G,)`` out-transfers of the
+    last unit's ``out_bytes`` from each sender group, computed as the semantics compute them;
+    ``(None, None)`` without a requester."""
+    if fleet.requester is None:
+        return None, None
+    links = fleet.requester
+    inbound = np.array([transfer_seconds(problem.input_bytes, *link) for link in links])
+    result = problem.units[-1].out_bytes
+    outbound = np.array([transfer_seconds(result, *links[group[0]]) for group in fleet.groups])
+    return inbound, outbound
 
 
 def _least_compute(tables: Tables, fleet: Fleet) -> FloatArray:
@@ -192,14 +220,22 @@ def _capacity(tables: Tables, fleet: Fleet) -> FloatArray:
 
 
 def _programme(setup: _Setup, semiring: Semiring, cap: float) -> Programme:
-    """Stages and hand-overs costing more than ``cap`` are not allowed."""
+    """Stages, hand-overs and transfers to or from the requester costing more than ``cap`` are
+    not allowed."""
     return Programme(
         semiring=semiring,
         fleet=setup.fleet,
         stage_cost=[np.where(table <= cap, table, np.inf) for table in setup.compute],
-        transfer=np.where(setup.transfer <= cap, setup.transfer, np.inf),
+        transfer=_capped(setup.transfer, cap),
         bounds=Bounds(rest=setup.rest, capacity=setup.capacity, ceiling=cap),
+        inbound=None if setup.inbound is None else _capped(setup.inbound, cap),
+        outbound=None if setup.outbound is None else _capped(setup.outbound, cap),
     )
+
+
+def _capped(costs: FloatArray, cap: float) -> FloatArray:
+    capped: FloatArray = np.where(costs <= cap, costs, np.inf)
+    return capped
 
 
 def _shortfall(setup: _Setup) -> int:

@@ -30,7 +30,8 @@ def build_problem(
     """The planning problem for placing ``units`` on ``devices``.
 
     A unit's compute on a device is its FLOPs over the device's GFLOP/s; shared initializers
-    (tied embeddings) are counted in each stage that reads them; links are copied.
+    (tied embeddings) are counted in each stage that reads them; links and the requester (the
+    links that bring inputs in and take results back) are copied.
 
     ``compute_shares`` (one per unit, summing to 1, e.g. measured by
     :mod:`partitioner.calibrate`) redistributes the compute: a unit's compute becomes the whole
@@ -54,7 +55,7 @@ def build_problem(
     state = list(state_bytes) if state_bytes is not None else [0] * len(units.units)
     if len(state) != len(units.units):
         raise GraphError(f"{len(state)} state sizes for {len(units.units)} units")
-    document = {
+    document: dict[str, object] = {
         "name": name,
         "input_bytes": units.input_bytes,
         "queue_depth": queue_depth,
@@ -84,6 +85,8 @@ def build_problem(
             {"name": s.name, "bytes": s.nbytes, "units": list(s.units)} for s in units.shared
         ],
     }
+    if devices.requester is not None:
+        document["requester"] = devices.requester.model_dump()
     return PlanningProblem.from_obj(document)
 
 

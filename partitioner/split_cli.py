@@ -306,8 +306,8 @@ def print_split(console: Any, result: Any, devices: Any) -> None:
         print_calibration(console, result.calibration)
     console.print(table)
     console.print(
-        f"bottleneck {plan.bottleneck_s * 1e3:.3f} ms, latency {plan.latency_s * 1e3:.3f} ms; "
-        f"wrote {len(manifest.segments)} segments and manifest.json to "
+        f"bottleneck {plan.bottleneck_s * 1e3:.3f} ms, latency {plan.latency_s * 1e3:.3f} ms"
+        f"{_requester_note(result)}; wrote {len(manifest.segments)} segments and manifest.json to "
         f"{result.segments[0].files[0].parent}"
     )
     if result.calibration is not None:
@@ -317,6 +317,14 @@ def print_split(console: Any, result: Any, devices: Any) -> None:
         console.print(
             f"[green]verified:[/] max abs diff {v.max_abs_diff:.3g} (tolerance {v.tolerance:.3g})"
         )
+
+
+def _requester_note(result: Any) -> str:
+    """The transfers to and from the requester, when the plan counts them."""
+    if result.problem.requester is None:
+        return ""
+    sent_in, back = result.plan.input_transfer_s, result.plan.stages[-1].transfer_s
+    return f" (input in {sent_in * 1e3:.3f} ms, result back {back * 1e3:.3f} ms)"
 
 
 def print_calibration(console: Any, calibration: Any) -> None:

@@ -7,7 +7,7 @@ from typing import Self
 from pydantic import Field, NonNegativeInt, PositiveFloat, model_validator
 
 from protocols.base import FrozenModel
-from protocols.links import Link, check_links
+from protocols.links import Link, Requester, check_links, check_requester
 
 
 class DeviceSpec(FrozenModel):
@@ -24,6 +24,9 @@ class DeviceList(FrozenModel):
 
     devices: list[DeviceSpec] = Field(min_length=1)
     links: list[Link] = Field(default_factory=list)
+    requester: Requester | None = None
+    """The links from the requester (the coordinator) to the devices; ``None``: the planner
+    does not count inputs in and results back."""
 
     @model_validator(mode="after")
     def _check_names(self) -> Self:
@@ -31,4 +34,5 @@ class DeviceList(FrozenModel):
         if len(set(names)) != len(names):
             raise ValueError("device names must be unique")
         check_links(names, self.links)
+        check_requester(names, self.requester)
         return self

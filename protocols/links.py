@@ -1,10 +1,11 @@
-"""Measured links between devices, shared by ``DEVICES.json`` and planning problems."""
+"""Measured links between devices, and from the requester to each device, shared by
+``DEVICES.json`` and planning problems."""
 
 from __future__ import annotations
 
 from collections.abc import Collection, Sequence
 
-from pydantic import NonNegativeFloat, PositiveFloat
+from pydantic import Field, NonNegativeFloat, PositiveFloat
 
 from protocols.base import FrozenModel
 
@@ -33,3 +34,34 @@ def check_links(device_names: Collection[str], links: Sequence[Link]) -> None:
         if pair in seen:
             raise ValueError(f"link {link.a}-{link.b} is given twice")
         seen.add(pair)
+
+
+class RequesterLink(FrozenModel):
+    """The link between the requester (which sends inputs to the first stage and receives
+    results from the last) and one device."""
+
+    device: str
+    bandwidth_mbps: PositiveFloat
+    latency_ms: NonNegativeFloat = 0.0
+
+
+class Requester(FrozenModel):
+    """Where requests come from and results go back to (the coordinator).
+
+    A device without a link entry is reached at its own ``bandwidth_mbps`` with zero latency.
+    """
+
+    links: list[RequesterLink] = Field(default_factory=list)
+
+
+def check_requester(device_names: Collection[str], requester: Requester | None) -> None:
+    """Raise ValueError for a requester link to an unknown device, or to one device twice."""
+    if requester is None:
+        return
+    seen: set[str] = set()
+    for link in requester.links:
+        if link.device not in device_names:
+            raise ValueError(f"requester link to {link.device!r} names an unknown device")
+        if link.device in seen:
+            raise ValueError(f"requester link to {link.device!r} is given twice")
+        seen.add(link.device)

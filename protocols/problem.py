@@ -8,6 +8,15 @@ units. The semantics (which the planner implements exactly) are:
   device, taking ``out_bytes * 8 / (bandwidth_mbps * 1e6) + latency_ms / 1e3`` seconds,
   where the link is the ``links`` entry for the pair if any, otherwise the smaller of
   the two devices' ``bandwidth_mbps`` with zero latency;
+- with a ``requester`` (the coordinator, where requests come from), the first stage first
+  receives ``input_bytes`` from it (the *in-transfer*) and the last stage sends its last
+  unit's ``out_bytes`` back to it (the *out-transfer*), each taking the same formula's time
+  over the requester's ``links`` entry for that device if any, otherwise the device's own
+  ``bandwidth_mbps`` with zero latency; without one (``None``) both are absent;
+- latency is ``in-transfer + compute_1 + transfer_1 + ... + compute_K + out-transfer``,
+  added in that order (without a requester: from ``compute_1`` to ``compute_K``);
+- the bottleneck is the largest of the in-transfer, every stage's compute and transfer,
+  and the out-transfer;
 - a stage's memory is the sum of its units' ``weight_bytes``, plus each shared weight
   used by any of its units (counted once per stage), plus the largest
   ``workspace_bytes`` of its units, plus
@@ -24,7 +33,7 @@ from pydantic import Field, NonNegativeFloat, NonNegativeInt, PositiveFloat, mod
 
 from protocols.base import FrozenModel
 from protocols.constants import DEFAULT_QUEUE_DEPTH, PROBLEM_FORMAT
-from protocols.links import Link, check_links
+from protocols.links import Link, Requester, check_links, check_requester
 
 
 class Unit(FrozenModel):
@@ -67,6 +76,8 @@ class PlanningProblem(FrozenModel):
     devices: list[ProblemDevice] = Field(min_length=1)
     links: list[Link] = Field(default_factory=list)
     shared_weights: list[SharedWeight] = Field(default_factory=list)
+    requester: Requester | None = None
+    """Where inputs come from and results go back to; ``None``: neither is counted."""
 
     @model_validator(mode="after")
     def _check_references(self) -> Self:
@@ -79,6 +90,7 @@ class PlanningProblem(FrozenModel):
             if missing:
                 raise ValueError(f"unit {i} ({unit.name!r}) has no compute_s for {sorted(missing)}")
         check_links(set(names), self.links)
+        check_requester(set(names), self.requester)
         for shared in self.shared_weights:
             if any(u >= len(self.units) for u in shared.units):
                 raise ValueError(f"shared weight {shared.name!r} names a unit out of range")

@@ -152,3 +152,21 @@ def unsharded_embeddings(model: Path, sentences: Sequence[str]) -> dict[str, Any
         hidden = session.run(["last_hidden_state"], feeds)[0]
         expected[text] = mean_pool(hidden, feeds["attention_mask"])[0]
     return expected
+
+
+def paired_record(agent: AgentProc, memory_bytes: int = 256 << 20) -> Any:
+    """The registry's record of a running, paired agent, as discovery would have made it."""
+    from coordinator.registry import DeviceRecord
+    from protocols.profile import AgentState, Announcement, DeviceProfile
+
+    profile = DeviceProfile(
+        device_id=agent.device_id,
+        name=agent.name,
+        memory_bytes=memory_bytes,
+        gflops=10.0,
+        control_port=agent.control_port,
+        data_port=agent.data_port,
+        cert_fingerprint="ef" * 32,
+    )
+    announcement = Announcement(profile=profile, state=AgentState(paired=True))
+    return DeviceRecord(announcement, "127.0.0.1", agent.name, 0, 0)

@@ -187,9 +187,13 @@ def test_models_and_plan_next_to_reality(lab: Lab) -> None:
         assert stored == {placement["sha256"]}
     with lab.coordinator.client() as api:
         links = api.get("/v1/links").json()
+        requester = api.get("/v1/links/requester").json()
     paired = {lab.name(r) for r in ("a0", "a1", "a2")}
     assert len(links) == 3 and all({link["a"], link["b"]} <= paired for link in links)
     assert all(link["bandwidth_mbps"] > 1 and link["latency_ms"] > 0 for link in links)
+    # the coordinator measured its own link to each device: the plan counts input and result
+    assert {link["device"] for link in requester} == paired
+    assert all(link["bandwidth_mbps"] > 1 and link["latency_ms"] > 0 for link in requester)
 
 
 def test_unpaired_fourth_agent_is_never_used(lab: Lab) -> None:

@@ -369,6 +369,43 @@ def test_liveness_misses_settle_and_absence() -> None:
         live.stop()
 
 
+def test_a_device_loading_a_segment_is_given_time_but_not_forever() -> None:
+    """Timeouts of a device being deployed to are forgiven for BUSY_GRACE_S; refusals are not."""
+    from coordinator.errors import AgentError
+    from coordinator.liveness import BUSY_GRACE_S
+
+    clock = [0.0]
+    busy = {"a", "b"}
+    refused = {"b"}
+
+    def ping(record: DeviceRecord, timeout: float) -> AgentStatus:
+        if record.name in refused:
+            raise AgentError("b: refused") from ConnectionRefusedError(111, "refused")
+        raise AgentError("timed out")  # "a" is busy loading; "c" is silent
+
+    listener = Listener()
+    live = Liveness(
+        lambda: [_record(n) for n in ("a", "b", "c")],
+        set,
+        ping,
+        listener,
+        lambda: clock[0],
+        busy=lambda: busy,
+    )
+    try:
+        for _ in range(MISSES + 3):
+            live.tick()
+            clock[0] += 1.0
+        assert ("lost", "a") not in listener.events and live.alive("a")
+        assert ("lost", "b") in listener.events  # busy, but nothing listens: lost at once
+        assert ("lost", "c") in listener.events  # not busy: lost after MISSES time-outs
+        clock[0] = BUSY_GRACE_S
+        live.tick()
+        assert listener.events[-1] == ("lost", "a")  # still silent after the grace
+    finally:
+        live.stop()
+
+
 # ---------------------------------------------------------------------------- router retry
 
 

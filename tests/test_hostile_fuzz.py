@@ -85,6 +85,7 @@ PROBLEM: dict[str, Any] = {
     ],
     "links": [{"a": "a", "b": "b", "bandwidth_mbps": 50.0, "latency_ms": 1.0}],
     "shared_weights": [{"name": "emb", "bytes": 10, "units": [0, 2]}],
+    "requester": {"links": [{"device": "b", "bandwidth_mbps": 5.0, "latency_ms": 2.0}]},
 }
 DEVICES: dict[str, Any] = {
     "devices": [
@@ -92,6 +93,7 @@ DEVICES: dict[str, Any] = {
         {"name": "b", "memory_bytes": 1000, "gflops": 4.0, "bandwidth_mbps": 100.0},
     ],
     "links": [{"a": "a", "b": "b", "bandwidth_mbps": 50.0}],
+    "requester": {"links": [{"device": "a", "bandwidth_mbps": 20.0}]},
 }
 
 
@@ -236,6 +238,8 @@ def test_pathological_json_is_a_schema_error(kind: str, raw: bytes) -> None:
         ("problem", ("units", 0, "compute_s", "cpu")),
         ("problem", ("devices", 1, "bandwidth_mbps")),
         ("problem", ("links", 0, "latency_ms")),
+        ("problem", ("requester", "links", 0, "bandwidth_mbps")),
+        ("devices", ("requester", "links", 0, "latency_ms")),
         ("devices", ("devices", 0, "gflops")),
         ("manifest", ("bottleneck_s",)),
         ("manifest", ("segments", 1, "predicted_compute_s")),

@@ -2,6 +2,8 @@
 
 The oracle below is written independently of the planner, straight from the semantics in
 ``protocols/problem.py``: every ordered selection of devices times every way to cut the chain.
+Every property runs on problems without a requester and on problems with one (inputs sent to the
+first stage and results returned from the last, over random links, some devices without one).
 """
 
 from __future__ import annotations
@@ -57,9 +59,23 @@ def _memory(problem: PlanningProblem, start: int, end: int) -> int:
     return weights + shared + workspace + (in_bytes + out_bytes) * (1 + problem.queue_depth)
 
 
+def _to_requester(problem: PlanningProblem, name: str, size: int) -> list[float]:
+    """The requester's transfer of ``size`` bytes to or from ``name`` (none without one)."""
+    if problem.requester is None:
+        return []
+    device = next(d for d in problem.devices if d.name == name)
+    bandwidth, latency = device.bandwidth_mbps, 0.0
+    for link in problem.requester.links:
+        if link.device == name:
+            bandwidth, latency = link.bandwidth_mbps, link.latency_ms
+    return [size * 8 / (bandwidth * 1e6) + latency / 1e3]
+
+
 def _score(problem: PlanningProblem, stages: tuple[tuple[str, int, int], ...]) -> Scored:
     devices = {d.name: d for d in problem.devices}
-    computes, transfers, overflow = [], [], -math.inf
+    computes, overflow = [], -math.inf
+    transfers = _to_requester(problem, stages[0][0], problem.input_bytes)
+    transfers += _to_requester(problem, stages[-1][0], problem.units[-1].out_bytes)
     for index, (name, start, end) in enumerate(stages):
         kind = devices[name].type
         computes.append(sum(problem.units[i].compute_s[kind] for i in range(start, end)))
@@ -110,8 +126,11 @@ COMPUTE = st.one_of(
 
 
 @st.composite
-def problems(draw: st.DrawFn, max_devices: int = 4, max_units: int = 7) -> PlanningProblem:
-    """Small instances with ties, shared weights, workspace, links and tight memory."""
+def problems(
+    draw: st.DrawFn, max_devices: int = 4, max_units: int = 7, requester: bool = False
+) -> PlanningProblem:
+    """Small instances with ties, shared weights, workspace, links and tight memory; with
+    ``requester``, a requester with links to some of the devices."""
     n_units = draw(st.integers(1, max_units))
     n_devices = draw(st.integers(1, max_devices))
     kinds = draw(st.lists(st.sampled_from(TYPES), min_size=n_devices, max_size=n_devices))
@@ -163,17 +182,27 @@ def problems(draw: st.DrawFn, max_devices: int = 4, max_units: int = 7) -> Plann
         }
         for a, b in linked
     ]
-    return PlanningProblem.from_obj(
-        {
-            "name": "random",
-            "input_bytes": input_bytes,
-            "queue_depth": queue_depth,
-            "units": units,
-            "devices": devices,
-            "links": links,
-            "shared_weights": shared,
-        }
-    )
+    document = {
+        "name": "random",
+        "input_bytes": input_bytes,
+        "queue_depth": queue_depth,
+        "units": units,
+        "devices": devices,
+        "links": links,
+        "shared_weights": shared,
+    }
+    if requester:
+        linked = draw(st.lists(st.integers(0, n_devices - 1), unique=True))
+        to_devices = [
+            {
+                "device": f"d{index}",
+                "bandwidth_mbps": draw(st.sampled_from([1e-4, 2e-4, 1e-3])),
+                "latency_ms": draw(st.sampled_from([0.0, 0.0, 100.0, 700.0])),
+            }
+            for index in linked
+        ]
+        document["requester"] = {"links": to_devices}
+    return PlanningProblem.from_obj(document)
 
 
 def _check_plan_is_honest(problem: PlanningProblem, objective: Objective) -> None:
@@ -184,14 +213,17 @@ def _check_plan_is_honest(problem: PlanningProblem, objective: Objective) -> Non
 
 
 SETTINGS = settings(max_examples=150, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+REQUESTER = pytest.mark.parametrize("requester", [False, True], ids=["plain", "requester"])
 
 
 # ----------------------------------------------------------------------------- properties
 
 
+@REQUESTER
 @SETTINGS
-@given(problems())
-def test_planner_equals_exhaustive_search(problem: PlanningProblem) -> None:
+@given(st.data())
+def test_planner_equals_exhaustive_search(requester: bool, data: st.DataObject) -> None:
+    problem = data.draw(problems(requester=requester))
     truth = oracle(problem)
     assert shortfall_bytes(problem) == truth.shortfall
     if truth.throughput is None or truth.latency is None:
@@ -210,10 +242,12 @@ def test_planner_equals_exhaustive_search(problem: PlanningProblem) -> None:
         _check_plan_is_honest(problem, objective)
 
 
+@REQUESTER
 @SETTINGS
-@given(problems())
-def test_bottleneck_search_equals_exhaustive_search(problem: PlanningProblem) -> None:
+@given(st.data())
+def test_bottleneck_search_equals_exhaustive_search(requester: bool, data: st.DataObject) -> None:
     """The bit-set search for ``B*`` and the blocked programme, forced on small instances."""
+    problem = data.draw(problems(requester=requester))
     truth = oracle(problem)
     setup = planner._prepare(problem)
     searched = planner.least_bottleneck(setup, search=True)
@@ -232,17 +266,25 @@ def test_bottleneck_search_equals_exhaustive_search(problem: PlanningProblem) ->
     assert latency.latency_s == pytest.approx(truth.latency.latency, rel=1e-9, abs=1e-12)
 
 
+@REQUESTER
 @SETTINGS
-@given(problems(), st.data())
-def test_feasibility_matches_exhaustive_search(
-    problem: PlanningProblem, data: st.DataObject
-) -> None:
+@given(st.data())
+def test_feasibility_matches_exhaustive_search(requester: bool, data: st.DataObject) -> None:
     """``feasible(B)`` iff some fitting arrangement has bottleneck at most ``B``."""
+    problem = data.draw(problems(requester=requester))
     scored = [_score(problem, stages) for stages in _arrangements(problem)]
     fitting = sorted({s.bottleneck for s in scored if s.overflow <= 0})
     bound = data.draw(st.sampled_from([*fitting, 0.0, 0.5, 2.0, 1e9]))
     setup = planner._prepare(problem)
-    costs = reach.Costs(setup.fleet, setup.compute, setup.transfer, setup.rest, setup.capacity)
+    costs = reach.Costs(
+        setup.fleet,
+        setup.compute,
+        setup.transfer,
+        setup.rest,
+        setup.capacity,
+        inbound=setup.inbound,
+        outbound=setup.outbound,
+    )
     expected = any(b <= bound for b in fitting)
     forward = reach.forward(costs, bound)
     assert bool(forward[-1].any()) == expected == reach.feasible(costs, bound)
@@ -262,9 +304,11 @@ def test_bit_set_shifts(bits: list[bool], by: int) -> None:
     assert value(reach.shift_up(packed, by)) == (number << by) & mask
 
 
+@REQUESTER
 @SETTINGS
-@given(problems(max_devices=4, max_units=5), st.data())
-def test_evaluate_agrees_with_oracle(problem: PlanningProblem, data: st.DataObject) -> None:
+@given(st.data())
+def test_evaluate_agrees_with_oracle(requester: bool, data: st.DataObject) -> None:
+    problem = data.draw(problems(max_devices=4, max_units=5, requester=requester))
     arrangement = data.draw(st.sampled_from(list(_arrangements(problem))))
     expected = _score(problem, arrangement)
     for objective in Objective:
@@ -275,6 +319,10 @@ def test_evaluate_agrees_with_oracle(problem: PlanningProblem, data: st.DataObje
         worst = max(s.memory_bytes - _memory_of(problem, s.device) for s in result.stages)
         assert worst == expected.overflow
         assert [(s.device, s.start, s.end) for s in result.stages] == list(arrangement)
+        sent_in = _to_requester(problem, arrangement[0][0], problem.input_bytes) or [0.0]
+        sent_back = _to_requester(problem, arrangement[-1][0], problem.units[-1].out_bytes)
+        assert [result.input_transfer_s] == sent_in
+        assert [result.stages[-1].transfer_s] == (sent_back or [0.0])
 
 
 def _memory_of(problem: PlanningProblem, name: str) -> int:

@@ -65,6 +65,48 @@ def test_100b_decoder_on_too_few_devices_reports_the_shortfall() -> None:
     assert caught.value.shortfall_bytes >= weights // 4 - 16 * synthetic.GIB
 
 
+def _with_requester(problem: PlanningProblem, slow: str, mbps: float) -> PlanningProblem:
+    """``problem`` with a requester behind a ``mbps`` link to every device of type ``slow``
+    (the others use their own bandwidth)."""
+    links = [
+        {"device": d.name, "bandwidth_mbps": mbps, "latency_ms": 2.0}
+        for d in problem.devices
+        if d.type == slow
+    ]
+    return PlanningProblem.from_obj({**problem.model_dump(), "requester": {"links": links}})
+
+
+@pytest.mark.parametrize(
+    ("kinds", "slow"),
+    [(synthetic.HOME_LAB_16, "jetson-orin"), (synthetic.distinct_kinds(12), "jetson-orin")],
+    ids=["home-lab", "distinct"],
+)
+def test_requester_links_at_scale(kinds: tuple[synthetic.DeviceKind, ...], slow: str) -> None:
+    """Exact with a requester on 16 and 12 devices (the search path for the distinct ones): the
+    optimum never loses to the plan made without the requester, nor to a fitting baseline."""
+    plain = synthetic.decoder_problem(synthetic.MID_20B, kinds)
+    problem = _with_requester(plain, slow, 2.0)
+    for objective in Objective:
+        result = plan(problem, objective)
+        _honest(problem, result)
+        assert result.input_transfer_s > 0 and result.stages[-1].transfer_s > 0
+        rivals = [evaluate(problem, objective, _arrangement(plan(plain, objective)))]
+        rivals += [
+            scored.plan
+            for baseline in Baseline
+            if (scored := run_baseline(problem, objective, baseline)).fits
+        ]
+        for rival in rivals:
+            if objective is Objective.THROUGHPUT:
+                assert result.bottleneck_s <= rival.bottleneck_s
+            else:
+                assert result.latency_s <= rival.latency_s
+
+
+def _arrangement(result: Plan) -> list[tuple[str, int, int]]:
+    return [(s.device, s.start, s.end) for s in result.stages]
+
+
 def test_device_classes() -> None:
     home = build_fleet(synthetic.decoder_problem(synthetic.MID_20B, synthetic.HOME_LAB_16))
     assert sorted(len(c.devices) for c in home.classes) == [1, 1, 2, 2, 2, 4, 4]
@@ -74,6 +116,12 @@ def test_device_classes() -> None:
         synthetic.decoder_problem(synthetic.MID_20B, synthetic.distinct_kinds(6, True))
     )
     assert (len(lan.classes), len(lan.groups)) == (6, 1)
+    # Jetsons behind a slow link to the requester: same classes, but no longer in one sender
+    # group with the Raspberry Pis (their results go back more slowly).
+    plain = synthetic.decoder_problem(synthetic.MID_20B, synthetic.HOME_LAB_16)
+    remote = build_fleet(_with_requester(plain, "jetson-orin", 2.0))
+    assert [c.devices for c in remote.classes] == [c.devices for c in home.classes]
+    assert len(remote.groups) == 4
 
 
 def test_a_link_separates_otherwise_identical_devices() -> None:

@@ -22,6 +22,22 @@ names = st.from_regex(r"[a-z][a-z0-9-]{0,8}", fullmatch=True)
 sizes = st.integers(0, 2**40)
 
 
+def requesters(draw: st.DrawFn, device_names: list[str]) -> dict[str, object] | None:
+    """No requester, or one with links to a random subset of ``device_names``."""
+    if not draw(st.booleans()):
+        return None
+    linked = draw(st.lists(st.sampled_from(device_names), unique=True))
+    links = [
+        {
+            "device": name,
+            "bandwidth_mbps": draw(st.floats(0.01, 1e5)),
+            "latency_ms": draw(st.floats(0, 100)),
+        }
+        for name in linked
+    ]
+    return {"links": links}
+
+
 @st.composite
 def problems(draw: st.DrawFn) -> PlanningProblem:
     types = draw(st.lists(names, min_size=1, max_size=3, unique=True))
@@ -63,6 +79,7 @@ def problems(draw: st.DrawFn) -> PlanningProblem:
             "devices": devices,
             "links": links,
             "shared_weights": [{"name": "emb", "bytes": draw(sizes), "units": [0]}],
+            "requester": requesters(draw, device_names),
         }
     )
 
@@ -102,6 +119,10 @@ def _problem_dict() -> dict:
         lambda d: d.update(links=[{"a": "d", "b": "ghost", "bandwidth_mbps": 1}]),
         lambda d: d.update(shared_weights=[{"name": "e", "bytes": 1, "units": [7]}]),
         lambda d: d.update(units=[]),
+        lambda d: d.update(requester={"links": [{"device": "ghost", "bandwidth_mbps": 1}]}),
+        lambda d: d.update(requester={"links": [{"device": "d", "bandwidth_mbps": 1}] * 2}),
+        lambda d: d.update(requester={"links": [{"device": "d", "bandwidth_mbps": 0}]}),
+        lambda d: d.update(requester={"links": [], "surprise": 1}),
     ],
 )
 def test_bad_problems_raise_schema_error(mutate) -> None:
@@ -139,6 +160,14 @@ def test_devices_json_contract() -> None:
         DeviceList.from_obj({**doc, "links": doc["links"] * 2})
     with pytest.raises(SchemaError):
         DeviceList.from_obj({**doc, "links": [{"a": "nas", "b": "nas", "bandwidth_mbps": 1}]})
+    requester = {"links": [{"device": "sbc", "bandwidth_mbps": 10, "latency_ms": 0.5}]}
+    with_requester = DeviceList.from_obj({**doc, "requester": requester})
+    assert with_requester.requester is not None
+    assert with_requester.requester.links[0].device == "sbc"
+    assert DeviceList.from_json(with_requester.to_json()) == with_requester
+    for bad in ([{"device": "ghost", "bandwidth_mbps": 1}], requester["links"] * 2):
+        with pytest.raises(SchemaError):
+            DeviceList.from_obj({**doc, "requester": {"links": bad}})
 
 
 def test_manifest_contract_round_trip_and_index_order() -> None:
@@ -184,6 +213,7 @@ def test_plan_json_has_the_cli_contract_keys() -> None:
             "stages": [{"device": "a", "start": 0, "end": 3}],
         }
     )
+    assert plan.input_transfer_s == 0.0  # older plans, without the field, still parse
     doc = json.loads(plan.to_json())
     assert {"objective", "bottleneck_s", "latency_s", "stages"} <= doc.keys()
     assert {"device", "start", "end"} <= doc["stages"][0].keys()
@@ -210,7 +240,8 @@ def device_lists(draw: st.DrawFn) -> DeviceList:
         for a, b in itertools.pairwise(device_names)
         if draw(st.booleans())
     ]
-    return DeviceList.from_obj({"devices": devices, "links": links})
+    requester = requesters(draw, device_names)
+    return DeviceList.from_obj({"devices": devices, "links": links, "requester": requester})
 
 
 @st.composite
@@ -262,6 +293,7 @@ plans = st.builds(
     objective=st.sampled_from(list(Objective)),
     bottleneck_s=floats,
     latency_s=floats,
+    input_transfer_s=floats,
     stages=st.lists(
         st.builds(
             Stage,

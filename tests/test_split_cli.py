@@ -83,6 +83,22 @@ def test_split_writes_segments_manifest_and_prints_the_plan(
     assert "n0" in printed and "budget" in printed
 
 
+def test_split_counts_the_requester_link(
+    stack_model: Path, tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    """n0 and n1 each hold the model; the requester reaches n0 only over a crawl, so the
+    latency plan puts everything on n1 and prints the input and result transfers."""
+    slow = {"links": [{"device": "n0", "bandwidth_mbps": 0.01}]}
+    devices = _devices(tmp_path, [10**9, 10**9], requester=slow)
+    out = tmp_path / "out"
+    argv = ["split", str(stack_model), "--devices", str(devices), "--out", str(out)]
+    assert _run([*argv, "--objective", "latency"]) == 0
+    printed = " ".join(capsys.readouterr().out.split())
+    manifest = Manifest.from_json((out / "manifest.json").read_text())
+    assert [seg.device for seg in manifest.segments] == ["n1"]
+    assert "(input in " in printed and " ms, result back " in printed
+
+
 def test_infeasible_split_says_by_how_much(
     stack_model: Path, tmp_path: Path, capsys: pytest.CaptureFixture[str]
 ) -> None:

@@ -24,6 +24,7 @@ import numpy as np
 import onnx
 import pytest
 from agent_helpers import AgentProc, start_agent, stop_agent
+from coordinator_helpers import paired_record
 from cryptography.hazmat.primitives import serialization
 from cryptography.hazmat.primitives.asymmetric import ec
 from fastapi.testclient import TestClient
@@ -115,23 +116,6 @@ def cluster(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Cluster]:
             stop_agent(agent)
 
 
-def _device(agent: AgentProc) -> Any:
-    from coordinator.registry import DeviceRecord
-    from protocols.profile import AgentState, Announcement, DeviceProfile
-
-    profile = DeviceProfile(
-        device_id=agent.device_id,
-        name=agent.name,
-        memory_bytes=256 << 20,
-        gflops=10.0,
-        control_port=agent.control_port,
-        data_port=agent.data_port,
-        cert_fingerprint="ef" * 32,
-    )
-    state = AgentState(paired=True)
-    return DeviceRecord(Announcement(profile=profile, state=state), "127.0.0.1", agent.name, 0, 0)
-
-
 def _node_keys(cluster: Cluster) -> dict[str, str]:
     """What the pairing book holds: each agent's node public key, made by the agent itself."""
     from edge_agent.pairing import node_key_dir
@@ -213,7 +197,7 @@ def test_real_agents_train_and_serve_the_new_version(cluster: Cluster) -> None:
     store = DeploymentStore(state)
     plane = DataPlane()
     router = Router(store, plane, ctx)
-    devices = [_device(a) for a in cluster.agents]
+    devices = [paired_record(a) for a in cluster.agents]
     deployer = Deployer(
         state, store, AgentClient(ctx), lambda: devices, list, ca.sign, router.health
     )

@@ -23,6 +23,7 @@ from coordinator.errors import DeployError
 from protocols.devices import DeviceList, DeviceSpec
 from protocols.errors import SchemaError
 from protocols.links import Link as DeviceLink
+from protocols.links import Requester, RequesterLink
 from protocols.manifest import Manifest
 from protocols.plan import Objective, Plan
 
@@ -167,8 +168,9 @@ def plan_view(
     model_id: str, plan: Plan, names: Sequence[str], budgets: Mapping[str, int]
 ) -> PlanView:
     """A planner's answer as the console shows it; the bottleneck is the stage with the largest
-    predicted max(compute, transfer)."""
+    predicted max(compute, transfer), the first stage's counting the input's hand-off to it."""
     times = [max(s.compute_s, s.transfer_s) for s in plan.stages]
+    times[0] = max(times[0], plan.input_transfer_s)
     worst = max(range(len(times)), key=times.__getitem__)
     stages = [
         StageView(
@@ -204,9 +206,11 @@ def what_if_devices(
     links: Sequence[DeviceLink],
     budgets: Mapping[str, int],
     drop: Sequence[str],
+    requester: Sequence[RequesterLink] = (),
 ) -> DeviceList:
     """The planner's devices: ``profiles`` maps each usable device to its announced (memory
-    budget, GFLOP/s); ``budgets`` overrides memory, ``drop`` leaves devices out."""
+    budget, GFLOP/s); ``budgets`` overrides memory, ``drop`` leaves devices out; ``requester``:
+    the coordinator's measured links to the devices, counted as a deploy counts them."""
     unknown = sorted((set(budgets) | set(drop)) - set(profiles))
     if unknown:
         raise DeployError(f"these devices are not paired and online: {', '.join(unknown)}")
@@ -223,7 +227,8 @@ def what_if_devices(
         for n in names
     ]
     kept = [link for link in links if link.a in names and link.b in names]
-    return DeviceList(devices=specs, links=kept)
+    to_devices = [link for link in requester if link.device in names]
+    return DeviceList(devices=specs, links=kept, requester=Requester(links=to_devices))
 
 
 def what_if(analysis: Analysis, devices: DeviceList, objective: Objective, name: str) -> Plan:

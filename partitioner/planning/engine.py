@@ -11,8 +11,15 @@ layer ``t`` to ``t + 1`` picks a class ``e`` with a free device and a next cut `
 
 where ``combine`` is ``max`` (bottleneck) or ``+`` (latency). Both are monotone, so the minimum
 over paths is exact, and the min-plus values equal the chain-order sums of
-:mod:`partitioner.planning.semantics` bit for bit. Nothing assumes memory is monotone in the
-stage length: ``stage_cost`` is an arbitrary table, ``inf`` where a stage is not allowed.
+:mod:`partitioner.planning.semantics` bit for bit.
+
+With a requester, a first stage on class ``e`` starts from the in-transfer ``inbound[e]`` instead
+of the semiring's identity, and a complete chain (at cut ``n``) is worth
+``combine(V[s, g, n], outbound[g])``, its out-transfer back to the requester added last, as the
+semantics add it; the layers keep the values before that out-transfer.
+
+Nothing assumes memory is monotone in the stage length: ``stage_cost`` is an arbitrary table,
+``inf`` where a stage is not allowed.
 
 Costs per transition are vectorised across states and positions, looping only over the stage
 length ``c' - c`` (the band of finite ``stage_cost`` diagonals). Rows are sparse, so a large
@@ -89,6 +96,10 @@ class Programme:
     transfer: FloatArray
     """``(G, K, n+1)``: cost of handing over at cut ``c`` from group ``g`` to class ``e``."""
     bounds: Bounds | None = None
+    inbound: FloatArray | None = None
+    """``(K,)``: cost of the requester's in-transfer to each class; ``None``: no requester."""
+    outbound: FloatArray | None = None
+    """``(G,)``: cost of the out-transfer from each sender group to the requester."""
     diagonals: list[list[FloatArray]] = field(init=False)
     shortest: list[FloatArray] = field(init=False)
     """Per class, ``(n+1,)``: the least stage cost of each length (``inf`` at length 0)."""
@@ -110,6 +121,18 @@ class Programme:
     def n(self) -> int:
         """Number of units."""
         return int(self.transfer.shape[2]) - 1
+
+    def start(self, cls: int) -> float:
+        """Value of a chain before its first stage, on class ``cls``: the in-transfer."""
+        if self.inbound is None:
+            return self.semiring.identity
+        return float(self.inbound[cls])
+
+    def finish(self, values: FloatArray, keys: IntArray) -> FloatArray:
+        """Values of complete chains (rows ``keys``) with their out-transfer added."""
+        if self.outbound is None:
+            return values
+        return self.semiring.combine(values, self.outbound[keys % self.n_groups])
 
     @property
     def n_groups(self) -> int:
@@ -137,8 +160,9 @@ class Outcome:
 
     best: float
     layers: list[Layer]
-    location: tuple[int, int] | None
-    """``(t, key)`` of the first optimal complete chain, if layers were kept."""
+    location: tuple[int, int, float] | None
+    """``(t, key, value)`` of the first optimal complete chain, if layers were kept; ``value``
+    is its layer value, before the out-transfer."""
 
 
 @dataclass(frozen=True)
@@ -175,9 +199,11 @@ def run(prog: Programme, keep: bool) -> Outcome:
 
 
 def _first(prog: Programme) -> list[_Contribution]:
-    start = np.full((1, 1), prog.semiring.identity)
     parts = []
     for cls in range(len(prog.stage_cost)):
+        start = np.full((1, 1), prog.start(cls))
+        if start[0, 0] == np.inf:
+            continue
         band = _band(prog, cls, start, 0, np.inf)
         if band is not None:
             parts.append(_Contribution(cls, prog.fleet.strides[cls : cls + 1], band[0], band[1]))
@@ -316,7 +342,7 @@ def _assemble(prog: Programme, parts: list[_Contribution]) -> Layer:
 def _best_final(prog: Programme, layer: Layer) -> float:
     if layer.hi < prog.n:
         return float(np.inf)
-    return float(layer.values[:, prog.n - layer.lo].min())
+    return float(prog.finish(layer.values[:, prog.n - layer.lo], layer.keys).min())
 
 
 def _doomed(prog: Programme, layer: Layer, remaining: int, best: float) -> npt.NDArray[np.bool_]:
@@ -368,9 +394,10 @@ def _prune(prog: Programme, layer: Layer, remaining: int, best: float) -> Layer 
     return Layer(keys=layer.keys[rows], lo=layer.lo + first, values=values[rows, first : last + 1])
 
 
-def _locate(prog: Programme, layer: Layer, t: int) -> tuple[int, int]:
-    row = int(np.argmin(layer.values[:, prog.n - layer.lo]))
-    return t, int(layer.keys[row])
+def _locate(prog: Programme, layer: Layer, t: int) -> tuple[int, int, float]:
+    complete = layer.values[:, prog.n - layer.lo]
+    row = int(np.argmin(prog.finish(complete, layer.keys)))
+    return t, int(layer.keys[row]), float(complete[row])
 
 
 def backtrack(prog: Programme, outcome: Outcome) -> list[tuple[int, int, int]]:
@@ -381,9 +408,9 @@ def backtrack(prog: Programme, outcome: Outcome) -> list[tuple[int, int, int]]:
     """
     if outcome.location is None:
         raise ValueError("backtracking needs a run that kept its layers and found a chain")
-    t, key = outcome.location
+    t, key, value = outcome.location
     state, group = divmod(key, prog.n_groups)
-    position, value = prog.n, outcome.best
+    position = prog.n
     stages: list[tuple[int, int, int]] = []
     while t > 0:
         cls, start, group, value = _predecessor(
@@ -411,9 +438,9 @@ def _predecessor(
         previous = state - int(fleet.strides[cls])
         column = prog.stage_cost[cls][:, position]
         if t == 1:
-            first = prog.semiring.combine(np.array(prog.semiring.identity), column[0])
+            first = prog.semiring.combine(np.array(prog.start(cls)), column[0])
             if previous == 0 and float(first) == value:
-                return cls, 0, 0, prog.semiring.identity
+                return cls, 0, 0, prog.start(cls)
             continue
         found = _match(prog, layers[t - 2], previous, cls, column, position, value)
         if found is not None:

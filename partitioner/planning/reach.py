@@ -9,6 +9,9 @@ class ``e`` moves state ``s`` to ``s + stride[e]``: a shift of the whole bit set
 operation advances every state at once, and the programme loops only over cut positions and
 classes.
 
+With a requester, a chain may start on class ``e`` only if the in-transfer to it is within ``B``,
+and a complete chain counts only if the out-transfer from its sender group is.
+
 Entries that cannot finish within ``B`` even fractionally (``rest[c] > B * capacity[s]``, the
 bound of :mod:`partitioner.planning.engine`) are dropped. :func:`least_bottleneck` searches the
 sorted candidate values with this check; the planner uses it when there are many states (devices
@@ -43,6 +46,10 @@ class Costs:
     """``(n+1,)``: summed least compute of units ``[c, n)``."""
     capacity: FloatArray
     """``(n_states,)``: summed speed ratio of the devices each state leaves free."""
+    inbound: FloatArray | None = None
+    """``(K,)``: the requester's in-transfer to each class; ``None``: no requester."""
+    outbound: FloatArray | None = None
+    """``(G,)``: the out-transfer from each sender group to the requester."""
 
     @property
     def n(self) -> int:
@@ -111,7 +118,8 @@ def _limits(costs: Costs, bound: float) -> _Limits:
 def forward(costs: Costs, bound: float) -> Words:
     """``(n+1, G, words)``: the reachable states at each cut and sender group within ``bound``.
 
-    Position ``n`` holds the complete chains; the bound is feasible iff it is not empty.
+    Position ``n`` holds the complete chains (whose out-transfer is within ``bound`` too); the
+    bound is feasible iff it is not empty.
     """
     fleet, n = costs.fleet, costs.n
     limits = _limits(costs, bound)
@@ -126,6 +134,8 @@ def forward(costs: Costs, bound: float) -> Words:
     hopeful = pack(least[None, :] <= np.arange(n + 1)[:, None])
     for cls in range(len(fleet.classes)):
         ends = limits.ends[cls][0]
+        if costs.inbound is not None and costs.inbound[cls] > bound:
+            continue
         if ends is not None:
             reach[ends, fleet.group_of[cls]] |= shift_up(start, int(fleet.strides[cls]))
     for cut in range(1, n):
@@ -142,6 +152,8 @@ def forward(costs: Costs, bound: float) -> Words:
             ready = ready & limits.free[cls]
             if ready.any():
                 reach[ends, fleet.group_of[cls]] |= shift_up(ready, int(fleet.strides[cls]))
+    if costs.outbound is not None:
+        reach[n, costs.outbound > bound] = 0
     return reach
 
 
@@ -153,13 +165,17 @@ def feasible(costs: Costs, bound: float) -> bool:
 def least_bottleneck(costs: Costs) -> float:
     """The least bottleneck over all chains (``inf`` if none fits).
 
-    The optimum is one of the finite stage computes and hand-overs. Starting from the least
-    candidate the capacity bound allows, a galloping search (steps 1, 2, 4, ... candidates up)
-    brackets it, then a bisection pins it down. The optimum usually lies close to that bound,
-    so this takes about ``2 log2(d)`` checks for an optimum ``d`` candidates above it.
+    The optimum is one of the finite stage computes, hand-overs and transfers to and from the
+    requester. Starting from the least candidate the capacity bound allows, a galloping search
+    (steps 1, 2, 4, ... candidates up) brackets it, then a bisection pins it down. The optimum
+    usually lies close to that bound, so this takes about ``2 log2(d)`` checks for an optimum
+    ``d`` candidates above it.
     """
     values = [table[np.isfinite(table)] for table in costs.compute]
     values.append(costs.transfer[np.isfinite(costs.transfer)].ravel())
+    for requester in (costs.inbound, costs.outbound):
+        if requester is not None:
+            values.append(requester[np.isfinite(requester)])
     candidates = np.unique(np.concatenate(values))
     floor = costs.rest[0] * SAFETY / costs.capacity[0] if costs.capacity[0] > 0 else 0.0
     low = int(np.searchsorted(candidates, floor, side="left"))

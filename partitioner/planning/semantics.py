@@ -7,14 +7,18 @@ operations in the very same order, so the value it optimises equals, bit for bit
 
 - a stage's compute is ``sum(compute_s[type] for its units)``, added left to right from 0;
 - a transfer is ``float(out_bytes) * 8.0 / (bandwidth_mbps * 1e6) + latency_ms / 1e3``;
-- latency is accumulated in chain order: compute of stage 1, its transfer, compute of stage 2, ...;
-- the bottleneck is the largest ``max(compute, transfer)`` over the stages.
+- latency is accumulated in chain order from 0: the in-transfer from the requester (if one is
+  modelled), compute of stage 1, its transfer, compute of stage 2, ..., compute of the last stage,
+  the out-transfer to the requester (if one is modelled);
+- the bottleneck is the largest ``max(compute, transfer)`` over the stages and the in-transfer
+  (the last stage's transfer is its out-transfer, 0 without a requester).
 """
 
 from __future__ import annotations
 
 from collections.abc import Sequence
 
+from protocols.links import Requester
 from protocols.plan import Objective, Plan, Stage
 from protocols.problem import PlanningProblem, ProblemDevice
 
@@ -34,6 +38,18 @@ def link_between(
         if {link.a, link.b} == {a.name, b.name}:
             return link.bandwidth_mbps, link.latency_ms
     return min(a.bandwidth_mbps, b.bandwidth_mbps), 0.0
+
+
+def requester_link(requester: Requester, device: ProblemDevice) -> tuple[float, float]:
+    """``(bandwidth_mbps, latency_ms)`` of the link between ``requester`` and ``device``.
+
+    The requester's ``links`` entry for the device if there is one, otherwise the device's own
+    bandwidth with zero latency.
+    """
+    for link in requester.links:
+        if link.device == device.name:
+            return link.bandwidth_mbps, link.latency_ms
+    return device.bandwidth_mbps, 0.0
 
 
 def transfer_seconds(out_bytes: int, bandwidth_mbps: float, latency_ms: float) -> float:
@@ -96,19 +112,27 @@ def evaluate(problem: PlanningProblem, objective: Objective, stages: Arrangement
     """
     check_arrangement(problem, stages)
     by_name = {device.name: device for device in problem.devices}
+    incoming = _requester_transfer(problem, by_name[stages[0][0]], problem.input_bytes)
     result: list[Stage] = []
     latency = 0.0
     bottleneck = 0.0
+    if incoming is not None:
+        latency += incoming
+        bottleneck = max(bottleneck, incoming)
     for index, (name, start, end) in enumerate(stages):
         device = by_name[name]
         compute = stage_compute(problem, device.type, start, end)
-        transfer = 0.0
+        out_bytes = problem.units[end - 1].out_bytes
+        sent: float | None
         if index + 1 < len(stages):
             bandwidth, link_latency = link_between(problem, device, by_name[stages[index + 1][0]])
-            transfer = transfer_seconds(problem.units[end - 1].out_bytes, bandwidth, link_latency)
+            sent = transfer_seconds(out_bytes, bandwidth, link_latency)
+        else:
+            sent = _requester_transfer(problem, device, out_bytes)
         latency += compute
-        if index + 1 < len(stages):
-            latency += transfer
+        if sent is not None:
+            latency += sent
+        transfer = 0.0 if sent is None else sent
         bottleneck = max(bottleneck, compute, transfer)
         memory = stage_memory(problem, start, end)
         result.append(
@@ -121,7 +145,21 @@ def evaluate(problem: PlanningProblem, objective: Objective, stages: Arrangement
                 memory_bytes=memory,
             )
         )
-    return Plan(objective=objective, bottleneck_s=bottleneck, latency_s=latency, stages=result)
+    return Plan(
+        objective=objective,
+        bottleneck_s=bottleneck,
+        latency_s=latency,
+        input_transfer_s=0.0 if incoming is None else incoming,
+        stages=result,
+    )
+
+
+def _requester_transfer(problem: PlanningProblem, device: ProblemDevice, size: int) -> float | None:
+    """Seconds to move ``size`` bytes between the requester and ``device`` (``None``: no
+    requester is modelled)."""
+    if problem.requester is None:
+        return None
+    return transfer_seconds(size, *requester_link(problem.requester, device))
 
 
 def memory_overflows(problem: PlanningProblem, plan: Plan) -> list[tuple[str, int]]:
