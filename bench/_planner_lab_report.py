@@ -66,11 +66,15 @@ def _ms(value: float | None) -> str:
     return "–" if value is None else f"{value:.1f}"
 
 
-def calibrated_bottleneck_s(plan: Plan, factor: float, return_s: float) -> float:
-    """The plan's bottleneck with every stage's compute scaled by ``factor`` (links as is) and
-    the result's return to the coordinator (``return_s``) counted as one more hand-off."""
+def calibrated_bottleneck_s(plan: Plan, factor: float) -> float:
+    """The plan's bottleneck with every stage's compute scaled by ``factor`` (links as is)."""
     stages = [max(s.compute_s * factor, s.transfer_s) for s in plan.stages]
-    return float(max([return_s, *stages]))
+    return float(max([plan.input_transfer_s, *stages]))
+
+
+def planned_transfers_s(plan: Plan) -> float:
+    """Every hand-off one request makes: in from the coordinator, between stages, and back."""
+    return plan.input_transfer_s + sum(stage.transfer_s for stage in plan.stages)
 
 
 def compute_factor(outcome: Outcome) -> float:
@@ -86,7 +90,7 @@ def stage_rows(outcome: Outcome) -> list[list[str]]:
     last = len(outcome.predicted.stages) - 1
     for k, stage in enumerate(outcome.predicted.stages):
         seq, pipe = outcome.stages_sequential[k], outcome.stages_pipelined[k]
-        send = "result → coordinator (not planned)" if k == last else "to next stage"
+        send = "result → coordinator" if k == last else "to next stage"
         rows.append(
             [
                 outcome.strategy,
@@ -94,7 +98,7 @@ def stage_rows(outcome: Outcome) -> list[list[str]]:
                 f"{stage.compute_s * 1e3:.1f}",
                 _ms(seq.get("mean_compute_ms")),
                 _ms(pipe.get("mean_compute_ms")),
-                f"{stage.transfer_s * 1e3:.1f}" if k < last else "0 (not planned)",
+                f"{stage.transfer_s * 1e3:.1f}",
                 _ms(seq.get("mean_send_ms")),
                 _ms(pipe.get("mean_send_ms")),
                 send,
@@ -111,22 +115,15 @@ def _table(headers: list[str], rows: list[list[str]]) -> list[str]:
     ]
 
 
-def result_return_s(plan: Plan, links: list[dict[str, Any]], result_bytes: int) -> float:
-    """Estimated time for the last stage to send the result back to the coordinator: not in
-    the plan. A pair's link runs at its slower host's rate, so the last device's own rate is
-    taken as its fastest measured link."""
-    device = plan.stages[-1].device
-    rates = [float(k["bandwidth_mbps"]) for k in links if device in (k["a"], k["b"])]
-    return result_bytes * 8 / (max(rates) * 1e6) if rates else 0.0
-
-
 def _bound(plan: Plan) -> str:
     stage = max(plan.stages, key=lambda s: max(s.compute_s, s.transfer_s))
+    if plan.input_transfer_s > max(stage.compute_s, stage.transfer_s):
+        return f"{plan.stages[0].device} input link"
     what = "link" if stage.transfer_s > stage.compute_s else "compute"
     return f"{stage.device} {what}"
 
 
-def paper_rows(paper: dict[str, Plan], links: list[dict[str, Any]], size: int) -> list[list[str]]:
+def paper_rows(paper: dict[str, Plan]) -> list[list[str]]:
     """The plans on paper, with ratios to the best of each objective."""
     best = paper["optimal"].bottleneck_s
     fastest = min(p.latency_s for p in paper.values())
@@ -138,19 +135,19 @@ def paper_rows(paper: dict[str, Plan], links: list[dict[str, Any]], size: int) -
             f"×{p.bottleneck_s / best:.2f}",
             f"{p.latency_s * 1e3:.1f}",
             f"×{p.latency_s / fastest:.2f}",
-            f"{result_return_s(p, links, size) * 1e3:.1f}",
+            f"{p.input_transfer_s * 1e3:.1f} / {p.stages[-1].transfer_s * 1e3:.1f}",
         ]
         for name, p in paper.items()
     ]
 
 
 def measured_rows(
-    outcomes: list[Outcome], paper: dict[str, Plan], factor: float, returns: list[float]
+    outcomes: list[Outcome], paper: dict[str, Plan], factor: float
 ) -> list[list[str]]:
     """Each deployment: predicted against measured throughput and latency."""
     rows = []
-    for o, return_s in zip(outcomes, returns, strict=True):
-        calibrated = calibrated_bottleneck_s(o.predicted, factor, return_s)
+    for o in outcomes:
+        calibrated = calibrated_bottleneck_s(o.predicted, factor)
         errors = len(o.sequential.errors) + len(o.pipelined.errors)
         compute = sum(float(s.get("mean_compute_ms") or 0.0) for s in o.stages_sequential)
         rows.append(
@@ -163,7 +160,7 @@ def measured_rows(
                 f"{o.pipelined.throughput * o.predicted.bottleneck_s:.2f}",
                 f"{o.predicted.latency_s * 1e3:.1f}",
                 f"{median_ms(o.sequential):.1f}",
-                f"{sum(st.transfer_s for st in o.predicted.stages) * 1e3:.1f}",
+                f"{planned_transfers_s(o.predicted) * 1e3:.1f}",
                 f"{median_ms(o.sequential) - compute:.1f}",
                 str(errors),
                 f"{o.deploy_s:.0f}",
@@ -204,7 +201,7 @@ PAPER_HEADERS = [
     "/ optimal",
     "latency ms",
     "/ fastest",
-    "result → coordinator ms (not planned, est.)",
+    "coordinator → first / last → coordinator ms",
 ]
 
 
@@ -215,16 +212,18 @@ def report(
     paper: dict[str, Plan],
     outcomes: list[Outcome],
     wall_s: float,
-    result_bytes: int,
 ) -> None:
     """Print and write planner_lab.md, .json and .png."""
     by = {o.strategy: o for o in outcomes}
     factor = compute_factor(by["optimal"])
-    returns = [result_return_s(o.predicted, links, result_bytes) for o in outcomes]
     opt = by["optimal"].pipelined.throughput
     link_text = ", ".join(
         f"{link['a']}–{link['b']} {link['bandwidth_mbps']:.1f} Mbit/s" for link in links
     )
+    if devices.requester is not None:
+        link_text += "; from the coordinator: " + ", ".join(
+            f"{link.device} {link.bandwidth_mbps:.1f} Mbit/s" for link in devices.requester.links
+        )
     memory = ", ".join(f"{d.name} {d.memory_bytes / MB:.0f} MB" for d in devices.devices)
     lines = [
         "# Planner in the LAN lab: optimal against exo-style and even splits",
@@ -249,20 +248,20 @@ def report(
         "",
         "## On paper, with the lab's measured links",
         "",
-        *_table(PAPER_HEADERS, paper_rows(paper, links, result_bytes)),
+        *_table(PAPER_HEADERS, paper_rows(paper)),
         "",
         "## Deployed and measured",
         "",
         "*predicted*: 1 / the plan's bottleneck. *calibrated*: the same with every stage's "
         f"compute scaled by ×{factor:.2f}, measured / predicted compute of the optimal plan one "
         "request at a time (the agents' GFLOP/s comes from a matrix-multiply microbenchmark), "
-        "links as measured, and the result's return from the last stage to the coordinator "
-        "(the last column of the table above) counted as one more hand-off. Latency is what "
-        "the client saw: it also includes the coordinator (tokenizing, pooling) and the hops "
-        "to and from the chain, which no plan models; "
+        "links as measured. Every plan counts the input's hand-off from the coordinator to the "
+        "first stage and the result's from the last stage back (the last column of the table "
+        "above), over the coordinator's measured links. Latency is what the client saw: it "
+        "also includes the coordinator's own work (tokenizing, pooling), which no plan models; "
         "*latency − Σ stage compute* is the time spent outside the stages' compute.",
         "",
-        *_table(MEASURED_HEADERS, measured_rows(outcomes, paper, factor, returns)),
+        *_table(MEASURED_HEADERS, measured_rows(outcomes, paper, factor)),
         "",
         "## Per stage: predicted against the agents' measurements (ms per request)",
         "",
@@ -280,10 +279,7 @@ def report(
     out.parent.mkdir(parents=True, exist_ok=True)
     series: dict[str, Sequence[float]] = {
         "predicted": [1 / o.predicted.bottleneck_s for o in outcomes],
-        "calibrated": [
-            1 / calibrated_bottleneck_s(o.predicted, factor, r)
-            for o, r in zip(outcomes, returns, strict=True)
-        ],
+        "calibrated": [1 / calibrated_bottleneck_s(o.predicted, factor) for o in outcomes],
         "measured": [o.pipelined.throughput for o in outcomes],
     }
     title = f"MiniLM 1x{TOKENS} in the lab, h3 at {args.slow_mbps:g} Mbit/s"

@@ -91,13 +91,14 @@ def main() -> int:
         rates = (None, None, args.slow_mbps)
         with lab_cluster(tmp, rates, lambda step: print(f"planner_lab: {step}")) as cluster:
             links = cluster.api.post("/v1/links/measure", None, timeout=120)
-            devices = lab_devices(cluster, caps, links)
+            requester = cluster.api.get("/v1/links/requester")
+            devices = lab_devices(cluster, caps, links, requester)
             paper = {s: paper_plan(analysis, devices, s) for s in STRATEGIES}
             outcomes = [
                 measure(cluster, s, model, text, caps, args, analysis, devices) for s in STRATEGIES
             ]
     wall = time.monotonic() - started
-    report(args, links, devices, paper, outcomes, wall, result_bytes(analysis))
+    report(args, links, devices, paper, outcomes, wall)
     return 0
 
 
@@ -148,10 +149,13 @@ def analyse_model(model: Path) -> Analysis:
 
 
 def lab_devices(
-    cluster: LabCluster, caps: dict[str, int], links: list[dict[str, Any]]
+    cluster: LabCluster,
+    caps: dict[str, int],
+    links: list[dict[str, Any]],
+    requester: list[dict[str, Any]],
 ) -> DeviceList:
-    """What the coordinator's planner sees: capped memory, announced GFLOP/s, measured links,
-    devices in the coordinator's order."""
+    """What the coordinator's planner sees: capped memory, announced GFLOP/s, measured links
+    between the agents and from the coordinator to each, devices in the coordinator's order."""
     found = {d["name"]: d for d in cluster.api.get("/v1/devices")}
     devices = [
         {
@@ -163,12 +167,10 @@ def lab_devices(
         for name in found
         if name in caps
     ]
-    return DeviceList.from_obj({"devices": devices, "links": links})
-
-
-def result_bytes(analysis: Analysis) -> int:
-    """Bytes of the model's outputs for the bench's request (the last unit's output)."""
-    return int(analysis.units.units[-1].out_bytes)
+    to_devices = [link for link in requester if link["device"] in caps]
+    return DeviceList.from_obj(
+        {"devices": devices, "links": links, "requester": {"links": to_devices}}
+    )
 
 
 def problem_of(analysis: Analysis, devices: DeviceList) -> Any:
