@@ -10,7 +10,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from _lab_cluster import LoadRun
+from lab_helpers import LoadRun
 from report import plots
 from report.headlines import Headline, write_headlines
 from report.machine import stamp

@@ -13,12 +13,13 @@ from __future__ import annotations
 
 import json
 import os
-import signal
 import subprocess
 import sys
 import time
 from pathlib import Path
 from typing import IO, Any
+
+from coordinator_helpers import stop_process
 
 from coordinator.lab.executor import unavailable_reason
 from coordinator.lab.lab import Lab
@@ -47,16 +48,6 @@ def client_timeout_s(sizes: list[tuple[int, str, int]], rate_mbps: float, scale:
         rounds = 4 * (max(5, int(n * scale)) + 3)
         total += rounds * size * 8 / (rate_mbps * 1e6) * 10
     return 60.0 + total
-
-
-def _stop(proc: subprocess.Popen[Any], grace_s: float = 10.0) -> None:
-    if proc.poll() is None:
-        proc.send_signal(signal.SIGTERM)
-        try:
-            proc.wait(grace_s)
-        except subprocess.TimeoutExpired:
-            proc.kill()
-            proc.wait(grace_s)
 
 
 def _wait_for(paths: list[Path], procs: list[subprocess.Popen[Any]], what: str) -> None:
@@ -134,7 +125,7 @@ def measure_rate(
             rows: list[dict[str, Any]] = json.loads((work / "rows.json").read_text())
         finally:
             for proc in procs:
-                _stop(proc)
+                stop_process(proc, 10.0)
             for log in logs:
                 log.close()
     for row in rows:

@@ -1,6 +1,6 @@
 """Planner in the LAN lab: the optimal plan against exo-style and even splits, on a real network.
 
-A lab (``bench/_lab_cluster.py``): ``fedshard coordinator`` in ``h0``, agents in ``h1``-``h3``,
+A lab (``tests/lab_helpers.py``): ``fedshard coordinator`` in ``h0``, agents in ``h1``-``h3``,
 paired over real mDNS. ``h3`` has the most memory but a slow link (``tbf`` both ways); the
 planning caps give the three devices different budgets. The model is all-MiniLM-L6-v2 with
 its sample inputs set to the request the bench sends (batch 1 x 128 tokens), so the coordinator
@@ -32,7 +32,6 @@ from typing import Any
 REPO = Path(__file__).resolve().parents[1]
 sys.path[:0] = [str(REPO), str(REPO / "tests")]
 
-from _lab_cluster import LabCluster, lab_cluster, lab_unavailable  # noqa: E402
 from _planner_lab_report import (  # noqa: E402
     MB,
     STRATEGIES,
@@ -41,7 +40,9 @@ from _planner_lab_report import (  # noqa: E402
     report,
 )
 from agent_helpers import minilm_model  # noqa: E402
+from lab_helpers import LabCluster, lab_cluster  # noqa: E402
 
+from coordinator.lab.executor import unavailable_reason  # noqa: E402
 from partitioner.split import Analysis  # noqa: E402
 from protocols.devices import DeviceList  # noqa: E402
 from protocols.plan import Objective, Plan  # noqa: E402
@@ -75,7 +76,7 @@ def main() -> int:
     parser.add_argument("--in-flight", type=int, default=8)
     parser.add_argument("--latency-runs", type=int, default=20)
     args = parser.parse_args()
-    reason = lab_unavailable()
+    reason = unavailable_reason()
     if reason:
         print(f"planner_lab: skipped: {reason}")
         return 0

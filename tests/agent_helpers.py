@@ -18,9 +18,10 @@ import ssl
 import subprocess
 import sys
 import time
-from collections.abc import Iterator
+from collections.abc import AsyncIterator, Iterator
 from dataclasses import dataclass, field
 from pathlib import Path
+from typing import Any
 
 import httpx
 import numpy as np
@@ -31,6 +32,11 @@ from cryptography.hazmat.primitives.asymmetric import ec, ed25519
 from cryptography.x509.oid import NameOID
 from onnx import TensorProto, helper, numpy_helper
 
+from edge_agent.channel import ChannelHandler, FrameChannel, FrameServer
+from edge_agent.config import AgentConfig, TlsFiles
+from edge_agent.identity import Identity, load_identity
+from edge_agent.links import PeerLink
+from edge_agent.tls import client_context, server_context
 from protocols.deploy import (
     ROLE_AGENT,
     ROLE_COORDINATOR,
@@ -562,3 +568,59 @@ def deploy_manifest(
         assert response.status_code == 200, response.text
         reports.append(response.json())
     return chain, reports
+
+
+# ---------------------------------------------------------------------------- TLS peers in-process
+
+TLS_FRAME_LIMIT = 1 << 20
+"""The frame size limit of the in-process servers and links below."""
+
+
+def tls_identity(ca: TestCA, name: str, tmp: Path) -> Identity:
+    """An agent identity ``name`` with a certificate from ``ca`` (its state dir ``tmp/name``)."""
+    cert, key = ca.issue(name)
+    return load_identity(
+        AgentConfig(name, 1 << 20, tmp / name, tls=TlsFiles(ca.ca_path, cert, key))
+    )
+
+
+def request_id_recorder(into: list[str]) -> ChannelHandler:
+    """A :class:`FrameServer` handler that appends every frame's request id to ``into``."""
+
+    async def record(channel: FrameChannel) -> None:
+        while (item := await channel.read()) is not None:
+            into.append(item[0].header.request_id)
+
+    return record
+
+
+async def start_frame_server(
+    handler: ChannelHandler, identity: Identity, port: int = 0
+) -> tuple[FrameServer, int]:
+    """A data-plane server on 127.0.0.1 (``port`` 0: a free one) presenting ``identity``'s
+    certificate; the server and its port."""
+    server = FrameServer(handler, server_context(identity), TLS_FRAME_LIMIT)
+    return server, await server.start("127.0.0.1", port)
+
+
+def peer_link(sender: Identity, device: str, port: int, **options: Any) -> PeerLink:
+    """``sender``'s outgoing link to ``device`` at 127.0.0.1:``port``; ``options`` go to
+    :class:`PeerLink` (``attempts``, ``backoff_s``)."""
+    hop = Hop(device=device, host="127.0.0.1", data_port=port)
+    return PeerLink(hop, client_context(sender), TLS_FRAME_LIMIT, **options)
+
+
+@contextlib.asynccontextmanager
+async def link_to_server(
+    handler: ChannelHandler, server: Identity, sender: Identity, device: str, **options: Any
+) -> AsyncIterator[tuple[PeerLink, int]]:
+    """A server presenting ``server``'s certificate and ``sender``'s link to it, expecting
+    ``device`` (see :func:`peer_link`); the link and the server's port. Both are closed at the
+    end."""
+    frame_server, port = await start_frame_server(handler, server)
+    link = peer_link(sender, device, port, **options)
+    try:
+        yield link, port
+    finally:
+        await link.close()
+        await frame_server.close()

@@ -21,6 +21,7 @@ import threading
 import time
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field
+from functools import partial
 from pathlib import Path
 from typing import Any
 
@@ -37,6 +38,7 @@ from coordinator_helpers import (
     unsharded_embeddings,
     wait_for,
 )
+from failover_helpers import active_version, failover_events, segment_devices
 from test_coordinator_dataplane import SERVERS, FakeAgent
 
 from coordinator.ca import CertificateAuthority
@@ -609,23 +611,20 @@ def _deploy(lab: Lab, caps: list[int]) -> dict[str, Any]:
     return version
 
 
-def _active(lab: Lab) -> dict[str, Any]:
+def _get(lab: Lab, path: str) -> Any:
     with lab.coordinator.client() as api:
-        [record] = [m for m in api.get("/v1/deployments").json() if m["model_id"] == MODEL_ID]
-    active: dict[str, Any] = next(
-        v for v in record["versions"] if v["plan_version"] == record["active"]
-    )
-    return active
+        return api.get(path).json()
 
 
-def _devices(version: dict[str, Any]) -> list[str]:
-    return [p["device"] for p in version["segments"]]
+def _active(lab: Lab) -> dict[str, Any]:
+    return active_version(partial(_get, lab), MODEL_ID)
+
+
+_devices = segment_devices
 
 
 def _events(lab: Lab) -> list[dict[str, Any]]:
-    with lab.coordinator.client() as api:
-        events: list[dict[str, Any]] = api.get("/v1/failover").json()["events"]
-    return events
+    return failover_events(partial(_get, lab))
 
 
 def _stream(lab: Lab, total: int, in_flight: int) -> tuple[list[Outcome | None], threading.Thread]:

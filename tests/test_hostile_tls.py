@@ -15,14 +15,10 @@ from pathlib import Path
 
 import numpy as np
 import pytest
-from agent_helpers import TestCA
-from test_agent_links import _identity
+from agent_helpers import TestCA, link_to_server, request_id_recorder, tls_identity
 
-from edge_agent.channel import FrameChannel, FrameServer
 from edge_agent.errors import LinkError
-from edge_agent.links import PeerLink
-from edge_agent.tls import client_context, server_context
-from protocols.deploy import Hop
+from edge_agent.tls import client_context
 from protocols.frames import FrameHeader, encode_frame
 
 pytestmark = pytest.mark.timeout(60)
@@ -38,39 +34,31 @@ async def _until(predicate, what: str) -> None:  # type: ignore[no-untyped-def]
 
 def test_a_peer_from_another_ca_is_refused_and_others_keep_being_served(tmp_path: Path) -> None:
     ca, other_ca = TestCA(tmp_path / "ca"), TestCA(tmp_path / "other")
-    receiver, honest = _identity(ca, "a1", tmp_path), _identity(ca, "a0", tmp_path)
-    stranger = _identity(other_ca, "a0", tmp_path / "stranger")  # same name, wrong CA
+    receiver, honest = tls_identity(ca, "a1", tmp_path), tls_identity(ca, "a0", tmp_path)
+    stranger = tls_identity(other_ca, "a0", tmp_path / "stranger")  # same name, wrong CA
     received: list[str] = []
-
-    async def record(channel: FrameChannel) -> None:
-        while (item := await channel.read()) is not None:
-            received.append(item[0].header.request_id)
+    record = request_id_recorder(received)
 
     async def main() -> None:
-        server = FrameServer(record, server_context(receiver), 1 << 20)
-        port = await server.start("127.0.0.1", 0)
-        hop = Hop(device="a1", host="127.0.0.1", data_port=port)
-        link = PeerLink(hop, client_context(honest), 1 << 20)
-        tensor = {"t": np.arange(4, dtype=np.float32)}
-        await link.send(FrameHeader(request_id="before"), tensor)
-        await _until(lambda: received == ["before"], "the honest frame")
+        async with link_to_server(record, receiver, honest, "a1") as (link, port):
+            tensor = {"t": np.arange(4, dtype=np.float32)}
+            await link.send(FrameHeader(request_id="before"), tensor)
+            await _until(lambda: received == ["before"], "the honest frame")
 
-        ctx = client_context(stranger)
-        ctx.check_hostname = False
-        ctx.verify_mode = ssl.CERT_NONE  # the stranger does not even check the server
-        with pytest.raises((ssl.SSLError, ConnectionError, asyncio.IncompleteReadError)):
-            reader, writer = await asyncio.open_connection("127.0.0.1", port, ssl=ctx)
-            try:
-                writer.write(encode_frame(FrameHeader(request_id="stranger"), tensor))
-                await writer.drain()
-                await asyncio.wait_for(reader.readexactly(1), 5)
-            finally:
-                writer.close()
+            ctx = client_context(stranger)
+            ctx.check_hostname = False
+            ctx.verify_mode = ssl.CERT_NONE  # the stranger does not even check the server
+            with pytest.raises((ssl.SSLError, ConnectionError, asyncio.IncompleteReadError)):
+                reader, writer = await asyncio.open_connection("127.0.0.1", port, ssl=ctx)
+                try:
+                    writer.write(encode_frame(FrameHeader(request_id="stranger"), tensor))
+                    await writer.drain()
+                    await asyncio.wait_for(reader.readexactly(1), 5)
+                finally:
+                    writer.close()
 
-        await link.send(FrameHeader(request_id="after"), tensor)  # the same open connection
-        await _until(lambda: received == ["before", "after"], "the honest frame after")
-        await link.close()
-        await server.close()
+            await link.send(FrameHeader(request_id="after"), tensor)  # the same open connection
+            await _until(lambda: received == ["before", "after"], "the honest frame after")
 
     asyncio.run(main())
     assert "stranger" not in received
@@ -78,30 +66,16 @@ def test_a_peer_from_another_ca_is_refused_and_others_keep_being_served(tmp_path
 
 def test_a_link_refuses_a_next_agent_from_another_ca(tmp_path: Path) -> None:
     ca, other_ca = TestCA(tmp_path / "ca"), TestCA(tmp_path / "other")
-    sender = _identity(ca, "a0", tmp_path)
-    fake_next = _identity(other_ca, "a1", tmp_path / "fake")  # the right name, wrong CA
+    sender = tls_identity(ca, "a0", tmp_path)
+    fake_next = tls_identity(other_ca, "a1", tmp_path / "fake")  # the right name, wrong CA
     reached: list[str] = []
-
-    async def record(channel: FrameChannel) -> None:
-        while (item := await channel.read()) is not None:
-            reached.append(item[0].header.request_id)
+    record = request_id_recorder(reached)
 
     async def main() -> None:
-        server = FrameServer(record, server_context(fake_next), 1 << 20)
-        port = await server.start("127.0.0.1", 0)
-        link = PeerLink(
-            Hop(device="a1", host="127.0.0.1", data_port=port),
-            client_context(sender),
-            1 << 20,
-            attempts=2,
-            backoff_s=0.01,
-        )
-        try:
+        peers = link_to_server(record, fake_next, sender, "a1", attempts=2, backoff_s=0.01)
+        async with peers as (link, _):
             with pytest.raises(LinkError, match="certificate verify failed"):
                 await link.send(FrameHeader(request_id="secret"), {})
-        finally:
-            await link.close()
-            await server.close()
 
     asyncio.run(main())
     assert reached == []
