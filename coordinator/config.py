@@ -33,6 +33,13 @@ class CoordinatorConfig:
     token: str = ""
     agent_training: AgentTrainingConfig | None = None
     """None: training runs use local SuperNodes on the reference task's data splits."""
+    segment_cache: Path | None = None
+    """Segment files kept between deployments (None: ``STATE/segment-cache``)."""
+
+    @property
+    def segment_cache_dir(self) -> Path:
+        """Where segment files are kept between deployments."""
+        return self.segment_cache or self.state_dir / "segment-cache"
 
     @property
     def console_url(self) -> str:

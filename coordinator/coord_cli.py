@@ -40,6 +40,12 @@ def register(subparsers: Any) -> None:
     run.add_argument(
         "--train-clients", type=int, default=3, help="agents each training round waits for"
     )
+    run.add_argument(
+        "--segment-cache",
+        type=Path,
+        help="keep cut segment files here and reuse them when a model is cut the same way "
+        "again (default: STATE/segment-cache, at most 8 GiB)",
+    )
     run.add_argument("-v", "--verbose", action="store_true", help="debug logging")
     run.set_defaults(run=run_coordinator)
 
@@ -100,7 +106,9 @@ def run_coordinator(args: argparse.Namespace) -> int:
         training = None
         if args.superlink_port is not None:
             training = AgentTrainingConfig(args.superlink_port, args.train_clients)
-        config = CoordinatorConfig(state_dir, args.interface, args.port, token, training)
+        config = CoordinatorConfig(
+            state_dir, args.interface, args.port, token, training, args.segment_cache
+        )
         return serve(config, console)
     except (CoordinatorError, OSError) as exc:
         console.print(f"[red]coordinator failed:[/] {exc}")

@@ -15,6 +15,7 @@ from __future__ import annotations
 import argparse
 import hashlib
 import os
+import shutil
 import tempfile
 import time
 from pathlib import Path
@@ -35,6 +36,7 @@ STOP = ("\nQuestion:",)
 would go on to ask itself the next question."""
 CACHE_ENV = "FEDSHARD_CACHE"
 TRAINING_ROUNDS = 2
+PROFILE_FILE = "demo-profile.json"
 
 
 def register(subparsers: argparse._SubParsersAction[argparse.ArgumentParser]) -> None:
@@ -154,20 +156,21 @@ def _steps(
 
     state_dir = root / "coordinator"
     with console.status(f"starting the coordinator on 127.0.0.1:{port}..."):
-        coordinator = procs.start_coordinator(state_dir, port)
+        coordinator = procs.start_coordinator(state_dir, port, args.cache_dir / "segments")
     console.print(f"coordinator up at {coordinator.url} (state in {state_dir})")
+    api = Api(coordinator.url, coordinator.token)
     suffix = _suffix(root)
     names = {role: f"{role}-{suffix}" for role in ROLES}
     console.print(budgets_table(names))
-    profile = None
-    with console.status("starting three agents (the first measures this machine)...") as status:
+    kept = args.cache_dir / PROFILE_FILE
+    profile = kept if kept.is_file() else None
+    with console.status("starting three agents (the first run measures this machine)...") as st:
         for name in names.values():
-            status.update(f"starting agent {name}...")
+            st.update(f"starting agent {name}...")
             agent = procs.start_agent(name, AGENT_MEMORY, root / "agents" / name, profile)
             profile = agent.state_dir / "profile.json"
             console.print(f"  agent {name} up (control port {agent.control_port})")
-    api = Api(coordinator.url, coordinator.token)
-    pair_automatically(console, api, list(names.values()), procs.check_alive)
+    _keep_profile(profile, kept)
     run_id = None
     if args.skip_training:
         console.print("federated fine-tuning skipped (--skip-training)")
@@ -175,9 +178,10 @@ def _steps(
         run_id = start_training(api, TRAINING_ROUNDS)
         console.print(
             f"federated fine-tuning started: {TRAINING_ROUNDS} rounds of the digits CNN on 3 "
-            "clients (Flower, SecAgg+, differential privacy), in the coordinator's background "
-            "while the models deploy"
+            "local clients (Flower, SecAgg+, differential privacy), in the coordinator's "
+            "background while the agents pair and the models deploy"
         )
+    pair_automatically(console, api, list(names.values()), procs.check_alive)
     model = export_model(console, args.cache_dir / "exports" / "all-minilm-l6-v2")
     caps = {name: CAPS_MB[role] * 1000**2 for role, name in names.items()}
     deploy_minilm(console, api, model, caps)
@@ -218,6 +222,17 @@ def _gemma(console: Console, api: Api, state_dir: Path, cache_dir: Path, names: 
         f"({usage['completion_tokens']} tokens in {time.monotonic() - started:.1f} s; each "
         "stage kept its own layers' KV cache, only hidden states crossed between agents)"
     )
+
+
+def _keep_profile(measured: Path | None, kept: Path) -> None:
+    """Keep this machine's measured profile for later runs: their agents plan with the same
+    GFLOP/s, so a later run cuts the models the same way and reuses the cached segments."""
+    if measured is None or kept.is_file() or not measured.is_file():
+        return
+    kept.parent.mkdir(parents=True, exist_ok=True)
+    partial = kept.with_suffix(".partial")
+    shutil.copyfile(measured, partial)
+    partial.replace(kept)
 
 
 def _suffix(root: Path) -> str:

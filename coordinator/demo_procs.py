@@ -130,13 +130,17 @@ class DemoProcesses:
         with open(self.pid_file, "a", encoding="utf-8") as handle:
             handle.write(f"{pid} {name}\n")
 
-    def start_coordinator(self, state_dir: Path, port: int) -> CoordinatorChild:
+    def start_coordinator(
+        self, state_dir: Path, port: int, segment_cache: Path | None = None
+    ) -> CoordinatorChild:
         """Start ``fedshard coordinator`` on 127.0.0.1:``port``; wait until its API answers."""
         import httpx
 
         log_path = self.workdir / "coordinator.log"
         command = [*fedshard_command(), "coordinator", "--state-dir", str(state_dir)]
         command += ["--interface", "127.0.0.1", "--port", str(port)]
+        if segment_cache is not None:
+            command += ["--segment-cache", str(segment_cache)]
         proc = self._spawn("coordinator", command, log_path)
         child = CoordinatorChild("coordinator", proc, log_path, port=port, state_dir=state_dir)
         self.children.append(child)

@@ -88,6 +88,7 @@ class Deployer:
         health: HealthCheck,
         retired: Callable[[int], None] = lambda plan_version: None,
         requester_links: Callable[[], list[RequesterLink]] | None = None,
+        segment_cache: Path | None = None,
     ) -> None:
         self._dir = state_dir / "deployments"
         self._store = store
@@ -98,6 +99,7 @@ class Deployer:
         self._health = health
         self._retired = retired
         self._requester_links = requester_links
+        self._segment_cache = segment_cache
         self._lock = threading.Lock()
         self._busy: set[str] = set()
         self._busy_lock = threading.Lock()
@@ -113,7 +115,7 @@ class Deployer:
             devices = device_list(live, links, command.memory_caps, command.strict_caps, requester)
             plan_version = self._store.reserve_plan_version()
             out = self.segment_dir(command.model_id, plan_version)
-            split = split_and_run(command, devices, out)
+            split = split_and_run(command, devices, out, self._segment_cache)
             return self._install(command, plan_version, split, live)
 
     def replan(self, version: VersionRecord, trigger: str) -> VersionRecord:
@@ -294,9 +296,12 @@ class Deployer:
                 )
 
 
-def split_and_run(command: DeployCommand, devices: Any, out: Path) -> SplitOutcome:
+def split_and_run(
+    command: DeployCommand, devices: Any, out: Path, segment_cache: Path | None = None
+) -> SplitOutcome:
     """Plan and cut with the partitioner, then run the segments here on the model's samples.
 
+    Segments cut the same way before come from ``segment_cache`` when one is given.
     The local run gives each segment a real warm-up input and the health check its expected
     answer. Partitioner errors become DeployError.
     """
@@ -307,7 +312,7 @@ def split_and_run(command: DeployCommand, devices: Any, out: Path) -> SplitOutco
 
     planner = None if command.baseline is None else baseline_planner(command.baseline)
     try:
-        options = SplitOptions(command.objective)
+        options = SplitOptions(command.objective, segment_cache=segment_cache)
         result = split_model(command.model_path, devices, out, options, planner=planner)
         samples = dict(result.analysis.samples)
         known = run_chain([w.files[0] for w in result.segments], samples)

@@ -84,6 +84,7 @@ def serve(config: CoordinatorConfig, console: Console) -> int:
         router.health,
         router.retire,
         links.requester_links,
+        config.segment_cache_dir,
     )
     serving = Serving(store, deployer, router, Embedder(store, router), links, failover)
     app = create_app(

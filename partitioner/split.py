@@ -6,7 +6,6 @@ are the file-writing layer.
 
 from __future__ import annotations
 
-import re
 import tempfile
 from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, field
@@ -32,12 +31,12 @@ from partitioner.decoding import (
 from partitioner.errors import GraphError, InfeasiblePlanError
 from partitioner.frontier import Frontier, build_frontier
 from partitioner.graph import GraphIndex, index_graph
-from partitioner.modelio import file_sha256, initializer_bytes, load_model, save_model
+from partitioner.modelio import file_sha256, initializer_bytes, load_model
 from partitioner.problem_from_graph import build_problem
 from partitioner.runtime_memory import RuntimeMemory
 from partitioner.samples import Samples, check_samples, embedded_samples, load_npz, synthesize
-from partitioner.segments import SegmentSpec, iter_segments, plan_segments
-from partitioner.shapes import infer_shapes, symbolic_types
+from partitioner.segment_files import WrittenSegment, cached_cuts, write_segments
+from partitioner.shapes import infer_shapes
 from partitioner.units import DEFAULT_MAX_UNITS, UnitPlan, build_units
 from partitioner.verify import DEFAULT_TOLERANCE, VerifyResult, verify_chain
 from protocols.constants import DEFAULT_QUEUE_DEPTH
@@ -54,8 +53,6 @@ from protocols.plan import Objective, Plan
 from protocols.problem import PlanningProblem
 
 MANIFEST_NAME = "manifest.json"
-_SEGMENT_FILE = re.compile(r"^segment\d+\.onnx(\.data)?$")
-
 Planner = Callable[[PlanningProblem, Objective], Plan]
 
 
@@ -73,16 +70,6 @@ class Analysis:
     """``"given"``, ``"embedded"`` (front door metadata) or ``"synthesised"``."""
     decoder: DecoderLayout | None = None
     """The model's per-session state (KV cache), if it has any."""
-
-
-@dataclass(frozen=True)
-class WrittenSegment:
-    """A segment on disk."""
-
-    spec: SegmentSpec
-    files: tuple[Path, ...]
-    """The ``.onnx`` file first, then its external data file if any."""
-    sha256: str
 
 
 @dataclass(frozen=True)
@@ -125,6 +112,8 @@ class SplitOptions:
     frames; predicted memory includes it (see :mod:`partitioner.runtime_memory`)."""
     sessions: SessionLimits = DEFAULT_SESSIONS
     """For a model with per-session state: the KV cache every stage reserves memory for."""
+    segment_cache: Path | None = None
+    """Keep segment files here and reuse them when the same model is cut the same way."""
 
 
 def analyse(
@@ -220,38 +209,6 @@ def calibrate_units(
     )
 
 
-def write_segments(
-    analysis: Analysis,
-    cuts: Sequence[int],
-    out_dir: Path,
-    *,
-    source_dir: Path | None = None,
-    external_threshold_bytes: int | None = None,
-) -> list[WrittenSegment]:
-    """Cut at main positions ``cuts`` and write ``segment<k>.onnx`` files into ``out_dir``.
-
-    ``source_dir`` is the directory of the model file (where its external data lives). Stale
-    ``segment*.onnx`` files from an earlier split are removed first.
-    """
-    out_dir.mkdir(parents=True, exist_ok=True)
-    for stale in out_dir.iterdir():
-        if _SEGMENT_FILE.match(stale.name) and stale.is_file():
-            stale.unlink()
-    specs = plan_segments(analysis.index, analysis.frontier, cuts)
-    types = symbolic_types(analysis.model, analysis.index)
-    written: list[WrittenSegment] = []
-    models = iter_segments(analysis.model, analysis.index, specs, types, analysis.table)
-    for spec, segment in zip(specs, models, strict=True):
-        files = save_model(
-            segment,
-            out_dir / f"segment{spec.index}.onnx",
-            source_dir=source_dir,
-            external_threshold_bytes=external_threshold_bytes,
-        )
-        written.append(WrittenSegment(spec, tuple(files), file_sha256(files[0])))
-    return written
-
-
 def split_model(
     model_path: Path,
     devices: DeviceList,
@@ -291,19 +248,21 @@ def split_model(
         problem = _problem(analysis, devices, opts, model_path.stem, calibration.shares)
         flop_plan, plan = plan, _choose(choose, problem, opts, analysis)
     (out_dir / MANIFEST_NAME).unlink(missing_ok=True)
+    model_sha256 = file_sha256(model_path)
     written = write_segments(
         analysis,
         unit_cuts(analysis.units, plan),
         out_dir,
         source_dir=model_path.parent,
         external_threshold_bytes=opts.external_threshold_bytes,
+        cache=cached_cuts(opts, model_sha256, analysis.model),
     )
     result = None
     if opts.verify:
         result = verify_chain(
             model_path, [w.files[0] for w in written], [analysis.samples], opts.tolerance
         )
-    manifest = build_manifest(model_path, analysis, plan, written, opts.sessions)
+    manifest = build_manifest(model_path, analysis, plan, written, opts.sessions, model_sha256)
     (out_dir / MANIFEST_NAME).write_text(manifest.to_json() + "\n")
     return SplitResult(
         manifest, plan, problem, analysis, tuple(written), result, calibration, flop_plan
@@ -363,8 +322,10 @@ def build_manifest(
     plan: Plan,
     written: Sequence[WrittenSegment],
     sessions: SessionLimits = DEFAULT_SESSIONS,
+    model_sha256: str | None = None,
 ) -> Manifest:
-    """The ``fedshard.manifest/1`` document for written segments of a plan.
+    """The ``fedshard.manifest/1`` document for written segments of a plan (``model_sha256``:
+    the model file's hash, if already known).
 
     Predicted memory and compute are the plan's per-stage numbers (memory with the runtime's
     overhead and arena when the problem was built with a runtime model).
@@ -396,7 +357,7 @@ def build_manifest(
     return Manifest(
         model=ModelInfo(
             name=model_path.stem,
-            sha256=file_sha256(model_path),
+            sha256=model_sha256 or file_sha256(model_path),
             param_bytes=initializer_bytes(analysis.model),
             inputs=[_tensor_info(declared[n]) for n in analysis.index.inputs],
             outputs=[_tensor_info(declared[n]) for n in analysis.index.outputs],
