@@ -24,8 +24,10 @@ test: $(VENV)/.installed-dev
 	$(BIN)/lint-imports
 	$(BIN)/pytest -q
 
+# `make demo DEMO_ARGS="--exit --port 0"` for scripts (see `fedshard demo --help`).
+DEMO_ARGS ?=
 demo: $(VENV)/.installed-dev
-	$(BIN)/fedshard demo
+	$(BIN)/fedshard demo $(DEMO_ARGS)
 
 # Every benchmark (bench/*.py; helpers start with _), each measuring its alternatives side by side
 # in one run, then bench/results/REPORT.md from all their results (bench/report).
