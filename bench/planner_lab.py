@@ -176,9 +176,9 @@ def lab_devices(
 
 def problem_of(analysis: Analysis, devices: DeviceList) -> Any:
     """The planning problem a deploy builds (same options as the coordinator's split)."""
-    from partitioner.split import SplitOptions, _problem
+    from partitioner.split import SplitOptions, planning_problem
 
-    return _problem(analysis, devices, SplitOptions(), MODEL_ID)
+    return planning_problem(analysis, devices, SplitOptions(), MODEL_ID)
 
 
 def paper_plan(analysis: Analysis, devices: DeviceList, strategy: str) -> Plan:

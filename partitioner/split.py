@@ -228,14 +228,13 @@ def split_model(
     :class:`~partitioner.errors.VerificationError`.
     """
     opts = options or SplitOptions()
-    choose = planner or _default_planner()
     model = load_model(model_path)
     given = load_npz(opts.samples_path) if opts.samples_path else None
     analysis = analyse(
         model, dims=opts.dims, samples=given, max_units=opts.max_units, carry_io=opts.carry_io
     )
-    problem = _problem(analysis, devices, opts, model_path.stem)
-    plan = _choose(choose, problem, opts, analysis)  # an infeasible model fails before timing
+    problem = planning_problem(analysis, devices, opts, model_path.stem)
+    plan = choose_plan(problem, opts, analysis, planner)  # an infeasible model fails before timing
     calibration = flop_plan = None
     if opts.calibrate:
         calibration = calibrate_units(
@@ -245,8 +244,8 @@ def split_model(
             runs=opts.calibration_runs,
             threads=opts.calibration_threads,
         )
-        problem = _problem(analysis, devices, opts, model_path.stem, calibration.shares)
-        flop_plan, plan = plan, _choose(choose, problem, opts, analysis)
+        problem = planning_problem(analysis, devices, opts, model_path.stem, calibration.shares)
+        flop_plan, plan = plan, choose_plan(problem, opts, analysis, planner)
     (out_dir / MANIFEST_NAME).unlink(missing_ok=True)
     model_sha256 = file_sha256(model_path)
     written = write_segments(
@@ -269,13 +268,15 @@ def split_model(
     )
 
 
-def _problem(
+def planning_problem(
     analysis: Analysis,
     devices: DeviceList,
     opts: SplitOptions,
     name: str,
     shares: Sequence[float] | None = None,
 ) -> PlanningProblem:
+    """The planning problem a split of ``analysis`` onto ``devices`` solves (``shares``: the
+    calibrated distribution of compute over the units, if measured)."""
     return build_problem(
         analysis.units,
         devices,
@@ -295,10 +296,15 @@ def _state_bytes(analysis: Analysis, sessions: SessionLimits) -> list[int] | Non
     )
 
 
-def _choose(
-    choose: Planner, problem: PlanningProblem, opts: SplitOptions, analysis: Analysis
+def choose_plan(
+    problem: PlanningProblem,
+    opts: SplitOptions,
+    analysis: Analysis,
+    choose: Planner | None = None,
 ) -> Plan:
-    """Plan; for a decoder, an infeasible plan's error also says what the KV cache takes."""
+    """Plan ``problem`` (with the exact planner unless ``choose`` is given); for a decoder, an
+    infeasible plan's error also says what the KV cache takes."""
+    choose = choose or _default_planner()
     try:
         return choose(problem, opts.objective)
     except InfeasiblePlanError as exc:

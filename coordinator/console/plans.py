@@ -236,28 +236,13 @@ def what_if(analysis: Analysis, devices: DeviceList, objective: Objective, name:
 
     Raises DeployError when no arrangement fits (with the shortfall in plain words).
     """
-    from partitioner.decoding import unit_state_bytes
     from partitioner.errors import InfeasiblePlanError, PartitionerError
-    from partitioner.planner import plan
-    from partitioner.problem_from_graph import build_problem
-    from partitioner.split import SplitOptions
+    from partitioner.split import SplitOptions, choose_plan, planning_problem
 
     opts = SplitOptions(objective)
-    state = None
-    if analysis.decoder is not None:
-        state = unit_state_bytes(
-            analysis.index, analysis.frontier, analysis.units, analysis.decoder, opts.sessions
-        )
     try:
-        problem = build_problem(
-            analysis.units,
-            devices,
-            queue_depth=opts.queue_depth,
-            name=name,
-            runtime=opts.runtime,
-            state_bytes=state,
-        )
-        return plan(problem, objective)
+        problem = planning_problem(analysis, devices, opts, name)
+        return choose_plan(problem, opts, analysis)
     except InfeasiblePlanError as exc:
         raise DeployError(f"no plan fits these devices: {exc}") from exc
     except (PartitionerError, SchemaError) as exc:
