@@ -4,8 +4,9 @@
 when it exits, whatever the reason: normal return, an exception, Ctrl-C (SIGINT), SIGTERM or
 SIGHUP (all turned into :class:`KeyboardInterrupt` while it is active). Each child runs in its own
 session so the terminal's Ctrl-C reaches only the demo, which then stops the children in order
-(agents first, then the coordinator): SIGTERM to the child's process group, SIGKILL if it does
-not exit in time. No threads are started.
+(agents first, then the coordinator) with :func:`coordinator.processes.stop_tree`: SIGTERM to
+the child and everything it started, SIGKILL to what does not exit in time. No threads are
+started.
 """
 
 from __future__ import annotations
@@ -24,6 +25,8 @@ from collections.abc import Iterator
 from dataclasses import dataclass, field
 from pathlib import Path
 from types import FrameType
+
+from coordinator.processes import stop_tree
 
 STOP_TIMEOUT_S = 20.0
 START_TIMEOUT_S = 90.0
@@ -203,29 +206,9 @@ class DemoProcesses:
         agents = [c for c in self.children if not isinstance(c, CoordinatorChild)]
         others = [c for c in self.children if isinstance(c, CoordinatorChild)]
         for child in [*reversed(agents), *others]:
-            if _stop(child.proc):
+            if stop_tree(child.proc, STOP_TIMEOUT_S):
                 stopped.append(child.name)
         return stopped
-
-
-def _stop(proc: subprocess.Popen[bytes], timeout: float = STOP_TIMEOUT_S) -> bool:
-    """SIGTERM to the child's process group, wait, SIGKILL if needed; whether it was running."""
-    if proc.poll() is not None:
-        _kill_group(proc.pid, signal.SIGKILL)  # anything it left behind in its group
-        return False
-    _kill_group(proc.pid, signal.SIGTERM)
-    try:
-        proc.wait(timeout)
-    except subprocess.TimeoutExpired:
-        _kill_group(proc.pid, signal.SIGKILL)
-        proc.wait(timeout)
-    _kill_group(proc.pid, signal.SIGKILL)
-    return True
-
-
-def _kill_group(pgid: int, signum: int) -> None:
-    with contextlib.suppress(ProcessLookupError, PermissionError):
-        os.killpg(pgid, signum)
 
 
 def _interrupt(signum: int, frame: FrameType | None) -> None:

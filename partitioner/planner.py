@@ -32,7 +32,8 @@ import numpy as np
 
 from partitioner.errors import InfeasiblePlanError, PlanningInputError
 from partitioner.planning import reach
-from partitioner.planning.engine import Bounds, Programme, Semiring, backtrack, run
+from partitioner.planning.backtrack import backtrack
+from partitioner.planning.engine import Bounds, Programme, Semiring, run
 from partitioner.planning.fleet import Fleet, build_fleet
 from partitioner.planning.reach import Costs
 from partitioner.planning.semantics import (

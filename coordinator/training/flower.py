@@ -14,7 +14,6 @@
 
 from __future__ import annotations
 
-import contextlib
 import json
 import logging
 import os
@@ -31,6 +30,7 @@ from cryptography.hazmat.primitives import serialization
 from cryptography.hazmat.primitives.asymmetric import ec
 
 from coordinator.ca import CertificateAuthority
+from coordinator.processes import stop_tree
 from coordinator.state import write_atomic
 from coordinator.training.errors import FlowerProcessError, TrainingRunError
 from protocols.deploy import ROLE_COORDINATOR
@@ -164,32 +164,6 @@ def wait_for_port(
     raise FlowerProcessError(f"{what} did not listen on {host}:{port} within {timeout_s:.0f} s")
 
 
-def stop_process(proc: subprocess.Popen[bytes], grace_s: float = 10.0) -> None:
-    """Terminate ``proc`` and every process it started, then kill whatever lingers.
-
-    Flower starts helpers in new sessions (``flower-superexec``, ``flwr-serverapp``), so the
-    whole tree is collected by parent links before anything is signalled.
-    """
-    import psutil
-
-    try:
-        tree = [psutil.Process(proc.pid)]
-        tree += tree[0].children(recursive=True)
-    except psutil.NoSuchProcess:
-        tree = []
-    for p in tree:
-        with contextlib.suppress(psutil.NoSuchProcess):
-            p.terminate()
-    _, alive = psutil.wait_procs(tree, timeout=grace_s)
-    for p in alive:
-        with contextlib.suppress(psutil.NoSuchProcess):
-            p.kill()
-    psutil.wait_procs(alive, timeout=grace_s)
-    if proc.poll() is None:
-        proc.kill()
-    proc.wait(timeout=grace_s)
-
-
 @dataclass
 class SuperLink:
     """A running ``flower-superlink`` (see :func:`superlink`)."""
@@ -262,7 +236,7 @@ def superlink(
         log.info("SuperLink listening on %s:%d (log %s)", host, port, log_path)
         yield SuperLink(port, flwr_home, tls, proc, log_path, host)
     finally:
-        stop_process(proc)
+        stop_tree(proc)
 
 
 def register_supernode(link: SuperLink, public_key: Path, timeout_s: float = 60.0) -> None:

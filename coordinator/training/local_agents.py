@@ -12,8 +12,9 @@ from collections.abc import Iterator, Sequence
 from contextlib import contextmanager
 from pathlib import Path
 
+from coordinator.processes import stop_tree
 from coordinator.training.errors import FlowerProcessError
-from coordinator.training.flower import SuperLink, offline_env, stop_process
+from coordinator.training.flower import SuperLink, offline_env
 
 
 @contextmanager
@@ -63,4 +64,4 @@ def start_local_agents(
         yield procs
     finally:
         for proc in procs:
-            stop_process(proc)
+            stop_tree(proc)
