@@ -101,3 +101,36 @@ def test_demo_exit(tmp_path: Path) -> None:
     assert re.search(rf"console: http://127\.0\.0\.1:{port}/\?token=\S+", out), out
     assert [f"{pid} {name}" for pid, name in started if _running(int(pid))] == []
     assert _processes_mentioning(str(state)) == []  # the SuperLink and SuperNodes too
+
+
+def test_ctrl_c_stops_every_process_the_demo_started(tmp_path: Path) -> None:
+    """Serving mode: the console line, then Ctrl-C (SIGINT) stops the coordinator and agents."""
+    import signal
+    import time
+
+    state = tmp_path / "demo-state"
+    pids = tmp_path / "pids.txt"
+    command = [FEDSHARD, "demo", "--skip-gemma", "--skip-training", "--port", "0"]
+    command += ["--state-dir", str(state), "--pid-file", str(pids)]
+    env = {**os.environ, "COLUMNS": "200", "FEDSHARD_CACHE": str(CACHE)}
+    log = tmp_path / "demo.log"
+    with log.open("wb") as out:
+        demo = subprocess.Popen(command, cwd=REPO, stdout=out, stderr=subprocess.STDOUT, env=env)
+    try:
+        deadline = time.monotonic() + 300
+        while "serving; press Ctrl-C" not in log.read_text(errors="replace"):
+            assert demo.poll() is None, log.read_text(errors="replace")
+            assert time.monotonic() < deadline, log.read_text(errors="replace")
+            time.sleep(0.5)
+        started = [line.split(maxsplit=1) for line in pids.read_text().splitlines() if line]
+        assert len(started) == 4 and all(_running(int(pid)) for pid, _ in started)
+        demo.send_signal(signal.SIGINT)
+        assert demo.wait(timeout=120) == 0
+    finally:
+        if demo.poll() is None:
+            demo.kill()
+            demo.wait()
+    out_text = log.read_text(errors="replace")
+    assert "every process the demo started is stopped" in out_text, out_text
+    assert [f"{pid} {name}" for pid, name in started if _running(int(pid))] == []
+    assert _processes_mentioning(str(state)) == []
