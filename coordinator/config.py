@@ -53,6 +53,8 @@ def load_or_create_token(state_dir: Path) -> str:
     if path.exists():
         return path.read_text().strip()
     token = secrets.token_urlsafe(24)
+    while token.startswith("-"):  # `fedshard pair --token -x...` would read it as an option
+        token = secrets.token_urlsafe(24)
     write_atomic(path, token.encode(), mode=0o600)
     return token
 

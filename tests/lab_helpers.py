@@ -163,7 +163,9 @@ class LabCluster:
     def cli(self, *args: str, timeout: float = 600.0) -> subprocess.CompletedProcess[str]:
         """``fedshard ARGS`` run by the operator inside ``h0``."""
         url = f"http://{self.address}:{API_PORT}"
-        command = [FEDSHARD, *args, "--coordinator", url, "--token", self.token]
+        # ``--token=T``: a token minted before tokens avoided a leading "-" may start with one,
+        # which argparse would take for an option
+        command = [FEDSHARD, *args, f"--coordinator={url}", f"--token={self.token}"]
         return subprocess.run(
             self.lab.exec_argv(COORDINATOR_HOST, command),
             cwd=REPO,

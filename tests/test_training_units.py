@@ -312,24 +312,3 @@ def test_dp_wrapper_survives_a_failed_client_and_calibrates_to_the_rest() -> Non
     params, _ = wrapper.aggregate_fit(1, results, [RuntimeError("node lost")])  # type: ignore[arg-type]
     assert params is not None and wrapper.num_sampled_clients == 2
     np.testing.assert_allclose(parameters_to_ndarrays(params)[0], 2.0, atol=1e-6)
-
-
-def test_coordinator_flags_build_the_training_and_cache_config(
-    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
-) -> None:
-    """``fedshard coordinator --superlink-port`` sends API runs to paired agents."""
-    from coordinator import service
-    from coordinator.cli import build_parser
-    from coordinator.config import AgentTrainingConfig, CoordinatorConfig
-
-    seen: list[CoordinatorConfig] = []
-    monkeypatch.setattr(service, "serve", lambda config, console: seen.append(config) or 0)
-    base = ["coordinator", "--state-dir", str(tmp_path / "state"), "--port", "0"]
-    for extra in ([], ["--superlink-port", "9093", "--train-clients", "4"]):
-        args = build_parser().parse_args([*base, *extra, "--segment-cache", str(tmp_path / "c")])
-        assert args.run(args) == 0
-    plain, agents = seen
-    assert plain.agent_training is None
-    assert agents.agent_training == AgentTrainingConfig(superlink_port=9093, clients=4)
-    assert agents.segment_cache_dir == tmp_path / "c"
-    assert CoordinatorConfig(tmp_path).segment_cache_dir == tmp_path / "segment-cache"
