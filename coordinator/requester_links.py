@@ -14,7 +14,6 @@ from __future__ import annotations
 
 import asyncio
 import ssl
-import statistics
 import time
 import uuid
 from collections.abc import Callable, Mapping
@@ -25,15 +24,14 @@ import numpy.typing as npt
 
 from coordinator.dataplane import DataPlane, FrameConnection
 from coordinator.errors import AgentError
+from coordinator.links import MIN_BANDWIDTH_MBPS, PROBE_BYTES
 from coordinator.registry import DeviceRecord
 from protocols.deploy import PROBE_PREFIX, Hop
 from protocols.frames import Frame, FrameHeader
-from protocols.links import RequesterLink
+from protocols.links import RequesterLink, probe_estimate
 
-PROBE_BYTES = 1 << 20
 PROBE_ROUNDS = 6
 REPLY_TIMEOUT_S = 10.0
-MIN_BANDWIDTH_MBPS = 0.001
 
 
 class ProbeConnection:
@@ -93,12 +91,11 @@ async def probe_agent(
         large = [await probe.round_trip(payload) for _ in range(max(1, rounds // 2))]
     finally:
         await probe.close()
-    rtt = statistics.median(small)
-    transfer = max(statistics.median(large) - rtt, 1e-9)
+    latency_ms, bandwidth_mbps = probe_estimate(small, large, payload_bytes)
     return RequesterLink(
         device=hop.device,
-        bandwidth_mbps=max(payload_bytes * 8 / transfer / 1e6, MIN_BANDWIDTH_MBPS),
-        latency_ms=rtt / 2 * 1e3,
+        bandwidth_mbps=max(bandwidth_mbps, MIN_BANDWIDTH_MBPS),
+        latency_ms=latency_ms,
     )
 
 

@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import ssl
-import statistics
 import time
 import uuid
 
@@ -14,6 +13,7 @@ from edge_agent.errors import LinkError
 from edge_agent.tls import check_peer
 from protocols.deploy import PROBE_PREFIX, ROLE_AGENT, ProbeReport, ProbeRequest
 from protocols.frames import FrameHeader
+from protocols.links import probe_estimate
 
 
 async def probe_link(
@@ -39,13 +39,9 @@ async def probe_link(
         raise LinkError(f"probe to {target.device} failed: {exc}") from exc
     finally:
         await channel.close()
-    rtt = statistics.median(small)
-    transfer = max(statistics.median(large) - rtt, 1e-9)
+    latency_ms, bandwidth_mbps = probe_estimate(small, large, request.payload_bytes)
     return ProbeReport(
-        source=source,
-        target=target.device,
-        latency_ms=rtt / 2 * 1e3,
-        bandwidth_mbps=request.payload_bytes * 8 / transfer / 1e6,
+        source=source, target=target.device, latency_ms=latency_ms, bandwidth_mbps=bandwidth_mbps
     )
 
 

@@ -3,6 +3,7 @@
 
 from __future__ import annotations
 
+import statistics
 from collections.abc import Collection, Sequence
 
 from pydantic import Field, NonNegativeFloat, PositiveFloat
@@ -65,3 +66,17 @@ def check_requester(device_names: Collection[str], requester: Requester | None) 
         if link.device in seen:
             raise ValueError(f"requester link to {link.device!r} is given twice")
         seen.add(link.device)
+
+
+def probe_estimate(
+    small_s: Sequence[float], large_s: Sequence[float], payload_bytes: int
+) -> tuple[float, float]:
+    """``(latency_ms, bandwidth_mbps)`` from probe round trips: header-only frames (``small_s``)
+    and frames carrying ``payload_bytes`` (``large_s``), each answered by a header-only frame.
+
+    Latency is half the median small round trip; the payload's time on the link is the median
+    large round trip minus the median small one.
+    """
+    rtt = statistics.median(small_s)
+    transfer = max(statistics.median(large_s) - rtt, 1e-9)
+    return rtt / 2 * 1e3, payload_bytes * 8 / transfer / 1e6

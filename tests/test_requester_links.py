@@ -86,3 +86,11 @@ def test_measured_links_reach_the_planners_device_list(
     listed = device_list([live], [], {}, requester=meter.requester_links())
     assert listed.requester is not None and listed.requester.links == [measured]
     assert device_list([live], [], {}).requester is None
+
+
+def test_probe_estimate_takes_medians_and_subtracts_the_small_round_trip() -> None:
+    from protocols.links import probe_estimate
+
+    latency_ms, bandwidth_mbps = probe_estimate([0.002, 0.002, 0.5], [0.010, 0.010], 1_000_000)
+    assert latency_ms == pytest.approx(1.0)  # half the median small round trip
+    assert bandwidth_mbps == pytest.approx(1000.0)  # 8 Mbit in 8 ms

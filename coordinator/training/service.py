@@ -128,22 +128,16 @@ def coordinator_runs(
     from coordinator.training.task import TEST_FILE
 
     test_file = reference_task_dir(state_dir) / TEST_FILE
+
+    def target() -> TrainingTarget:
+        local = reference_target(state_dir, deployer, store)
+        return local if agents is None else agents_target(local, agents.config.clients)
+
+    settings = federation = None
+    if agents is not None:
+        port = agents.config.superlink_port
+        settings = RunnerSettings(superlink_port=port)
+        federation = agent_federation(ca, port, agents.node_keys, agents.host)
     publish = LivePublisher(deployer, store, test_file)
-    work_dir = state_dir / "training"
-    if agents is None:
-        runner = FlowerRunner(
-            work_dir, ca, lambda: reference_target(state_dir, deployer, store), publish=publish
-        )
-        return TrainingRuns(runner)
-    clients = agents.config.clients
-    runner = FlowerRunner(
-        work_dir,
-        ca,
-        lambda: agents_target(reference_target(state_dir, deployer, store), clients),
-        settings=RunnerSettings(superlink_port=agents.config.superlink_port),
-        publish=publish,
-        federation=agent_federation(
-            ca, agents.config.superlink_port, agents.node_keys, agents.host
-        ),
-    )
+    runner = FlowerRunner(state_dir / "training", ca, target, settings, publish, federation)
     return TrainingRuns(runner)
