@@ -27,12 +27,12 @@ from report.headlines import Headline, write_headlines
 from rich.console import Console
 from rich.table import Table
 
-from coordinator.ca import CertificateAuthority
+from coordinator.training.driver import run_training
 from coordinator.training.flower import superlink
 from coordinator.training.records import TrainingRecord, TrainingSettings
-from coordinator.training.run import run_training
-from coordinator.training.task import PreparedTask, load_arrays, prepare_task
 from coordinator.training.version import HeldOutEvaluator, Version
+from coordinator.trust.ca import CertificateAuthority
+from devtools.digits import PreparedTask, load_arrays, prepare_task
 from edge_agent.training.local import LocalSettings, train_locally
 from edge_agent.training.supernode import SuperNodeConfig, start_supernode
 from protocols.training import TrainPlan
@@ -84,7 +84,7 @@ def settings(
 
 def centralized(task: PreparedTask, rounds: int, work: Path) -> ModeResult:
     """Pooled data, same shards, same optimizer; one 'round' = local_epochs epochs."""
-    from coordinator.training.task import save_arrays
+    from devtools.digits import save_arrays
 
     version = Version.load(task.version_dir)
     specs = version.shard_specs(SHARDS)

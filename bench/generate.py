@@ -38,14 +38,14 @@ import httpx  # noqa: E402
 from rich.console import Console  # noqa: E402
 from rich.table import Table  # noqa: E402
 
-from coordinator.demo_decoder import (  # noqa: E402
+from devtools.demo.decoder import (  # noqa: E402
     decoder_info,
     deploy_decoder,
     export_decoder,
     three_way_caps,
 )
-from coordinator.demo_procs import demo_processes, free_port  # noqa: E402
-from coordinator.demo_steps import Api, pair_automatically  # noqa: E402
+from devtools.demo.procs import demo_processes, free_port  # noqa: E402
+from devtools.demo.steps import Api, pair_automatically  # noqa: E402
 
 QUESTION = "Explain in a few sentences why splitting a model across several devices helps."
 CACHE = REPO / ".cache" / "fedshard"

@@ -11,7 +11,7 @@ answer): the TLS/TCP ratio that Python's ssl module and this CPU allow before an
 All in one run, interleaved.
 
 LAN (``--mode lab``, needs root and ``ip netns``; bench/handoff_lab.py): the same round trips
-between two hosts of a ``coordinator.lab`` lab (network namespaces on a bridge), both links
+between two hosts of a ``devtools.lab`` lab (network namespaces on a bridge), both links
 shaped with tbf at each rate of ``--lab-rates``; servers bound to the hosts' lab addresses.
 
     .venv/bin/python bench/handoff.py [--mode all|loopback|lab] [--lab-rates 1000,100]
@@ -389,7 +389,7 @@ def report_lab(rows: list[dict[str, float]], rates: list[float]) -> str:
         "",
         "`.venv/bin/python bench/handoff.py` as root (`--mode lab` for this part alone, "
         f"`--lab-rates {','.join(f'{r:g}' for r in rates)}`) — the same interleaved round trips "
-        "between two network namespaces of a `coordinator.lab` lab on one bridge, both hosts' "
+        "between two network namespaces of a `devtools.lab` lab on one bridge, both hosts' "
         "links shaped with `tbf` at the rate shown (both directions). Servers in `h1` bound to "
         "its 10.77.x address: a real `fedshard agent` (TLS data plane), the plain-TCP frame "
         "echo (same `edge_agent.channel` code, TLS off) and the raw blocking-socket echoes; the "

@@ -1,6 +1,6 @@
 """The LAN half of ``bench/handoff.py``: the same hand-off round trips between two lab hosts.
 
-Each link rate gets its own lab (``coordinator.lab.Lab``: two network namespaces on a bridge,
+Each link rate gets its own lab (``devtools.lab.Lab``: two network namespaces on a bridge,
 ``tbf`` on both hosts' links, both directions). Inside ``h1`` run the servers, bound to h1's lab
 address: a real ``fedshard agent`` (TLS data plane), the plain-TCP frame echo and the raw
 blocking-socket echoes of ``handoff.py``. Inside ``h0`` a client process (``handoff.py
@@ -21,9 +21,9 @@ from typing import IO, Any
 
 from coordinator_helpers import stop_process
 
-from coordinator.lab.executor import unavailable_reason
-from coordinator.lab.lab import Lab
-from coordinator.lab.spec import LabSpec
+from devtools.lab.executor import unavailable_reason
+from devtools.lab.lab import Lab
+from devtools.lab.spec import LabSpec
 
 REPO = Path(__file__).resolve().parents[1]
 SCRIPT = Path(__file__).resolve().parent / "handoff.py"

@@ -49,8 +49,8 @@ from report.headlines import Headline, write_headlines  # noqa: E402
 from rich.console import Console  # noqa: E402
 from rich.table import Table  # noqa: E402
 
+from devtools.requester import Requester  # noqa: E402
 from edge_agent.config import RuntimeConfig  # noqa: E402
-from edge_agent.requester import Requester  # noqa: E402
 from edge_agent.runtime import session_options  # noqa: E402
 from protocols.manifest import Manifest  # noqa: E402
 

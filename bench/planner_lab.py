@@ -42,7 +42,7 @@ from _planner_lab_report import (  # noqa: E402
 from agent_helpers import minilm_model  # noqa: E402
 from lab_helpers import LabCluster, lab_cluster  # noqa: E402
 
-from coordinator.lab.executor import unavailable_reason  # noqa: E402
+from devtools.lab.executor import unavailable_reason  # noqa: E402
 from partitioner.split import Analysis  # noqa: E402
 from protocols.devices import DeviceList  # noqa: E402
 from protocols.plan import Objective, Plan  # noqa: E402
@@ -105,7 +105,7 @@ def main() -> int:
 
 def request_text() -> tuple[str, dict[str, Any]]:
     """A sentence the model's tokenizer makes exactly :data:`TOKENS` tokens of, and its feeds."""
-    from coordinator.embeddings import TextEncoder, default_tokenizer_dir
+    from coordinator.serving.embeddings import TextEncoder, default_tokenizer_dir
 
     directory = default_tokenizer_dir(MODEL_ID)
     if directory is None:

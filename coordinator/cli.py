@@ -13,9 +13,10 @@ import sys
 from collections.abc import Sequence
 
 import edge_agent.cli
-from coordinator import coord_cli, demo_cli
-from coordinator.lab import cli as lab_cli
+from coordinator import commands as coord_cli
 from coordinator.training import cli as train_cli
+from devtools.demo import cli as demo_cli
+from devtools.lab import cli as lab_cli
 from partitioner import plan_cli, split_cli
 from protocols.constants import SOFTWARE_VERSION
 

@@ -18,7 +18,7 @@ CoordinatorError
     ├── CapacityError       no room for a new generation session now (503, Retry-After)
     └── UnavailableError    the devices left cannot hold the model (503, Retry-After)
 
-The HTTP API translates these at its boundary (see :mod:`coordinator.api_serving`).
+The HTTP API translates these at its boundary (see :mod:`coordinator.http.serving`).
 """
 
 from __future__ import annotations

@@ -140,7 +140,7 @@ def unsharded_embeddings(model: Path, sentences: Sequence[str]) -> dict[str, Any
     """Each sentence's MiniLM embedding from the whole model in ONNX Runtime (no sharding)."""
     import onnxruntime as ort
 
-    from coordinator.embeddings import TextEncoder, default_tokenizer_dir, mean_pool
+    from coordinator.serving.embeddings import TextEncoder, default_tokenizer_dir, mean_pool
 
     tokenizer = default_tokenizer_dir("all-minilm-l6-v2")
     assert tokenizer is not None
@@ -156,7 +156,7 @@ def unsharded_embeddings(model: Path, sentences: Sequence[str]) -> dict[str, Any
 
 def paired_record(agent: AgentProc, memory_bytes: int = 256 << 20) -> Any:
     """The registry's record of a running, paired agent, as discovery would have made it."""
-    from coordinator.registry import DeviceRecord
+    from coordinator.fleet.registry import DeviceRecord
     from protocols.profile import AgentState, Announcement, DeviceProfile
 
     profile = DeviceProfile(

@@ -1,6 +1,6 @@
 """The HTTP client that lab tests and benchmarks run inside the coordinator's namespace.
 
-A LAN lab (``coordinator.lab``) has no route to the machine's own namespace, so every call to a
+A LAN lab (``devtools.lab``) has no route to the machine's own namespace, so every call to a
 coordinator in the lab comes from a process inside its host. :mod:`lab_helpers` starts this file
 there as a script; it needs only the standard library::
 

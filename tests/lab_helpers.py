@@ -1,6 +1,6 @@
 """A coordinator and paired agents in the LAN lab, for lab tests and benchmarks.
 
-:func:`lab_cluster` builds a lab (``coordinator.lab.Lab``) of a coordinator host ``h0`` and agent
+:func:`lab_cluster` builds a lab (``devtools.lab.Lab``) of a coordinator host ``h0`` and agent
 hosts ``h1``..``hN`` on one bridge, each agent host with its own ``tbf`` rate (or none). It runs
 ``fedshard coordinator`` in ``h0`` on its lab address and an agent in every other host on that
 host's address; the coordinator finds the agents by real mDNS across the bridge, and each is
@@ -31,8 +31,8 @@ from typing import Any
 from agent_helpers import PYTHON, REPO, AgentProc, stop_agent
 from coordinator_helpers import FEDSHARD, pairing_code, stop_process, wait_for
 
-from coordinator.lab.lab import Lab
-from coordinator.lab.spec import LabSpec
+from devtools.lab.lab import Lab
+from devtools.lab.spec import LabSpec
 
 CLIENT = Path(__file__).resolve().parent / "lab_client.py"
 COORDINATOR_HOST = "h0"

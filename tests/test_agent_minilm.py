@@ -25,8 +25,8 @@ from agent_helpers import (
     segment_inputs,
 )
 
+from devtools.requester import Requester
 from edge_agent.discovery import ZeroconfBrowser
-from edge_agent.requester import Requester
 from protocols.manifest import Manifest
 
 pytestmark = [pytest.mark.slow, pytest.mark.timeout(600)]

@@ -23,8 +23,8 @@ from agent_helpers import (
 from cryptography import x509
 from cryptography.hazmat.primitives import serialization
 
+from devtools.requester import Requester
 from edge_agent.discovery import ZeroconfBrowser
-from edge_agent.requester import Requester
 from protocols.deploy import Hop
 from protocols.pairing import PairingGrant, PairingOffer, pairing_code
 

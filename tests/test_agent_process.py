@@ -34,9 +34,9 @@ from agent_helpers import (
 from cryptography import x509
 from cryptography.hazmat.primitives import hashes
 
+from devtools.requester import Requester
 from edge_agent.discovery import ZeroconfBrowser
 from edge_agent.errors import LinkError, RemoteRequestError
-from edge_agent.requester import Requester
 from protocols.deploy import Hop
 from protocols.frames import PREFIX, FrameHeader, encode_frame
 

@@ -17,20 +17,20 @@ from fastapi.testclient import TestClient
 from graph_helpers import block_stack
 from test_coordinator_api import _csr
 
-from coordinator.agent_client import AgentClient
-from coordinator.api import Services, create_app
-from coordinator.api_serving import Serving
-from coordinator.ca import CertificateAuthority
 from coordinator.console import ASSETS, asset_text
 from coordinator.console.plans import deployed_view, what_if_devices
 from coordinator.console.stages import Counters, StageSampler, StageTarget, parse_counters, rates
 from coordinator.console.stats import InferenceTimer, RequestStats, percentile
-from coordinator.deployments import DeploymentStore, Placement, VersionRecord
-from coordinator.embeddings import Embedder
+from coordinator.deploy.store import DeploymentStore, Placement, VersionRecord
 from coordinator.errors import AgentError, DeployError
-from coordinator.links import LinkMeter
-from coordinator.pairing import Pairing
-from coordinator.registry import DeviceRegistry
+from coordinator.fleet.links import LinkMeter
+from coordinator.fleet.registry import DeviceRegistry
+from coordinator.http.app import Services, create_app
+from coordinator.http.serving import Serving
+from coordinator.serving.embeddings import Embedder
+from coordinator.transport.agent_client import AgentClient
+from coordinator.trust.ca import CertificateAuthority
+from coordinator.trust.pairing import Pairing
 from edge_agent.metrics import AgentMetrics
 from protocols.devices import DeviceList
 from protocols.links import Link

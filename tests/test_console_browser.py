@@ -33,7 +33,7 @@ from coordinator_helpers import (
     wait_for,
 )
 
-from coordinator.training.runs import CLOSE_TIMEOUT_S
+from coordinator.training.manager import CLOSE_TIMEOUT_S
 
 pytestmark = [pytest.mark.slow, pytest.mark.timeout(400)]
 playwright_api = pytest.importorskip("playwright.sync_api")

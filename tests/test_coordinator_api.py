@@ -10,10 +10,10 @@ from cryptography.hazmat.primitives.asymmetric import ec
 from cryptography.x509.oid import NameOID
 from fastapi.testclient import TestClient
 
-from coordinator.api import Services, create_app
-from coordinator.ca import CertificateAuthority
-from coordinator.pairing import Pairing
-from coordinator.registry import DeviceRegistry
+from coordinator.fleet.registry import DeviceRegistry
+from coordinator.http.app import Services, create_app
+from coordinator.trust.ca import CertificateAuthority
+from coordinator.trust.pairing import Pairing
 from protocols.profile import Announcement, DeviceProfile
 
 TOKEN = "secret-token"

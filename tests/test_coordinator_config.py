@@ -11,7 +11,7 @@ def test_coordinator_flags_build_the_training_and_cache_config(
     tmp_path: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:
     """``fedshard coordinator --superlink-port`` sends API runs to paired agents."""
-    from coordinator import service
+    from coordinator import app as service
     from coordinator.cli import build_parser
     from coordinator.config import AgentTrainingConfig, CoordinatorConfig
 

@@ -17,10 +17,10 @@ import pytest
 from cryptography.hazmat.primitives import serialization
 from cryptography.hazmat.primitives.asymmetric import ec
 
-from coordinator.ca import CertificateAuthority
-from coordinator.dataplane import RELEASE, ChainClient, DataPlane
 from coordinator.errors import AgentError, NotServableError, RequestError
-from coordinator.identity import client_context, open_identity
+from coordinator.transport.dataplane import RELEASE, ChainClient, DataPlane
+from coordinator.trust.ca import CertificateAuthority
+from coordinator.trust.identity import client_context, open_identity
 from protocols.deploy import ROLE_AGENT, Hop
 from protocols.frames import PREFIX_BYTES, FrameHeader, decode_frame, encode_frame, frame_length
 

@@ -13,13 +13,13 @@ from cryptography.hazmat.primitives import hashes
 from cryptography.hazmat.primitives.asymmetric import ec
 from graph_helpers import block_stack
 
-from coordinator.agent_client import AgentAddress
-from coordinator.ca import CertificateAuthority
-from coordinator.deploy_plan import LiveDevice, device_list, forward_names, max_abs_diff
-from coordinator.deployer import DeployCommand, Deployer
-from coordinator.deployments import DeploymentStore, Placement, VersionRecord
+from coordinator.deploy.deployer import DeployCommand, Deployer
+from coordinator.deploy.plan import LiveDevice, device_list, forward_names, max_abs_diff
+from coordinator.deploy.store import DeploymentStore, Placement, VersionRecord
 from coordinator.errors import DeployError, NotServableError, RollbackError, UnknownModelError
-from coordinator.registry import DeviceRecord
+from coordinator.fleet.registry import DeviceRecord
+from coordinator.transport.agent_client import AgentAddress
+from coordinator.trust.ca import CertificateAuthority
 from protocols.deploy import (
     AgentStatus,
     DeployReport,

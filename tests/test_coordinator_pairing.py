@@ -10,9 +10,9 @@ from cryptography.hazmat.primitives import hashes, serialization
 from cryptography.hazmat.primitives.asymmetric import ec
 from cryptography.x509.oid import NameOID
 
-from coordinator.ca import CertificateAuthority
 from coordinator.errors import PairingError, RevokedError, WrongCodeError
-from coordinator.pairing import Pairing
+from coordinator.trust.ca import CertificateAuthority
+from coordinator.trust.pairing import Pairing
 from protocols.pairing import pairing_code
 
 

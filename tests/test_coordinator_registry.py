@@ -9,8 +9,8 @@ from collections.abc import Iterator
 
 import pytest
 
-from coordinator.discovery import ZeroconfDiscovery
-from coordinator.registry import DeviceRecord, DeviceRegistry
+from coordinator.fleet.discovery import ZeroconfDiscovery
+from coordinator.fleet.registry import DeviceRecord, DeviceRegistry
 from protocols.profile import Announcement, DeviceProfile
 from protocols.txt import encode_txt
 

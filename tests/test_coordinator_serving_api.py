@@ -12,20 +12,20 @@ import numpy as np
 import pytest
 from fastapi.testclient import TestClient
 
-from coordinator.agent_client import AgentClient
-from coordinator.api import Services, create_app
-from coordinator.api_serving import Serving, model_id_of
-from coordinator.ca import CertificateAuthority
-from coordinator.dataplane import DataPlane
-from coordinator.deployer import Deployer
-from coordinator.deployments import DeploymentStore, Placement, VersionRecord
-from coordinator.embeddings import Embedder, mean_pool
+from coordinator.deploy.deployer import Deployer
+from coordinator.deploy.store import DeploymentStore, Placement, VersionRecord
 from coordinator.errors import RequestError
-from coordinator.identity import client_context, open_identity
-from coordinator.links import LinkMeter
-from coordinator.pairing import Pairing
-from coordinator.registry import DeviceRegistry
-from coordinator.serving import Router, check_inputs
+from coordinator.fleet.links import LinkMeter
+from coordinator.fleet.registry import DeviceRegistry
+from coordinator.http.app import Services, create_app
+from coordinator.http.serving import Serving, model_id_of
+from coordinator.serving.embeddings import Embedder, mean_pool
+from coordinator.serving.router import Router, check_inputs
+from coordinator.transport.agent_client import AgentClient
+from coordinator.transport.dataplane import DataPlane
+from coordinator.trust.ca import CertificateAuthority
+from coordinator.trust.identity import client_context, open_identity
+from coordinator.trust.pairing import Pairing
 from protocols.manifest import TensorInfo
 
 TOKEN = "t0ken"

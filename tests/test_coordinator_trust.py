@@ -10,13 +10,13 @@ from cryptography.hazmat.primitives.asymmetric import ec
 from cryptography.x509.oid import NameOID
 from fastapi.testclient import TestClient
 
-from coordinator.agent_client import AgentClient
-from coordinator.api import Services, create_app
-from coordinator.ca import CertificateAuthority
-from coordinator.identity import client_context, open_identity
-from coordinator.pairing import Pairing
-from coordinator.registry import DeviceRegistry
-from coordinator.trust import TrustService
+from coordinator.fleet.registry import DeviceRegistry
+from coordinator.http.app import Services, create_app
+from coordinator.transport.agent_client import AgentClient
+from coordinator.trust.ca import CertificateAuthority
+from coordinator.trust.delivery import TrustService
+from coordinator.trust.identity import client_context, open_identity
+from coordinator.trust.pairing import Pairing
 from protocols.profile import AgentState, Announcement, DeviceProfile
 
 

@@ -1,7 +1,8 @@
 """Failover: device loss, re-plan, retry of requests in flight, 503 when the rest cannot hold
 the model, expansion when the device returns, and state that survives a crash.
 
-The first half tests the policy (:mod:`coordinator.failover`), liveness and the router's retry
+The first half tests the policy (:mod:`coordinator.serving.failover`),
+liveness and the router's retry
 with fakes and in-process TLS agents; the slow half runs the real thing: a coordinator and three
 agents as processes on 127.0.0.1, MiniLM deployed across them, ``kill -9`` of an agent in the
 middle of 500 requests with 8 in flight.
@@ -41,9 +42,7 @@ from coordinator_helpers import (
 from failover_helpers import active_version, failover_events, segment_devices
 from test_coordinator_dataplane import SERVERS, FakeAgent
 
-from coordinator.ca import CertificateAuthority
-from coordinator.dataplane import DataPlane
-from coordinator.deployments import (
+from coordinator.deploy.store import (
     DeploymentBook,
     DeploymentStore,
     ModelRecord,
@@ -51,12 +50,14 @@ from coordinator.deployments import (
     VersionRecord,
 )
 from coordinator.errors import DeployError, NotServableError, UnavailableError
-from coordinator.failover import Failover, FailoverEvent
-from coordinator.identity import client_context, open_identity
-from coordinator.liveness import MISSES, SETTLE_S, STARTUP_GRACE_S, Liveness
-from coordinator.registry import DeviceRecord
-from coordinator.serving import Router
+from coordinator.fleet.liveness import MISSES, SETTLE_S, STARTUP_GRACE_S, Liveness
+from coordinator.fleet.registry import DeviceRecord
+from coordinator.serving.failover import Failover, FailoverEvent
+from coordinator.serving.router import Router
 from coordinator.state import sweep_temp_files, write_atomic
+from coordinator.transport.dataplane import DataPlane
+from coordinator.trust.ca import CertificateAuthority
+from coordinator.trust.identity import client_context, open_identity
 from protocols.deploy import AgentStatus, DeployReport, LoadedSegment
 from protocols.frames import FrameHeader
 from protocols.manifest import TensorInfo
@@ -374,7 +375,7 @@ def test_liveness_misses_settle_and_absence() -> None:
 def test_a_device_loading_a_segment_is_given_time_but_not_forever() -> None:
     """Timeouts of a device being deployed to are forgiven for BUSY_GRACE_S; refusals are not."""
     from coordinator.errors import AgentError
-    from coordinator.liveness import BUSY_GRACE_S
+    from coordinator.fleet.liveness import BUSY_GRACE_S
 
     clock = [0.0]
     busy = {"a", "b"}

@@ -18,11 +18,11 @@ from fastapi import FastAPI
 from fastapi.testclient import TestClient
 from generation_helpers import BOS, EOS, BigramBackend, bigram_table, tiny_model, word_id
 
-from coordinator.api import Services, create_app
-from coordinator.ca import CertificateAuthority
+from coordinator.fleet.registry import DeviceRegistry
 from coordinator.generation.backend import GenerationModel
-from coordinator.pairing import Pairing
-from coordinator.registry import DeviceRegistry
+from coordinator.http.app import Services, create_app
+from coordinator.trust.ca import CertificateAuthority
+from coordinator.trust.pairing import Pairing
 
 TOKEN = "t0ken"
 AUTH = {"Authorization": f"Bearer {TOKEN}"}

@@ -30,7 +30,6 @@ from coordinator.generation.engine import (
     TextDelta,
     generate,
 )
-from coordinator.generation.openai_models import ChatCompletionRequest, CompletionRequest
 from coordinator.generation.sampling import (
     SamplingParams,
     choose,
@@ -40,6 +39,7 @@ from coordinator.generation.sampling import (
     probabilities,
 )
 from coordinator.generation.tokenizer import ChatTokenizer
+from coordinator.http.openai_models import ChatCompletionRequest, CompletionRequest
 from protocols.decoder import DecoderInfo, StatePair
 
 CANDIDATES = TopCandidates.of([3.0, 2.0, 1.0, -1.0], [40, 7, 12, 99])

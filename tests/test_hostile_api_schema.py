@@ -23,19 +23,19 @@ from schemathesis.specs.openapi.checks import (
     status_code_conformance,
 )
 
-from coordinator.agent_client import AgentClient
-from coordinator.api import Services, create_app
-from coordinator.api_serving import Serving
-from coordinator.ca import CertificateAuthority
-from coordinator.dataplane import DataPlane
-from coordinator.deployer import Deployer
-from coordinator.deployments import DeploymentStore
-from coordinator.embeddings import Embedder
-from coordinator.identity import client_context, open_identity
-from coordinator.links import LinkMeter
-from coordinator.pairing import Pairing
-from coordinator.registry import DeviceRegistry
-from coordinator.serving import Router
+from coordinator.deploy.deployer import Deployer
+from coordinator.deploy.store import DeploymentStore
+from coordinator.fleet.links import LinkMeter
+from coordinator.fleet.registry import DeviceRegistry
+from coordinator.http.app import Services, create_app
+from coordinator.http.serving import Serving
+from coordinator.serving.embeddings import Embedder
+from coordinator.serving.router import Router
+from coordinator.transport.agent_client import AgentClient
+from coordinator.transport.dataplane import DataPlane
+from coordinator.trust.ca import CertificateAuthority
+from coordinator.trust.identity import client_context, open_identity
+from coordinator.trust.pairing import Pairing
 
 TOKEN = "schemathesis-token"
 EXAMPLES = 15

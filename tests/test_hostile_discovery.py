@@ -18,14 +18,14 @@ from cryptography.x509.oid import NameOID
 from fastapi.testclient import TestClient
 from test_coordinator_registry import advertise  # noqa: F401  (the fixture)
 
-from coordinator.agent_client import AgentClient
-from coordinator.api import Services, create_app
-from coordinator.ca import CertificateAuthority
-from coordinator.discovery import ZeroconfDiscovery
-from coordinator.identity import client_context, open_identity
-from coordinator.pairing import PairedDevice, Pairing
-from coordinator.registry import DeviceRecord, DeviceRegistry
-from coordinator.trust import TrustService
+from coordinator.fleet.discovery import ZeroconfDiscovery
+from coordinator.fleet.registry import DeviceRecord, DeviceRegistry
+from coordinator.http.app import Services, create_app
+from coordinator.transport.agent_client import AgentClient
+from coordinator.trust.ca import CertificateAuthority
+from coordinator.trust.delivery import TrustService
+from coordinator.trust.identity import client_context, open_identity
+from coordinator.trust.pairing import PairedDevice, Pairing
 from protocols.profile import AgentState, Announcement, DeviceProfile
 from protocols.txt import MAX_RECORD_BYTES, encode_txt
 

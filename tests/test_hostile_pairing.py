@@ -11,10 +11,10 @@ from cryptography.hazmat.primitives.asymmetric import ec
 from cryptography.x509.oid import NameOID
 from fastapi.testclient import TestClient
 
-from coordinator.api import Services, create_app
-from coordinator.ca import CertificateAuthority
-from coordinator.pairing import AttemptLimits, Pairing
-from coordinator.registry import DeviceRegistry
+from coordinator.fleet.registry import DeviceRegistry
+from coordinator.http.app import Services, create_app
+from coordinator.trust.ca import CertificateAuthority
+from coordinator.trust.pairing import AttemptLimits, Pairing
 
 TOKEN = "tok"
 AUTH = {"Authorization": f"Bearer {TOKEN}"}

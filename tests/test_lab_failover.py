@@ -36,9 +36,9 @@ from coordinator_helpers import unsharded_embeddings, wait_for
 from failover_helpers import active_version, failover_events, segment_devices
 from lab_helpers import COORDINATOR_HOST, LabCluster, client_argv, lab_cluster
 
-from coordinator.lab.executor import lab_netns, run_command, unavailable_reason
-from coordinator.lab.lab import Lab
-from coordinator.lab.plan import HostPlan
+from devtools.lab.executor import lab_netns, run_command, unavailable_reason
+from devtools.lab.lab import Lab
+from devtools.lab.plan import HostPlan
 from edge_agent.links import UNACKED_TIMEOUT_S
 
 log = logging.getLogger(__name__)

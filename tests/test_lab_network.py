@@ -19,14 +19,14 @@ from typing import Any
 
 import pytest
 
-from coordinator.lab import cli
-from coordinator.lab.errors import LabCommandError
-from coordinator.lab.executor import lab_netns, list_netns, run_command, unavailable_reason
-from coordinator.lab.lab import Lab, agents_available
-from coordinator.lab.plan import CONTROL, new_lab_id
-from coordinator.lab.procs import is_alive
-from coordinator.lab.spec import LabSpec
-from coordinator.lab.state import load_state
+from devtools.lab import cli
+from devtools.lab.errors import LabCommandError
+from devtools.lab.executor import lab_netns, list_netns, run_command, unavailable_reason
+from devtools.lab.lab import Lab, agents_available
+from devtools.lab.plan import CONTROL, new_lab_id
+from devtools.lab.procs import is_alive
+from devtools.lab.spec import LabSpec
+from devtools.lab.state import load_state
 
 PY = sys.executable
 
@@ -64,7 +64,7 @@ def _lab(spec: LabSpec, state_dir: Path) -> Lab:
 
 def _probe(lab: Lab, host: str, *args: str, timeout: float = 30) -> Any:
     """Run a probe to completion inside ``host``; its JSON result."""
-    argv = lab.exec_argv(host, [PY, "-m", "coordinator.lab.probe", *args])
+    argv = lab.exec_argv(host, [PY, "-m", "devtools.lab.probe", *args])
     done = subprocess.run(argv, capture_output=True, text=True, timeout=timeout, check=False)
     assert done.stdout.strip(), done.stderr
     return json.loads(done.stdout.strip().splitlines()[-1])
@@ -74,7 +74,7 @@ def _serve(lab: Lab, host: str, *args: str) -> tuple[subprocess.Popen[str], str]
     """Start a serving probe in ``host``; returns it once it printed its ready line."""
     proc = lab.popen(
         host,
-        [PY, "-m", "coordinator.lab.probe", *args],
+        [PY, "-m", "devtools.lab.probe", *args],
         stdout=subprocess.PIPE,
         stderr=subprocess.PIPE,
     )
@@ -210,7 +210,7 @@ def _args(*argv: str) -> argparse.Namespace:
 def _start_lab_up(state_dir: Path, *extra: str) -> tuple[subprocess.Popen[bytes], str]:
     lab_id = new_lab_id()
     LAB_IDS.append(lab_id)
-    argv = [PY, "-m", "coordinator.lab", "up", "2", "--no-agents", "--lab-id", lab_id]
+    argv = [PY, "-m", "devtools.lab", "up", "2", "--no-agents", "--lab-id", lab_id]
     proc = subprocess.Popen(
         [*argv, "--state-dir", str(state_dir), *extra],
         stdout=subprocess.DEVNULL,
@@ -252,7 +252,7 @@ def test_lab_down_from_another_process_stops_lab_up_and_every_process(tmp_path: 
     try:
         state_dir = ["--state-dir", str(tmp_path)]
         stray = subprocess.Popen(
-            [PY, "-m", "coordinator.lab", "exec", "h1", *state_dir, "--", "sleep", "300"]
+            [PY, "-m", "devtools.lab", "exec", "h1", *state_dir, "--", "sleep", "300"]
         )
         assert cli.run_status(_args("status", *state_dir)) == 0
         assert cli.run_exec(_args("exec", "h0", *state_dir, "--", "ip", "-br", "addr")) == 0

@@ -13,19 +13,19 @@ from pathlib import Path
 import pytest
 
 from coordinator.errors import CoordinatorError
-from coordinator.lab import cli
-from coordinator.lab.errors import (
+from devtools.lab import cli
+from devtools.lab.errors import (
     LabCommandError,
     LabError,
     LabSpecError,
     LabStateError,
     LabTeardownError,
 )
-from coordinator.lab.executor import apply, list_netns, teardown
-from coordinator.lab.plan import IFNAMSIZ, Command, lab_prefix, new_lab_id, plan_lab, tbf_args
-from coordinator.lab.procs import is_alive, process_ref, terminate
-from coordinator.lab.spec import LabSpec, parse_size
-from coordinator.lab.state import LabState, load_state, remove_state, save_state, state_path
+from devtools.lab.executor import apply, list_netns, teardown
+from devtools.lab.plan import IFNAMSIZ, Command, lab_prefix, new_lab_id, plan_lab, tbf_args
+from devtools.lab.procs import is_alive, process_ref, terminate
+from devtools.lab.spec import LabSpec, parse_size
+from devtools.lab.state import LabState, load_state, remove_state, save_state, state_path
 
 LAB_ID = "abc123"
 
@@ -306,8 +306,8 @@ def test_unavailable_reason_says_why_in_plain_words() -> None:
     import os
     import shutil
 
-    from coordinator.lab.errors import LabCommandError
-    from coordinator.lab.executor import unavailable_reason
+    from devtools.lab.errors import LabCommandError
+    from devtools.lab.executor import unavailable_reason
 
     def broken(argv: Sequence[str], what: str = "") -> str:
         raise LabCommandError(argv, 1, "Operation not permitted", what)

@@ -2,7 +2,7 @@
 
 A real agent process on 127.0.0.1 answers the coordinator's probe frames over mutual TLS; the
 measured link reaches ``DEVICES.json``'s ``requester`` through the link meter and
-:func:`coordinator.deploy_plan.device_list`.
+:func:`coordinator.deploy.plan.device_list`.
 """
 
 from __future__ import annotations
@@ -15,9 +15,9 @@ import pytest
 from agent_helpers import AgentProc, TestCA, start_agent, stop_agent
 from coordinator_helpers import free_port, paired_record
 
-from coordinator.dataplane import DataPlane
 from coordinator.errors import AgentError
-from coordinator.requester_links import probe_agent, requester_probe
+from coordinator.fleet.requester_links import probe_agent, requester_probe
+from coordinator.transport.dataplane import DataPlane
 from protocols.deploy import Hop
 
 
@@ -71,9 +71,9 @@ def test_probe_of_a_closed_port_is_an_agent_error(tmp_path: Path, plane: DataPla
 def test_measured_links_reach_the_planners_device_list(
     agent: tuple[AgentProc, TestCA], plane: DataPlane
 ) -> None:
-    from coordinator.agent_client import AgentClient
-    from coordinator.deploy_plan import LiveDevice, device_list
-    from coordinator.links import LinkMeter
+    from coordinator.deploy.plan import LiveDevice, device_list
+    from coordinator.fleet.links import LinkMeter
+    from coordinator.transport.agent_client import AgentClient
 
     proc, ca = agent
     ctx = ca.client_context("coordinator")

@@ -22,15 +22,15 @@ from typing import Any
 
 import pytest
 
-from coordinator.console.stats import RequestStats
-from coordinator.console_api import LiveMetrics
-from coordinator.deployments import Placement, VersionRecord
-from coordinator.slowness import (
+from coordinator.console.slowness import (
     SlownessSampler,
     StageReading,
     StageWindow,
     find_slow,
 )
+from coordinator.console.stats import RequestStats
+from coordinator.deploy.store import Placement, VersionRecord
+from coordinator.http.console import LiveMetrics
 from edge_agent.metrics import AgentMetrics
 
 log = logging.getLogger(__name__)

@@ -10,7 +10,7 @@ import onnx
 import pytest
 from graph_helpers import token_decoder, token_decoder_feeds
 
-from coordinator.deploy_plan import forward_names
+from coordinator.deploy.plan import forward_names
 from partitioner.decoding import decoder_layout, find_state_pairs
 from partitioner.errors import InfeasiblePlanError
 from partitioner.graph import index_graph

@@ -97,8 +97,8 @@ def test_the_pairing_offer_carries_the_node_key_and_the_coordinator_registers_it
     Coordinator: pending request and paired device keep it; only paired devices' keys count."""
     from cryptography.hazmat.primitives import serialization
 
-    from coordinator.ca import CertificateAuthority
-    from coordinator.pairing import Pairing
+    from coordinator.trust.ca import CertificateAuthority
+    from coordinator.trust.pairing import Pairing
     from edge_agent.config import AgentConfig
     from edge_agent.identity import load_identity
     from edge_agent.pairing import make_node_key, node_key_dir, pairing_offer
@@ -136,9 +136,9 @@ def test_the_pairing_offer_carries_the_node_key_and_the_coordinator_registers_it
 
 
 def test_a_run_on_agents_needs_as_many_node_keys_as_clients(tmp_path: Path) -> None:
-    from coordinator.ca import CertificateAuthority
     from coordinator.training.errors import TrainingRunError
     from coordinator.training.runner import TrainingTarget, agent_federation
+    from coordinator.trust.ca import CertificateAuthority
 
     federation = agent_federation(
         CertificateAuthority.open(tmp_path), 1, lambda: {"a": "ecdsa-sha2-nistp256 AAAA"}

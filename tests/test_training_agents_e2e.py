@@ -32,10 +32,10 @@ from fastapi.testclient import TestClient
 pytest.importorskip("torch")
 pytest.importorskip("flwr")
 
-from coordinator.ca import CertificateAuthority
 from coordinator.training.flower import free_port
-from coordinator.training.service import prepared_task, reference_task_dir
-from coordinator.training.task import MODEL_FILE, PreparedTask, load_arrays
+from coordinator.training.target import prepared_task, reference_task_dir
+from coordinator.trust.ca import CertificateAuthority
+from devtools.digits import MODEL_FILE, PreparedTask, load_arrays
 from protocols.deploy import ROLE_AGENT
 
 pytestmark = [pytest.mark.slow, pytest.mark.timeout(900)]
@@ -61,7 +61,7 @@ class Cluster:
 
 def _three_segment_version(task: PreparedTask, out: Path) -> Path:
     """The task's CNN cut in three (convolutions | fc1 | fc2): one segment per agent."""
-    from coordinator.training.task import layer_boundaries, write_initial_version
+    from devtools.digits import layer_boundaries, write_initial_version
 
     model = onnx.load(task.model_file)
     write_initial_version(model, out, NAMES, boundaries=layer_boundaries(model)[1:])
@@ -175,21 +175,21 @@ def _check_rounds(run: dict[str, Any]) -> None:
 
 
 def test_real_agents_train_and_serve_the_new_version(cluster: Cluster) -> None:
-    from coordinator.agent_client import AgentClient
-    from coordinator.api import Services, create_app
     from coordinator.config import AgentTrainingConfig
-    from coordinator.dataplane import DataPlane
-    from coordinator.deployer import Deployer
-    from coordinator.deployments import DeploymentStore
-    from coordinator.identity import client_context, open_identity
-    from coordinator.pairing import Pairing
-    from coordinator.registry import DeviceRegistry
-    from coordinator.serving import Router
+    from coordinator.deploy.deployer import Deployer
+    from coordinator.deploy.store import DeploymentStore
+    from coordinator.fleet.registry import DeviceRegistry
+    from coordinator.http.app import Services, create_app
+    from coordinator.serving.router import Router
     from coordinator.training.records import TrainingRecord
     from coordinator.training.segments import run_chain
     from coordinator.training.server_app import load_weights
-    from coordinator.training.service import PairedAgents, coordinator_runs
+    from coordinator.training.target import PairedAgents, coordinator_runs
     from coordinator.training.version import Version
+    from coordinator.transport.agent_client import AgentClient
+    from coordinator.transport.dataplane import DataPlane
+    from coordinator.trust.identity import client_context, open_identity
+    from coordinator.trust.pairing import Pairing
     from protocols.plan import Objective
 
     state, ca = cluster.state, cluster.ca

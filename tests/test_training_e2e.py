@@ -20,10 +20,10 @@ import pytest
 pytest.importorskip("torch")
 pytest.importorskip("flwr")
 
-from coordinator.ca import CertificateAuthority
 from coordinator.training.flower import SuperLink, register_supernode, superlink
 from coordinator.training.records import TrainingSettings
-from coordinator.training.task import PreparedTask, prepare_task
+from coordinator.trust.ca import CertificateAuthority
+from devtools.digits import PreparedTask, prepare_task
 from edge_agent.training.supernode import (
     SuperNodeConfig,
     SuperNodeProcess,
@@ -96,7 +96,7 @@ def test_a_client_killed_mid_round_does_not_break_the_round(
     """Three shares, threshold two: the round completes with the two clients left."""
     import threading
 
-    from coordinator.training.run import run_training
+    from coordinator.training.driver import run_training
 
     victim = federation.nodes[2]
     cache = victim.config.work_dir / "cache"

@@ -15,12 +15,12 @@ import onnx
 import pytest
 from fastapi.testclient import TestClient
 
-from coordinator.ca import CertificateAuthority
 from coordinator.errors import NotServableError
-from coordinator.pairing import Pairing
-from coordinator.registry import DeviceRecord, DeviceRegistry
+from coordinator.fleet.registry import DeviceRecord, DeviceRegistry
 from coordinator.training.errors import RunConflictError, TrainingRunError, UnknownRunError
-from coordinator.training.runs import RunReporter, TrainingRuns
+from coordinator.training.manager import RunReporter, TrainingRuns
+from coordinator.trust.ca import CertificateAuthority
+from coordinator.trust.pairing import Pairing
 from protocols.training import RunRollout, RunRound, TrainingRunRequest
 
 TOKEN = "t0ken"
@@ -133,7 +133,7 @@ def test_close_stops_the_run_and_waits_for_it() -> None:
 
 
 def _client(tmp_path: Path, runs: TrainingRuns) -> TestClient:
-    from coordinator.api import Services, create_app
+    from coordinator.http.app import Services, create_app
 
     pairing = Pairing(tmp_path, CertificateAuthority.open(tmp_path))
     app = create_app(Services(TOKEN, DeviceRegistry(), pairing, training=runs))
@@ -187,7 +187,7 @@ def test_training_api(tmp_path: Path) -> None:
 @pytest.fixture(scope="module")
 def cnn(tmp_path_factory: pytest.TempPathFactory) -> tuple[onnx.ModelProto, Path]:
     pytest.importorskip("torch")
-    from coordinator.training.task import build_cnn, export_onnx, write_initial_version
+    from devtools.digits import build_cnn, export_onnx, write_initial_version
 
     model = export_onnx(build_cnn(0))
     root = tmp_path_factory.mktemp("cnn")
@@ -367,13 +367,13 @@ def _device(name: str, port: int) -> DeviceRecord:
 def test_a_trained_version_is_rolled_out_live_to_the_served_deployment(
     cnn: tuple[onnx.ModelProto, Path], tmp_path: Path
 ) -> None:
-    from coordinator.deployer import DeployCommand, Deployer
-    from coordinator.deployments import DeploymentStore
-    from coordinator.training.run import write_trained_version
+    from coordinator.deploy.deployer import DeployCommand, Deployer
+    from coordinator.deploy.store import DeploymentStore
+    from coordinator.training.driver import write_trained_version
     from coordinator.training.server_app import save_weights
-    from coordinator.training.service import LivePublisher
-    from coordinator.training.task import save_arrays
+    from coordinator.training.target import LivePublisher
     from coordinator.training.version import Version
+    from devtools.digits import save_arrays
     from partitioner.split import split_model
     from protocols.devices import DeviceList
 

@@ -17,7 +17,7 @@ from coordinator.training.shardavg import (
     shardwise_rescale,
     weighted_average,
 )
-from coordinator.training.task import dirichlet_split, load_digits_split
+from devtools.digits import dirichlet_split, load_digits_split
 
 
 @settings(max_examples=50, deadline=None)
@@ -139,7 +139,7 @@ def _sha(path: Path) -> str:
 @pytest.fixture(scope="module")
 def version_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
     pytest.importorskip("torch")
-    from coordinator.training.task import build_cnn, export_onnx, write_initial_version
+    from devtools.digits import build_cnn, export_onnx, write_initial_version
 
     out = tmp_path_factory.mktemp("version") / "v0001"
     write_initial_version(export_onnx(build_cnn(seed=1)), out, ["a", "b", "c"])
@@ -221,8 +221,8 @@ def test_budget_picks_a_suffix_and_frozen_features_are_cached(
     version_dir: Path, tmp_path: Path
 ) -> None:
     pytest.importorskip("torch")
-    from coordinator.training.task import save_arrays
     from coordinator.training.version import Version
+    from devtools.digits import save_arrays
     from edge_agent.training.local import LocalSettings, train_locally
     from protocols.training import TrainPlan
 
@@ -288,7 +288,7 @@ def test_train_on_a_version_needs_paired_agents_node_keys(
 
 
 def test_secagg_parameters_tolerate_one_dropout_among_three() -> None:
-    from coordinator.training.run import secagg_parameters
+    from coordinator.training.driver import secagg_parameters
 
     assert secagg_parameters(3) == (3, 2)
     shares, threshold = secagg_parameters(10)

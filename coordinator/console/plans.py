@@ -17,8 +17,8 @@ from typing import TYPE_CHECKING, Literal
 
 from pydantic import BaseModel, ConfigDict
 
-from coordinator.deploy_plan import DEFAULT_BANDWIDTH_MBPS
-from coordinator.deployments import VersionRecord
+from coordinator.deploy.plan import DEFAULT_BANDWIDTH_MBPS
+from coordinator.deploy.store import VersionRecord
 from coordinator.errors import DeployError
 from protocols.devices import DeviceList, DeviceSpec
 from protocols.errors import SchemaError

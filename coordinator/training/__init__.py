@@ -7,7 +7,7 @@
 - :mod:`coordinator.training.server_app` the ServerApp (SecAgg+, DP, shard-wise FedAvg)
 - :mod:`coordinator.training.flower`     flower-superlink and ``flwr run`` process management
 - :mod:`coordinator.training.rollout`    new weights into ONNX initializers, new version dirs
-- :mod:`coordinator.training.task`       the digits task: data split, CNN, pre-training, export
+- :mod:`devtools.digits`       the digits task: data split, CNN, pre-training, export
 - :mod:`coordinator.training.cli`        ``fedshard train``
 
 Nothing here imports torch or Flower at module level except the ServerApp and the task module.

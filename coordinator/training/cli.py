@@ -115,19 +115,19 @@ def _train(args: argparse.Namespace, console: Any) -> int:
 
     from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn
 
-    from coordinator.ca import CertificateAuthority
-    from coordinator.pairing import Pairing
+    from coordinator.training.driver import roll_out, run_training
     from coordinator.training.flower import superlink
     from coordinator.training.local_agents import start_local_agents
     from coordinator.training.records import RoundMetrics, TrainingSettings
-    from coordinator.training.run import roll_out, run_training
     from coordinator.training.runner import paired_superlink
     from coordinator.training.version import Version
+    from coordinator.trust.ca import CertificateAuthority
+    from coordinator.trust.pairing import Pairing
 
     work: Path = args.work_dir.resolve()
     demo = args.version is None
     if demo:
-        from coordinator.training.task import TEST_FILE, prepare_task
+        from devtools.digits import TEST_FILE, prepare_task
 
         with console.status("building and pre-training the digits CNN (half of the classes)"):
             task = prepare_task(work / "task", num_clients=args.clients)

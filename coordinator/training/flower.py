@@ -3,7 +3,7 @@
 - One Flower home per run (``FLWR_HOME``), with a ``config.toml`` whose only connection points at
   our SuperLink over TLS (root certificate: fedshard's CA).
 - The SuperLink gets a server certificate for ``localhost`` and its address, issued by
-  :class:`coordinator.ca.CertificateAuthority`, and binds one address: 127.0.0.1 unless the
+  :class:`coordinator.trust.ca.CertificateAuthority`, and binds one address: 127.0.0.1 unless the
   coordinator serves another interface.
 - Offline: ``--disable-runtime-dependency-installation``, ``FLWR_TELEMETRY_ENABLED=0``,
   ``FLWR_DISABLE_UPDATE_CHECK=1``.
@@ -29,10 +29,10 @@ from pathlib import Path
 from cryptography.hazmat.primitives import serialization
 from cryptography.hazmat.primitives.asymmetric import ec
 
-from coordinator.ca import CertificateAuthority
 from coordinator.processes import stop_tree
 from coordinator.state import write_atomic
 from coordinator.training.errors import FlowerProcessError, TrainingRunError
+from coordinator.trust.ca import CertificateAuthority
 from protocols.deploy import ROLE_COORDINATOR
 
 log = logging.getLogger(__name__)

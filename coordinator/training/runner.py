@@ -1,4 +1,4 @@
-"""The real runner behind :class:`~coordinator.training.runs.TrainingRuns`: Flower, then rollout.
+"""The real runner behind :class:`~coordinator.training.manager.TrainingRuns`: Flower, then rollout.
 
 One run: resolve the :class:`TrainingTarget` (which version to fine-tune, its held-out set, the
 local SuperNodes to start if any, the served deployment to update), start a SuperLink (and those
@@ -17,18 +17,18 @@ from contextlib import AbstractContextManager, contextmanager
 from dataclasses import dataclass
 from pathlib import Path
 
-from coordinator.ca import CertificateAuthority
 from coordinator.errors import CoordinatorError
 from coordinator.state import write_atomic
+from coordinator.training.driver import run_training, write_trained_version
 from coordinator.training.errors import RolloutError, TrainingRunError
 from coordinator.training.flower import HOST, SuperLink, register_supernode, superlink
 from coordinator.training.local_agents import start_local_agents
+from coordinator.training.manager import RunReporter
 from coordinator.training.records import RoundMetrics, TrainingRecord, TrainingSettings
 from coordinator.training.rollout import next_version_dir
-from coordinator.training.run import run_training, write_trained_version
-from coordinator.training.runs import RunReporter
 from coordinator.training.segments import trainable_names
 from coordinator.training.version import Version
+from coordinator.trust.ca import CertificateAuthority
 from protocols.errors import SchemaError
 from protocols.training import RunRollout, RunRound, TrainingRunRequest
 

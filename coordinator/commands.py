@@ -1,0 +1,247 @@
+"""``fedshard coordinator``, ``pair``, ``revoke``, ``deploy``, ``rollback`` and ``devices``.
+
+``coordinator`` runs the service; the others are thin clients of its HTTP API (token from
+``--token`` or ``FEDSHARD_TOKEN``). Light to import: FastAPI, uvicorn and httpx load inside the
+handlers.
+"""
+
+from __future__ import annotations
+
+import argparse
+import logging
+import os
+import time
+from pathlib import Path
+from typing import Any
+
+from rich.console import Console
+
+DEFAULT_URL = "http://127.0.0.1:8470"
+PAIR_WAIT_S = 30.0
+DEPLOY_TIMEOUT_S = 900.0
+
+
+def register(subparsers: Any) -> None:
+    """Add the coordinator's subcommands."""
+    run = subparsers.add_parser(
+        "coordinator",
+        help="run the coordinator (pairing, registry, deploy, inference API)",
+        description="Pair agents, keep the device registry live, deploy and serve models.",
+    )
+    run.add_argument("--state-dir", type=Path, required=True, help="CA, pairings, deployments")
+    run.add_argument("--interface", default="127.0.0.1", help="IPv4 address to serve and browse")
+    run.add_argument("--port", type=int, default=8470, help="HTTP API port")
+    run.add_argument(
+        "--superlink-port",
+        type=int,
+        help="train on paired agents: their SuperNodes connect to a SuperLink on this port"
+        " (node authentication on); without it, runs use local SuperNodes",
+    )
+    run.add_argument(
+        "--train-clients", type=int, default=3, help="agents each training round waits for"
+    )
+    run.add_argument(
+        "--segment-cache",
+        type=Path,
+        help="keep cut segment files here and reuse them when a model is cut the same way "
+        "again (default: STATE/segment-cache, at most 8 GiB)",
+    )
+    run.add_argument("-v", "--verbose", action="store_true", help="debug logging")
+    run.set_defaults(run=run_coordinator)
+
+    pair = _client_parser(subparsers, "pair", "approve an agent's pairing request by its code")
+    pair.add_argument("name", help="device name the agent announces")
+    pair.add_argument("code", help="the pairing code the agent shows (XXXX-XXXX)")
+    pair.add_argument("--wait", type=float, default=PAIR_WAIT_S, help="seconds to wait for it")
+    pair.set_defaults(run=run_pair)
+
+    revoke = _client_parser(subparsers, "revoke", "refuse a device everywhere from now on")
+    revoke.add_argument("name", help="device name")
+    revoke.set_defaults(run=run_revoke)
+
+    deploy = _client_parser(subparsers, "deploy", "plan, split, push and switch to a model")
+    deploy.add_argument("model", type=Path, help="ONNX file (on the coordinator's host)")
+    deploy.add_argument("--objective", choices=["throughput", "latency"], default="throughput")
+    deploy.add_argument("--name", help="model id (default: from the file name)")
+    deploy.add_argument(
+        "--memory-cap",
+        action="append",
+        default=[],
+        metavar="DEVICE=SIZE",
+        help="plan with at most SIZE on DEVICE (repeatable)",
+    )
+    deploy.add_argument("--tokenizer", type=Path, help="tokenizer directory of a text encoder")
+    deploy.set_defaults(run=run_deploy)
+
+    rollback = _client_parser(subparsers, "rollback", "switch a model back to its last version")
+    rollback.add_argument("model_id", help="model id, e.g. all-minilm-l6-v2")
+    rollback.set_defaults(run=run_rollback)
+
+    devices = _client_parser(subparsers, "devices", "list the devices the coordinator sees")
+    devices.set_defaults(run=run_devices)
+
+
+def _client_parser(subparsers: Any, name: str, text: str) -> argparse.ArgumentParser:
+    parser: argparse.ArgumentParser = subparsers.add_parser(name, help=text, description=text)
+    parser.add_argument("--coordinator", default=DEFAULT_URL, help="coordinator API URL")
+    parser.add_argument("--token", default=os.environ.get("FEDSHARD_TOKEN"), help="API token")
+    return parser
+
+
+def run_coordinator(args: argparse.Namespace) -> int:
+    """Handler of ``fedshard coordinator``."""
+    from coordinator.app import serve
+    from coordinator.config import AgentTrainingConfig, CoordinatorConfig, load_or_create_token
+    from coordinator.errors import CoordinatorError
+
+    logging.basicConfig(
+        level=logging.DEBUG if args.verbose else logging.INFO,
+        format="%(asctime)s %(levelname)s %(name)s: %(message)s",
+    )
+    console = Console()
+    try:
+        state_dir = args.state_dir.expanduser().resolve()
+        state_dir.mkdir(parents=True, exist_ok=True, mode=0o700)
+        token = load_or_create_token(state_dir)
+        training = None
+        if args.superlink_port is not None:
+            training = AgentTrainingConfig(args.superlink_port, args.train_clients)
+        config = CoordinatorConfig(
+            state_dir, args.interface, args.port, token, training, args.segment_cache
+        )
+        return serve(config, console)
+    except (CoordinatorError, OSError) as exc:
+        console.print(f"[red]coordinator failed:[/] {exc}")
+        return 1
+
+
+def run_pair(args: argparse.Namespace) -> int:
+    """Handler of ``fedshard pair``: retries while the agent's request has not arrived yet."""
+    deadline = time.monotonic() + args.wait
+    body = {"name": args.name, "code": args.code}
+    while True:
+        code, reply = _call(args, "POST", "/v1/pairing/approve", body)
+        if code != 404 or time.monotonic() > deadline:
+            break
+        time.sleep(0.5)
+    return _report(code, reply, f"paired {args.name}")
+
+
+def run_revoke(args: argparse.Namespace) -> int:
+    """Handler of ``fedshard revoke``."""
+    code, reply = _call(args, "POST", "/v1/pairing/revoke", {"name": args.name})
+    return _report(code, reply, f"revoked {args.name}")
+
+
+def run_deploy(args: argparse.Namespace) -> int:
+    """Handler of ``fedshard deploy``."""
+    from coordinator.config import parse_size
+
+    console = Console()
+    caps = {}
+    try:
+        for item in args.memory_cap:
+            device, _, size = item.partition("=")
+            caps[device] = parse_size(size)
+    except ValueError as exc:
+        console.print(f"[red]error:[/] --memory-cap: {exc}")
+        return 2
+    body: dict[str, Any] = {
+        "model_path": str(args.model.expanduser().resolve()),
+        "objective": args.objective,
+        "memory_caps": caps,
+    }
+    if args.name:
+        body["model_id"] = args.name
+    if args.tokenizer:
+        body["tokenizer_dir"] = str(args.tokenizer.expanduser().resolve())
+    code, reply = _call(args, "POST", "/v1/deployments", body, DEPLOY_TIMEOUT_S)
+    if code == 200:
+        _print_version(console, reply)
+    return _report(code, reply, f"deployed {reply.get('model_id')} v{reply.get('plan_version')}")
+
+
+def run_rollback(args: argparse.Namespace) -> int:
+    """Handler of ``fedshard rollback``."""
+    code, reply = _call(args, "POST", f"/v1/deployments/{args.model_id}/rollback", None)
+    return _report(code, reply, f"{args.model_id} now at v{reply.get('plan_version')}")
+
+
+def run_devices(args: argparse.Namespace) -> int:
+    """Handler of ``fedshard devices``."""
+    from rich.table import Table
+
+    code, reply = _call(args, "GET", "/v1/devices", None)
+    if code != 200:
+        return _report(code, reply, "")
+    table = Table(title="devices")
+    for column in ("name", "status", "online", "host", "memory", "GFLOP/s"):
+        table.add_column(column)
+    for device in reply.get("devices", []):
+        profile = device["announcement"]["profile"]
+        table.add_row(
+            device["name"],
+            device["status"],
+            str(device["online"]),
+            device["host"],
+            f"{profile['memory_bytes'] / 2**20:.0f} MiB",
+            f"{profile['gflops']:.1f}",
+        )
+    Console().print(table)
+    return 0
+
+
+def _call(
+    args: argparse.Namespace, method: str, path: str, body: Any, timeout: float = 60.0
+) -> tuple[int, dict[str, Any]]:
+    """One API call; (status, JSON reply) with transport failures as status 0."""
+    import httpx
+
+    headers = {"Authorization": f"Bearer {args.token}"} if args.token else {}
+    url = args.coordinator.rstrip("/") + path
+    try:
+        with httpx.Client(timeout=timeout, trust_env=False) as client:
+            response = client.request(method, url, json=body, headers=headers)
+    except httpx.HTTPError as exc:
+        return 0, {"detail": f"cannot reach the coordinator at {args.coordinator}: {exc}"}
+    try:
+        reply = response.json()
+    except ValueError:
+        reply = {"detail": response.text}
+    if isinstance(reply, list):
+        reply = {"devices": reply}
+    return response.status_code, reply
+
+
+def _report(code: int, reply: dict[str, Any], success: str) -> int:
+    console = Console()
+    if code == 200:
+        console.print(f"[green]{success}[/]")
+        return 0
+    console.print(f"[red]error ({code or 'no connection'}):[/] {reply.get('detail')}")
+    return 1
+
+
+def _print_version(console: Console, version: dict[str, Any]) -> None:
+    from rich.table import Table
+
+    table = Table(title=f"{version['model_id']} v{version['plan_version']}: plan next to reality")
+    for column in (
+        "segment",
+        "device",
+        "predicted MB",
+        "measured MB",
+        "predicted ms",
+        "warm-up ms",
+    ):
+        table.add_column(column, justify="right")
+    for p in version["segments"]:
+        table.add_row(
+            str(p["index"]),
+            p["device"],
+            f"{p['predicted_memory_bytes'] / 1e6:.1f}",
+            f"{p['measured_memory_bytes'] / 1e6:.1f}",
+            f"{p['predicted_compute_s'] * 1e3:.2f}",
+            f"{p['warmup_s'] * 1e3:.2f}",
+        )
+    console.print(table)

@@ -1,0 +1,1 @@
+"""Deployment: plan, split, sign and push versions; the versions store."""

@@ -1,0 +1,383 @@
+"""Plan, split, sign, push, health-check and switch: one deployment, end to end.
+
+A new version is loaded and warmed beside the live one (agents hold one segment per plan
+version), checked through the data plane against a local run of the same segments, and only
+then made active; the version it replaces stays loaded as *previous* for a one-step rollback,
+and older ones are unloaded. A failure at any step unloads what was pushed and leaves the live
+version untouched.
+"""
+
+from __future__ import annotations
+
+import logging
+import shutil
+import threading
+from collections.abc import Callable, Mapping, Sequence
+from concurrent.futures import ThreadPoolExecutor
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+
+from coordinator.deploy.plan import LiveDevice, deploy_bodies, device_list, max_abs_diff
+from coordinator.deploy.store import DeploymentStore, Placement, VersionRecord, now
+from coordinator.errors import AgentError, CoordinatorError, DeployError
+from coordinator.fleet.registry import DeviceRecord
+from coordinator.transport.agent_client import AgentAddress, AgentClient
+from partitioner.baselines import Baseline
+from protocols.deploy import DeployReport, Hop
+from protocols.errors import SchemaError
+from protocols.links import Link as DeviceLink
+from protocols.links import RequesterLink
+from protocols.manifest import Manifest
+from protocols.plan import Objective, Plan
+from protocols.problem import PlanningProblem
+
+log = logging.getLogger(__name__)
+HEALTH_TOLERANCE = 1e-4
+HEALTH_TIMEOUT_S = 60.0
+
+Arrays = dict[str, np.ndarray[Any, Any]]
+HealthCheck = Callable[[list[Hop], int, Arrays], Arrays]
+"""Send inputs into a chain for a plan version; the outputs."""
+
+
+@dataclass(frozen=True)
+class DeployCommand:
+    """What the operator asked for."""
+
+    model_path: Path
+    model_id: str
+    objective: Objective = Objective.THROUGHPUT
+    memory_caps: Mapping[str, int] = field(default_factory=dict)
+    """Per-device planning caps in bytes (at most the agent's free budget is used anyway)."""
+    tokenizer_dir: str | None = None
+    trigger: str = "operator"
+    """Why this version is deployed: ``operator``, or ``failover: ...``/``expand: ...``."""
+    strict_caps: bool = True
+    """Refuse caps naming devices that are not online (False for re-plans: the operator's caps
+    stay with the model while a device is away)."""
+    baseline: Baseline | None = None
+    """Cut the way a baseline does (exo's memory-weighted split, an even split) instead of
+    planning, to compare against the plan; None (the default) plans."""
+
+
+@dataclass(frozen=True)
+class SplitOutcome:
+    """The partitioner's result as the deployer needs it."""
+
+    manifest: Manifest
+    segment_dir: Path
+    samples: Arrays
+    warmups: list[Arrays]
+    expected: Arrays
+
+
+class Deployer:
+    """Deploys and rolls back; one deployment at a time."""
+
+    def __init__(
+        self,
+        state_dir: Path,
+        store: DeploymentStore,
+        agents: AgentClient,
+        trusted: Callable[[], list[DeviceRecord]],
+        links: Callable[[], list[DeviceLink]],
+        sign: Callable[[bytes], bytes],
+        health: HealthCheck,
+        retired: Callable[[int], None] = lambda plan_version: None,
+        requester_links: Callable[[], list[RequesterLink]] | None = None,
+        segment_cache: Path | None = None,
+    ) -> None:
+        self._dir = state_dir / "deployments"
+        self._store = store
+        self._agents = agents
+        self._trusted = trusted
+        self._links = links
+        self._sign = sign
+        self._health = health
+        self._retired = retired
+        self._requester_links = requester_links
+        self._segment_cache = segment_cache
+        self._lock = threading.Lock()
+        self._busy: set[str] = set()
+        self._busy_lock = threading.Lock()
+
+    def deploy(self, command: DeployCommand) -> VersionRecord:
+        """The whole deployment; raises DeployError (the live version keeps serving)."""
+        if not command.model_path.is_file():
+            raise DeployError(f"no model file at {command.model_path}")
+        with self._lock:
+            live = self._live_devices()
+            links = self._links()
+            requester = None if self._requester_links is None else self._requester_links()
+            devices = device_list(live, links, command.memory_caps, command.strict_caps, requester)
+            plan_version = self._store.reserve_plan_version()
+            out = self.segment_dir(command.model_id, plan_version)
+            split = split_and_run(command, devices, out, self._segment_cache)
+            return self._install(command, plan_version, split, live)
+
+    def replan(self, version: VersionRecord, trigger: str) -> VersionRecord:
+        """Deploy ``version``'s model again, planned on the devices online now (failover).
+
+        Same source, objective and operator caps (caps of devices that are away are kept for
+        later but not applied); raises DeployError when the devices cannot hold it.
+        """
+        command = DeployCommand(
+            model_path=Path(version.source),
+            model_id=version.model_id,
+            objective=version.objective,
+            memory_caps=version.memory_caps,
+            trigger=trigger,
+            strict_caps=False,
+        )
+        return self.deploy(command)
+
+    def segment_dir(self, model_id: str, plan_version: int) -> Path:
+        """Where the manifest and segment files of a deployed version are kept."""
+        return self._dir / model_id / f"v{plan_version}"
+
+    def deploy_version(
+        self, model_id: str, version_dir: Path, samples: Arrays, objective: Objective
+    ) -> VersionRecord:
+        """Roll out an already-cut version (``manifest.json`` plus segment files, e.g. one that
+        federated fine-tuning wrote) on the devices its manifest names, without re-planning:
+        loaded beside the live version, health-checked on ``samples``, then switched to."""
+        from partitioner.errors import PartitionerError
+        from partitioner.verify import run_chain
+
+        with self._lock:
+            live = self._live_devices()
+            plan_version = self._store.reserve_plan_version()
+            out = self.segment_dir(model_id, plan_version)
+            shutil.copytree(version_dir, out)
+            try:
+                manifest = Manifest.from_json((out / "manifest.json").read_bytes())
+                known = run_chain([out / s.file for s in manifest.segments], samples)
+            except (SchemaError, OSError, PartitionerError) as exc:
+                raise DeployError(f"cannot read version {version_dir}: {exc}") from exc
+            missing = sorted({s.device for s in manifest.segments} - {d.name for d in live})
+            if missing:
+                raise DeployError(f"devices of {version_dir.name} are not online: {missing}")
+            split = SplitOutcome(
+                manifest,
+                out,
+                dict(samples),
+                [{n: known[n] for n in s.inputs} for s in manifest.segments],
+                {o.name: known[o.name] for o in manifest.model.outputs},
+            )
+            command = DeployCommand(version_dir, model_id, objective)
+            return self._install(command, plan_version, split, live)
+
+    def _install(
+        self,
+        command: DeployCommand,
+        plan_version: int,
+        split: SplitOutcome,
+        live: list[LiveDevice],
+    ) -> VersionRecord:
+        """Push, health-check and switch to ``split`` (the caller holds the lock)."""
+        by_name = {d.name: d for d in live}
+        chain = [
+            Hop(
+                device=s.device,
+                host=by_name[s.device].host,
+                data_port=by_name[s.device].data_port,
+            )
+            for s in split.manifest.segments
+        ]
+        bodies = deploy_bodies(
+            split.manifest,
+            chain,
+            split.segment_dir,
+            split.warmups,
+            f"{command.model_id}@{plan_version}",
+            plan_version,
+            self._sign,
+        )
+        addresses = [_address(by_name[s.device]) for s in split.manifest.segments]
+        reports = self._push(addresses, bodies, plan_version)
+        try:
+            diff = self._check(chain, plan_version, split)
+        except CoordinatorError:
+            self._unload(addresses, plan_version)
+            raise
+        version = VersionRecord(
+            model_id=command.model_id,
+            plan_version=plan_version,
+            state="active",
+            created_at=now(),
+            source=str(command.model_path),
+            objective=command.objective,
+            inputs=split.manifest.model.inputs,
+            outputs=split.manifest.model.outputs,
+            segments=_placements(split.manifest, by_name, reports),
+            health_max_abs_diff=diff,
+            memory_caps=dict(command.memory_caps),
+            trigger=command.trigger,
+        )
+        retired = self._store.activate(version, command.tokenizer_dir)
+        for old in retired:
+            self._retired(old.plan_version)
+            self._unload([_placement_address(p) for p in old.segments], old.plan_version)
+        log.info("model %s is live at plan version %d", command.model_id, plan_version)
+        return version
+
+    def busy_devices(self) -> frozenset[str]:
+        """Devices a segment is being pushed to (and loaded on) right now."""
+        with self._busy_lock:
+            return frozenset(self._busy)
+
+    def rollback(self, model_id: str) -> VersionRecord:
+        """Switch back to the previous version (still loaded on its agents)."""
+        with self._lock:
+            return self._store.rollback(model_id)
+
+    def _live_devices(self) -> list[LiveDevice]:
+        records = self._trusted()
+        if not records:
+            raise DeployError("no paired agent is online")
+        with ThreadPoolExecutor(max_workers=len(records)) as pool:
+            statuses = list(pool.map(lambda r: self._agents.status(_address_of(r)), records))
+        return [
+            LiveDevice(
+                name=r.name,
+                budget_bytes=s.memory_budget_bytes,
+                committed_bytes=s.memory_committed_bytes,
+                gflops=s.gflops,
+                host=r.host,
+                control_port=r.announcement.profile.control_port,
+                data_port=r.announcement.profile.data_port,
+            )
+            for r, s in zip(records, statuses, strict=True)
+        ]
+
+    def _push(
+        self, addresses: Sequence[AgentAddress], bodies: Sequence[bytes], plan_version: int
+    ) -> list[DeployReport]:
+        devices = {a.device for a in addresses}
+        with self._busy_lock:
+            self._busy |= devices
+        try:
+            with ThreadPoolExecutor(max_workers=len(bodies)) as pool:
+                futures = [
+                    pool.submit(self._agents.deploy, a, b)
+                    for a, b in zip(addresses, bodies, strict=True)
+                ]
+        finally:
+            with self._busy_lock:
+                self._busy -= devices
+        failures = [(a, f.exception()) for a, f in zip(addresses, futures, strict=True)]
+        errors = [f"{a.device}: {e}" for a, e in failures if e is not None]
+        if errors:
+            pushed = [a for a, e in failures if e is None]
+            self._unload(pushed, plan_version)
+            raise DeployError("pushing segments failed: " + "; ".join(errors))
+        return [f.result() for f in futures]
+
+    def _check(self, chain: list[Hop], plan_version: int, split: SplitOutcome) -> float:
+        try:
+            got = self._health(chain, plan_version, split.samples)
+        except CoordinatorError as exc:
+            raise DeployError(f"health check through the data plane failed: {exc}") from exc
+        diff = max_abs_diff(got, split.expected)
+        if diff > HEALTH_TOLERANCE:
+            raise DeployError(f"health check: the chain differs from the model by {diff:.3g}")
+        return diff
+
+    def _unload(self, addresses: Sequence[AgentAddress], plan_version: int) -> None:
+        for address in addresses:
+            try:
+                self._agents.unload(address, plan_version)
+            except AgentError as exc:
+                log.warning(
+                    "could not unload plan %d from %s: %s", plan_version, address.device, exc
+                )
+
+
+def split_and_run(
+    command: DeployCommand, devices: Any, out: Path, segment_cache: Path | None = None
+) -> SplitOutcome:
+    """Plan and cut with the partitioner, then run the segments here on the model's samples.
+
+    Segments cut the same way before come from ``segment_cache`` when one is given.
+    The local run gives each segment a real warm-up input and the health check its expected
+    answer. Partitioner errors become DeployError.
+    """
+    from coordinator.serving.decoder import health_feeds, state_names
+    from partitioner.errors import PartitionerError
+    from partitioner.split import SplitOptions, split_model
+    from partitioner.verify import run_chain
+
+    planner = None if command.baseline is None else baseline_planner(command.baseline)
+    try:
+        options = SplitOptions(command.objective, segment_cache=segment_cache)
+        result = split_model(command.model_path, devices, out, options, planner=planner)
+        samples = dict(result.analysis.samples)
+        known = run_chain([w.files[0] for w in result.segments], samples)
+    except (PartitionerError, OSError) as exc:
+        raise DeployError(f"cannot plan or split {command.model_path.name}: {exc}") from exc
+    manifest = result.manifest
+    warmups = [{n: known[n] for n in s.inputs} for s in manifest.segments]
+    if manifest.sessions is not None:  # a decoder: the health check is a one-shot prefill
+        samples, local = health_feeds(manifest, samples)
+        known = run_chain([w.files[0] for w in result.segments], local)
+    state = state_names(manifest)
+    expected = {o.name: known[o.name] for o in manifest.model.outputs if o.name not in state}
+    return SplitOutcome(manifest, out, samples, warmups, expected)
+
+
+def baseline_planner(baseline: Baseline) -> Callable[[PlanningProblem, Objective], Plan]:
+    """A planner that splits the way ``baseline`` does; InfeasiblePlanError when a stage of
+    that split does not fit its device (baselines do not look at memory)."""
+    from partitioner.baselines import run_baseline
+    from partitioner.errors import InfeasiblePlanError
+
+    def choose(problem: PlanningProblem, objective: Objective) -> Plan:
+        result = run_baseline(problem, objective, baseline)
+        if result.overflows:
+            over = ", ".join(f"{device} by {size} bytes" for device, size in result.overflows)
+            shortfall = max(size for _, size in result.overflows)
+            raise InfeasiblePlanError(f"the {baseline} split overflows {over}", shortfall)
+        return result.plan
+
+    return choose
+
+
+def _address_of(record: DeviceRecord) -> AgentAddress:
+    return AgentAddress(record.name, record.host, record.announcement.profile.control_port)
+
+
+def _hop(device: LiveDevice) -> Hop:
+    return Hop(device=device.name, host=device.host, data_port=device.data_port)
+
+
+def _address(device: LiveDevice) -> AgentAddress:
+    return AgentAddress(device.name, device.host, device.control_port)
+
+
+def _placement_address(placement: Placement) -> AgentAddress:
+    return AgentAddress(placement.device, placement.host, placement.control_port)
+
+
+def _placements(
+    manifest: Manifest, by_name: Mapping[str, LiveDevice], reports: Sequence[DeployReport]
+) -> list[Placement]:
+    return [
+        Placement(
+            index=seg.index,
+            device=seg.device,
+            host=by_name[seg.device].host,
+            control_port=by_name[seg.device].control_port,
+            data_port=by_name[seg.device].data_port,
+            sha256=seg.sha256,
+            param_bytes=seg.param_bytes,
+            predicted_memory_bytes=seg.predicted_memory_bytes,
+            predicted_compute_s=seg.predicted_compute_s,
+            measured_memory_bytes=report.measured_memory_bytes,
+            warmup_s=report.warmup_s,
+            load_s=report.load_s,
+        )
+        for seg, report in zip(manifest.segments, reports, strict=True)
+    ]

@@ -1,0 +1,1 @@
+"""The fleet: registry, discovery, liveness, link measurement."""

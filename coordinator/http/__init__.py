@@ -1,0 +1,1 @@
+"""HTTP: everything FastAPI and nothing else (routes, bodies, error rendering)."""

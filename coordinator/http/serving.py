@@ -1,0 +1,286 @@
+"""The serving half of the HTTP API: deployments, models, inference and embeddings.
+
+Routes (bearer token, see :mod:`coordinator.http.app`)::
+
+    GET  /v1/models                            OpenAI-compatible list of deployed models
+    GET  /v1/deployments                       versions, plan next to what agents measured
+    POST /v1/deployments                       deploy an ONNX file (plan, split, push, check)
+    POST /v1/deployments/{model}/rollback      switch back to the previous version
+    POST /v1/infer                             named tensors as JSON, or a raw .npz body
+    POST /v1/embeddings                        OpenAI-compatible embeddings
+    GET  /v1/links, POST /v1/links/measure     measured links between paired agents
+    GET  /v1/links/requester                   measured links from the coordinator to them
+    GET  /v1/failover                          lost/returned devices, re-plans, refused models
+
+Coordinator errors are translated into HTTP statuses in :func:`install_error_handlers`.
+"""
+
+from __future__ import annotations
+
+import io
+import logging
+import math
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+from fastapi import APIRouter, FastAPI, Request, Response, status
+from fastapi.concurrency import run_in_threadpool
+from fastapi.responses import JSONResponse
+from pydantic import BaseModel, ConfigDict, Field
+
+from coordinator.deploy.deployer import DeployCommand, Deployer
+from coordinator.deploy.store import DeploymentStore, ModelRecord, VersionRecord
+from coordinator.errors import (
+    AgentError,
+    CapacityError,
+    CoordinatorError,
+    DeployError,
+    NotServableError,
+    PairingError,
+    RequestError,
+    RevokedError,
+    RollbackError,
+    UnavailableError,
+    UnknownModelError,
+    WrongCodeError,
+)
+from coordinator.fleet.links import LinkMeter
+from coordinator.serving.embeddings import Embedder, default_tokenizer_dir
+from coordinator.serving.failover import Failover
+from coordinator.serving.router import Router
+from partitioner.baselines import Baseline
+from protocols.links import Link as DeviceLink
+from protocols.links import RequesterLink
+from protocols.plan import Objective
+
+log = logging.getLogger(__name__)
+MAX_NPZ_BYTES = 256 << 20
+VERSION_HEADER = "X-Fedshard-Plan-Version"
+"""Response header naming the plan version that served an embeddings request."""
+
+
+@dataclass(frozen=True)
+class Serving:
+    """What the serving routes use, built once at start."""
+
+    store: DeploymentStore
+    deployer: Deployer
+    router: Router
+    embedder: Embedder
+    links: LinkMeter
+    failover: Failover | None = None
+    """Re-plans after a device loss (absent: chain failures are only retried)."""
+
+
+class Body(BaseModel):
+    """Request bodies: unknown fields refused."""
+
+    model_config = ConfigDict(extra="forbid")
+
+
+class DeployBody(Body):
+    """``POST /v1/deployments``."""
+
+    model_path: str = Field(min_length=1, description="ONNX file on the coordinator's host")
+    model_id: str | None = Field(default=None, pattern=r"^[a-z0-9][a-z0-9._-]{0,62}$")
+    objective: Objective = Objective.THROUGHPUT
+    memory_caps: dict[str, int] = Field(default_factory=dict)
+    """Per-device planning caps in bytes (the operator's headroom)."""
+    tokenizer_dir: str | None = None
+    baseline: Baseline | None = None
+    """Cut the way a baseline does (``exo``, ``even``) instead of planning: for comparisons."""
+
+
+class EmbeddingsBody(BaseModel):
+    """OpenAI ``POST /v1/embeddings`` (extra OpenAI fields such as ``user`` are accepted)."""
+
+    model: str
+    input: str | list[str]
+    encoding_format: str = "float"
+
+
+class InferBody(Body):
+    """``POST /v1/infer`` as JSON: tensors as nested lists, by input name."""
+
+    model: str
+    inputs: dict[str, Any]
+
+
+def _model_path(text: str) -> Path:
+    """The absolute path of a model file named in a request; RequestError if it cannot be one."""
+    try:
+        return Path(text).expanduser().resolve()
+    except (ValueError, RuntimeError, OSError) as exc:  # NUL bytes, ~unknown-user, loops
+        raise RequestError(f"model_path is not a usable path: {exc}") from exc
+
+
+def model_id_of(path: Path) -> str:
+    """Default model id from a file name: ``all-MiniLM-L6-v2.onnx`` -> ``all-minilm-l6-v2``."""
+    stem = "".join(ch if ch.isalnum() or ch in "._-" else "-" for ch in path.stem.lower())
+    return stem.strip("-._")[:63] or "model"
+
+
+def serving_router(serving: Serving) -> APIRouter:
+    """The serving routes (mounted under the token-protected ``/v1``)."""
+    api = APIRouter()
+
+    @api.get("/models")
+    def list_models() -> dict[str, Any]:
+        data = [_openai_model(m) for m in serving.store.book().models if m.active is not None]
+        return {"object": "list", "data": data}
+
+    @api.get("/deployments")
+    def list_deployments() -> list[ModelRecord]:
+        return serving.store.book().models
+
+    @api.post("/deployments")
+    async def deploy(body: DeployBody) -> VersionRecord:
+        path = _model_path(body.model_path)
+        model_id = body.model_id or model_id_of(path)
+        command = DeployCommand(
+            model_path=path,
+            model_id=model_id,
+            objective=body.objective,
+            memory_caps=body.memory_caps,
+            tokenizer_dir=body.tokenizer_dir or default_tokenizer_dir(model_id),
+            baseline=body.baseline,
+        )
+        return await run_in_threadpool(serving.deployer.deploy, command)
+
+    @api.post("/deployments/{model_id}/rollback")
+    async def rollback(model_id: str) -> VersionRecord:
+        return await run_in_threadpool(serving.deployer.rollback, model_id)
+
+    @api.get("/links")
+    def links() -> list[DeviceLink]:
+        return serving.links.links()
+
+    @api.get("/links/requester")
+    def requester_links() -> list[RequesterLink]:
+        return serving.links.requester_links()
+
+    @api.post("/links/measure")
+    async def measure_links() -> list[DeviceLink]:
+        return await run_in_threadpool(serving.links.measure)
+
+    @api.get("/failover")
+    def failover() -> dict[str, Any]:
+        if serving.failover is None:
+            return {"enabled": False, "models": {}, "events": []}
+        conditions = {
+            model_id: {"state": c.state, "plan_version": c.plan_version, "reason": c.reason}
+            for model_id, c in serving.failover.conditions().items()
+        }
+        events = [e.model_dump() for e in serving.failover.events()]
+        return {"enabled": True, "models": conditions, "events": events}
+
+    @api.post("/infer")
+    async def infer(request: Request) -> dict[str, Any]:
+        model_id, tensors = await _infer_request(request)
+        version, outputs = await run_in_threadpool(serving.router.infer, model_id, tensors)
+        return {
+            "model": model_id,
+            "plan_version": version.plan_version,
+            "outputs": {name: _tensor_json(array) for name, array in outputs.items()},
+        }
+
+    @api.post("/embeddings")
+    async def embeddings(body: EmbeddingsBody, response: Response) -> dict[str, Any]:
+        if body.encoding_format != "float":
+            raise RequestError("only encoding_format 'float' is supported")
+        texts = [body.input] if isinstance(body.input, str) else body.input
+        version, vectors, tokens = await run_in_threadpool(
+            serving.embedder.embed, body.model, texts
+        )
+        response.headers[VERSION_HEADER] = str(version.plan_version)
+        return {
+            "object": "list",
+            "model": body.model,
+            "data": [
+                {"object": "embedding", "index": i, "embedding": v.tolist()}
+                for i, v in enumerate(vectors)
+            ],
+            "usage": {"prompt_tokens": tokens, "total_tokens": tokens},
+        }
+
+    return api
+
+
+async def _infer_request(request: Request) -> tuple[str, dict[str, Any]]:
+    """Model id and tensors from a JSON body, or from a raw ``.npz`` body (``?model=``)."""
+    kind = request.headers.get("content-type", "").split(";")[0].strip()
+    body = await request.body()
+    if kind in {"application/x-npz", "application/octet-stream"}:
+        model_id = request.query_params.get("model")
+        if not model_id:
+            raise RequestError("an .npz body needs the model id as ?model=")
+        return model_id, _load_npz(body)
+    try:
+        parsed = InferBody.model_validate_json(body)
+    except ValueError as exc:
+        raise RequestError(f"malformed request body: {_first_line(exc)}") from exc
+    return parsed.model, parsed.inputs
+
+
+def _load_npz(data: bytes) -> dict[str, Any]:
+    if len(data) > MAX_NPZ_BYTES:
+        raise RequestError(f"the .npz body is over {MAX_NPZ_BYTES} bytes")
+    try:
+        with np.load(io.BytesIO(data), allow_pickle=False) as npz:
+            return {name: npz[name] for name in npz.files}
+    except (OSError, ValueError, EOFError) as exc:
+        raise RequestError(f"the body is not a readable .npz file: {exc}") from exc
+
+
+def _tensor_json(array: np.ndarray[Any, Any]) -> dict[str, Any]:
+    return {"dtype": str(array.dtype), "shape": list(array.shape), "data": array.tolist()}
+
+
+def _openai_model(record: ModelRecord) -> dict[str, Any]:
+    live = record.version(record.active) if record.active else None
+    created = int(live.created_at) if live else 0
+    return {"id": record.model_id, "object": "model", "created": created, "owned_by": "fedshard"}
+
+
+def _first_line(exc: Exception) -> str:
+    return str(exc).splitlines()[0] if str(exc) else type(exc).__name__
+
+
+_STATUS: list[tuple[type[CoordinatorError], int]] = [
+    (UnknownModelError, status.HTTP_404_NOT_FOUND),
+    (RequestError, status.HTTP_422_UNPROCESSABLE_CONTENT),
+    (WrongCodeError, status.HTTP_403_FORBIDDEN),
+    (RevokedError, status.HTTP_403_FORBIDDEN),
+    (PairingError, status.HTTP_404_NOT_FOUND),
+    (RollbackError, status.HTTP_409_CONFLICT),
+    (NotServableError, status.HTTP_503_SERVICE_UNAVAILABLE),
+    (DeployError, status.HTTP_409_CONFLICT),
+    (AgentError, status.HTTP_502_BAD_GATEWAY),
+]
+
+
+def status_of(exc: CoordinatorError) -> int:
+    """The HTTP status a coordinator error maps to."""
+    return next((code for kind, code in _STATUS if isinstance(exc, kind)), 500)
+
+
+def install_error_handlers(app: FastAPI) -> None:
+    """Coordinator errors become ``{"detail": message}`` with their status; nothing else leaks."""
+
+    async def coordinator_error(request: Request, exc: Exception) -> JSONResponse:
+        assert isinstance(exc, CoordinatorError)
+        code = status_of(exc)
+        log.log(logging.ERROR if code >= 500 else logging.INFO, "%s: %s", request.url.path, exc)
+        headers = None
+        if isinstance(exc, UnavailableError | CapacityError):
+            headers = {"Retry-After": str(max(1, math.ceil(exc.retry_after_s)))}
+        return JSONResponse({"detail": str(exc)}, status_code=code, headers=headers)
+
+    async def unexpected(request: Request, exc: Exception) -> JSONResponse:
+        log.error("internal error on %s", request.url.path, exc_info=exc)
+        return JSONResponse({"detail": "internal error (see the coordinator log)"}, 500)
+
+    app.add_exception_handler(CoordinatorError, coordinator_error)
+    app.add_exception_handler(Exception, unexpected)

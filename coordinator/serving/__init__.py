@@ -1,0 +1,1 @@
+"""Serving: requests to deployed models (router, failover, embeddings, the decoder backend)."""

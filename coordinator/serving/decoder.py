@@ -1,0 +1,270 @@
+"""Serving a decoder over the agents: generation steps as data-plane requests.
+
+Each step of a session is one request through the model's chain, carrying only the new tokens
+with their attention mask and positions (:mod:`protocols.decoder`); every stage feeds its own
+layers' KV cache for that session and keeps the grown one, so only hidden states travel between
+agents. The last stage answers with the top-k next-token candidates. Steps of different sessions
+are independent requests, so concurrent generations interleave in the pipeline.
+
+The deployer's health check of a decoder is a one-shot prefill (no session): the sample prompt
+from an empty cache, compared with the same prefill run here.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import secrets
+import threading
+import time
+from collections.abc import Callable, Mapping, Sequence
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+
+from coordinator.deploy.store import DeploymentStore, VersionRecord
+from coordinator.errors import (
+    AgentError,
+    CapacityError,
+    ChainBrokenError,
+    CoordinatorError,
+    NotServableError,
+    RequestError,
+)
+from coordinator.generation.backend import GenerationModel, TopCandidates
+from coordinator.generation.tokenizer import ChatTokenizer
+from coordinator.transport.dataplane import ChainClient, DataPlane, SessionStep
+from protocols.decoder import (
+    ATTENTION_MASK,
+    DECODER_FILE,
+    INPUT_IDS,
+    POSITION_IDS,
+    TOP_IDS,
+    TOP_LOGITS,
+    DecoderInfo,
+)
+from protocols.errors import ProtocolError
+from protocols.manifest import Manifest
+
+log = logging.getLogger(__name__)
+Arrays = dict[str, np.ndarray[Any, Any]]
+STEP_TIMEOUT_S = 60.0
+RECOVERY_S = 60.0
+"""How long a step may wait, in all, for a broken chain to be re-planned and replayed."""
+
+
+def step_inputs(position: int, token_ids: Sequence[int]) -> Arrays:
+    """The frame tensors of one step: ``token_ids`` appended after ``position`` tokens."""
+    if not token_ids:
+        raise RequestError("a generation step needs at least one token")
+    count = len(token_ids)
+    return {
+        INPUT_IDS: np.asarray(token_ids, dtype=np.int64).reshape(1, count),
+        ATTENTION_MASK: np.ones((1, position + count), dtype=np.int64),
+        POSITION_IDS: np.arange(position, position + count, dtype=np.int64).reshape(1, count),
+    }
+
+
+def state_names(manifest: Manifest) -> set[str]:
+    """Every per-session state input and output of a split model."""
+    return {n for s in manifest.segments for p in s.state for n in (p.past, p.present)}
+
+
+def health_feeds(manifest: Manifest, samples: Mapping[str, Any]) -> tuple[Arrays, Arrays]:
+    """For a decoder: the one-shot prefill sent through the chain, and the same prefill with
+    empty caches for a local run (which gives the expected answer)."""
+    prompt = np.asarray(samples[INPUT_IDS], dtype=np.int64).reshape(-1)
+    wire = step_inputs(0, prompt.tolist())
+    local = dict(wire)
+    pasts = {p.past: p.axis for s in manifest.segments for p in s.state}
+    for info in manifest.model.inputs:
+        if info.name in pasts:
+            shape = [
+                0 if k == pasts[info.name] else (d if isinstance(d, int) and d > 0 else 1)
+                for k, d in enumerate(info.shape)
+            ]
+            local[info.name] = np.zeros(shape, dtype=np.dtype(info.dtype))
+    return wire, local
+
+
+ClientOf = Callable[[float], tuple[VersionRecord, ChainClient]]
+"""The version to step on and its chain client; may wait (until a monotonic deadline) for a
+re-plan after a device was lost."""
+FailureReport = Callable[[VersionRecord, CoordinatorError], None]
+
+
+class ChainDecoderBackend:
+    """A :class:`~coordinator.generation.backend.DecoderBackend` over one model's chain.
+
+    It remembers every token each session's stages hold. When a step fails because the chain
+    broke (an agent lost, a stage that no longer knows the session), it reports the failure,
+    takes the version the failover hands out (the same chain, or a re-planned one) and
+    *replays*: the whole history, prefilled under a fresh session id, rebuilds every stage's KV
+    cache, as Petals does, and the step's answer comes from that. The continuation is the one
+    an uninterrupted session would have produced.
+    """
+
+    def __init__(
+        self,
+        plane: DataPlane,
+        client_of: ClientOf,
+        failed: FailureReport,
+        timeout: float = STEP_TIMEOUT_S,
+        recovery_s: float = RECOVERY_S,
+    ) -> None:
+        self._plane = plane
+        self._client_of = client_of
+        self._failed = failed
+        self._timeout = timeout
+        self._recovery_s = recovery_s
+        self._history: dict[str, list[int]] = {}
+        self._wire: dict[str, tuple[str, int]] = {}
+        """Per session: the id its stages know it by, and the plan version holding it."""
+
+    async def step(self, session: str, position: int, token_ids: Sequence[int]) -> TopCandidates:
+        """One step of ``session`` through the chain; its next-token candidates."""
+        history = self._history.setdefault(session, [])
+        if position != len(history):
+            raise RequestError(f"session {session!r} holds {len(history)} tokens, not {position}")
+        deadline = time.monotonic() + self._recovery_s
+        version, client = await asyncio.to_thread(self._client_of, deadline)
+        wire, held_on = self._wire.setdefault(session, (session, version.plan_version))
+        tensors = step_inputs(position, token_ids)
+        if held_on == version.plan_version:
+            try:
+                out = await self._call(client, tensors, SessionStep(wire, position))
+            except (AgentError, NotServableError) as exc:
+                if isinstance(exc, CapacityError) or (position == 0 and not _lost(exc)):
+                    raise
+                await asyncio.to_thread(self._failed, version, exc)
+                log.warning(
+                    "session %s lost its chain (%s); replaying %d tokens",
+                    session,
+                    exc,
+                    position + len(token_ids),
+                )
+                out = await self._replay(session, [*history, *token_ids], deadline)
+        else:
+            out = await self._replay(session, [*history, *token_ids], deadline)
+        history.extend(token_ids)
+        return _candidates(out)
+
+    async def _replay(self, session: str, tokens: list[int], deadline: float) -> Arrays:
+        """Prefill ``tokens`` under a fresh id on the version in service now."""
+        while True:
+            version, client = await asyncio.to_thread(self._client_of, deadline)
+            wire = f"{session}~{secrets.token_hex(4)}"
+            try:
+                out = await self._call(client, step_inputs(0, tokens), SessionStep(wire, 0))
+            except (AgentError, NotServableError) as exc:
+                if isinstance(exc, CapacityError) or time.monotonic() > deadline:
+                    raise
+                await asyncio.to_thread(self._failed, version, exc)
+                continue
+            self._wire[session] = (wire, version.plan_version)
+            return out
+
+    async def end(self, session: str) -> None:
+        """Free ``session``'s cache on every stage that holds it."""
+        self._history.pop(session, None)
+        wire, held_on = self._wire.pop(session, (session, 0))
+        try:
+            version, client = await asyncio.to_thread(self._client_of, time.monotonic())
+            if version.plan_version == held_on:
+                await self._call(client, {}, SessionStep(wire, end=True))
+        except CoordinatorError as exc:  # its stages drop it when it times out
+            log.info("could not end session %s: %s", session, exc)
+
+    async def _call(self, client: ChainClient, tensors: Arrays, session: SessionStep) -> Arrays:
+        future = self._plane.submit(client.infer_async(tensors, self._timeout, session))
+        return await asyncio.wrap_future(future)
+
+
+def _lost(error: CoordinatorError) -> bool:
+    """Whether a failure means the chain (not the request) is broken."""
+    return isinstance(error, (AgentError, ChainBrokenError))
+
+
+def _candidates(out: Arrays) -> TopCandidates:
+    if TOP_LOGITS not in out or TOP_IDS not in out:
+        raise NotServableError(f"the chain answered without {TOP_LOGITS}/{TOP_IDS}")
+    return TopCandidates.of(out[TOP_LOGITS], out[TOP_IDS])
+
+
+class DecoderModels:
+    """The generation API's model lookup: deployed models whose directory holds a
+    ``decoder.json`` (what ``fedshard export`` writes for a decoder) and a tokenizer.
+
+    ``client_of`` gives the version to use and its chain client (see :data:`ClientOf`),
+    ``failed`` hears of broken chains, ``planned_context`` gives the context length a version's
+    stages reserved KV memory for (None when unknown). One backend per model keeps its
+    sessions' histories.
+    """
+
+    def __init__(
+        self,
+        store: DeploymentStore,
+        plane: DataPlane,
+        client_of: Callable[[str, float], tuple[VersionRecord, ChainClient]],
+        failed: FailureReport,
+        planned_context: Callable[[VersionRecord], int | None] = lambda _: None,
+    ) -> None:
+        self._store = store
+        self._plane = plane
+        self._client_of = client_of
+        self._failed = failed
+        self._backends: dict[str, ChainDecoderBackend] = {}
+        self._planned_context = planned_context
+        self._loaded: dict[tuple[str, str], tuple[ChatTokenizer, DecoderInfo]] = {}
+        self._lock = threading.Lock()
+
+    def __call__(self, model_id: str) -> GenerationModel | None:
+        """The generation model for ``model_id``, or None if it is not a deployed decoder."""
+        try:
+            record = self._store.model(model_id)
+            version = self._store.active(model_id)
+        except CoordinatorError:
+            return None
+        if record.tokenizer_dir is None:
+            return None
+        loaded = self._load(model_id, Path(record.tokenizer_dir))
+        if loaded is None:
+            return None
+        tokenizer, info = loaded
+        planned = self._planned_context(version)
+        if planned is not None and planned < info.max_context:
+            info = info.model_copy(update={"max_context": planned})
+        backend = self._backends.get(model_id)
+        if backend is None:
+            backend = self._backends[model_id] = ChainDecoderBackend(
+                self._plane, lambda deadline: self._client_of(model_id, deadline), self._failed
+            )
+        return GenerationModel(backend=backend, tokenizer=tokenizer, info=info)
+
+    def _load(self, model_id: str, directory: Path) -> tuple[ChatTokenizer, DecoderInfo] | None:
+        key = (model_id, str(directory))
+        with self._lock:
+            if key not in self._loaded:
+                path = directory / DECODER_FILE
+                if not path.is_file():
+                    return None
+                info = DecoderInfo.from_json(path.read_bytes())
+                self._loaded[key] = (ChatTokenizer.from_file(directory, info), info)
+            return self._loaded[key]
+
+
+def planned_context(
+    segment_dir: Callable[[str, int], Path],
+) -> Callable[[VersionRecord], int | None]:
+    """Reads a version's planned context length from the manifest in its segment directory."""
+
+    def read(version: VersionRecord) -> int | None:
+        path = segment_dir(version.model_id, version.plan_version) / "manifest.json"
+        try:
+            manifest = Manifest.from_json(path.read_bytes())
+        except (OSError, ProtocolError):
+            return None
+        return manifest.sessions.max_context if manifest.sessions is not None else None
+
+    return read

@@ -1,0 +1,1 @@
+"""Transport: bytes to agents (control-plane client, data-plane client)."""

@@ -1,0 +1,143 @@
+"""Control-plane client: one HTTPS request per connection to an agent, peer name checked.
+
+Blocking (``http.client`` over TLS 1.3); callers run it in worker threads. Every paired call
+checks that the agent's certificate names the device the coordinator expects with the agent
+role; pairing calls go to unpaired agents, whose self-signed certificates cannot be verified.
+"""
+
+from __future__ import annotations
+
+import http.client
+import ssl
+from dataclasses import dataclass
+from typing import TypeVar
+
+from coordinator.errors import AgentError, AgentRefusedError
+from coordinator.trust.identity import check_peer, pairing_context
+from protocols.base import FrozenModel
+from protocols.deploy import (
+    ROLE_AGENT,
+    AgentStatus,
+    DeployReport,
+    ErrorReply,
+    Hop,
+    ProbeReport,
+    ProbeRequest,
+    Revocations,
+    UnloadRequest,
+)
+from protocols.errors import SchemaError
+from protocols.pairing import PairingGrant, PairingOffer
+
+Model = TypeVar("Model", bound=FrozenModel)
+DEFAULT_TIMEOUT_S = 30.0
+DEPLOY_TIMEOUT_S = 300.0
+
+
+@dataclass(frozen=True)
+class AgentAddress:
+    """Where an agent's control plane listens, and the device name its certificate must carry."""
+
+    device: str
+    host: str
+    control_port: int
+
+
+class AgentClient:
+    """Talks to agents' control planes with the coordinator's client certificate."""
+
+    def __init__(self, ctx: ssl.SSLContext) -> None:
+        self._ctx = ctx
+
+    def status(self, agent: AgentAddress, timeout: float = DEFAULT_TIMEOUT_S) -> AgentStatus:
+        """``GET /v1/status``."""
+        return self._call(agent, "GET", "/v1/status", b"", AgentStatus, timeout)
+
+    def deploy(self, agent: AgentAddress, body: bytes) -> DeployReport:
+        """``POST /v1/deploy`` with a body from :func:`protocols.deploy.encode_deploy_body`."""
+        return self._call(agent, "POST", "/v1/deploy", body, DeployReport, DEPLOY_TIMEOUT_S)
+
+    def unload(self, agent: AgentAddress, plan_version: int) -> AgentStatus:
+        """``POST /v1/unload``."""
+        body = UnloadRequest(plan_version=plan_version).model_dump_json().encode()
+        return self._call(agent, "POST", "/v1/unload", body, AgentStatus)
+
+    def probe(self, agent: AgentAddress, target: Hop, payload_bytes: int) -> ProbeReport:
+        """``POST /v1/probe``: the agent measures its link to ``target``."""
+        request = ProbeRequest(target=target, payload_bytes=payload_bytes, rounds=4)
+        return self._call(
+            agent, "POST", "/v1/probe", request.model_dump_json().encode(), ProbeReport
+        )
+
+    def metrics(self, agent: AgentAddress) -> str:
+        """``GET /metrics``: the agent's Prometheus text exposition."""
+        status, data = _request(agent, "GET", "/metrics", b"", self._ctx, 10.0, check=True)
+        if status != 200:
+            message = data[:200].decode(errors="replace")
+            raise AgentRefusedError(agent.device, status, "HttpError", message)
+        return data.decode("utf-8", errors="replace")
+
+    def revocations(self, agent: AgentAddress, revoked: Revocations) -> AgentStatus:
+        """``POST /v1/revocations``: install the complete revocation list."""
+        body = revoked.model_dump_json().encode()
+        return self._call(agent, "POST", "/v1/revocations", body, AgentStatus)
+
+    def _call(
+        self,
+        agent: AgentAddress,
+        method: str,
+        path: str,
+        body: bytes,
+        model: type[Model],
+        timeout: float = DEFAULT_TIMEOUT_S,
+    ) -> Model:
+        status, data = _request(agent, method, path, body, self._ctx, timeout, check=True)
+        return _parse(agent, status, data, model)
+
+
+def fetch_offer(agent: AgentAddress) -> PairingOffer:
+    """``GET /v1/pairing`` on an unpaired agent."""
+    status, data = _request(agent, "GET", "/v1/pairing", b"", pairing_context(), 10.0, False)
+    return _parse(agent, status, data, PairingOffer)
+
+
+def send_grant(agent: AgentAddress, grant: PairingGrant) -> AgentStatus:
+    """``POST /v1/pairing`` to an unpaired agent: its certificate and the CA."""
+    body = grant.model_dump_json().encode()
+    status, data = _request(agent, "POST", "/v1/pairing", body, pairing_context(), 10.0, False)
+    return _parse(agent, status, data, AgentStatus)
+
+
+def _request(
+    agent: AgentAddress,
+    method: str,
+    path: str,
+    body: bytes,
+    ctx: ssl.SSLContext,
+    timeout: float,
+    check: bool,
+) -> tuple[int, bytes]:
+    conn = http.client.HTTPSConnection(agent.host, agent.control_port, context=ctx, timeout=timeout)
+    try:
+        conn.connect()
+        if check:
+            assert isinstance(conn.sock, ssl.SSLSocket)
+            check_peer(conn.sock, agent.device, ROLE_AGENT)
+        headers = {"Content-Type": "application/octet-stream", "Connection": "close"}
+        conn.request(method, path, body=body, headers=headers)
+        response = conn.getresponse()
+        return response.status, response.read()
+    except (OSError, ssl.SSLError, http.client.HTTPException) as exc:
+        raise AgentError(f"{agent.device} ({agent.host}:{agent.control_port}): {exc}") from exc
+    finally:
+        conn.close()
+
+
+def _parse(agent: AgentAddress, status: int, data: bytes, model: type[Model]) -> Model:
+    try:
+        if status != 200:
+            reply = ErrorReply.from_json(data)
+            raise AgentRefusedError(agent.device, status, reply.error, reply.message)
+        return model.from_json(data)
+    except SchemaError as exc:
+        raise AgentError(f"{agent.device} sent an unreadable reply ({status}): {exc}") from exc

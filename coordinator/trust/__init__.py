@@ -1,0 +1,1 @@
+"""Trust: the CA, the coordinator's identity, pairing and revocation delivery."""

@@ -1,0 +1,162 @@
+"""Pairing and revocation as the running coordinator does them, over the agents' control planes.
+
+:class:`TrustService` polls the registry: for every online agent that announces itself unpaired
+(and is not revoked) it fetches the agent's :class:`~protocols.pairing.PairingOffer` and records
+it as pending, with its code. Approving ``NAME CODE`` issues the certificate and POSTs the
+:class:`~protocols.pairing.PairingGrant` to the agent (retried by the poller if the agent was
+unreachable). Revoking pushes the complete revocation list to every paired agent, and to any
+paired agent seen later, so every agent refuses the device on both planes.
+"""
+
+from __future__ import annotations
+
+import logging
+import threading
+
+from coordinator.errors import AgentError, PairingError
+from coordinator.fleet.registry import DeviceRecord, DeviceRegistry
+from coordinator.transport.agent_client import AgentAddress, AgentClient, fetch_offer, send_grant
+from coordinator.trust.ca import CertificateAuthority
+from coordinator.trust.pairing import PairedDevice, Pairing
+from protocols.deploy import Revocations
+from protocols.pairing import PairingGrant
+
+log = logging.getLogger(__name__)
+POLL_INTERVAL_S = 0.5
+
+
+def address_of(record: DeviceRecord) -> AgentAddress:
+    """Where a registry record's control plane listens."""
+    return AgentAddress(record.name, record.host, record.announcement.profile.control_port)
+
+
+class TrustService:
+    """Pending offers from discovered agents, grants, and revocation pushes."""
+
+    def __init__(
+        self,
+        pairing: Pairing,
+        registry: DeviceRegistry,
+        ca: CertificateAuthority,
+        agents: AgentClient,
+    ) -> None:
+        self._pairing = pairing
+        self._registry = registry
+        self._ca = ca
+        self._agents = agents
+        self._offered: set[str] = set()
+        """Fingerprints of unpaired agents whose offer is recorded."""
+        self._undelivered: dict[str, PairedDevice] = {}
+        self._revocations_sent: dict[str, Revocations] = {}
+        self._lock = threading.Lock()
+        self._stop = threading.Event()
+        self._thread: threading.Thread | None = None
+
+    def trusted(self) -> list[DeviceRecord]:
+        """Online devices paired with exactly the certificate they announce, not revoked."""
+        return [
+            r
+            for r in self._registry.devices()
+            if r.announcement.state.paired and self._pairing.is_trusted(r.name, r.fingerprint)
+        ]
+
+    def approve(self, name: str, code: str) -> PairedDevice:
+        """Issue ``name``'s certificate if ``code`` matches, and deliver it to the agent."""
+        device = self._pairing.approve(name, code)
+        with self._lock:
+            self._undelivered[name] = device
+        self._deliver_grants()
+        return device
+
+    def revoke(self, name: str) -> list[str]:
+        """Revoke ``name`` and tell every paired agent; returns the agents that were told."""
+        self._pairing.revoke(name)
+        return self._push_revocations(force=True)
+
+    def poll_once(self) -> None:
+        """One round: collect offers, deliver grants, spread the revocation list."""
+        self._collect_offers()
+        self._deliver_grants()
+        self._push_revocations(force=False)
+
+    def start(self) -> None:
+        """Poll in a background thread until :meth:`stop`."""
+        self._thread = threading.Thread(target=self._run, name="pairing-poller")
+        self._thread.start()
+
+    def stop(self) -> None:
+        """Stop polling and join the thread."""
+        self._stop.set()
+        if self._thread is not None:
+            self._thread.join(30.0)
+
+    def _run(self) -> None:
+        while not self._stop.wait(POLL_INTERVAL_S):
+            self.poll_once()
+
+    def _collect_offers(self) -> None:
+        book = self._pairing.book()
+        paired = {d.name for d in book.paired}
+        for record in self._registry.devices():
+            if (
+                record.announcement.state.paired
+                or record.fingerprint in self._offered
+                or record.name in book.revoked_names
+                or record.name in paired
+            ):
+                continue
+            try:
+                offer = fetch_offer(address_of(record))
+                if offer.name != record.name:
+                    log.warning("%s offered a request for %r; ignored", record.name, offer.name)
+                    continue
+                code = self._pairing.request(offer.name, offer.csr_pem, offer.node_public_key)
+            except (AgentError, PairingError) as exc:
+                log.info("no pairing offer from %s yet: %s", record.name, exc)
+                continue
+            if code != offer.code:
+                log.warning("%s shows code %s, its key gives %s", record.name, offer.code, code)
+                continue
+            self._offered.add(record.fingerprint)
+            log.warning("pairing request from %s: code %s", record.name, code)
+
+    def _deliver_grants(self) -> None:
+        with self._lock:
+            waiting = dict(self._undelivered)
+        for name, device in waiting.items():
+            record = next(
+                (r for r in self._registry.devices() if r.name == name and not _paired(r)), None
+            )
+            if record is None:
+                continue
+            grant = PairingGrant(ca_pem=self._ca.cert_pem.decode(), cert_pem=device.cert_pem)
+            try:
+                send_grant(address_of(record), grant)
+            except AgentError as exc:
+                log.warning("could not deliver the certificate to %s: %s", name, exc)
+                continue
+            log.warning("paired %s (certificate %s)", name, device.fingerprint[:16])
+            with self._lock:
+                self._undelivered.pop(name, None)
+
+    def _push_revocations(self, force: bool) -> list[str]:
+        book = self._pairing.book()
+        revoked = Revocations(names=book.revoked_names, fingerprints=book.revoked_fingerprints)
+        if not revoked.names and not revoked.fingerprints:
+            return []
+        told = []
+        for record in self.trusted():
+            if not force and self._revocations_sent.get(record.fingerprint) == revoked:
+                continue
+            try:
+                self._agents.revocations(address_of(record), revoked)
+            except AgentError as exc:
+                log.warning("could not send the revocation list to %s: %s", record.name, exc)
+                continue
+            self._revocations_sent[record.fingerprint] = revoked
+            told.append(record.name)
+        return told
+
+
+def _paired(record: DeviceRecord) -> bool:
+    return record.announcement.state.paired

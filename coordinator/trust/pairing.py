@@ -1,0 +1,270 @@
+"""Pairing: agents ask for a certificate, the operator approves by code, revoked ones stay out.
+
+An agent sends a certificate request; the coordinator keeps it as *pending* with the pairing
+code derived from the request's public key (the agent shows the same code). The operator
+approves ``NAME CODE``; a wrong code is refused, and wrong codes are rate-limited (see
+:class:`AttemptLimits`): too many for one device, or for all devices together, within a window
+lock approvals for a while, even with the right code. Approval issues a certificate from the CA.
+Revocation is by certificate fingerprint and by device name, and is permanent. The book is
+persisted atomically in the state dir, so pairings survive a restart.
+"""
+
+from __future__ import annotations
+
+import math
+import threading
+import time
+from collections import deque
+from collections.abc import Callable
+from dataclasses import dataclass
+from pathlib import Path
+
+from cryptography import x509
+from cryptography.hazmat.primitives import serialization
+from cryptography.hazmat.primitives.asymmetric.types import CertificatePublicKeyTypes
+from pydantic import Field
+
+from coordinator.errors import (
+    PairingError,
+    RevokedError,
+    StateError,
+    TooManyAttemptsError,
+    WrongCodeError,
+)
+from coordinator.state import write_atomic
+from coordinator.trust.ca import CertificateAuthority
+from protocols.base import FrozenModel
+from protocols.deploy import ROLE_AGENT
+from protocols.errors import SchemaError
+from protocols.pairing import codes_match, pairing_code
+
+BOOK_FILE = "pairings.json"
+MAX_PENDING = 64
+
+
+class PendingRequest(FrozenModel):
+    """A certificate request waiting for the operator."""
+
+    name: str
+    code: str
+    csr_pem: str
+    requested_at: float
+    node_public_key: str | None = None
+    """The agent's Flower node-authentication key (OpenSSH), if it sent one."""
+
+
+class PairedDevice(FrozenModel):
+    """A device the CA certified."""
+
+    name: str
+    fingerprint: str
+    cert_pem: str
+    paired_at: float
+    node_public_key: str | None = None
+    """Registered with the SuperLink of every training run (see :meth:`Pairing.node_keys`)."""
+
+
+class PairingBook(FrozenModel):
+    """The ``pairings.json`` file."""
+
+    pending: list[PendingRequest] = Field(default_factory=list)
+    paired: list[PairedDevice] = Field(default_factory=list)
+    revoked_fingerprints: list[str] = Field(default_factory=list)
+    revoked_names: list[str] = Field(default_factory=list)
+
+
+@dataclass(frozen=True)
+class AttemptLimits:
+    """How many failed approvals are tolerated before approvals are locked.
+
+    A failure is a wrong code (counted for the device and overall) or an approval for a name
+    with no pending request (counted overall). ``per_device`` failures for one name within
+    ``window_s`` lock that name, and ``overall`` failures within ``window_s`` lock every name,
+    for ``lockout_s`` seconds. With 40-bit codes this keeps guessing hopeless.
+    """
+
+    per_device: int = 5
+    overall: int = 20
+    window_s: float = 300.0
+    lockout_s: float = 300.0
+
+
+class AttemptLimiter:
+    """Sliding-window failure counts per device name and overall, and the locks they cause."""
+
+    OVERALL = ""
+    """Key of the overall count (device names are never empty)."""
+
+    def __init__(self, limits: AttemptLimits, clock: Callable[[], float]) -> None:
+        self._limits = limits
+        self._clock = clock
+        self._failures: dict[str, deque[float]] = {}
+        self._locked_until: dict[str, float] = {}
+
+    def check(self, name: str) -> None:
+        """Raise TooManyAttemptsError while ``name``, or every name, is locked."""
+        now = self._clock()
+        for key in (self.OVERALL, name):
+            until = self._locked_until.get(key, 0.0)
+            if until > now:
+                whom = "all devices" if key == self.OVERALL else f"device {name!r}"
+                wait = math.ceil(until - now)
+                raise TooManyAttemptsError(
+                    f"too many wrong pairing codes for {whom}: try again in {wait} s", until - now
+                )
+
+    def failed(self, name: str | None) -> None:
+        """Count a failure for ``name`` (None: overall only) and lock what went over."""
+        now = self._clock()
+        self._count(self.OVERALL, now, self._limits.overall)
+        if name is not None:
+            self._count(name, now, self._limits.per_device)
+
+    def succeeded(self, name: str) -> None:
+        """Forget ``name``'s failures (the overall count stays)."""
+        self._failures.pop(name, None)
+        self._locked_until.pop(name, None)
+
+    def _count(self, key: str, now: float, limit: int) -> None:
+        times = self._failures.setdefault(key, deque())
+        times.append(now)
+        while times and times[0] <= now - self._limits.window_s:
+            times.popleft()
+        if len(times) >= limit:
+            self._locked_until[key] = now + self._limits.lockout_s
+            times.clear()
+
+
+class Pairing:
+    """Pending requests, approvals and revocations, backed by the state dir."""
+
+    def __init__(
+        self,
+        state_dir: Path,
+        ca: CertificateAuthority,
+        limits: AttemptLimits | None = None,
+        clock: Callable[[], float] = time.monotonic,
+    ) -> None:
+        self._path = state_dir / BOOK_FILE
+        self._ca = ca
+        self._lock = threading.Lock()
+        self._book = self._load()
+        self._attempts = AttemptLimiter(limits or AttemptLimits(), clock)
+
+    def request(self, name: str, csr_pem: str, node_public_key: str | None = None) -> str:
+        """Record an agent's certificate request (and node key); returns its pairing code."""
+        try:
+            csr = x509.load_pem_x509_csr(csr_pem.encode())
+        except ValueError as exc:
+            raise PairingError(f"not a PEM certificate request: {exc}") from exc
+        if not csr.is_signature_valid:
+            raise PairingError("the certificate request is not signed by its own key")
+        code = pairing_code(_spki(csr.public_key()))
+        with self._lock:
+            if name in self._book.revoked_names:
+                raise RevokedError(f"device {name!r} is revoked")
+            pending = [p for p in self._book.pending if p.name != name][-(MAX_PENDING - 1) :]
+            entry = PendingRequest(
+                name=name,
+                code=code,
+                csr_pem=csr_pem,
+                requested_at=time.time(),
+                node_public_key=node_public_key,
+            )
+            self._save(self._book.model_copy(update={"pending": [*pending, entry]}))
+        return code
+
+    def approve(self, name: str, code: str) -> PairedDevice:
+        """Issue the certificate of the pending request of ``name`` if ``code`` matches it.
+
+        Raises TooManyAttemptsError while approvals for ``name`` are locked (see
+        :class:`AttemptLimits`), whatever the code.
+        """
+        with self._lock:
+            self._attempts.check(name)
+            if name in self._book.revoked_names:
+                raise RevokedError(f"device {name!r} is revoked")
+            request = next((p for p in self._book.pending if p.name == name), None)
+            if request is None:
+                self._attempts.failed(None)
+                raise PairingError(f"no pending pairing request from {name!r}")
+            if not codes_match(request.code, code):
+                self._attempts.failed(name)
+                raise WrongCodeError(f"the code does not match device {name!r}")
+            self._attempts.succeeded(name)
+            issued = self._ca.issue(request.csr_pem.encode(), name=name, role=ROLE_AGENT)
+            device = PairedDevice(
+                name=name,
+                fingerprint=issued.fingerprint,
+                cert_pem=issued.pem.decode(),
+                paired_at=time.time(),
+                node_public_key=request.node_public_key,
+            )
+            book = self._book
+            self._save(
+                book.model_copy(
+                    update={
+                        "pending": [p for p in book.pending if p.name != name],
+                        "paired": [*(d for d in book.paired if d.name != name), device],
+                    }
+                )
+            )
+        return device
+
+    def revoke(self, name: str) -> None:
+        """Refuse ``name`` and every certificate it was given, from now on."""
+        with self._lock:
+            book = self._book
+            if name not in {d.name for d in book.paired} | {p.name for p in book.pending}:
+                raise PairingError(f"unknown device {name!r}")
+            fingerprints = [d.fingerprint for d in book.paired if d.name == name]
+            self._save(
+                book.model_copy(
+                    update={
+                        "pending": [p for p in book.pending if p.name != name],
+                        "paired": [d for d in book.paired if d.name != name],
+                        "revoked_fingerprints": sorted({*book.revoked_fingerprints, *fingerprints}),
+                        "revoked_names": sorted({*book.revoked_names, name}),
+                    }
+                )
+            )
+
+    def book(self) -> PairingBook:
+        """A snapshot of every pending, paired and revoked device."""
+        with self._lock:
+            return self._book
+
+    def fingerprint_of(self, name: str) -> str | None:
+        """The certificate fingerprint ``name`` is paired with (None if unpaired or revoked)."""
+        with self._lock:
+            return next((d.fingerprint for d in self._book.paired if d.name == name), None)
+
+    def node_keys(self) -> dict[str, str]:
+        """Node-authentication keys of the paired (not revoked) devices that sent one, by name."""
+        with self._lock:
+            return {d.name: d.node_public_key for d in self._book.paired if d.node_public_key}
+
+    def is_trusted(self, name: str, fingerprint: str) -> bool:
+        """Whether ``name`` is paired with exactly this certificate and not revoked."""
+        with self._lock:
+            if fingerprint in self._book.revoked_fingerprints:
+                return False
+            return any(d.name == name and d.fingerprint == fingerprint for d in self._book.paired)
+
+    def _load(self) -> PairingBook:
+        if not self._path.exists():
+            return PairingBook()
+        try:
+            return PairingBook.from_json(self._path.read_bytes())
+        except (OSError, SchemaError) as exc:
+            raise StateError(f"cannot read {self._path}: {exc}") from exc
+
+    def _save(self, book: PairingBook) -> None:
+        write_atomic(self._path, book.to_json().encode(), mode=0o600)
+        self._book = book
+
+
+def _spki(public_key: CertificatePublicKeyTypes) -> bytes:
+    return public_key.public_bytes(
+        serialization.Encoding.DER, serialization.PublicFormat.SubjectPublicKeyInfo
+    )

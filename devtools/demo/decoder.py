@@ -1,0 +1,91 @@
+"""Demo and benchmark steps for a decoder: export it, deploy it across the agents, chat with it.
+
+Used by ``fedshard demo`` and ``bench/generate.py``; everything goes through the same CLI and
+HTTP API a user has (``fedshard export``, ``POST /v1/deployments``, ``/v1/chat/completions``).
+"""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import time
+from collections.abc import Sequence
+from pathlib import Path
+from typing import Any
+
+from rich.console import Console
+
+from devtools.demo.procs import fedshard_command
+from devtools.demo.steps import Api, DemoStepError
+from protocols.decoder import DECODER_FILE, MODEL_FILE, DecoderInfo
+
+DEPLOY_TIMEOUT_S = 900.0
+CAP_SHARE = 0.8
+"""Each device's planning cap as a share of the model's weights: with the tied embedding held
+by both the first and the last stage, no two devices can hold the model."""
+
+
+def export_decoder(console: Console, name: str, out: Path, cache_dir: Path) -> Path:
+    """``fedshard export NAME OUT`` unless ``OUT`` already holds the export; returns ``OUT``."""
+    if (out / DECODER_FILE).is_file() and (out / MODEL_FILE).is_file():
+        console.print(f"[green]{name}[/] already exported in {out}")
+        return out
+    command = [*fedshard_command(), "export", name, str(out), "--cache-dir", str(cache_dir)]
+    console.print(f"exporting {name} (the first time converts the weights; cached after)")
+    started = time.monotonic()
+    done = subprocess.run(command, stdin=subprocess.DEVNULL, check=False)
+    if done.returncode != 0:
+        raise DemoStepError(f"`{' '.join(command)}` failed with exit code {done.returncode}")
+    console.print(f"[green]exported {name}[/] in {time.monotonic() - started:.0f} s")
+    return out
+
+
+def decoder_info(export: Path) -> DecoderInfo:
+    """The export's ``decoder.json``."""
+    return DecoderInfo.from_json((export / DECODER_FILE).read_bytes())
+
+
+def three_way_caps(export: Path, names: Sequence[str]) -> dict[str, int]:
+    """Planning caps that no two of the devices can hold the model under."""
+    weights = (export / MODEL_FILE).stat().st_size
+    return {name: int(CAP_SHARE * weights) for name in names}
+
+
+def deploy_decoder(
+    console: Console, api: Api, export: Path, model_id: str, caps: dict[str, int]
+) -> dict[str, Any]:
+    """POST /v1/deployments for the export (its directory is the tokenizer directory)."""
+    body = {
+        "model_path": str((export / MODEL_FILE).resolve()),
+        "model_id": model_id,
+        "memory_caps": caps,
+        "tokenizer_dir": str(export.resolve()),
+    }
+    started = time.monotonic()
+    with console.status(f"deploying {model_id}: planning, cutting, pushing, warm-up, health..."):
+        code, reply = api.call("POST", "/v1/deployments", body, timeout=DEPLOY_TIMEOUT_S)
+    if code != 200:
+        raise DemoStepError(f"deploy of {model_id} failed ({code}): {reply.get('detail', reply)}")
+    console.print(
+        f"[green]deployed {model_id} v{reply['plan_version']}[/] in "
+        f"{time.monotonic() - started:.1f} s across {len(reply['segments'])} devices"
+    )
+    return dict(reply)
+
+
+def chat(
+    api: Api, model_id: str, question: str, max_tokens: int = 48, stop: Sequence[str] = ()
+) -> dict[str, Any]:
+    """One greedy chat completion (not streamed); the response body."""
+    body: dict[str, Any] = {
+        "model": model_id,
+        "messages": [{"role": "user", "content": question}],
+        "max_tokens": max_tokens,
+        "temperature": 0,
+    }
+    if stop:
+        body["stop"] = list(stop)
+    code, reply = api.call("POST", "/v1/chat/completions", body, timeout=600)
+    if code != 200:
+        raise DemoStepError(f"chat completion failed ({code}): {json.dumps(reply)[:400]}")
+    return dict(reply)

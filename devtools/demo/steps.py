@@ -1,0 +1,296 @@
+"""The steps of ``fedshard demo``, each printing what it shows.
+
+They talk to the coordinator only through its HTTP API (the processes themselves are owned by
+:mod:`devtools.demo.procs`), except for the deployment's manifest, which the demo reads from
+the coordinator's state directory for the planning units of each segment.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import json
+import logging
+import time
+import warnings
+from collections.abc import Callable, Iterator, Sequence
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+from rich.console import Console
+from rich.table import Table
+
+MODEL_ID = "all-minilm-l6-v2"
+AGENT_MEMORY = "1GiB"
+"""Each agent's own budget. Gemma 3 270M (1,023 MiB of float32 weights, plus its KV cache and
+runtime) fits on none of them; MiniLM is held to three devices by the planning caps below."""
+CAPS_MB = {"nas": 70, "laptop": 30, "sbc": 30}
+"""Planning caps (MB) the deployment is made with: MiniLM's ~90 MB of weights fit on no single
+device, nor on any two, so the planner must use all three."""
+SENTENCES = [
+    "A quick brown fox jumps over the lazy dog.",
+    "A fast brown fox leaps over a sleepy dog.",
+    "Paris is the capital of France.",
+    "How do I bake bread at home?",
+]
+PAIR_TIMEOUT_S = 60.0
+DEPLOY_TIMEOUT_S = 900.0
+TRAINING_TIMEOUT_S = 900.0
+
+
+@dataclass(frozen=True)
+class Api:
+    """A small client of the coordinator's API with its token."""
+
+    url: str
+    token: str
+
+    def call(
+        self, method: str, path: str, body: Any = None, timeout: float = 60.0
+    ) -> tuple[int, Any]:
+        import httpx
+
+        headers = {"Authorization": f"Bearer {self.token}"}
+        with httpx.Client(base_url=self.url, timeout=timeout, trust_env=False) as client:
+            response = client.request(method, path, json=body, headers=headers)
+        try:
+            return response.status_code, response.json()
+        except ValueError:
+            return response.status_code, {"detail": response.text}
+
+    def get(self, path: str) -> Any:
+        code, reply = self.call("GET", path)
+        if code != 200:
+            raise DemoStepError(f"GET {path}: {code} {reply}")
+        return reply
+
+
+class DemoStepError(RuntimeError):
+    """A step of the demo failed; the message says which and why."""
+
+
+def export_model(console: Console, cache: Path) -> Path:
+    """all-MiniLM-L6-v2 exported from its package to ONNX (reused when already there)."""
+    from partitioner.frontdoor import export_minilm
+
+    cache.mkdir(parents=True, exist_ok=True)
+    model = cache / "all-MiniLM-L6-v2.onnx"
+    if model.exists():
+        console.print(f"all-MiniLM-L6-v2 already exported: {model}")
+        return model
+    partial = cache / "export.onnx"
+    with (
+        console.status("exporting all-MiniLM-L6-v2 from its package (real weights)..."),
+        _quiet_export(),
+    ):
+        export_minilm(partial)
+    partial.replace(model)
+    console.print(f"exported all-MiniLM-L6-v2 to {model}")
+    return model
+
+
+@contextlib.contextmanager
+def _quiet_export() -> Iterator[None]:
+    """Silence torch's and transformers' export chatter (warnings, progress bars) on screen."""
+    loggers = [logging.getLogger(name) for name in ("torch", "transformers", "onnxscript")]
+    levels = [logger.level for logger in loggers]
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        for logger in loggers:
+            logger.setLevel(logging.ERROR)
+        try:
+            with contextlib.suppress(ImportError):
+                from transformers.utils import logging as hf_logging
+
+                hf_logging.set_verbosity_error()  # type: ignore[no-untyped-call]
+                hf_logging.disable_progress_bar()  # type: ignore[no-untyped-call]
+            yield
+        finally:
+            for logger, level in zip(loggers, levels, strict=True):
+                logger.setLevel(level)
+
+
+def budgets_table(names: dict[str, str]) -> Table:
+    """The agents' budgets and the planning caps, by role -> device name."""
+    table = Table(title="three agents on 127.0.0.1 (MiniLM weights: ~90 MB)")
+    for column in ("device", "agent memory budget", "planning cap"):
+        table.add_column(column, justify="right")
+    for role, name in names.items():
+        table.add_row(name, AGENT_MEMORY, f"{CAPS_MB[role]} MB")
+    return table
+
+
+def pair_automatically(
+    console: Console, api: Api, names: Sequence[str], alive: Callable[[], None]
+) -> None:
+    """Approve each agent's pending pairing request with the code the API shows (demo only)."""
+    console.print(
+        "[bold yellow]demo mode: pairing automatically[/] (a real deployment approves each "
+        "agent's code with `fedshard pair NAME CODE` or in the console)"
+    )
+    wanted = set(names)
+    deadline = time.monotonic() + PAIR_TIMEOUT_S
+    with console.status("waiting for the agents' pairing requests (mDNS on 127.0.0.1)..."):
+        while True:
+            alive()
+            statuses = _statuses(api, wanted)
+            if all(statuses.get(n) == "paired" for n in wanted):
+                break
+            pending = {p["name"]: p["code"] for p in api.get("/v1/pairing")["pending"]}
+            for name in sorted(wanted):
+                if statuses.get(name) != "paired" and name in pending:
+                    code, reply = api.call(
+                        "POST", "/v1/pairing/approve", {"name": name, "code": pending[name]}
+                    )
+                    if code == 200:
+                        console.print(f"  paired {name} (code {pending[name]})")
+                    elif code != 404:
+                        raise DemoStepError(f"pairing {name} failed: {code} {reply}")
+            if time.monotonic() > deadline:
+                raise DemoStepError(f"agents not paired within {PAIR_TIMEOUT_S:.0f} s: {statuses}")
+            time.sleep(0.3)
+    console.print(f"[green]paired {len(wanted)} agents[/]")
+
+
+def _statuses(api: Api, names: set[str]) -> dict[str, str]:
+    devices = api.get("/v1/devices")
+    return {d["name"]: d["status"] for d in devices if d["online"] and d["name"] in names}
+
+
+def deploy_minilm(console: Console, api: Api, model: Path, caps: dict[str, int]) -> dict[str, Any]:
+    """POST /v1/deployments with the planning caps; the new version record."""
+    body = {"model_path": str(model.resolve()), "model_id": MODEL_ID, "memory_caps": caps}
+    started = time.monotonic()
+    with console.status(
+        "deploying all-MiniLM-L6-v2: measuring links, planning, cutting, signing, pushing "
+        "segments, warm-up and health check..."
+    ):
+        code, reply = api.call("POST", "/v1/deployments", body, timeout=DEPLOY_TIMEOUT_S)
+    if code != 200:
+        raise DemoStepError(f"deploy failed ({code}): {reply.get('detail', reply)}")
+    console.print(
+        f"[green]deployed {MODEL_ID} v{reply['plan_version']}[/] in "
+        f"{time.monotonic() - started:.1f} s across {len(reply['segments'])} devices"
+    )
+    return dict(reply)
+
+
+def plan_table(api: Api, state_dir: Path, model_id: str = MODEL_ID) -> Table:
+    """A model's active plan next to what the agents measured (GET /v1/deployments)."""
+    records = api.get("/v1/deployments")
+    record = next((r for r in records if r["model_id"] == model_id), None)
+    if record is None or record.get("active") is None:
+        raise DemoStepError(f"{model_id} has no active version")
+    version = next(v for v in record["versions"] if v["plan_version"] == record["active"])
+    units = _units(state_dir / "deployments" / model_id / f"v{version['plan_version']}")
+    table = Table(
+        title=f"plan: {model_id} v{version['plan_version']} ({version['objective']}), "
+        f"health check max |diff| {version['health_max_abs_diff']:.1e}",
+        caption="pred.: the planner's prediction; meas.: what the agent measured (resident "
+        "memory after loading, stage time in the warm-up)",
+    )
+    for column in (
+        "segment",
+        "device",
+        "units",
+        "pred. MB",
+        "meas. MB",
+        "pred. ms",
+        "meas. ms",
+    ):
+        table.add_column(column, justify="right", no_wrap=column == "device")
+    for p in version["segments"]:
+        first, end = units.get(p["index"], (0, 0))
+        table.add_row(
+            str(p["index"]),
+            p["device"],
+            f"{first}-{end - 1}" if end > first else "-",
+            f"{p['predicted_memory_bytes'] / 1e6:.1f}",
+            f"{p['measured_memory_bytes'] / 1e6:.1f}",
+            f"{p['predicted_compute_s'] * 1e3:.2f}",
+            f"{p['warmup_s'] * 1e3:.2f}",
+        )
+    return table
+
+
+def _units(version_dir: Path) -> dict[int, tuple[int, int]]:
+    """Segment index -> half-open range of planning units, from the version's manifest."""
+    try:
+        manifest = json.loads((version_dir / "manifest.json").read_text())
+        return {
+            int(s["index"]): (int(s["units"][0]), int(s["units"][1])) for s in manifest["segments"]
+        }
+    except (OSError, ValueError, KeyError, TypeError, IndexError):
+        return {}
+
+
+def similarity_table(console: Console, api: Api) -> Table:
+    """Cosine similarities of :data:`SENTENCES` embedded by the sharded model."""
+    with console.status("embedding four sentences through the three agents (/v1/embeddings)..."):
+        code, reply = api.call("POST", "/v1/embeddings", {"model": MODEL_ID, "input": SENTENCES})
+    if code != 200:
+        raise DemoStepError(f"/v1/embeddings failed ({code}): {reply.get('detail', reply)}")
+    vectors = np.array([item["embedding"] for item in reply["data"]], dtype=np.float64)
+    vectors /= np.linalg.norm(vectors, axis=1, keepdims=True)
+    similarity = vectors @ vectors.T
+    table = Table(title="sentence similarity (cosine) from /v1/embeddings")
+    table.add_column("#", justify="right")
+    table.add_column("sentence")
+    for index in range(len(SENTENCES)):
+        table.add_column(str(index), justify="right")
+    for index, sentence in enumerate(SENTENCES):
+        table.add_row(str(index), sentence, *(f"{value:.2f}" for value in similarity[index]))
+    return table
+
+
+def start_training(api: Api, rounds: int = 2) -> str:
+    """Start the coordinator's own federated run (``POST /v1/training/runs``); its run id.
+
+    The coordinator fine-tunes its reference task (the digits CNN, built and pre-trained on half
+    the classes under its state dir) with three local SuperNodes, SecAgg+ and DP. The run goes
+    on in the coordinator's background while the demo deploys the models.
+    """
+    body = {"rounds": rounds, "secure_aggregation": True, "dp": True}
+    code, reply = api.call("POST", "/v1/training/runs", body)
+    if code != 200:
+        raise DemoStepError(f"starting federated fine-tuning failed ({code}): {reply}")
+    return str(reply["run_id"])
+
+
+def training_summary(
+    console: Console, api: Api, run_id: str, rounds: int, timeout_s: float = TRAINING_TIMEOUT_S
+) -> None:
+    """Wait for the run to finish (showing its rounds as they come), then print its summary."""
+    from coordinator.training.runner import RunnerSettings
+
+    path = f"/v1/training/runs/{run_id}"
+    deadline = time.monotonic() + timeout_s
+    with console.status("federated fine-tuning (Flower, SecAgg+, differential privacy)...") as st:
+        while (run := api.get(path))["status"] not in ("finished", "failed"):
+            if time.monotonic() > deadline:
+                raise DemoStepError(f"federated fine-tuning not done within {timeout_s:.0f} s")
+            done = len(run["rounds"])
+            st.update(f"federated fine-tuning: round {done + 1} of {rounds}...")
+            time.sleep(0.5)
+    if run["status"] == "failed":
+        raise DemoStepError(f"federated fine-tuning failed: {run['error']}")
+    last = run["rounds"][-1]
+    privacy = (
+        "without differential privacy"
+        if last["epsilon"] is None
+        else f"differential privacy ε = {last['epsilon']:.2f} (δ = {RunnerSettings().delta:g})"
+    )
+    seconds = sum(r["seconds"] for r in run["rounds"])
+    console.print(
+        f"[green]federated fine-tuning:[/] digits CNN on 3 clients, accuracy "
+        f"{run['baseline_accuracy']:.3f} -> {last['accuracy']:.3f} after {len(run['rounds'])} "
+        f"rounds (SecAgg+), {privacy}, {seconds:.0f} s of rounds",
+        soft_wrap=True,
+    )
+    if last["epsilon"] is not None and last["epsilon"] > 10:
+        console.print(
+            "  (the coordinator's runs use `fedshard train`'s default noise multiplier, which "
+            "favours accuracy; `fedshard train --noise-multiplier` sets a larger one for a "
+            "smaller ε)"
+        )
