@@ -315,7 +315,7 @@ def test_plan_route_shows_units_memory_and_the_bottleneck(
     assert [s["bottleneck"] for s in stages] == [False, True, False]
     assert client.get("/v1/plan/nope", headers=AUTH).status_code == 404
     missing = client.get("/v1/plan/stack?version=9", headers=AUTH)
-    assert missing.status_code == 422 and "no version 9" in missing.json()["detail"]
+    assert missing.status_code == 400 and "no version 9" in missing.json()["detail"]
 
 
 def test_what_if_replans_without_deploying(deployed: tuple[TestClient, Services]) -> None:

@@ -238,7 +238,7 @@ def test_api_errors_are_4xx_with_a_message(lab: Lab) -> None:
         bad = api.post(
             "/v1/infer", content=b"{not json", headers={"Content-Type": "application/json"}
         )
-        assert bad.status_code == 422 and "malformed" in bad.json()["detail"]
+        assert bad.status_code == 400 and "malformed" in bad.json()["detail"]
         ids = np.array([[101, 2023, 102]], dtype=np.int64)
         shape = api.post(
             "/v1/infer",
@@ -251,7 +251,7 @@ def test_api_errors_are_4xx_with_a_message(lab: Lab) -> None:
                 },
             },
         )
-        assert shape.status_code == 422 and "rank" in shape.json()["detail"]
+        assert shape.status_code == 400 and "rank" in shape.json()["detail"]
         import io
 
         buffer = io.BytesIO()

@@ -99,21 +99,21 @@ GOOD = {"input_ids": [[1, 2, 3]], "mask": [[1.0, 0.0, 1.0, 1.0]]}
 def test_bad_inference_requests_are_4xx_with_a_message(client: TestClient) -> None:
     assert _infer(client, GOOD, model="nope") == (404, "no model 'nope' is deployed")
     code, detail = _infer(client, {"input_ids": [[1]]})
-    assert code == 422 and "missing ['mask']" in detail
+    assert code == 400 and "missing ['mask']" in detail
     code, detail = _infer(client, {**GOOD, "mask": [1.0, 0.0, 1.0, 1.0]})
-    assert code == 422 and "rank 1" in detail
+    assert code == 400 and "rank 1" in detail
     code, detail = _infer(client, {**GOOD, "mask": [[1.0, 0.0]]})
-    assert code == 422 and "axis 1" in detail
+    assert code == 400 and "axis 1" in detail
     code, detail = _infer(client, {**GOOD, "input_ids": [[1.5, 2, 3]]})
-    assert code == 422 and "integers" in detail
+    assert code == 400 and "integers" in detail
     code, detail = _infer(client, {**GOOD, "input_ids": [["a", "b"]]})
-    assert code == 422 and "numbers" in detail
+    assert code == 400 and "numbers" in detail
     code, detail = _infer(client, {**GOOD, "input_ids": [[1, 2], [3]]})
-    assert code == 422 and "rectangular" in detail
+    assert code == 400 and "rectangular" in detail
     malformed = client.post(
         "/v1/infer", content=b"{", headers={**AUTH, "Content-Type": "application/json"}
     )
-    assert malformed.status_code == 422 and "malformed" in malformed.json()["detail"]
+    assert malformed.status_code == 400 and "malformed" in malformed.json()["detail"]
 
 
 def test_npz_bodies_refuse_pickles_and_garbage(client: TestClient) -> None:
@@ -121,11 +121,11 @@ def test_npz_bodies_refuse_pickles_and_garbage(client: TestClient) -> None:
     buffer = io.BytesIO()
     np.savez(buffer, input_ids=np.array([{"evil": 1}], dtype=object))
     pickled = client.post("/v1/infer?model=enc", content=buffer.getvalue(), headers=headers)
-    assert pickled.status_code == 422 and "pickle" in pickled.json()["detail"].lower()
+    assert pickled.status_code == 400 and "pickle" in pickled.json()["detail"].lower()
     garbage = client.post("/v1/infer?model=enc", content=b"not a zip", headers=headers)
-    assert garbage.status_code == 422
+    assert garbage.status_code == 400
     nameless = client.post("/v1/infer", content=b"x", headers=headers)
-    assert nameless.status_code == 422 and "?model=" in nameless.json()["detail"]
+    assert nameless.status_code == 400 and "?model=" in nameless.json()["detail"]
 
 
 def test_unservable_model_is_503_with_the_reason(client: TestClient) -> None:
@@ -140,10 +140,10 @@ def test_embeddings_and_deployment_errors(client: TestClient) -> None:
 
     assert embed({"model": "nope", "input": "x"})[0] == 404
     code, detail = embed({"model": "enc", "input": "hello"})
-    assert code == 422 and "not a text encoder" in detail
-    assert embed({"model": "enc", "input": []})[0] == 422
-    assert embed({"model": "enc", "input": "x", "encoding_format": "base64"})[0] == 422
-    assert embed({"model": "enc", "input": [1, 2]})[0] == 422
+    assert code == 400 and "not a text encoder" in detail
+    assert embed({"model": "enc", "input": []})[0] == 400
+    assert embed({"model": "enc", "input": "x", "encoding_format": "base64"})[0] == 400
+    assert embed({"model": "enc", "input": [1, 2]})[0] == 400
     rollback = client.post("/v1/deployments/enc/rollback", headers=AUTH)
     assert rollback.status_code == 409 and "no previous version" in rollback.json()["detail"]
     missing = client.post("/v1/deployments", json={"model_path": "/no/such.onnx"}, headers=AUTH)

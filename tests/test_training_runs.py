@@ -149,7 +149,7 @@ def test_training_api(tmp_path: Path) -> None:
         )
         assert api.get("/v1/training/runs").json() == {"runs": []}
         for bad in ({"rounds": 0}, {"rounds": 2, "extra": 1}, {"secure_aggregation": True}):
-            assert api.post("/v1/training/runs", json=bad).status_code == 422
+            assert api.post("/v1/training/runs", json=bad).status_code == 400
         body = {"rounds": 2, "secure_aggregation": False, "dp": False}
         reply = api.post("/v1/training/runs", json=body)
         assert reply.status_code == 200

@@ -81,12 +81,11 @@ class ErrorBody(ApiModel):
 ERROR_RESPONSES: dict[int | str, dict[str, Any]] = {
     code: {"model": ErrorBody, "description": text}
     for code, text in (
-        (400, "the request cannot be served as asked"),
+        (400, "malformed body, or wrong tensor names, types or shapes"),
         (401, "no valid bearer token"),
         (403, "wrong pairing code, or a revoked device"),
         (404, "no such model, device or pairing request"),
         (409, "infeasible or failed deployment, nothing to roll back"),
-        (422, "malformed body, or wrong tensor names, types or shapes"),
         (429, "too many wrong pairing codes (see Retry-After)"),
         (502, "an agent failed"),
         (503, "not servable now, with the reason"),
@@ -112,7 +111,8 @@ def create_app(services: Services) -> FastAPI:
     """The FastAPI application over ``services``."""
     from coordinator.console import install_console
     from coordinator.http.console import mount_console_api
-    from coordinator.http.serving import install_error_handlers, serving_router
+    from coordinator.http.errors import install_error_handlers
+    from coordinator.http.serving import serving_router
 
     app = FastAPI(title="fedshard coordinator", version=SOFTWARE_VERSION)
     install_error_handlers(app)

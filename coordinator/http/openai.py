@@ -17,28 +17,22 @@ from __future__ import annotations
 
 import json
 import logging
-import math
 import time
 import uuid
-from collections.abc import AsyncIterator, Awaitable, Callable, Coroutine, Sequence
+from collections.abc import AsyncIterator, Awaitable, Callable, Coroutine
 from contextlib import aclosing
 from dataclasses import dataclass
 from typing import Any, Literal
 
 import anyio
-from fastapi import APIRouter, HTTPException, Request, Response
+from fastapi import APIRouter, Request, Response
 from fastapi.concurrency import run_in_threadpool
-from fastapi.exceptions import RequestValidationError
 from fastapi.responses import JSONResponse, StreamingResponse
 from fastapi.routing import APIRoute
 from starlette.types import Receive, Scope, Send
 
 from coordinator.errors import (
-    AgentError,
-    CapacityError,
-    ContextLengthError,
     CoordinatorError,
-    NotServableError,
     RequestError,
     UnknownModelError,
 )
@@ -50,17 +44,16 @@ from coordinator.generation.engine import (
     Usage,
     generate,
 )
+from coordinator.http.errors import openai_body, openai_response, render
 from coordinator.http.openai_models import (
     COMPLETIONS_DEFAULT_MAX_TOKENS,
     ERROR_RESPONSES,
     ChatCompletionRequest,
     CompletionRequest,
-    error_json,
     usage_json,
 )
 
 log = logging.getLogger(__name__)
-INTERNAL = "internal error (see the coordinator log)"
 
 
 def generation_router(models: ModelLookup) -> APIRouter:
@@ -98,59 +91,9 @@ class OpenAIErrorRoute(APIRoute):
             try:
                 return await handler(request)
             except Exception as exc:  # the API boundary: logged and translated, never leaked
-                return error_response(exc, request.url.path)
+                return openai_response(exc, request.url.path)
 
         return guarded
-
-
-def error_response(exc: Exception, path: str) -> JSONResponse:
-    """The OpenAI error response for ``exc`` (logged; 5xx at error level)."""
-    status, body, headers = _error_parts(exc)
-    if status >= 500:
-        log.error("%s: %s", path, exc, exc_info=not isinstance(exc, CoordinatorError))
-    else:
-        log.info("%s: %s %s", path, status, body["error"]["message"])
-    return JSONResponse(body, status_code=status, headers=headers)
-
-
-def _error_parts(exc: Exception) -> tuple[int, dict[str, Any], dict[str, str]]:
-    """Status, OpenAI error body and headers for ``exc``."""
-    if isinstance(exc, RequestValidationError):
-        message, param = _validation_message(exc.errors())
-        return 400, error_json(message, "invalid_request_error", None, param), {}
-    if isinstance(exc, HTTPException):
-        code = "invalid_api_key" if exc.status_code == 401 else None
-        body = error_json(str(exc.detail), "invalid_request_error", code)
-        return exc.status_code, body, dict(exc.headers or {})
-    if isinstance(exc, UnknownModelError):
-        return 404, error_json(str(exc), "invalid_request_error", "model_not_found", "model"), {}
-    if isinstance(exc, ContextLengthError):
-        return 400, error_json(str(exc), "invalid_request_error", "context_length_exceeded"), {}
-    if isinstance(exc, RequestError):
-        return 400, error_json(str(exc), "invalid_request_error", None), {}
-    if isinstance(exc, CapacityError):
-        retry = str(max(1, math.ceil(exc.retry_after_s)))
-        return 503, error_json(str(exc), "server_error", "overloaded"), {"Retry-After": retry}
-    if isinstance(exc, NotServableError):
-        return 503, error_json(str(exc), "server_error", "model_not_servable"), {}
-    if isinstance(exc, AgentError):
-        return 502, error_json(str(exc), "server_error", "backend_error"), {}
-    if isinstance(exc, CoordinatorError):
-        return 500, error_json(str(exc), "server_error", None), {}
-    return 500, error_json(INTERNAL, "server_error", None), {}
-
-
-def _validation_message(errors: Sequence[Any]) -> tuple[str, str | None]:
-    """A one-line message and the offending parameter from pydantic's error list."""
-    parts: list[str] = []
-    param: str | None = None
-    for error in errors[:5]:
-        loc = [str(x) for x in error.get("loc", ()) if x != "body"]
-        where = ".".join(loc)
-        param = param or (loc[0] if loc else None)
-        message = str(error.get("msg", "invalid value"))
-        parts.append(f"{where}: {message}" if where else message)
-    return "; ".join(parts) or "malformed request body", param
 
 
 def _lookup(models: ModelLookup, name: str) -> GenerationModel:
@@ -277,7 +220,7 @@ async def _sse(events: AsyncIterator[Any], shape: _Shape, usage: bool) -> AsyncI
                 if usage:
                     yield _data(shape.usage_chunk(event.usage))
     except Exception as exc:  # after the headers went out, the error travels in the stream
-        _, body, _ = _error_parts(exc)
+        body = openai_body(render(exc))
         log.error(
             "%s: stream failed: %s", shape.id, exc, exc_info=not isinstance(exc, CoordinatorError)
         )

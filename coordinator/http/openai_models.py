@@ -251,13 +251,6 @@ def usage_json(prompt_tokens: int, completion_tokens: int) -> dict[str, int]:
     }
 
 
-def error_json(
-    message: str, kind: str, code: str | None, param: str | None = None
-) -> dict[str, Any]:
-    """An OpenAI error body: ``{"error": {"message", "type", "param", "code"}}``."""
-    return {"error": {"message": message, "type": kind, "param": param, "code": code}}
-
-
 class OpenAIErrorDetail(BaseModel):
     """The inside of an OpenAI error body."""
 

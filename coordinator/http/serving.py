@@ -12,39 +12,26 @@ Routes (bearer token, see :mod:`coordinator.http.app`)::
     GET  /v1/links/requester                   measured links from the coordinator to them
     GET  /v1/failover                          lost/returned devices, re-plans, refused models
 
-Coordinator errors are translated into HTTP statuses in :func:`install_error_handlers`.
+Coordinator errors are translated into HTTP statuses by :mod:`coordinator.http.errors`.
 """
 
 from __future__ import annotations
 
 import io
 import logging
-import math
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
 import numpy as np
-from fastapi import APIRouter, FastAPI, Request, Response, status
+from fastapi import APIRouter, Request, Response
 from fastapi.concurrency import run_in_threadpool
-from fastapi.responses import JSONResponse
 from pydantic import BaseModel, ConfigDict, Field
 
 from coordinator.deploy.deployer import DeployCommand, Deployer
 from coordinator.deploy.store import DeploymentStore, ModelRecord, VersionRecord
 from coordinator.errors import (
-    AgentError,
-    CapacityError,
-    CoordinatorError,
-    DeployError,
-    NotServableError,
-    PairingError,
     RequestError,
-    RevokedError,
-    RollbackError,
-    UnavailableError,
-    UnknownModelError,
-    WrongCodeError,
 )
 from coordinator.fleet.links import LinkMeter
 from coordinator.serving.embeddings import Embedder, default_tokenizer_dir
@@ -246,41 +233,3 @@ def _openai_model(record: ModelRecord) -> dict[str, Any]:
 
 def _first_line(exc: Exception) -> str:
     return str(exc).splitlines()[0] if str(exc) else type(exc).__name__
-
-
-_STATUS: list[tuple[type[CoordinatorError], int]] = [
-    (UnknownModelError, status.HTTP_404_NOT_FOUND),
-    (RequestError, status.HTTP_422_UNPROCESSABLE_CONTENT),
-    (WrongCodeError, status.HTTP_403_FORBIDDEN),
-    (RevokedError, status.HTTP_403_FORBIDDEN),
-    (PairingError, status.HTTP_404_NOT_FOUND),
-    (RollbackError, status.HTTP_409_CONFLICT),
-    (NotServableError, status.HTTP_503_SERVICE_UNAVAILABLE),
-    (DeployError, status.HTTP_409_CONFLICT),
-    (AgentError, status.HTTP_502_BAD_GATEWAY),
-]
-
-
-def status_of(exc: CoordinatorError) -> int:
-    """The HTTP status a coordinator error maps to."""
-    return next((code for kind, code in _STATUS if isinstance(exc, kind)), 500)
-
-
-def install_error_handlers(app: FastAPI) -> None:
-    """Coordinator errors become ``{"detail": message}`` with their status; nothing else leaks."""
-
-    async def coordinator_error(request: Request, exc: Exception) -> JSONResponse:
-        assert isinstance(exc, CoordinatorError)
-        code = status_of(exc)
-        log.log(logging.ERROR if code >= 500 else logging.INFO, "%s: %s", request.url.path, exc)
-        headers = None
-        if isinstance(exc, UnavailableError | CapacityError):
-            headers = {"Retry-After": str(max(1, math.ceil(exc.retry_after_s)))}
-        return JSONResponse({"detail": str(exc)}, status_code=code, headers=headers)
-
-    async def unexpected(request: Request, exc: Exception) -> JSONResponse:
-        log.error("internal error on %s", request.url.path, exc_info=exc)
-        return JSONResponse({"detail": "internal error (see the coordinator log)"}, 500)
-
-    app.add_exception_handler(CoordinatorError, coordinator_error)
-    app.add_exception_handler(Exception, unexpected)

@@ -15,9 +15,8 @@ from __future__ import annotations
 from collections.abc import AsyncIterator, Callable
 from contextlib import AbstractAsyncContextManager, asynccontextmanager
 
-from fastapi import APIRouter, FastAPI, HTTPException, status
+from fastapi import APIRouter, FastAPI
 
-from coordinator.training.errors import RunConflictError, UnknownRunError
 from coordinator.training.manager import TrainingRuns
 from protocols.training import RunList, RunStatus, TrainingRunCreated, TrainingRunRequest
 
@@ -28,10 +27,7 @@ def training_router(runs: TrainingRuns) -> APIRouter:
 
     @api.post("/runs")
     async def start_run(body: TrainingRunRequest) -> TrainingRunCreated:
-        try:
-            return TrainingRunCreated(run_id=await runs.start(body))
-        except RunConflictError as exc:
-            raise HTTPException(status.HTTP_409_CONFLICT, str(exc)) from exc
+        return TrainingRunCreated(run_id=await runs.start(body))
 
     @api.get("/runs")
     def list_runs() -> RunList:
@@ -39,10 +35,7 @@ def training_router(runs: TrainingRuns) -> APIRouter:
 
     @api.get("/runs/{run_id}")
     def get_run(run_id: str) -> RunStatus:
-        try:
-            return runs.get(run_id)
-        except UnknownRunError as exc:
-            raise HTTPException(status.HTTP_404_NOT_FOUND, str(exc)) from exc
+        return runs.get(run_id)
 
     return api
 

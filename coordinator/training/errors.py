@@ -7,7 +7,8 @@ CoordinatorError
     ├── SegmentError         a segment cannot be cut, read or rewritten
     ├── RolloutError         a new version cannot be written
     ├── RunConflictError     a training run is already going (one at a time)
-    └── UnknownRunError      no training run has that id
+    ├── UnknownRunError      no training run has that id
+    └── NoTrainingTargetError  no training target is configured (409)
 """
 
 from __future__ import annotations
@@ -41,3 +42,7 @@ class RunConflictError(TrainingError):
 
 class UnknownRunError(TrainingError):
     """No training run has the given id."""
+
+
+class NoTrainingTargetError(TrainingError):
+    """No training target is configured: the coordinator has nothing to fine-tune."""

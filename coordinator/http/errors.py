@@ -1,0 +1,182 @@
+"""One catalogue: every error an HTTP route can meet, to its status, OpenAI type/code, Retry-After.
+
+:data:`CATALOGUE` is the only place an error class becomes an HTTP status. Both body styles are
+rendered from the same entry, so every route family answers an error class with the same status:
+
+- the core API (``/v1/devices``, ``/v1/pairing``, ``/v1/models``, ``/v1/infer``,
+  ``/v1/embeddings``, the console and training routes): ``{"detail": message}``
+  (:func:`detail_response`);
+- the OpenAI routes (``/v1/chat/completions``, ``/v1/completions``):
+  ``{"error": {"message", "type", "param", "code"}}`` (:func:`openai_response`).
+
+A malformed request is 400 everywhere, whether pydantic or the coordinator finds the fault. An
+error carrying ``retry_after_s`` gets a ``Retry-After`` header (whole seconds, at least 1).
+Anything that is not a coordinator error is 500 with a fixed message: never a stack trace.
+"""
+
+from __future__ import annotations
+
+import logging
+import math
+from collections.abc import Sequence
+from dataclasses import dataclass
+from typing import Any, Final
+
+from fastapi import FastAPI, HTTPException, Request
+from fastapi.exceptions import RequestValidationError
+from fastapi.responses import JSONResponse
+
+from coordinator.errors import (
+    AgentError,
+    CapacityError,
+    ContextLengthError,
+    CoordinatorError,
+    DeployError,
+    NotServableError,
+    PairingError,
+    RequestError,
+    RevokedError,
+    RollbackError,
+    TooManyAttemptsError,
+    UnavailableError,
+    UnknownModelError,
+    WrongCodeError,
+)
+from coordinator.training.errors import (
+    NoTrainingTargetError,
+    RunConflictError,
+    TrainingError,
+    UnknownRunError,
+)
+
+log = logging.getLogger(__name__)
+
+INVALID: Final = "invalid_request_error"
+SERVER: Final = "server_error"
+INTERNAL: Final = "internal error (see the coordinator log)"
+
+
+@dataclass(frozen=True)
+class HttpError:
+    """How one error class is answered: status, OpenAI ``type``, ``code`` and ``param``."""
+
+    status: int
+    type: str
+    code: str | None = None
+    param: str | None = None
+
+
+CATALOGUE: Final[tuple[tuple[type[CoordinatorError], HttpError], ...]] = (
+    (UnknownModelError, HttpError(404, INVALID, "model_not_found", "model")),
+    (ContextLengthError, HttpError(400, INVALID, "context_length_exceeded")),
+    (RequestError, HttpError(400, INVALID)),
+    (WrongCodeError, HttpError(403, INVALID, "wrong_pairing_code")),
+    (RevokedError, HttpError(403, INVALID, "device_revoked")),
+    (TooManyAttemptsError, HttpError(429, INVALID, "too_many_attempts")),
+    (PairingError, HttpError(404, INVALID, "unknown_device")),
+    (RollbackError, HttpError(409, INVALID, "nothing_to_roll_back")),
+    (CapacityError, HttpError(503, SERVER, "overloaded")),
+    (UnavailableError, HttpError(503, SERVER, "model_unavailable")),
+    (NotServableError, HttpError(503, SERVER, "model_not_servable")),
+    (DeployError, HttpError(409, INVALID, "deploy_failed")),
+    (AgentError, HttpError(502, SERVER, "backend_error")),
+    (RunConflictError, HttpError(409, INVALID, "training_run_conflict")),
+    (UnknownRunError, HttpError(404, INVALID, "training_run_not_found")),
+    (NoTrainingTargetError, HttpError(409, INVALID, "no_training_target")),
+    (TrainingError, HttpError(500, SERVER, "training_failed")),
+    (CoordinatorError, HttpError(500, SERVER)),
+)
+"""Most specific first: the first class ``exc`` is an instance of decides."""
+
+MALFORMED: Final = HttpError(400, INVALID)
+UNEXPECTED: Final = HttpError(500, SERVER)
+
+
+@dataclass(frozen=True)
+class Rendered:
+    """An error as both body styles need it: entry, message, param and headers."""
+
+    entry: HttpError
+    message: str
+    param: str | None
+    headers: dict[str, str]
+
+
+def entry_of(exc: BaseException) -> HttpError:
+    """The catalogue entry for a coordinator error (500 for anything not listed)."""
+    return next((entry for kind, entry in CATALOGUE if isinstance(exc, kind)), UNEXPECTED)
+
+
+def render(exc: BaseException) -> Rendered:
+    """Status, message and headers for any exception a route raised."""
+    if isinstance(exc, RequestValidationError):
+        message, param = validation_message(exc.errors())
+        return Rendered(MALFORMED, message, param, {})
+    if isinstance(exc, HTTPException):
+        code = "invalid_api_key" if exc.status_code == 401 else None
+        entry = HttpError(exc.status_code, INVALID, code)
+        return Rendered(entry, str(exc.detail), None, dict(exc.headers or {}))
+    if not isinstance(exc, CoordinatorError):
+        return Rendered(UNEXPECTED, INTERNAL, None, {})
+    entry = entry_of(exc)
+    headers: dict[str, str] = {}
+    retry_after_s = getattr(exc, "retry_after_s", None)
+    if isinstance(retry_after_s, float | int):
+        headers["Retry-After"] = str(max(1, math.ceil(retry_after_s)))
+    return Rendered(entry, str(exc), entry.param, headers)
+
+
+def openai_body(rendered: Rendered) -> dict[str, Any]:
+    """``{"error": {"message", "type", "param", "code"}}``."""
+    entry = rendered.entry
+    detail = {"message": rendered.message, "type": entry.type, "param": rendered.param}
+    return {"error": {**detail, "code": entry.code}}
+
+
+def openai_response(exc: BaseException, path: str) -> JSONResponse:
+    """The OpenAI-style answer to ``exc`` (logged; 5xx at error level)."""
+    rendered = _logged(exc, path)
+    return JSONResponse(
+        openai_body(rendered), status_code=rendered.entry.status, headers=rendered.headers
+    )
+
+
+def detail_response(exc: BaseException, path: str) -> JSONResponse:
+    """The core-API answer to ``exc``: ``{"detail": message}`` (logged; 5xx at error level)."""
+    rendered = _logged(exc, path)
+    return JSONResponse(
+        {"detail": rendered.message}, status_code=rendered.entry.status, headers=rendered.headers
+    )
+
+
+def install_error_handlers(app: FastAPI) -> None:
+    """Core-API errors become ``{"detail": message}`` with their catalogue status."""
+
+    async def handle(request: Request, exc: Exception) -> JSONResponse:
+        return detail_response(exc, request.url.path)
+
+    app.add_exception_handler(CoordinatorError, handle)
+    app.add_exception_handler(RequestValidationError, handle)
+    app.add_exception_handler(Exception, handle)
+
+
+def validation_message(errors: Sequence[Any]) -> tuple[str, str | None]:
+    """A one-line message and the offending parameter from pydantic's error list."""
+    parts: list[str] = []
+    param: str | None = None
+    for error in errors[:5]:
+        loc = [str(x) for x in error.get("loc", ()) if x != "body"]
+        where = ".".join(loc)
+        param = param or (loc[0] if loc else None)
+        message = str(error.get("msg", "invalid value"))
+        parts.append(f"{where}: {message}" if where else message)
+    return "; ".join(parts) or "malformed request body", param
+
+
+def _logged(exc: BaseException, path: str) -> Rendered:
+    rendered = render(exc)
+    if rendered.entry.status >= 500:
+        log.error("%s: %s", path, exc, exc_info=not isinstance(exc, CoordinatorError))
+    else:
+        log.info("%s: %s %s", path, rendered.entry.status, rendered.message)
+    return rendered
