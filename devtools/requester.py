@@ -16,16 +16,14 @@ from collections.abc import Mapping, Sequence
 
 from edge_agent.channel import FrameChannel, open_channel
 from edge_agent.checks import Array
-from edge_agent.errors import LinkError, RemoteRequestError
+from edge_agent.errors import LinkError
 from edge_agent.tls import check_peer
+from edge_agent.wire_errors import remote_error
 from protocols.deploy import ROLE_AGENT, Hop
 from protocols.errors import FrameError
-from protocols.frames import Frame, FrameHeader
+from protocols.frames import Frame, FrameHeader, FrameKind
 
 log = logging.getLogger(__name__)
-
-RELEASE = "release"
-"""``error`` of a claim frame that gives the claim back (the answer came from the first agent)."""
 
 
 class Requester:
@@ -91,19 +89,19 @@ class Requester:
             self._futures.pop(rid, None)
         if from_first and self._last is not None:
             await self._release(rid)
-        if frame.header.error:
-            raise RemoteRequestError(frame.header.error)
+        if frame.header.failed:
+            raise remote_error(frame.header)
         return dict(frame.tensors)
 
-    def _claim(self, rid: str, error: str | None = None) -> FrameHeader:
+    def _claim(self, rid: str, kind: FrameKind = FrameKind.DATA) -> FrameHeader:
         return FrameHeader(
-            request_id=rid, segment_index=self._length, plan_version=self._plan_version, error=error
+            request_id=rid, segment_index=self._length, plan_version=self._plan_version, kind=kind
         )
 
     async def _release(self, rid: str) -> None:
         assert self._last is not None
         try:
-            await self._last.write(self._claim(rid, RELEASE), {})
+            await self._last.write(self._claim(rid, FrameKind.RELEASE), {})
         except (OSError, ssl.SSLError) as exc:
             log.info("could not release the claim on %s: %s", rid, exc)
 
@@ -115,7 +113,7 @@ class Requester:
                 future = self._futures.get(frame.header.request_id)
                 if future is None or future.done():
                     log.warning(
-                        "unexpected reply %s: %s", frame.header.request_id, frame.header.error
+                        "unexpected reply %s: %s", frame.header.request_id, frame.header.kind
                     )
                 else:
                     future.set_result((frame, channel is self._first))

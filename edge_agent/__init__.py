@@ -16,7 +16,7 @@
 - :mod:`edge_agent.pipeline`    data-plane request handling: queues, compute, forwarding
 - :mod:`edge_agent.links`       persistent connections to the next agent
 - :mod:`edge_agent.probe`       link probe (latency, bandwidth)
-- :mod:`devtools.requester`   data-plane client (tests, benchmarks)
+- :mod:`edge_agent.wire_errors` its exceptions to the wire's error codes (one table)
 - :mod:`edge_agent.control`     the control plane's small HTTPS server
 - :mod:`edge_agent.metrics`     Prometheus metrics
 - :mod:`edge_agent.discovery`   mDNS advertiser and browser (the only zeroconf module)

@@ -108,7 +108,7 @@ class PeerLink:
                     "%s refused request %s: %s",
                     self.hop.device,
                     frame.header.request_id,
-                    frame.header.error,
+                    frame.header.failure(),
                 )
         except (OSError, ssl.SSLError, FrameError) as exc:
             log.info("link to %s closed: %s", self.hop.device, exc)

@@ -37,6 +37,7 @@ from edge_agent.metrics import AgentMetrics
 from edge_agent.segments import Deployed, SegmentStore
 from edge_agent.sessions import check_session_fields
 from edge_agent.tls import check_peer
+from edge_agent.wire_errors import error_header
 from protocols.deploy import (
     MAX_CLAIMS,
     ORIGIN_SEPARATOR,
@@ -46,7 +47,7 @@ from protocols.deploy import (
     Hop,
 )
 from protocols.errors import FrameError
-from protocols.frames import FrameHeader
+from protocols.frames import FrameHeader, FrameKind
 
 log = logging.getLogger(__name__)
 
@@ -182,7 +183,7 @@ class Pipeline:
         origin: FrameChannel | None = None
         if index > 0:
             check_peer(channel.peer, name=chain[index - 1].device, roles={ROLE_AGENT})
-        elif header.error or ORIGIN_SEPARATOR in header.request_id:
+        elif header.kind is not FrameKind.DATA or ORIGIN_SEPARATOR in header.request_id:
             await self._refuse(
                 channel,
                 header,
@@ -195,7 +196,7 @@ class Pipeline:
                 await self._refuse(channel, header, RequestError("request id is too long"))
                 return
             header, origin = header.model_copy(update={"request_id": routed}), channel
-        if header.error:
+        if header.failed:
             await self._send_q.put(_Outgoing(deployed, header, {}, None))
             return
         problem = check_session_fields(
@@ -225,15 +226,17 @@ class Pipeline:
         self, channel: FrameChannel, header: FrameHeader, chain: list[Hop]
     ) -> None:
         """On the last stage, a frame for ``len(chain)``: an error report from a chain member
-        (routed id), or a requester's claim on an answer (or, with ``error`` set, its release)."""
+        (routed id), or a requester's claim on an answer (or, ``kind='release'``, its release)."""
         if ORIGIN_SEPARATOR in header.request_id:
-            if not header.error or channel.peer.name not in {h.device for h in chain[:-1]}:
+            if not header.failed or channel.peer.name not in {h.device for h in chain[:-1]}:
                 raise PeerRejectedError(f"{channel.peer.name!r} may not send answers here")
             await self._to_requester(header, {})
             return
         key = f"{channel.peer.name}{ORIGIN_SEPARATOR}{header.request_id}"
         mine = self._open_claims.setdefault(channel, set())
-        if header.error:  # the requester got its answer elsewhere: release the claim
+        if header.failed:
+            raise PeerRejectedError(f"{channel.peer.name!r} may not send errors here")
+        if header.kind is FrameKind.RELEASE:  # the requester got its answer elsewhere
             if key in mine:
                 mine.discard(key)
                 del self._claims[key]
@@ -301,7 +304,7 @@ class Pipeline:
                 await self._report_link_failure(out, exc)
                 continue
             self._metrics.send_seconds.observe(time.perf_counter() - start)
-            self._metrics.requests.labels("error" if out.header.error else "ok").inc()
+            self._metrics.requests.labels("error" if out.header.failed else "ok").inc()
 
     def _link(self, hop: Hop) -> Link:
         link = self._links.get(hop)
@@ -329,9 +332,7 @@ class Pipeline:
         When the last agent itself is unreachable, the requester's own connection to it fails."""
         manifest = out.deployed.manifest
         chain = manifest.chain
-        error = out.header.model_copy(
-            update={"error": f"LinkError: {exc}"[:4096], "segment_index": len(chain)}
-        )
+        error = error_header(out.header, exc, segment_index=len(chain))
         if out.origin is not None:
             await self._write_answer(out.origin, error, {})
             return
@@ -375,7 +376,7 @@ class Pipeline:
         self, deployed: Deployed, header: FrameHeader, exc: AgentError, origin: FrameChannel | None
     ) -> None:
         """Answer a failed request: to the requester on the first stage, else onward."""
-        error = header.model_copy(update={"error": f"{type(exc).__name__}: {exc}"[:4096]})
+        error = error_header(header, exc)
         if origin is not None:
             await self._write_answer(origin, error, {})
         else:
@@ -389,12 +390,12 @@ class Pipeline:
     async def _reply_error(
         self, channel: FrameChannel, header: FrameHeader, exc: Exception
     ) -> None:
-        reply = FrameHeader(
+        plain = FrameHeader(
             request_id=header.request_id,
             segment_index=header.segment_index,
             plan_version=header.plan_version,
-            error=f"{type(exc).__name__}: {exc}"[:4096],
         )
+        reply = error_header(plain, exc)
         try:
             self._metrics.bytes_out.inc(await channel.write(reply, {}))
         except (OSError, ssl.SSLError) as write_exc:

@@ -12,9 +12,46 @@ class and turn it into a clear reply::
     │   └── TensorSpecError        dtype outside the whitelist, bad shape, byte-count mismatch
     ├── TxtRecordError             mDNS TXT records (protocols.txt)
     └── SchemaError                JSON documents: manifest, plan, problem, DEVICES.json
+
+An error that crosses the data plane travels as a :class:`WireErrorCode` in the frame header
+(``kind="error"``, ``error_code``, ``error`` message), never as a Python class name; each side
+keeps one table between its own exceptions and these codes.
 """
 
 from __future__ import annotations
+
+from enum import StrEnum
+
+
+class WireErrorCode(StrEnum):
+    """Why an agent answered a data-plane request with an error frame."""
+
+    REFUSED = "refused"
+    """The request was refused (a field it may not set, an id already claimed or too long)."""
+    INPUT_MISMATCH = "input_mismatch"
+    """Tensor names, dtypes, ranks or fixed dimensions differ from the segment's inputs."""
+    BAD_FRAME = "bad_frame"
+    """The frame itself could not be decoded."""
+    FRAME_TOO_LARGE = "frame_too_large"
+    """The frame is, or declares itself, larger than the agent accepts."""
+    TENSOR_SPEC = "tensor_spec"
+    """A tensor's dtype, shape or byte count is not acceptable."""
+    NO_SEGMENT = "no_segment"
+    """The agent holds no segment for that plan version and index."""
+    PEER_REJECTED = "peer_rejected"
+    """The sender is not the peer this stage accepts frames from."""
+    EXECUTION_FAILED = "execution_failed"
+    """ONNX Runtime failed while running the segment."""
+    SESSION_LIMIT = "session_limit"
+    """No room for another session's state now: retry later."""
+    SESSION_STATE = "session_state"
+    """A step for an unknown session, or at the wrong position."""
+    CONTEXT_LENGTH = "context_length"
+    """A session would grow past the planned context length."""
+    LINK_DOWN = "link_down"
+    """A stage could not reach the next agent of the chain."""
+    INTERNAL = "internal"
+    """Anything else that went wrong on the agent."""
 
 
 class ProtocolError(Exception):

@@ -18,12 +18,13 @@ import math
 import struct
 from collections.abc import Mapping
 from dataclasses import dataclass
-from typing import Final
+from enum import StrEnum
+from typing import Final, Self
 
 import numpy as np
 import numpy.typing as npt
 import pydantic
-from pydantic import Field, NonNegativeInt
+from pydantic import Field, NonNegativeInt, model_validator
 
 from protocols.base import FrozenModel
 from protocols.constants import DEFAULT_MAX_FRAME_BYTES
@@ -32,6 +33,7 @@ from protocols.errors import (
     MalformedFrameError,
     TensorSpecError,
     TruncatedFrameError,
+    WireErrorCode,
 )
 
 MAGIC: Final = b"FSF1"
@@ -68,6 +70,17 @@ class TensorSpec(FrozenModel):
     shape: list[NonNegativeInt] = Field(max_length=MAX_RANK)
 
 
+class FrameKind(StrEnum):
+    """What a frame is for."""
+
+    DATA = "data"
+    """A request, a step, a requester's claim on an answer, or an answer."""
+    ERROR = "error"
+    """A failure report: ``error_code`` and ``error`` are set, no tensors travel."""
+    RELEASE = "release"
+    """A requester gives back its claim on an answer it got elsewhere (from the first stage)."""
+
+
 class FrameHeader(FrozenModel):
     """Everything about a frame except the tensor bytes."""
 
@@ -83,8 +96,30 @@ class FrameHeader(FrozenModel):
     segment_index: NonNegativeInt = 0
     plan_version: NonNegativeInt = 0
     tensors: list[TensorSpec] = Field(default_factory=list, max_length=MAX_TENSORS)
+    kind: FrameKind = FrameKind.DATA
+    error_code: WireErrorCode | None = None
+    """Why the request failed: set exactly on ``kind="error"`` frames."""
     error: str | None = Field(default=None, max_length=4096)
-    """Set on a reply that reports a failure instead of carrying tensors."""
+    """The failure's message, for people: only on ``kind="error"`` frames."""
+
+    @model_validator(mode="after")
+    def _error_fields_match_kind(self) -> Self:
+        if (self.kind is FrameKind.ERROR) != (self.error_code is not None):
+            raise ValueError("error_code is set exactly on error frames")
+        if self.kind is not FrameKind.ERROR and self.error is not None:
+            raise ValueError("only error frames carry an error message")
+        if self.kind is not FrameKind.DATA and self.tensors:
+            raise ValueError(f"{self.kind} frames carry no tensors")
+        return self
+
+    @property
+    def failed(self) -> bool:
+        """Whether this frame reports a failure."""
+        return self.kind is FrameKind.ERROR
+
+    def failure(self) -> str:
+        """``code: message`` of an error frame, for logs and messages."""
+        return f"{self.error_code}: {self.error or ''}"
 
 
 @dataclass(frozen=True)

@@ -15,7 +15,8 @@ from edge_agent.metrics import AgentMetrics
 from edge_agent.pipeline import Pipeline
 from edge_agent.tls import Peer
 from protocols.deploy import Hop
-from protocols.frames import Frame, FrameHeader, decode_frame, encode_frame
+from protocols.errors import WireErrorCode
+from protocols.frames import Frame, FrameHeader, FrameKind, decode_frame, encode_frame
 
 
 class FakeChannel:
@@ -128,19 +129,33 @@ def test_last_stage_returns_results_to_the_claim(
         assert answer.header.request_id == "r1" and answer.header.segment_index == 3
         np.testing.assert_allclose(answer.tensors["y"], g @ chain_weights()["w2"], rtol=1e-6)
         # an answer that arrives before its claim waits for it
-        error = FrameHeader(request_id="req|r2", plan_version=1, segment_index=2, error="boom")
+        error = FrameHeader(
+            request_id="req|r2",
+            plan_version=1,
+            segment_index=2,
+            kind=FrameKind.ERROR,
+            error_code=WireErrorCode.INTERNAL,
+            error="boom",
+        )
         await ring.incoming.put(encode_frame(error, {}))
         await asyncio.sleep(0.1)
         await requester.incoming.put(
             encode_frame(FrameHeader(request_id="r2", plan_version=1, segment_index=3), {})
         )
         answer = await asyncio.wait_for(requester.sent.get(), 5)
-        assert answer.header.request_id == "r2" and answer.header.error == "boom"
+        assert answer.header.request_id == "r2" and answer.header.failure() == "internal: boom"
         assert thief.sent.empty()
         # an answer from a device that is not in the chain closes that connection
         intruder = FakeChannel(Peer("a7", "agent"))
         task = asyncio.create_task(pipeline.serve(intruder))
-        fake = FrameHeader(request_id="req|r9", plan_version=1, segment_index=3, error="x")
+        fake = FrameHeader(
+            request_id="req|r9",
+            plan_version=1,
+            segment_index=3,
+            kind=FrameKind.ERROR,
+            error_code=WireErrorCode.INTERNAL,
+            error="x",
+        )
         await intruder.incoming.put(encode_frame(fake, {}))
         await asyncio.wait_for(task, 5)
         assert intruder.closed

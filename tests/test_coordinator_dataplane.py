@@ -18,11 +18,19 @@ from cryptography.hazmat.primitives import serialization
 from cryptography.hazmat.primitives.asymmetric import ec
 
 from coordinator.errors import AgentError, NotServableError, RequestError
-from coordinator.transport.dataplane import RELEASE, ChainClient, DataPlane
+from coordinator.transport.dataplane import ChainClient, DataPlane
 from coordinator.trust.ca import CertificateAuthority
 from coordinator.trust.identity import client_context, open_identity
 from protocols.deploy import ROLE_AGENT, Hop
-from protocols.frames import PREFIX_BYTES, FrameHeader, decode_frame, encode_frame, frame_length
+from protocols.errors import WireErrorCode
+from protocols.frames import (
+    PREFIX_BYTES,
+    FrameHeader,
+    FrameKind,
+    decode_frame,
+    encode_frame,
+    frame_length,
+)
 
 
 class FakeAgent:
@@ -121,7 +129,9 @@ def test_claim_at_the_last_agent_then_answer_from_it(setup, tmp_path: Path) -> N
         answers = plane.call(many(), 20)
         assert [float(a["y"][0, 0]) for a in answers] == [2.0 * i for i in range(12)]
         claims = [h for h in last.received if h.segment_index == 2]
-        assert len(claims) == 12 and all(h.plan_version == 7 and not h.error for h in claims)
+        assert len(claims) == 12 and all(
+            h.plan_version == 7 and h.kind is FrameKind.DATA for h in claims
+        )
         assert all(h.segment_index == 0 and h.plan_version == 7 for h in first.received)
     finally:
         client.close()
@@ -132,8 +142,14 @@ def test_refusal_from_the_first_agent_releases_the_claim(setup, tmp_path: Path) 
     first, last = FakeAgent(ca, tmp_path, "first"), FakeAgent(ca, tmp_path, "last")
 
     async def refuse(header: FrameHeader, tensors: dict[str, np.ndarray]) -> None:
-        error = "InputMismatchError: x has the wrong shape"
-        await first.send(FrameHeader(request_id=header.request_id, error=error), {})
+        error = "x has the wrong shape"
+        refusal = FrameHeader(
+            request_id=header.request_id,
+            kind=FrameKind.ERROR,
+            error_code=WireErrorCode.INPUT_MISMATCH,
+            error=error,
+        )
+        await first.send(refusal, {})
 
     first.on_frame = refuse  # type: ignore[method-assign]
     client = ChainClient(plane, _chain(plane, first, last), 1, ctx)
@@ -149,7 +165,8 @@ def test_refusal_from_the_first_agent_releases_the_claim(setup, tmp_path: Path) 
 
         plane.call(settle(), 5)
         claim, release = last.received
-        assert claim.request_id == release.request_id and release.error == RELEASE
+        assert claim.request_id == release.request_id and release.kind is FrameKind.RELEASE
+        assert claim.kind is FrameKind.DATA and release.error is None
     finally:
         client.close()
 

@@ -22,7 +22,8 @@ from edge_agent.pipeline import Pipeline
 from edge_agent.segments import SegmentStore
 from edge_agent.tls import Peer
 from protocols.deploy import Hop
-from protocols.frames import Frame, FrameHeader, encode_frame
+from protocols.errors import WireErrorCode
+from protocols.frames import Frame, FrameHeader, FrameKind, encode_frame
 
 CHAIN = [Hop(device=f"a{i}", host="127.0.0.1", data_port=9000 + i) for i in range(3)]
 X = np.ones((1, WIDTH), np.float32)
@@ -65,11 +66,12 @@ def test_replayed_frames_for_an_unloaded_plan_or_another_stage_are_refused(
         await requester.incoming.put(encode_frame(stale, {"x": X}))
         refused = await _reply(requester)
         assert refused.header.request_id == "r1"
-        assert refused.header.error == "NoSegmentError: no segment for plan 1"
+        assert refused.header.error_code == WireErrorCode.NO_SEGMENT
+        assert refused.header.error == "no segment for plan 1"
         skipped = FrameHeader(request_id="r2", plan_version=2, segment_index=2)
         await requester.incoming.put(encode_frame(skipped, {"g": X}))
         refused = await _reply(requester)
-        assert refused.header.error == "NoSegmentError: this agent runs segment 0, not 2"
+        assert refused.header.failure() == "no_segment: this agent runs segment 0, not 2"
         # the same connection is still served for the live plan
         await requester.incoming.put(
             encode_frame(FrameHeader(request_id="r3", plan_version=2), {"x": X})
@@ -100,7 +102,8 @@ def test_a_requester_posing_as_the_previous_stage_is_cut_off(tmp_path: Path) -> 
         for channel in (poser, stranger):
             await channel.incoming.put(encode_frame(forged, {"h": X, "x": X}))
             refused = await _reply(channel)
-            assert "PeerRejectedError: expected device 'a0'" in (refused.header.error or "")
+            assert refused.header.error_code == WireErrorCode.PEER_REJECTED
+            assert "expected device 'a0'" in (refused.header.error or "")
         await asyncio.wait_for(asyncio.gather(tasks[0], tasks[1]), 5)
         assert poser.closed and stranger.closed
         await honest.incoming.put(encode_frame(forged, {"h": X, "x": X}))
@@ -126,11 +129,11 @@ def test_a_replayed_claim_is_refused_and_the_answer_goes_once(tmp_path: Path) ->
         await requester.incoming.put(claim)
         await requester.incoming.put(claim)
         refused = await _reply(requester)
-        assert refused.header.error == "RequestError: request id already claimed"
+        assert refused.header.failure() == "refused: request id already claimed"
         answer = FrameHeader(request_id="req|r1", plan_version=1, segment_index=2)
         await ring.incoming.put(encode_frame(answer, {"g": X}))
         got = await _reply(requester)
-        assert got.header.request_id == "r1" and got.header.error is None
+        assert got.header.request_id == "r1" and got.header.kind is FrameKind.DATA
         assert set(got.tensors) == {"y"}
         # the chain replays the same answer: nobody holds a claim, so it goes nowhere
         await ring.incoming.put(encode_frame(answer, {"g": X}))

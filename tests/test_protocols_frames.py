@@ -16,12 +16,14 @@ from protocols.errors import (
     MalformedFrameError,
     TensorSpecError,
     TruncatedFrameError,
+    WireErrorCode,
 )
 from protocols.frames import (
     DTYPES,
     PREFIX,
     PREFIX_BYTES,
     FrameHeader,
+    FrameKind,
     decode_frame,
     encode_frame,
     encode_frame_parts,
@@ -86,8 +88,15 @@ def test_big_endian_and_strided_inputs_are_sent_as_little_endian_contiguous() ->
 
 
 def test_error_replies_carry_a_message_and_no_tensors() -> None:
-    frame = decode_frame(encode_frame(FrameHeader(request_id="r", error="bad input"), {}))
-    assert frame.header.error == "bad input"
+    header = FrameHeader(
+        request_id="r",
+        kind=FrameKind.ERROR,
+        error_code=WireErrorCode.INPUT_MISMATCH,
+        error="bad input",
+    )
+    frame = decode_frame(encode_frame(header, {}))
+    assert frame.header.error == "bad input" and frame.header.failed
+    assert frame.header.error_code is WireErrorCode.INPUT_MISMATCH
     assert frame.tensors == {}
 
 

@@ -30,15 +30,20 @@ import numpy.typing as npt
 
 from coordinator.errors import (
     AgentError,
-    CapacityError,
-    ChainBrokenError,
     NotServableError,
-    RequestError,
 )
+from coordinator.transport.wire_errors import remote_error
 from coordinator.trust.identity import check_peer
 from protocols.deploy import ROLE_AGENT, Hop
 from protocols.errors import FrameError
-from protocols.frames import PREFIX_BYTES, Frame, FrameHeader, decode_frame, encode_frame_parts
+from protocols.frames import (
+    PREFIX_BYTES,
+    Frame,
+    FrameHeader,
+    FrameKind,
+    decode_frame,
+    encode_frame_parts,
+)
 from protocols.frames import frame_length as prefix_length
 
 log = logging.getLogger(__name__)
@@ -47,8 +52,6 @@ Array = npt.NDArray[Any]
 T = TypeVar("T")
 CONNECT_TIMEOUT_S = 10.0
 MAX_FRAME_BYTES = 1 << 30
-RELEASE = "release"
-"""``error`` of a claim frame that gives the claim back (the answer came from the first agent)."""
 
 
 class DataPlane:
@@ -223,17 +226,17 @@ class ChainClient:
         finally:
             self._pending.pop(request_id, None)
         if from_first and last is not None:
-            await last.send(self._claim(request_id, RELEASE), {})
-        if frame.header.error:
-            raise _remote_error(frame.header.error)
+            await last.send(self._claim(request_id, FrameKind.RELEASE), {})
+        if frame.header.failed:
+            raise remote_error(frame.header)
         return {name: np.array(value) for name, value in frame.tensors.items()}
 
-    def _claim(self, request_id: str, error: str | None = None) -> FrameHeader:
+    def _claim(self, request_id: str, kind: FrameKind = FrameKind.DATA) -> FrameHeader:
         return FrameHeader(
             request_id=request_id,
             segment_index=len(self._chain),
             plan_version=self._plan_version,
-            error=error,
+            kind=kind,
         )
 
     async def _connect(self) -> tuple[FrameConnection, FrameConnection | None]:
@@ -308,18 +311,3 @@ class SessionStep:
             "session_position": None if self.end else self.position,
             "session_end": self.end,
         }
-
-
-SESSION_FULL_RETRY_S = 1.0
-
-
-def _remote_error(message: str) -> Exception:
-    """An agent's error frame: bad input is the caller's fault, anything else the chain's."""
-    kind = message.split(":", 1)[0]
-    if kind == "SessionLimitError":
-        return CapacityError(message, SESSION_FULL_RETRY_S)
-    if kind in {"InputMismatchError", "ExecutionError", "TensorSpecError", "ContextLengthError"}:
-        return RequestError(message)
-    if kind in {"LinkError", "SessionStateError"}:
-        return ChainBrokenError(f"the chain failed: {message}")
-    return NotServableError(f"the chain failed: {message}")

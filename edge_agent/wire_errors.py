@@ -1,0 +1,63 @@
+"""The agent's side of typed wire errors: its exceptions to :class:`WireErrorCode` and back.
+
+An error frame carries ``kind="error"``, a code and the exception's message; the class name never
+crosses the wire. :data:`CODES` is the one table (most specific first); :func:`error_header`
+turns a request's header into the error frame that answers it.
+"""
+
+from __future__ import annotations
+
+from typing import Final
+
+from edge_agent.errors import (
+    ContextLengthError,
+    ExecutionError,
+    InputMismatchError,
+    LinkError,
+    NoSegmentError,
+    PeerRejectedError,
+    RemoteRequestError,
+    RequestError,
+    SessionLimitError,
+    SessionStateError,
+)
+from protocols.errors import FrameError, FrameTooLargeError, TensorSpecError, WireErrorCode
+from protocols.frames import FrameHeader, FrameKind
+
+MAX_MESSAGE: Final = 4096
+
+CODES: Final[tuple[tuple[type[Exception], WireErrorCode], ...]] = (
+    (InputMismatchError, WireErrorCode.INPUT_MISMATCH),
+    (NoSegmentError, WireErrorCode.NO_SEGMENT),
+    (ExecutionError, WireErrorCode.EXECUTION_FAILED),
+    (SessionLimitError, WireErrorCode.SESSION_LIMIT),
+    (SessionStateError, WireErrorCode.SESSION_STATE),
+    (ContextLengthError, WireErrorCode.CONTEXT_LENGTH),
+    (RequestError, WireErrorCode.REFUSED),
+    (TensorSpecError, WireErrorCode.TENSOR_SPEC),
+    (FrameTooLargeError, WireErrorCode.FRAME_TOO_LARGE),
+    (FrameError, WireErrorCode.BAD_FRAME),
+    (PeerRejectedError, WireErrorCode.PEER_REJECTED),
+    (LinkError, WireErrorCode.LINK_DOWN),
+)
+"""Most specific first: the first class an exception is an instance of gives its code."""
+
+
+def code_of(exc: BaseException) -> WireErrorCode:
+    """The wire code for ``exc`` (:attr:`WireErrorCode.INTERNAL` for anything not listed)."""
+    return next((code for kind, code in CODES if isinstance(exc, kind)), WireErrorCode.INTERNAL)
+
+
+def error_header(header: FrameHeader, exc: BaseException, **update: object) -> FrameHeader:
+    """``header`` turned into the error frame that reports ``exc`` (``update`` applied too)."""
+    fields = {"kind": FrameKind.ERROR, "error_code": code_of(exc), "error": _message(exc)}
+    return header.model_copy(update={**fields, "tensors": [], **update})
+
+
+def remote_error(header: FrameHeader) -> RemoteRequestError:
+    """The requester's exception for an error frame it got back from the chain."""
+    return RemoteRequestError(header.failure())
+
+
+def _message(exc: BaseException) -> str:
+    return (str(exc) or type(exc).__name__)[:MAX_MESSAGE]
