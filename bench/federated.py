@@ -29,10 +29,11 @@ from rich.table import Table
 
 from coordinator.training.driver import run_training
 from coordinator.training.flower import superlink
+from coordinator.training.heldout import load_arrays
 from coordinator.training.records import TrainingRecord, TrainingSettings
 from coordinator.training.version import HeldOutEvaluator, Version
 from coordinator.trust.ca import CertificateAuthority
-from devtools.digits import PreparedTask, load_arrays, prepare_task
+from devtools.digits import PreparedTask, prepare_task
 from edge_agent.training.local import LocalSettings, train_locally
 from edge_agent.training.supernode import SuperNodeConfig, start_supernode
 from protocols.training import TrainPlan
@@ -84,7 +85,7 @@ def settings(
 
 def centralized(task: PreparedTask, rounds: int, work: Path) -> ModeResult:
     """Pooled data, same shards, same optimizer; one 'round' = local_epochs epochs."""
-    from devtools.digits import save_arrays
+    from coordinator.training.heldout import save_arrays
 
     version = Version.load(task.version_dir)
     specs = version.shard_specs(SHARDS)

@@ -97,7 +97,12 @@ def serve(config: CoordinatorConfig, console: Console) -> int:
             agents=agents,
             state_dir=config.state_dir,
             training=coordinator_runs(
-                config.state_dir, ca, deployer, store, _paired_agents(config, pairing)
+                config.state_dir,
+                ca,
+                deployer,
+                store,
+                config.training_target,
+                _paired_agents(config, pairing),
             ),
             generation=DecoderModels(
                 store,

@@ -46,6 +46,13 @@ def register(subparsers: Any) -> None:
         help="keep cut segment files here and reuse them when a model is cut the same way "
         "again (default: STATE/segment-cache, at most 8 GiB)",
     )
+    run.add_argument(
+        "--training-target",
+        type=Path,
+        metavar="FILE",
+        help="what training runs fine-tune (a fedshard.training-target/1 JSON file; "
+        "`fedshard demo` writes one for the digits task); without it, runs are refused (409)",
+    )
     run.add_argument("-v", "--verbose", action="store_true", help="debug logging")
     run.set_defaults(run=run_coordinator)
 
@@ -106,8 +113,9 @@ def run_coordinator(args: argparse.Namespace) -> int:
         training = None
         if args.superlink_port is not None:
             training = AgentTrainingConfig(args.superlink_port, args.train_clients)
+        target = args.training_target.expanduser().resolve() if args.training_target else None
         config = CoordinatorConfig(
-            state_dir, args.interface, args.port, token, training, args.segment_cache
+            state_dir, args.interface, args.port, token, training, args.segment_cache, target
         )
         return serve(config, console)
     except (CoordinatorError, OSError) as exc:

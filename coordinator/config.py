@@ -35,6 +35,8 @@ class CoordinatorConfig:
     """None: training runs use local SuperNodes on the reference task's data splits."""
     segment_cache: Path | None = None
     """Segment files kept between deployments (None: ``STATE/segment-cache``)."""
+    training_target: Path | None = None
+    """What training runs fine-tune (a ``fedshard.training-target/1`` file; None: runs are 409)."""
 
     @property
     def segment_cache_dir(self) -> Path:

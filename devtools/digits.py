@@ -22,11 +22,12 @@ import numpy as np
 import onnx
 
 from coordinator.state import write_atomic
+from coordinator.training.heldout import save_arrays
 from coordinator.training.segments import cut_chain, trainable_names
 from coordinator.training.version import MANIFEST_FILE, Version
 from protocols.manifest import Manifest, ModelInfo, SegmentEntry, TensorInfo
 from protocols.plan import Objective
-from protocols.training import TRAIN_DATA_FILE
+from protocols.training import TRAIN_DATA_FILE, TrainingTargetSpec
 
 TEST_FILE = "test.npz"
 MODEL_FILE = "digits-cnn.onnx"
@@ -89,19 +90,6 @@ def dirichlet_split(
         if min(len(p) for p in parts) >= min_size:
             return [np.sort(np.array(p, dtype=np.int64)) for p in parts]
     raise ValueError(f"cannot give every client {min_size} examples with alpha={alpha}")
-
-
-def save_arrays(path: Path, x: np.ndarray, y: np.ndarray) -> None:
-    """Write an ``x``/``y`` ``.npz`` (no pickled objects)."""
-    buf = io.BytesIO()
-    np.savez(buf, x=x, y=y)
-    write_atomic(path, buf.getvalue())
-
-
-def load_arrays(path: Path) -> tuple[np.ndarray, np.ndarray]:
-    """Read an ``x``/``y`` ``.npz`` written by :func:`save_arrays` (pickle refused)."""
-    with np.load(path, allow_pickle=False) as data:
-        return data["x"], data["y"]
 
 
 def build_cnn(seed: int = 0):  # type: ignore[no-untyped-def]
@@ -255,3 +243,45 @@ def prepare_task(
         save_arrays(root / "clients" / str(i) / TRAIN_DATA_FILE, x, y)
         dirs.append(root / "clients" / str(i))
     return PreparedTask(version.path, root / TEST_FILE, dirs, root / MODEL_FILE)
+
+
+REFERENCE_MODEL_ID = "digits-cnn"
+LOCAL_BUDGETS = (50_000, 1 << 30, 1 << 30)
+"""The first local device fits only the head shard's training; the others fit more."""
+READY_FILE = "ready"
+TARGET_FILE = "target.json"
+
+
+def reference_task_dir(state_dir: Path) -> Path:
+    """Where the reference task lives under a coordinator's state dir."""
+    return state_dir / "training" / "task"
+
+
+def prepared_task(root: Path) -> tuple[Path, Path, list[Path]]:
+    """(first version, held-out file, client data dirs) of the reference task, built once."""
+    if not (root / READY_FILE).is_file():
+        task = prepare_task(root, num_clients=len(LOCAL_BUDGETS))
+        (root / READY_FILE).write_text("prepared\n")
+        return task.version_dir, task.test_file, task.client_dirs
+    clients = [root / "clients" / str(i) for i in range(len(LOCAL_BUDGETS))]
+    return root / "versions" / "v0001", root / TEST_FILE, clients
+
+
+def write_reference_target(state_dir: Path) -> Path:
+    """Prepare the reference task under ``state_dir`` (once) and write its target file.
+
+    The file is what ``fedshard coordinator --training-target`` reads: the digits CNN, served as
+    :data:`REFERENCE_MODEL_ID` when deployed (``STATE/training/task/digits-cnn.onnx``), trained
+    by one local SuperNode per non-IID data split.
+    """
+    root = reference_task_dir(state_dir)
+    version_dir, test_file, clients = prepared_task(root)
+    spec = TrainingTargetSpec(
+        model_id=REFERENCE_MODEL_ID,
+        version_dir=str(version_dir.relative_to(root)),
+        test_file=str(test_file.relative_to(root)),
+        client_data=[str(c.relative_to(root)) for c in clients],
+        budgets=list(LOCAL_BUDGETS),
+    )
+    write_atomic(root / TARGET_FILE, spec.model_dump_json(indent=2).encode())
+    return root / TARGET_FILE

@@ -140,3 +140,32 @@ class RunList(FrozenModel):
     """``GET /v1/training/runs``: every run this coordinator started, oldest first."""
 
     runs: list[RunStatus]
+
+
+TRAINING_TARGET_FORMAT: Final = "fedshard.training-target/1"
+
+
+class TrainingTargetSpec(FrozenModel):
+    """``fedshard coordinator --training-target FILE``: what the coordinator's runs fine-tune.
+
+    Relative paths are relative to the file's directory. When a deployment serves ``model_id``,
+    a run trains its active version's segments and rolls new versions out to it; otherwise it
+    trains ``version_dir`` and only writes new version directories.
+    """
+
+    format: Literal["fedshard.training-target/1"] = TRAINING_TARGET_FORMAT
+    model_id: str = Field(min_length=1, max_length=128)
+    version_dir: str = Field(min_length=1)
+    """The version to start from (``manifest.json`` plus segment files)."""
+    test_file: str = Field(min_length=1)
+    """Held-out ``.npz`` (x, y) that stays on the coordinator."""
+    client_data: list[str] = Field(default_factory=list)
+    """Data directories of local SuperNodes, one each (empty: the agents bring their own)."""
+    budgets: list[PositiveInt] = Field(default_factory=list)
+    """Training-memory budget of each local SuperNode, in bytes."""
+
+    @model_validator(mode="after")
+    def _one_budget_per_client(self) -> Self:
+        if len(self.budgets) != len(self.client_data):
+            raise ValueError("budgets and client_data must have the same length")
+        return self

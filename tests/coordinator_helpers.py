@@ -58,13 +58,20 @@ def free_port() -> int:
         return port
 
 
-def start_coordinator(tmp: Path) -> CoordinatorProc:
-    """Start ``fedshard coordinator`` and wait until its API answers."""
+def start_coordinator(tmp: Path, training: bool = False) -> CoordinatorProc:
+    """Start ``fedshard coordinator`` and wait until its API answers.
+
+    With ``training``, the reference digits task is prepared as its training target first.
+    """
     state = tmp / "coordinator-state"
     port = free_port()
     log_path = tmp / "coordinator.log"
     command = [FEDSHARD, "coordinator", "--state-dir", str(state)]
     command += ["--interface", "127.0.0.1", "--port", str(port)]
+    if training:
+        from devtools.digits import write_reference_target
+
+        command += ["--training-target", str(write_reference_target(state))]
     env = {**os.environ, "COLUMNS": "400"}
     with open(log_path, "wb") as log_file:
         proc = subprocess.Popen(

@@ -96,7 +96,7 @@ def lab(request: pytest.FixtureRequest, tmp_path_factory: pytest.TempPathFactory
     model = minilm_model(Path(request.config.cache.mkdir("fedshard-minilm")))
     tmp = tmp_path_factory.mktemp("console-browser")
     suffix = secrets.token_hex(3)  # other tests on this host advertise agents too
-    coordinator = start_coordinator(tmp)
+    coordinator = start_coordinator(tmp, training=True)
     try:
         names = [f"{role}-{suffix}" for role in ("nas", "laptop", "sbc")]
         with unpaired_agents(tmp, names, "512MiB") as agents:

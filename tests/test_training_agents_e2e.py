@@ -33,9 +33,15 @@ pytest.importorskip("torch")
 pytest.importorskip("flwr")
 
 from coordinator.training.flower import free_port
-from coordinator.training.target import prepared_task, reference_task_dir
+from coordinator.training.heldout import load_arrays
 from coordinator.trust.ca import CertificateAuthority
-from devtools.digits import MODEL_FILE, PreparedTask, load_arrays
+from devtools.digits import (
+    MODEL_FILE,
+    PreparedTask,
+    prepared_task,
+    reference_task_dir,
+    write_reference_target,
+)
 from protocols.deploy import ROLE_AGENT
 
 pytestmark = [pytest.mark.slow, pytest.mark.timeout(900)]
@@ -212,7 +218,8 @@ def test_real_agents_train_and_serve_the_new_version(cluster: Cluster) -> None:
         agents = PairedAgents(
             AgentTrainingConfig(cluster.superlink_port, clients=3), "127.0.0.1", lambda: keys
         )
-        runs = coordinator_runs(state, ca, deployer, store, agents)
+        target = write_reference_target(state)
+        runs = coordinator_runs(state, ca, deployer, store, target, agents)
         app = create_app(Services("tok", DeviceRegistry(), Pairing(state, ca), training=runs))
         with TestClient(app, headers={"Authorization": "Bearer tok"}) as api:
             run, seen_mid_run = _follow_run(api, ROUNDS)

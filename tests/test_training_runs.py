@@ -370,10 +370,10 @@ def test_a_trained_version_is_rolled_out_live_to_the_served_deployment(
     from coordinator.deploy.deployer import DeployCommand, Deployer
     from coordinator.deploy.store import DeploymentStore
     from coordinator.training.driver import write_trained_version
+    from coordinator.training.heldout import save_arrays
     from coordinator.training.server_app import save_weights
     from coordinator.training.target import LivePublisher
     from coordinator.training.version import Version
-    from devtools.digits import save_arrays
     from partitioner.split import split_model
     from protocols.devices import DeviceList
 

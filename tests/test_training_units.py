@@ -221,8 +221,8 @@ def test_budget_picks_a_suffix_and_frozen_features_are_cached(
     version_dir: Path, tmp_path: Path
 ) -> None:
     pytest.importorskip("torch")
+    from coordinator.training.heldout import save_arrays
     from coordinator.training.version import Version
-    from devtools.digits import save_arrays
     from edge_agent.training.local import LocalSettings, train_locally
     from protocols.training import TrainPlan
 

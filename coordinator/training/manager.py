@@ -13,6 +13,7 @@ import asyncio
 import logging
 import threading
 import uuid
+from collections.abc import Callable
 from typing import Protocol
 
 from coordinator.errors import CoordinatorError
@@ -78,8 +79,10 @@ class _Run:
 class TrainingRuns:
     """Starts runs on a :class:`Runner`, keeps their status, and cleans up after them."""
 
-    def __init__(self, runner: Runner) -> None:
+    def __init__(self, runner: Runner, ready: Callable[[], None] | None = None) -> None:
         self._runner = runner
+        self._ready = ready
+        """Raises when no run can start at all (no training target): checked by :meth:`start`."""
         self._lock = threading.Lock()
         self._runs: dict[str, _Run] = {}
         self._task: asyncio.Task[None] | None = None
@@ -87,6 +90,8 @@ class TrainingRuns:
 
     async def start(self, request: TrainingRunRequest) -> str:
         """Start a run in the background; raises RunConflictError while another is going."""
+        if self._ready is not None:
+            self._ready()
         if self._task is not None and not self._task.done():
             raise RunConflictError("a training run is already going; wait for it to finish")
         if self._task is not None:

@@ -1,15 +1,16 @@
-"""The coordinator's training runs: the reference task, trained live on its served deployment.
+"""The coordinator's training target: configured (``--training-target FILE``), never imported.
 
 ``fedshard coordinator`` builds :func:`coordinator_runs` once. A run (``POST /v1/training/runs``)
-fine-tunes the reference digits CNN (:mod:`devtools.digits`, prepared once under the
-state dir) with one local SuperNode per non-IID data split, or, when the coordinator was given
+fine-tunes what the target file (:class:`~protocols.training.TrainingTargetSpec`) names, with one
+local SuperNode per listed data directory, or, when the coordinator was given
 ``--superlink-port`` (:class:`PairedAgents`), with the paired agents' own SuperNodes: a
-SuperLink with node authentication admits exactly the keys they sent when they paired.
+SuperLink with node authentication admits exactly the keys they sent when they paired. Without a
+target, a run is refused with :class:`~coordinator.training.errors.NoTrainingTargetError` (409).
+``fedshard demo`` writes one for the reference digits task (:mod:`devtools.digits`).
 
-When the model is served under :data:`REFERENCE_MODEL_ID` (deploy
-``STATE/training/task/digits-cnn.onnx`` with that id), the run trains the served version's own
-segments and rolls each new version out to it live; otherwise it trains the task's offline
-version and only writes new version directories.
+When the target's ``model_id`` is served, the run trains the served version's own segments and
+rolls each new version out to it live; otherwise it trains the target's version and only writes
+new version directories.
 """
 
 from __future__ import annotations
@@ -18,12 +19,17 @@ import logging
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass, replace
 from pathlib import Path
+from threading import Event
+
+from pydantic import ValidationError
 
 from coordinator.config import AgentTrainingConfig
 from coordinator.deploy.deployer import Deployer
 from coordinator.deploy.store import DeploymentStore
 from coordinator.errors import NotServableError, UnknownModelError
-from coordinator.training.manager import TrainingRuns
+from coordinator.training.errors import NoTrainingTargetError, TrainingError
+from coordinator.training.heldout import load_arrays
+from coordinator.training.manager import RunReporter, TrainingRuns
 from coordinator.training.runner import (
     FlowerRunner,
     RunnerSettings,
@@ -32,32 +38,26 @@ from coordinator.training.runner import (
 )
 from coordinator.training.version import Version
 from coordinator.trust.ca import CertificateAuthority
+from protocols.training import TrainingRunRequest, TrainingTargetSpec
 
 log = logging.getLogger(__name__)
 
-REFERENCE_MODEL_ID = "digits-cnn"
-LOCAL_BUDGETS = (50_000, 1 << 30, 1 << 30)
-"""The first local device fits only the head shard's training; the others fit more."""
-READY_FILE = "ready"
 SAMPLE_ROWS = 8
 """Held-out rows used as warm-up and health-check inputs of a live rollout."""
+NO_TARGET = (
+    "no training target is configured: start the coordinator with --training-target FILE "
+    "(a fedshard.training-target/1 JSON file; `fedshard demo` writes one for the digits task)"
+)
 
 
-def reference_task_dir(state_dir: Path) -> Path:
-    """Where the reference task lives under the coordinator's state dir."""
-    return state_dir / "training" / "task"
-
-
-def prepared_task(root: Path) -> tuple[Path, Path, list[Path]]:
-    """(first version, held-out file, client data dirs) of the reference task, built once."""
-    from devtools.digits import TEST_FILE, prepare_task
-
-    if not (root / READY_FILE).is_file():
-        task = prepare_task(root, num_clients=len(LOCAL_BUDGETS))
-        (root / READY_FILE).write_text("prepared\n")
-        return task.version_dir, task.test_file, task.client_dirs
-    clients = [root / "clients" / str(i) for i in range(len(LOCAL_BUDGETS))]
-    return root / "versions" / "v0001", root / TEST_FILE, clients
+def load_target(path: Path) -> TrainingTargetSpec:
+    """The target file at ``path``; raises TrainingError when it is unreadable or malformed."""
+    try:
+        return TrainingTargetSpec.model_validate_json(path.read_bytes())
+    except OSError as exc:
+        raise TrainingError(f"cannot read the training target {path}: {exc}") from exc
+    except ValidationError as exc:
+        raise TrainingError(f"{path} is not a training target: {exc.errors()[0]['msg']}") from exc
 
 
 class LivePublisher:
@@ -70,8 +70,6 @@ class LivePublisher:
 
     def __call__(self, model_id: str, version: Version) -> int:
         """Deploy ``version`` beside the live one, health-check it, switch; the plan version."""
-        from devtools.digits import load_arrays
-
         x, _ = load_arrays(self.test_file)
         samples = {version.manifest.model.inputs[0].name: x[:SAMPLE_ROWS]}
         objective = self.store.active(model_id).objective
@@ -79,24 +77,28 @@ class LivePublisher:
         return record.plan_version
 
 
-def reference_target(state_dir: Path, deployer: Deployer, store: DeploymentStore) -> TrainingTarget:
-    """The reference task, on the served deployment's active version when it is served."""
-    version_dir, test_file, clients = prepared_task(reference_task_dir(state_dir))
-    model_id: str | None = REFERENCE_MODEL_ID
+def configured_target(
+    spec_file: Path, state_dir: Path, deployer: Deployer, store: DeploymentStore
+) -> TrainingTarget:
+    """The target file's task, on the served deployment's active version when it is served."""
+    spec, root = load_target(spec_file), spec_file.parent
+    version_dir = root / spec.version_dir
+    model_id: str | None = spec.model_id
     try:
-        active = store.active(REFERENCE_MODEL_ID)
-        version_dir = deployer.segment_dir(REFERENCE_MODEL_ID, active.plan_version)
-        versions_root = state_dir / "training" / "versions" / REFERENCE_MODEL_ID
+        active = store.active(spec.model_id)
+        version_dir = deployer.segment_dir(spec.model_id, active.plan_version)
+        versions_root = state_dir / "training" / "versions" / spec.model_id
     except (UnknownModelError, NotServableError):
         model_id = None
         versions_root = version_dir.parent
+    clients = tuple(root / c for c in spec.client_data)
     return TrainingTarget(
         version_dir=version_dir,
-        test_file=test_file,
+        test_file=root / spec.test_file,
         versions_root=versions_root,
-        population=len(LOCAL_BUDGETS),
-        data_dirs=tuple(clients),
-        budgets=LOCAL_BUDGETS,
+        population=len(clients),
+        data_dirs=clients,
+        budgets=tuple(spec.budgets),
         model_id=model_id,
     )
 
@@ -122,15 +124,16 @@ def coordinator_runs(
     ca: CertificateAuthority,
     deployer: Deployer,
     store: DeploymentStore,
+    target_file: Path | None,
     agents: PairedAgents | None = None,
 ) -> TrainingRuns:
-    """The training-run manager the coordinator's API serves."""
-    from devtools.digits import TEST_FILE
-
-    test_file = reference_task_dir(state_dir) / TEST_FILE
+    """The training-run manager the coordinator's API serves (refusing runs without a target)."""
+    if target_file is None:
+        return TrainingRuns(_Refusing(), ready=_no_target)
+    spec = load_target(target_file)
 
     def target() -> TrainingTarget:
-        local = reference_target(state_dir, deployer, store)
+        local = configured_target(target_file, state_dir, deployer, store)
         return local if agents is None else agents_target(local, agents.config.clients)
 
     settings = federation = None
@@ -138,6 +141,20 @@ def coordinator_runs(
         port = agents.config.superlink_port
         settings = RunnerSettings(superlink_port=port)
         federation = agent_federation(ca, port, agents.node_keys, agents.host)
-    publish = LivePublisher(deployer, store, test_file)
+    publish = LivePublisher(deployer, store, target_file.parent / spec.test_file)
     runner = FlowerRunner(state_dir / "training", ca, target, settings, publish, federation)
     return TrainingRuns(runner)
+
+
+def _no_target() -> None:
+    raise NoTrainingTargetError(NO_TARGET)
+
+
+class _Refusing:
+    """The runner of a coordinator without a training target."""
+
+    def run(
+        self, run_id: str, request: TrainingRunRequest, report: RunReporter, stop: Event
+    ) -> None:
+        """Refuse: there is nothing to train."""
+        _no_target()

@@ -155,8 +155,14 @@ def _steps(
     )
 
     state_dir = root / "coordinator"
+    target = None
+    if not args.skip_training:
+        from devtools.digits import write_reference_target
+
+        with console.status("preparing the digits CNN to fine-tune (training target)..."):
+            target = write_reference_target(state_dir)
     with console.status(f"starting the coordinator on 127.0.0.1:{port}..."):
-        coordinator = procs.start_coordinator(state_dir, port, args.cache_dir / "segments")
+        coordinator = procs.start_coordinator(state_dir, port, args.cache_dir / "segments", target)
     console.print(f"coordinator up at {coordinator.url} (state in {state_dir})")
     api = Api(coordinator.url, coordinator.token)
     suffix = _suffix(root)

@@ -134,7 +134,11 @@ class DemoProcesses:
             handle.write(f"{pid} {name}\n")
 
     def start_coordinator(
-        self, state_dir: Path, port: int, segment_cache: Path | None = None
+        self,
+        state_dir: Path,
+        port: int,
+        segment_cache: Path | None = None,
+        training_target: Path | None = None,
     ) -> CoordinatorChild:
         """Start ``fedshard coordinator`` on 127.0.0.1:``port``; wait until its API answers."""
         import httpx
@@ -144,6 +148,8 @@ class DemoProcesses:
         command += ["--interface", "127.0.0.1", "--port", str(port)]
         if segment_cache is not None:
             command += ["--segment-cache", str(segment_cache)]
+        if training_target is not None:
+            command += ["--training-target", str(training_target)]
         proc = self._spawn("coordinator", command, log_path)
         child = CoordinatorChild("coordinator", proc, log_path, port=port, state_dir=state_dir)
         self.children.append(child)
