@@ -27,7 +27,6 @@ from coordinator.serving.decoder import DecoderModels, planned_context
 from coordinator.serving.embeddings import Embedder
 from coordinator.serving.failover import Failover
 from coordinator.serving.router import Router
-from coordinator.state import sweep_temp_files
 from coordinator.training.target import PairedAgents, coordinator_runs
 from coordinator.transport.agent_client import AgentClient
 from coordinator.transport.dataplane import DataPlane
@@ -35,6 +34,7 @@ from coordinator.trust.ca import CertificateAuthority
 from coordinator.trust.delivery import TrustService, address_of
 from coordinator.trust.identity import client_context, open_identity
 from coordinator.trust.pairing import Pairing
+from hostkit.files import sweep_temp_files
 
 log = logging.getLogger(__name__)
 

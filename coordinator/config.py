@@ -7,7 +7,7 @@ import secrets
 from dataclasses import dataclass
 from pathlib import Path
 
-from coordinator.state import write_atomic
+from hostkit.files import write_atomic
 
 TOKEN_FILE = "api_token"
 

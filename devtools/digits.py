@@ -21,10 +21,10 @@ from pathlib import Path
 import numpy as np
 import onnx
 
-from coordinator.state import write_atomic
 from coordinator.training.heldout import save_arrays
 from coordinator.training.segments import cut_chain, trainable_names
 from coordinator.training.version import MANIFEST_FILE, Version
+from hostkit.files import write_atomic
 from protocols.manifest import Manifest, ModelInfo, SegmentEntry, TensorInfo
 from protocols.plan import Objective
 from protocols.training import TRAIN_DATA_FILE, TrainingTargetSpec

@@ -13,8 +13,8 @@ from cryptography.hazmat.primitives.asymmetric import ec
 from cryptography.x509.oid import NameOID
 
 from coordinator.errors import PairingError, StateError
-from coordinator.state import write_atomic
 from coordinator.trust.ca import CA_CERT_FILE, CA_KEY_FILE, CertificateAuthority
+from hostkit.files import write_atomic
 from protocols.pairing import codes_match, pairing_code
 
 

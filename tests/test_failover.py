@@ -54,10 +54,10 @@ from coordinator.fleet.liveness import MISSES, SETTLE_S, STARTUP_GRACE_S, Livene
 from coordinator.fleet.registry import DeviceRecord
 from coordinator.serving.failover import Failover, FailoverEvent
 from coordinator.serving.router import Router
-from coordinator.state import sweep_temp_files, write_atomic
 from coordinator.transport.dataplane import DataPlane
 from coordinator.trust.ca import CertificateAuthority
 from coordinator.trust.identity import client_context, open_identity
+from hostkit.files import sweep_temp_files, write_atomic
 from protocols.deploy import AgentStatus, DeployReport, LoadedSegment
 from protocols.frames import FrameHeader
 from protocols.manifest import TensorInfo
@@ -467,7 +467,7 @@ def _activate(store: DeploymentStore, version: VersionRecord) -> VersionRecord:
 WRITER = """
 import sys
 from pathlib import Path
-from coordinator.state import write_atomic
+from hostkit.files import write_atomic
 path, payloads = Path(sys.argv[1]), [Path(p).read_bytes() for p in sys.argv[2:]]
 print("ready", flush=True)
 i = 0

@@ -9,7 +9,7 @@ from pathlib import Path
 
 import psutil
 
-from coordinator.processes import stop_tree
+from hostkit.processes import stop_tree
 
 PARENT = """
 import subprocess, sys, time

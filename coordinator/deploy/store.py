@@ -16,7 +16,7 @@ from typing import Literal
 from pydantic import Field, NonNegativeFloat, NonNegativeInt, PositiveInt
 
 from coordinator.errors import NotServableError, RollbackError, StateError, UnknownModelError
-from coordinator.state import write_atomic
+from hostkit.files import write_atomic
 from protocols.base import FrozenModel
 from protocols.errors import SchemaError
 from protocols.manifest import TensorInfo

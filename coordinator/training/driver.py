@@ -16,7 +16,6 @@ from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
 
-from coordinator.state import write_atomic
 from coordinator.training.errors import TrainingRunError
 from coordinator.training.flower import (
     SuperLink,
@@ -30,6 +29,7 @@ from coordinator.training.records import Lineage, RoundMetrics, TrainingRecord, 
 from coordinator.training.rollout import Signer, next_version_dir, write_version
 from coordinator.training.server_app import ServerRunConfig, checkpoint_path, load_weights
 from coordinator.training.version import Version, split_by_shard
+from hostkit.files import write_atomic
 from protocols.errors import SchemaError
 
 log = logging.getLogger(__name__)

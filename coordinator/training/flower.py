@@ -29,10 +29,10 @@ from pathlib import Path
 from cryptography.hazmat.primitives import serialization
 from cryptography.hazmat.primitives.asymmetric import ec
 
-from coordinator.processes import stop_tree
-from coordinator.state import write_atomic
 from coordinator.training.errors import FlowerProcessError, TrainingRunError
 from coordinator.trust.ca import CertificateAuthority
+from hostkit.files import write_atomic
+from hostkit.processes import stop_tree
 from protocols.deploy import ROLE_COORDINATOR
 
 log = logging.getLogger(__name__)

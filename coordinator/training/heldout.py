@@ -7,7 +7,7 @@ from pathlib import Path
 
 import numpy as np
 
-from coordinator.state import write_atomic
+from hostkit.files import write_atomic
 
 
 def save_arrays(path: Path, x: np.ndarray, y: np.ndarray) -> None:

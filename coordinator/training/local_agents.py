@@ -12,9 +12,9 @@ from collections.abc import Iterator, Sequence
 from contextlib import contextmanager
 from pathlib import Path
 
-from coordinator.processes import stop_tree
 from coordinator.training.errors import FlowerProcessError
 from coordinator.training.flower import SuperLink, offline_env
+from hostkit.processes import stop_tree
 
 
 @contextmanager

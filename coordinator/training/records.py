@@ -10,7 +10,7 @@ from pathlib import Path
 
 from pydantic import Field, NonNegativeFloat, NonNegativeInt
 
-from coordinator.state import write_atomic
+from hostkit.files import write_atomic
 from protocols.base import FrozenModel
 
 RECORD_FORMAT = "fedshard.training/1"

@@ -17,11 +17,11 @@ from typing import Protocol
 import numpy as np
 import onnx
 
-from coordinator.state import write_atomic
 from coordinator.training.errors import RolloutError
 from coordinator.training.records import Lineage
 from coordinator.training.segments import write_weights
 from coordinator.training.version import LINEAGE_FILE, MANIFEST_FILE, SIGNATURE_FILE, Version
+from hostkit.files import write_atomic
 
 _VERSION_DIR = re.compile(r"^v(\d{4,})$")
 

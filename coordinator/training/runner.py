@@ -18,7 +18,6 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from coordinator.errors import CoordinatorError
-from coordinator.state import write_atomic
 from coordinator.training.driver import run_training, write_trained_version
 from coordinator.training.errors import RolloutError, TrainingRunError
 from coordinator.training.flower import HOST, SuperLink, register_supernode, superlink
@@ -29,6 +28,7 @@ from coordinator.training.rollout import next_version_dir
 from coordinator.training.segments import trainable_names
 from coordinator.training.version import Version
 from coordinator.trust.ca import CertificateAuthority
+from hostkit.files import write_atomic
 from protocols.errors import SchemaError
 from protocols.training import RunRollout, RunRound, TrainingRunRequest
 

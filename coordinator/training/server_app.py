@@ -27,13 +27,13 @@ from flwr.server.workflow import DefaultWorkflow, SecAggPlusWorkflow
 from flwr.serverapp import Grid, ServerApp
 from pydantic import NonNegativeInt, PositiveFloat, PositiveInt
 
-from coordinator.state import write_atomic
 from coordinator.training.accounting import RoundAccountant
 from coordinator.training.heldout import load_arrays
 from coordinator.training.records import RoundMetrics, TrainingRecord, TrainingSettings
 from coordinator.training.shardavg import ShardLayout
 from coordinator.training.strategy import NoiseForActualClients, ShardwiseStrategy
 from coordinator.training.version import HeldOutEvaluator, Version
+from hostkit.files import write_atomic
 from protocols.base import FrozenModel
 from protocols.training import TRAIN_PLAN_KEY, TrainPlan
 

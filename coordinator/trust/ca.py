@@ -21,7 +21,7 @@ from cryptography.hazmat.primitives.asymmetric.types import CertificatePublicKey
 from cryptography.x509.oid import ExtendedKeyUsageOID, NameOID
 
 from coordinator.errors import PairingError, StateError
-from coordinator.state import write_atomic
+from hostkit.files import write_atomic
 
 CA_KEY_FILE = "ca_key.pem"
 CA_CERT_FILE = "ca_cert.pem"

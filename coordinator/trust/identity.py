@@ -18,8 +18,8 @@ from cryptography.hazmat.primitives.asymmetric import ec
 from cryptography.x509.oid import NameOID
 
 from coordinator.errors import AgentError
-from coordinator.state import write_atomic
 from coordinator.trust.ca import CA_CERT_FILE, CertificateAuthority
+from hostkit.files import write_atomic
 from protocols.deploy import ROLE_COORDINATOR
 
 KEY_FILE = "coordinator_key.pem"

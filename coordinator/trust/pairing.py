@@ -31,8 +31,8 @@ from coordinator.errors import (
     TooManyAttemptsError,
     WrongCodeError,
 )
-from coordinator.state import write_atomic
 from coordinator.trust.ca import CertificateAuthority
+from hostkit.files import write_atomic
 from protocols.base import FrozenModel
 from protocols.deploy import ROLE_AGENT
 from protocols.errors import SchemaError

@@ -4,7 +4,7 @@
 when it exits, whatever the reason: normal return, an exception, Ctrl-C (SIGINT), SIGTERM or
 SIGHUP (all turned into :class:`KeyboardInterrupt` while it is active). Each child runs in its own
 session so the terminal's Ctrl-C reaches only the demo, which then stops the children in order
-(agents first, then the coordinator) with :func:`coordinator.processes.stop_tree`: SIGTERM to
+(agents first, then the coordinator) with :func:`hostkit.processes.stop_tree`: SIGTERM to
 the child and everything it started, SIGKILL to what does not exit in time. No threads are
 started.
 """
@@ -26,7 +26,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from types import FrameType
 
-from coordinator.processes import stop_tree
+from hostkit.processes import stop_tree
 
 STOP_TIMEOUT_S = 20.0
 START_TIMEOUT_S = 90.0
