@@ -33,6 +33,7 @@ from edge_agent.probe import probe_link
 from edge_agent.runtime import resident_bytes
 from edge_agent.segments import SegmentStore
 from edge_agent.tls import Peer, Revocation, client_context, peer_of, server_context
+from hostkit.files import write_atomic
 from protocols.deploy import (
     AgentStatus,
     ErrorReply,
@@ -246,9 +247,7 @@ class Agent:
     async def _revoke(self, body: bytes) -> Response:
         request = Revocations.from_json(body)
         path = self.config.state_dir / REVOCATIONS_FILE
-        tmp = path.with_suffix(".tmp")
-        tmp.write_text(request.model_dump_json())
-        tmp.replace(path)
+        write_atomic(path, request.model_dump_json().encode())
         self.revocation.replace(request.names, request.fingerprints)
         dropped = self._data.drop(self.revocation.revoked) if self._data is not None else 0
         await self.pipeline.drop_links(self.revocation.names)
@@ -328,6 +327,4 @@ def _write_ready(path: Path, agent: Agent) -> None:
         "data_port": agent.ports[1],
         "pid": os.getpid(),
     }
-    tmp = path.with_suffix(".tmp")
-    tmp.write_text(json.dumps(info))
-    tmp.replace(path)
+    write_atomic(path, json.dumps(info).encode())

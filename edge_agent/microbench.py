@@ -19,6 +19,7 @@ import numpy as np
 from pydantic import BaseModel, ConfigDict, PositiveFloat, PositiveInt, ValidationError
 
 from edge_agent.config import RuntimeConfig
+from hostkit.files import write_atomic
 
 log = logging.getLogger(__name__)
 
@@ -131,9 +132,7 @@ def load_or_measure(
                 return cached
     profile = measure_gflops(runtime)
     state_dir.mkdir(parents=True, exist_ok=True)
-    tmp = path.with_suffix(".tmp")
-    tmp.write_text(profile.model_dump_json(indent=2))
-    tmp.replace(path)
+    write_atomic(path, profile.model_dump_json(indent=2).encode())
     log.info("measured %.1f GFLOP/s with %d thread(s)", profile.gflops, runtime.intra_op_threads)
     return profile
 

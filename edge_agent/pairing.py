@@ -29,6 +29,7 @@ from cryptography.x509.oid import NameOID
 from edge_agent.config import TlsFiles
 from edge_agent.errors import PairingError
 from edge_agent.identity import KEY_FILE, Identity, load_private_key, spki
+from hostkit.files import write_atomic
 from protocols.deploy import ROLE_AGENT
 from protocols.pairing import PairingGrant, PairingOffer, pairing_code
 
@@ -122,9 +123,7 @@ def accept_grant(identity: Identity, grant: PairingGrant, state_dir: Path) -> Tl
         raise PairingError("the certificate was not issued by the CA in the grant") from exc
     files = TlsFiles(state_dir / CA_FILE, state_dir / CERT_FILE, state_dir / KEY_FILE)
     for path, text in ((files.ca, grant.ca_pem), (files.cert, grant.cert_pem)):
-        tmp = path.with_suffix(".tmp")
-        tmp.write_text(text)
-        os.replace(tmp, path)
+        write_atomic(path, text.encode())
     return files
 
 

@@ -1,4 +1,8 @@
-"""The coordinator's state dir: every write is atomic, so a crash never leaves a torn file."""
+"""Atomic file writes: readers see the old content or the new, and a crash never leaves a torn file.
+
+The coordinator's state dir and the agent's state files are written only through
+:func:`write_atomic`.
+"""
 
 from __future__ import annotations
 

@@ -1,11 +1,11 @@
 """Stopping a child process and everything it started, whatever sessions they moved to.
 
-The demo's coordinator and agents, and Flower's SuperLink and SuperNodes, are started in new
-sessions (so a terminal's Ctrl-C reaches only fedshard, which then stops them in order), and
-they start helpers of their own, some in further sessions (``flower-superexec``,
-``flwr-serverapp``). :func:`stop_tree` therefore collects the whole tree by parent links before
-signalling anything, and also signals the child's process group, which catches helpers whose
-parent already exited.
+The demo's coordinator and agents, and Flower's SuperLink and SuperNodes (on the coordinator and
+on an agent that trains), are started in new sessions (so a terminal's Ctrl-C reaches only
+fedshard, which then stops them in order), and they start helpers of their own, some in further
+sessions (``flower-superexec``, ``flwr-serverapp``). :func:`stop_tree` therefore collects the
+whole tree by parent links before signalling anything, and also signals the child's process
+group, which catches helpers whose parent already exited.
 """
 
 from __future__ import annotations
@@ -18,16 +18,17 @@ import subprocess
 import psutil
 
 
-def stop_tree(proc: subprocess.Popen[bytes], grace_s: float = 10.0) -> bool:
-    """SIGTERM to ``proc`` and every process it started, SIGKILL to whatever is left after
-    ``grace_s``; whether ``proc`` itself was still running."""
+def stop_tree(proc: subprocess.Popen[bytes], grace_s: float = 10.0, hard: bool = False) -> bool:
+    """SIGTERM to ``proc`` and every process it started (SIGKILL at once with ``hard``: a device
+    dropping out), SIGKILL to whatever is left after ``grace_s``; whether ``proc`` itself was
+    still running."""
     running = proc.poll() is None
     tree = _tree(proc.pid) if running else []
     for member in tree:
         with contextlib.suppress(psutil.NoSuchProcess):
-            member.terminate()
+            member.kill() if hard else member.terminate()
     if running:
-        _signal_group(proc.pid, signal.SIGTERM)
+        _signal_group(proc.pid, signal.SIGKILL if hard else signal.SIGTERM)
     _, alive = psutil.wait_procs(tree, timeout=grace_s)
     for member in alive:
         with contextlib.suppress(psutil.NoSuchProcess):

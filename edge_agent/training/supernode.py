@@ -12,7 +12,6 @@ refuses a node whose key it has not registered yet, and each training run starts
 
 from __future__ import annotations
 
-import contextlib
 import logging
 import os
 import signal
@@ -28,6 +27,7 @@ from pathlib import Path
 from edge_agent.config import AgentConfig
 from edge_agent.pairing import make_node_key, node_key_dir, node_public_key
 from edge_agent.training.errors import SuperNodeError
+from hostkit.processes import stop_tree
 
 log = logging.getLogger(__name__)
 
@@ -87,33 +87,11 @@ class SuperNodeProcess:
 
     def stop(self, grace_s: float = 10.0) -> None:
         """Terminate the SuperNode and every process it started; kill whatever lingers."""
-        _stop_tree(self.process, grace_s, hard=False)
+        stop_tree(self.process, grace_s)
 
     def kill(self) -> None:
         """Kill the SuperNode and its children at once (simulates a device dropping out)."""
-        _stop_tree(self.process, 10.0, hard=True)
-
-
-def _stop_tree(proc: subprocess.Popen[bytes], grace_s: float, hard: bool) -> None:
-    """Signal ``proc`` and all its descendants (Flower starts helpers in new sessions)."""
-    import psutil
-
-    try:
-        tree = [psutil.Process(proc.pid)]
-        tree += tree[0].children(recursive=True)
-    except psutil.NoSuchProcess:
-        tree = []
-    for p in tree:
-        with contextlib.suppress(psutil.NoSuchProcess):
-            p.kill() if hard else p.terminate()
-    _, alive = psutil.wait_procs(tree, timeout=grace_s)
-    for p in alive:
-        with contextlib.suppress(psutil.NoSuchProcess):
-            p.kill()
-    psutil.wait_procs(alive, timeout=grace_s)
-    if proc.poll() is None:
-        proc.kill()
-    proc.wait(timeout=grace_s)
+        stop_tree(self.process, 10.0, hard=True)
 
 
 def _free_port() -> int:
