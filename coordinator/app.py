@@ -30,9 +30,10 @@ from coordinator.serving.router import Router
 from coordinator.training.target import PairedAgents, coordinator_runs
 from coordinator.transport.agent_client import AgentClient
 from coordinator.transport.dataplane import DataPlane
+from coordinator.transport.tls import client_context
 from coordinator.trust.ca import CertificateAuthority
 from coordinator.trust.delivery import TrustService, address_of
-from coordinator.trust.identity import client_context, open_identity
+from coordinator.trust.identity import open_identity
 from coordinator.trust.pairing import Pairing
 from hostkit.files import sweep_temp_files
 

@@ -60,8 +60,9 @@ def decoder_lab(export: Path, tmp: Path, model_id: str, memory: str, cap: str) -
 
 def _coordinator_context(coordinator: CoordinatorProc) -> ssl.SSLContext:
     """The coordinator's own client identity (to read the agents' metrics as it does)."""
+    from coordinator.transport.tls import client_context
     from coordinator.trust.ca import CertificateAuthority
-    from coordinator.trust.identity import client_context, open_identity
+    from coordinator.trust.identity import open_identity
 
     ca = CertificateAuthority.open(coordinator.state_dir)
     return client_context(open_identity(coordinator.state_dir, ca))

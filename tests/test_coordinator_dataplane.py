@@ -19,8 +19,9 @@ from cryptography.hazmat.primitives.asymmetric import ec
 
 from coordinator.errors import AgentError, NotServableError, RequestError
 from coordinator.transport.dataplane import ChainClient, DataPlane
+from coordinator.transport.tls import client_context
 from coordinator.trust.ca import CertificateAuthority
-from coordinator.trust.identity import client_context, open_identity
+from coordinator.trust.identity import open_identity
 from protocols.deploy import ROLE_AGENT, Hop
 from protocols.errors import WireErrorCode
 from protocols.frames import (

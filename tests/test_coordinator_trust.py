@@ -13,9 +13,10 @@ from fastapi.testclient import TestClient
 from coordinator.fleet.registry import DeviceRegistry
 from coordinator.http.app import Services, create_app
 from coordinator.transport.agent_client import AgentClient
+from coordinator.transport.tls import client_context
 from coordinator.trust.ca import CertificateAuthority
 from coordinator.trust.delivery import TrustService
-from coordinator.trust.identity import client_context, open_identity
+from coordinator.trust.identity import open_identity
 from coordinator.trust.pairing import Pairing
 from protocols.profile import AgentState, Announcement, DeviceProfile
 

@@ -55,8 +55,9 @@ from coordinator.fleet.registry import DeviceRecord
 from coordinator.serving.failover import Failover, FailoverEvent
 from coordinator.serving.router import Router
 from coordinator.transport.dataplane import DataPlane
+from coordinator.transport.tls import client_context
 from coordinator.trust.ca import CertificateAuthority
-from coordinator.trust.identity import client_context, open_identity
+from coordinator.trust.identity import open_identity
 from hostkit.files import sweep_temp_files, write_atomic
 from protocols.deploy import AgentStatus, DeployReport, LoadedSegment
 from protocols.frames import FrameHeader

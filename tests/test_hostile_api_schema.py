@@ -33,8 +33,9 @@ from coordinator.serving.embeddings import Embedder
 from coordinator.serving.router import Router
 from coordinator.transport.agent_client import AgentClient
 from coordinator.transport.dataplane import DataPlane
+from coordinator.transport.tls import client_context
 from coordinator.trust.ca import CertificateAuthority
-from coordinator.trust.identity import client_context, open_identity
+from coordinator.trust.identity import open_identity
 from coordinator.trust.pairing import Pairing
 
 TOKEN = "schemathesis-token"

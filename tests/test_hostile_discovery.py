@@ -22,9 +22,10 @@ from coordinator.fleet.discovery import ZeroconfDiscovery
 from coordinator.fleet.registry import DeviceRecord, DeviceRegistry
 from coordinator.http.app import Services, create_app
 from coordinator.transport.agent_client import AgentClient
+from coordinator.transport.tls import client_context
 from coordinator.trust.ca import CertificateAuthority
 from coordinator.trust.delivery import TrustService
-from coordinator.trust.identity import client_context, open_identity
+from coordinator.trust.identity import open_identity
 from coordinator.trust.pairing import PairedDevice, Pairing
 from protocols.profile import AgentState, Announcement, DeviceProfile
 from protocols.txt import MAX_RECORD_BYTES, encode_txt

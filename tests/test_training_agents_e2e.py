@@ -194,7 +194,8 @@ def test_real_agents_train_and_serve_the_new_version(cluster: Cluster) -> None:
     from coordinator.training.version import Version
     from coordinator.transport.agent_client import AgentClient
     from coordinator.transport.dataplane import DataPlane
-    from coordinator.trust.identity import client_context, open_identity
+    from coordinator.transport.tls import client_context
+    from coordinator.trust.identity import open_identity
     from coordinator.trust.pairing import Pairing
     from protocols.plan import Objective
 

@@ -305,7 +305,7 @@ def split_and_run(
     The local run gives each segment a real warm-up input and the health check its expected
     answer. Partitioner errors become DeployError.
     """
-    from coordinator.serving.decoder import health_feeds, state_names
+    from coordinator.generation.feeds import health_feeds, state_names
     from partitioner.errors import PartitionerError
     from partitioner.split import SplitOptions, split_model
     from partitioner.verify import run_chain

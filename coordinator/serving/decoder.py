@@ -5,9 +5,6 @@ with their attention mask and positions (:mod:`protocols.decoder`); every stage 
 layers' KV cache for that session and keeps the grown one, so only hidden states travel between
 agents. The last stage answers with the top-k next-token candidates. Steps of different sessions
 are independent requests, so concurrent generations interleave in the pipeline.
-
-The deployer's health check of a decoder is a one-shot prefill (no session): the sample prompt
-from an empty cache, compared with the same prefill run here.
 """
 
 from __future__ import annotations
@@ -17,11 +14,8 @@ import logging
 import secrets
 import threading
 import time
-from collections.abc import Callable, Mapping, Sequence
+from collections.abc import Callable, Sequence
 from pathlib import Path
-from typing import Any
-
-import numpy as np
 
 from coordinator.deploy.store import DeploymentStore, VersionRecord
 from coordinator.errors import (
@@ -33,13 +27,11 @@ from coordinator.errors import (
     RequestError,
 )
 from coordinator.generation.backend import GenerationModel, TopCandidates
+from coordinator.generation.feeds import Arrays, step_inputs
 from coordinator.generation.tokenizer import ChatTokenizer
 from coordinator.transport.dataplane import ChainClient, DataPlane, SessionStep
 from protocols.decoder import (
-    ATTENTION_MASK,
     DECODER_FILE,
-    INPUT_IDS,
-    POSITION_IDS,
     TOP_IDS,
     TOP_LOGITS,
     DecoderInfo,
@@ -48,44 +40,9 @@ from protocols.errors import ProtocolError
 from protocols.manifest import Manifest
 
 log = logging.getLogger(__name__)
-Arrays = dict[str, np.ndarray[Any, Any]]
 STEP_TIMEOUT_S = 60.0
 RECOVERY_S = 60.0
 """How long a step may wait, in all, for a broken chain to be re-planned and replayed."""
-
-
-def step_inputs(position: int, token_ids: Sequence[int]) -> Arrays:
-    """The frame tensors of one step: ``token_ids`` appended after ``position`` tokens."""
-    if not token_ids:
-        raise RequestError("a generation step needs at least one token")
-    count = len(token_ids)
-    return {
-        INPUT_IDS: np.asarray(token_ids, dtype=np.int64).reshape(1, count),
-        ATTENTION_MASK: np.ones((1, position + count), dtype=np.int64),
-        POSITION_IDS: np.arange(position, position + count, dtype=np.int64).reshape(1, count),
-    }
-
-
-def state_names(manifest: Manifest) -> set[str]:
-    """Every per-session state input and output of a split model."""
-    return {n for s in manifest.segments for p in s.state for n in (p.past, p.present)}
-
-
-def health_feeds(manifest: Manifest, samples: Mapping[str, Any]) -> tuple[Arrays, Arrays]:
-    """For a decoder: the one-shot prefill sent through the chain, and the same prefill with
-    empty caches for a local run (which gives the expected answer)."""
-    prompt = np.asarray(samples[INPUT_IDS], dtype=np.int64).reshape(-1)
-    wire = step_inputs(0, prompt.tolist())
-    local = dict(wire)
-    pasts = {p.past: p.axis for s in manifest.segments for p in s.state}
-    for info in manifest.model.inputs:
-        if info.name in pasts:
-            shape = [
-                0 if k == pasts[info.name] else (d if isinstance(d, int) and d > 0 else 1)
-                for k, d in enumerate(info.shape)
-            ]
-            local[info.name] = np.zeros(shape, dtype=np.dtype(info.dtype))
-    return wire, local
 
 
 ClientOf = Callable[[float], tuple[VersionRecord, ChainClient]]

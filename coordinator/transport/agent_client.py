@@ -13,7 +13,7 @@ from dataclasses import dataclass
 from typing import TypeVar
 
 from coordinator.errors import AgentError, AgentRefusedError
-from coordinator.trust.identity import check_peer, pairing_context
+from coordinator.transport.tls import check_peer, pairing_context
 from protocols.base import FrozenModel
 from protocols.deploy import (
     ROLE_AGENT,

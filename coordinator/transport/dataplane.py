@@ -32,8 +32,8 @@ from coordinator.errors import (
     AgentError,
     NotServableError,
 )
+from coordinator.transport.tls import check_peer
 from coordinator.transport.wire_errors import remote_error
-from coordinator.trust.identity import check_peer
 from protocols.deploy import ROLE_AGENT, Hop
 from protocols.errors import FrameError
 from protocols.frames import (
