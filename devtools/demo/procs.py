@@ -47,20 +47,25 @@ class Child:
     log_path: Path
 
     def log(self) -> str:
+        """Everything the process wrote so far (empty if its log cannot be read)."""
         try:
             return self.log_path.read_text(errors="replace")
         except OSError:
             return ""
 
     def tail(self, lines: int = 20) -> str:
+        """The last ``lines`` lines of its log."""
         return "\n".join(self.log().splitlines()[-lines:])
 
     def alive(self) -> bool:
+        """Whether the process is still running."""
         return self.proc.poll() is None
 
 
 @dataclass
 class CoordinatorChild(Child):
+    """The demo's coordinator: its API address, token and state dir."""
+
     url: str = ""
     token: str = ""
     port: int = 0
@@ -68,11 +73,14 @@ class CoordinatorChild(Child):
 
     @property
     def console_url(self) -> str:
+        """The web console's address, token included."""
         return f"{self.url}/?token={self.token}"
 
 
 @dataclass
 class AgentChild(Child):
+    """One of the demo's agents: its state dir, memory budget and control port."""
+
     state_dir: Path = Path()
     memory: str = ""
     control_port: int = 0

@@ -49,6 +49,7 @@ class Api:
     def call(
         self, method: str, path: str, body: Any = None, timeout: float = 60.0
     ) -> tuple[int, Any]:
+        """``(status, JSON reply)`` of one request (a non-JSON reply as ``{"detail": text}``)."""
         import httpx
 
         headers = {"Authorization": f"Bearer {self.token}"}
@@ -60,6 +61,7 @@ class Api:
             return response.status_code, {"detail": response.text}
 
     def get(self, path: str) -> Any:
+        """The JSON reply of ``GET path``; DemoStepError unless it is a 200."""
         code, reply = self.call("GET", path)
         if code != 200:
             raise DemoStepError(f"GET {path}: {code} {reply}")
