@@ -7,8 +7,12 @@
 - :mod:`coordinator.training.server_app` the ServerApp (SecAgg+, DP, shard-wise FedAvg)
 - :mod:`coordinator.training.flower`     flower-superlink and ``flwr run`` process management
 - :mod:`coordinator.training.rollout`    new weights into ONNX initializers, new version dirs
-- :mod:`devtools.digits`       the digits task: data split, CNN, pre-training, export
+- :mod:`coordinator.training.target`     the configured training target (``--training-target``)
+- :mod:`coordinator.training.manager`    the runs behind ``/v1/training/runs``, one at a time
+- :mod:`coordinator.training.driver`     one federated run, end to end (``flwr run``)
+- :mod:`coordinator.training.runner`     the manager's runner: Flower, then rollout
 - :mod:`coordinator.training.cli`        ``fedshard train``
 
-Nothing here imports torch or Flower at module level except the ServerApp and the task module.
+Nothing here imports torch or Flower at module level except the ServerApp. The reference digits
+task lives in :mod:`devtools.digits`.
 """
