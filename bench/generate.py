@@ -39,10 +39,10 @@ from rich.console import Console  # noqa: E402
 from rich.table import Table  # noqa: E402
 
 from devtools.demo.decoder import (  # noqa: E402
+    decoder_caps,
     decoder_info,
     deploy_decoder,
     export_decoder,
-    three_way_caps,
 )
 from devtools.demo.procs import demo_processes, free_port  # noqa: E402
 from devtools.demo.steps import Api, pair_automatically  # noqa: E402
@@ -175,7 +175,7 @@ def fedshard_runs(
                 first = first or child.state_dir / "profile.json"
             api = Api(coordinator.url, coordinator.token)
             pair_automatically(console, api, names, procs.check_alive)
-            deploy_decoder(console, api, export, model_id, three_way_caps(export, names))
+            deploy_decoder(console, api, export, model_id, decoder_caps(export, names))
             stream_chat(api, model_id, 4)  # warm the connections
             ort_run(decoder, ids, 4)
             single: list[Run] = []

@@ -13,13 +13,15 @@ import signal
 import socket
 import subprocess
 import time
-from collections.abc import Iterator, Sequence
+from collections.abc import Iterator
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
 import httpx
 from agent_helpers import PYTHON, REPO, AgentProc, start_agent, stop_agent
+
+from devtools.reference import unsharded_embeddings  # noqa: F401  (re-exported for the tests)
 
 FEDSHARD = str(Path(PYTHON).parent / "fedshard")
 CODE = re.compile(r"pairing code ([A-Z2-7]{4}-[A-Z2-7]{4})")
@@ -141,24 +143,6 @@ def wait_for(predicate, timeout: float, interval: float = 0.2) -> bool:  # type:
             return True
         time.sleep(interval)
     return bool(predicate())
-
-
-def unsharded_embeddings(model: Path, sentences: Sequence[str]) -> dict[str, Any]:
-    """Each sentence's MiniLM embedding from the whole model in ONNX Runtime (no sharding)."""
-    import onnxruntime as ort
-
-    from coordinator.serving.embeddings import TextEncoder, default_tokenizer_dir, mean_pool
-
-    tokenizer = default_tokenizer_dir("all-minilm-l6-v2")
-    assert tokenizer is not None
-    encoder = TextEncoder(Path(tokenizer))
-    session = ort.InferenceSession(str(model), providers=["CPUExecutionProvider"])
-    expected = {}
-    for text in sentences:
-        feeds, _ = encoder.encode([text])
-        hidden = session.run(["last_hidden_state"], feeds)[0]
-        expected[text] = mean_pool(hidden, feeds["attention_mask"])[0]
-    return expected
 
 
 def paired_record(agent: AgentProc, memory_bytes: int = 256 << 20) -> Any:

@@ -21,6 +21,8 @@ from coordinator_helpers import (
     wait_for,
 )
 
+from devtools.reference import greedy_reference  # noqa: F401  (re-exported for the tests)
+
 
 @dataclass
 class GenLab:
@@ -84,21 +86,3 @@ def agents_in_stage_order(lab: GenLab, model_id: str) -> list[AgentProc]:
     [live] = [v for v in record["versions"] if v["state"] == "active"]
     by_name = {agent.name: agent for agent in lab.agents}
     return [by_name[p["device"]] for p in sorted(live["segments"], key=lambda p: p["index"])]
-
-
-def greedy_reference(export: Path, prompt: str, max_tokens: int) -> tuple[str, int]:
-    """Greedy text for a completions prompt (BOS, then the text) from the whole model in one
-    ONNX Runtime session, and how many tokens it generated (an end-of-text token stops it)."""
-    from tokenizers import Tokenizer
-
-    from partitioner.decoders.ort_runner import OrtDecoder
-
-    tokenizer = Tokenizer.from_file(str(export / "tokenizer.json"))
-    decoder = OrtDecoder(export)
-    bos = decoder.info.bos_token_id
-    ids = ([bos] if bos is not None else []) + tokenizer.encode(
-        prompt, add_special_tokens=False
-    ).ids
-    new = decoder.greedy(ids, max_tokens, stop_ids=decoder.info.eos_token_ids)
-    new = [i for i in new if i not in decoder.info.eos_token_ids]
-    return str(tokenizer.decode(new)), len(new)

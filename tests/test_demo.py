@@ -1,8 +1,8 @@
 """Integration: ``fedshard demo --exit`` as a user runs it.
 
-It starts a coordinator and three agents on 127.0.0.1, pairs them, starts a two-round federated
-run in the coordinator's background, deploys MiniLM across all three, prints the plan and a
-similarity matrix, deploys Gemma 3 270M across the three and prints its plan and a chat answer,
+It starts a coordinator and four agents on 127.0.0.1, pairs them, starts a two-round federated
+run in the coordinator's background, deploys MiniLM across them, prints the plan and a
+similarity matrix, deploys Gemma 3 270M across them and prints its plan and a chat answer,
 prints the training summary and the console line, and stops every process it started (the
 training's Flower processes included) before it exits. The Gemma export is cached in
 ``<repo>/.cache/fedshard`` (shared with the Gemma tests).
@@ -80,13 +80,17 @@ def test_demo_exit(tmp_path: Path) -> None:
     assert float(summary.group(3)) > 0
     started = [line.split(maxsplit=1) for line in pids.read_text().splitlines() if line.strip()]
     names = [name for _, name in started]
-    assert len(started) == 4 and names[0] == "coordinator", started
-    assert sum(1 for name in names[1:] if re.search(rf"\b{re.escape(name)}\b", out)) == 3
+    assert len(started) == 5 and names[0] == "coordinator", started
+    assert sum(1 for name in names[1:] if re.search(rf"\b{re.escape(name)}\b", out)) == 4
     plan_rows = [
         line for line in out.splitlines() if any(name in line for name in names[1:]) and "│" in line
     ]
-    # two plans (MiniLM, Gemma), each a row per device with its unit range
-    assert len([row for row in plan_rows if re.search(r"\d+-\d+", row)]) == 6, out
+    # two plans (MiniLM, Gemma), each a row per device it was deployed across, with unit ranges
+    spans = [
+        int(n) for n in re.findall(r"^deployed \S+ v\d+ in .* across (\d+) devices", out, re.M)
+    ]
+    assert len(spans) == 2 and spans[0] >= 2 and spans[1] >= 3, out
+    assert len([row for row in plan_rows if re.search(r"\d+-\d+", row)]) == sum(spans), out
     matrix = [
         line
         for line in out.splitlines()
@@ -123,7 +127,7 @@ def test_ctrl_c_stops_every_process_the_demo_started(tmp_path: Path) -> None:
             assert time.monotonic() < deadline, log.read_text(errors="replace")
             time.sleep(0.5)
         started = [line.split(maxsplit=1) for line in pids.read_text().splitlines() if line]
-        assert len(started) == 4 and all(_running(int(pid)) for pid, _ in started)
+        assert len(started) == 5 and all(_running(int(pid)) for pid, _ in started)
         demo.send_signal(signal.SIGINT)
         assert demo.wait(timeout=120) == 0
     finally:
@@ -134,3 +138,47 @@ def test_ctrl_c_stops_every_process_the_demo_started(tmp_path: Path) -> None:
     assert "every process the demo started is stopped" in out_text, out_text
     assert [f"{pid} {name}" for pid, name in started if _running(int(pid))] == []
     assert _processes_mentioning(str(state)) == []
+
+
+def _row(out: str, label: str) -> str:
+    """The value cell of a row of the chaos table."""
+    match = re.search(rf"^│ {re.escape(label)}\s+│\s+(.+?)\s+│$", out, re.MULTILINE)
+    assert match is not None, f"no {label!r} row in:\n{out}"
+    return match.group(1)
+
+
+def test_demo_chaos_loses_nothing_and_expands_back(tmp_path: Path) -> None:
+    """``fedshard demo --chaos``: an agent killed mid-stream under load, restarted; no request
+    lost or wrong, and every model that shrank is back on the restarted agent."""
+    pytest.importorskip("transformers")
+    state = tmp_path / "demo-state"
+    pids = tmp_path / "pids.txt"
+    command = [FEDSHARD, "demo", "--chaos", "--exit", "--skip-training", "--decoder", "tiny-llama"]
+    command += ["--port", "0", "--state-dir", str(state), "--pid-file", str(pids)]
+    result = subprocess.run(
+        command,
+        cwd=REPO,
+        capture_output=True,
+        text=True,
+        timeout=840,
+        check=False,
+        env={**os.environ, "COLUMNS": "200", "FEDSHARD_CACHE": str(CACHE)},
+    )
+    out = result.stdout + result.stderr
+    assert result.returncode == 0, out
+    victim = re.search(r"chaos: killed agent (\S+) \(pid (\d+), SIGKILL\)", out)
+    assert victim is not None, out
+    assert f"agent {victim.group(1)} restarted with its state dir" in out
+    sent = int(_row(out, "requests sent"))
+    assert sent == 121  # 120 embeddings requests and the streamed completion
+    assert int(_row(out, "answered correctly")) == sent
+    assert int(_row(out, "lost")) == 0
+    assert int(_row(out, "answered wrongly")) == 0
+    assert _row(out, "streamed completion") == "correct"
+    assert _row(out, "time to notice").endswith(" s")
+    expanded = _row(out, "time to expand all-minilm-l6-v2 back (after the restart)")
+    assert expanded != "never" and expanded.endswith(" s"), out
+    # the victim's pid was replaced by its restart; every process is stopped at the end
+    started = [line.split(maxsplit=1) for line in pids.read_text().splitlines() if line.strip()]
+    assert [name for _, name in started].count(victim.group(1)) == 2, started
+    assert [f"{pid} {name}" for pid, name in started if _running(int(pid))] == []

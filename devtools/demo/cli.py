@@ -1,13 +1,17 @@
 """``fedshard demo``: a newcomer's first run, everything on 127.0.0.1.
 
-It starts a coordinator and three agents as separate processes, pairs the agents through the API
-(demo mode only), exports all-MiniLM-L6-v2 and deploys it under planning caps that force three
-segments, prints the plan next to what the agents measured and a sentence-similarity matrix from
-``/v1/embeddings``, does the same for Gemma 3 270M with a ``/v1/chat/completions`` answer, and
-(unless ``--skip-training``) prints the summary of a two-round federated fine-tuning run with its
+It starts a coordinator and four agents as separate processes, pairs the agents through the API
+(demo mode only), exports all-MiniLM-L6-v2 and deploys it under planning caps that no single
+agent can hold it under (while any three of the four still can), prints the plan next to what
+the agents measured and a sentence-similarity matrix from ``/v1/embeddings``, does the same for
+the decoder (Gemma 3 270M by default) with a ``/v1/chat/completions`` answer, and (unless
+``--skip-training``) prints the summary of a two-round federated fine-tuning run with its
 epsilon, which the coordinator ran in the background meanwhile. Then it prints the console
-address and serves until Ctrl-C, which stops every process it started. Exports are kept in the
-cache dir, so a second run starts faster.
+address and serves until Ctrl-C, which stops every process it started. While serving, an agent
+that exits is reported with what failover did about it and restarted a few seconds later, so
+the models expand back onto it. ``--chaos`` shows exactly that under the demo's own load: an
+agent killed mid-stream, no request lost. Exports are kept in the cache dir, so a second run
+starts faster.
 """
 
 from __future__ import annotations
@@ -28,8 +32,10 @@ if TYPE_CHECKING:
     from devtools.demo.steps import Api
 
 DEFAULT_PORT = 8470
-ROLES = ("nas", "laptop", "sbc")
+ROLES = ("nas", "laptop", "sbc", "desktop")
 GEMMA = "gemma3-270m"
+DECODERS = (GEMMA, "tiny-llama")
+"""Decoders the demo can serve (``tiny-llama`` is a small random model: fast, for scripts)."""
 QUESTION = "What does a router do in a home network?"
 STOP = ("\nQuestion:",)
 """The packaged Gemma is the pretrained base model: it answers a question/answer prompt, then
@@ -43,7 +49,7 @@ def register(subparsers: argparse._SubParsersAction[argparse.ArgumentParser]) ->
     """Add the ``demo`` subcommand."""
     parser = subparsers.add_parser(
         "demo",
-        help="run a coordinator and three agents on this machine and show them working",
+        help="run a coordinator and four agents on this machine and show them working",
         description=__doc__,
         formatter_class=argparse.RawDescriptionHelpFormatter,
     )
@@ -60,7 +66,20 @@ def register(subparsers: argparse._SubParsersAction[argparse.ArgumentParser]) ->
     parser.add_argument(
         "--skip-gemma",
         action="store_true",
-        help="skip Gemma 3 270M (the text-generation part; its first export takes minutes)",
+        help="skip the text-generation part (Gemma's first export takes minutes)",
+    )
+    parser.add_argument(
+        "--decoder",
+        choices=DECODERS,
+        default=GEMMA,
+        help=f"the text-generation model (default {GEMMA})",
+    )
+    parser.add_argument(
+        "--chaos",
+        action="store_true",
+        help="once ready, run a bounded load, kill one agent mid-stream, restart it, and print "
+        "what was lost (nothing, is the target) and how long noticing, re-planning and expanding "
+        "back took; the exit code is 1 when a request was lost",
     )
     parser.add_argument(
         "--cache-dir",
@@ -116,7 +135,7 @@ def _run(console: Console, args: argparse.Namespace, root: Path, started: float)
     try:
         with demo_processes(root / "logs", args.pid_file) as procs:
             try:
-                _steps(console, args, root, port, procs, started)
+                code = _steps(console, args, root, port, procs, started)
             finally:
                 with console.status("stopping every process the demo started..."):
                     stopped = procs.stop_all()
@@ -139,14 +158,15 @@ def _steps(
     port: int,
     procs: DemoProcesses,
     started: float,
-) -> None:
+) -> int:
+    """Every step of the demo; the exit code (1 when ``--chaos`` lost a request)."""
     from devtools.demo.steps import (
         AGENT_MEMORY,
-        CAPS_MB,
         Api,
         budgets_table,
         deploy_minilm,
         export_model,
+        minilm_caps,
         pair_automatically,
         plan_table,
         similarity_table,
@@ -166,12 +186,13 @@ def _steps(
     console.print(f"coordinator up at {coordinator.url} (state in {state_dir})")
     api = Api(coordinator.url, coordinator.token)
     suffix = _suffix(root)
-    names = {role: f"{role}-{suffix}" for role in ROLES}
-    console.print(budgets_table(names))
+    names = [f"{role}-{suffix}" for role in ROLES]
     kept = args.cache_dir / PROFILE_FILE
     profile = kept if kept.is_file() else None
-    with console.status("starting three agents (the first run measures this machine)...") as st:
-        for name in names.values():
+    with console.status(
+        f"starting {len(names)} agents (the first run measures this machine)..."
+    ) as st:
+        for name in names:
             st.update(f"starting agent {name}...")
             agent = procs.start_agent(name, AGENT_MEMORY, root / "agents" / name, profile)
             profile = agent.state_dir / "profile.json"
@@ -187,47 +208,80 @@ def _steps(
             "local clients (Flower, SecAgg+, differential privacy), in the coordinator's "
             "background while the agents pair and the models deploy"
         )
-    pair_automatically(console, api, list(names.values()), procs.check_alive)
+    pair_automatically(console, api, names, procs.check_alive)
     model = export_model(console, args.cache_dir / "exports" / "all-minilm-l6-v2")
-    caps = {name: CAPS_MB[role] * 1000**2 for role, name in names.items()}
+    caps = minilm_caps(model, names)
+    console.print(budgets_table("all-MiniLM-L6-v2", model, caps))
     deploy_minilm(console, api, model, caps)
     console.print(plan_table(api, state_dir))
     console.print(similarity_table(console, api))
+    decoder = None
     if args.skip_gemma:
-        console.print("Gemma 3 270M skipped (--skip-gemma)")
+        console.print("text generation skipped (--skip-gemma)")
     else:
-        _gemma(console, api, state_dir, args.cache_dir, list(names.values()))
+        decoder = _decoder(console, api, state_dir, args, names)
     if run_id is not None:
         training_summary(console, api, run_id, TRAINING_ROUNDS)
     procs.check_alive()
     console.print(f"ready in {time.monotonic() - started:.0f} s")
     console.print(f"console: {coordinator.console_url}", soft_wrap=True, highlight=False)
+    return _serve(console, args, api, procs, model, decoder)
+
+
+def _serve(
+    console: Console,
+    args: argparse.Namespace,
+    api: Api,
+    procs: DemoProcesses,
+    encoder: Path,
+    decoder: Path | None,
+) -> int:
+    """The chaos run if asked for; then serve until Ctrl-C unless ``--exit``."""
+    from devtools.demo.chaos import ChaosTarget, run_chaos
+    from devtools.demo.supervise import AgentSupervisor
+
+    supervisor = AgentSupervisor(console, api, procs)
+    code = 0
+    if args.chaos:
+        target = ChaosTarget(encoder, args.decoder if decoder else None, decoder)
+        outcome = run_chaos(console, api, supervisor, target)
+        code = 0 if outcome.ok else 1
     if args.exit:
-        return
-    console.print("serving; press Ctrl-C to stop every process the demo started")
+        return code
+    console.print(
+        "serving; press Ctrl-C to stop every process the demo started (an agent that exits is "
+        "restarted, and the models expand back onto it)"
+    )
+    supervisor.skip_history()
     while True:
         time.sleep(1.0)
-        procs.check_alive()
+        supervisor.poll()
 
 
-def _gemma(console: Console, api: Api, state_dir: Path, cache_dir: Path, names: list[str]) -> None:
-    """Export (cached), deploy across the three agents, print the plan and a chat answer."""
-    from devtools.demo.decoder import chat, deploy_decoder, export_decoder, three_way_caps
-    from devtools.demo.steps import plan_table
+def _decoder(
+    console: Console, api: Api, state_dir: Path, args: argparse.Namespace, names: list[str]
+) -> Path:
+    """Export (cached), deploy across the agents, print the plan and a chat answer; the export."""
+    from devtools.demo.decoder import chat, decoder_caps, deploy_decoder, export_decoder
+    from devtools.demo.steps import budgets_table, plan_table
 
-    export = export_decoder(console, GEMMA, cache_dir / "exports" / GEMMA, cache_dir)
-    deploy_decoder(console, api, export, GEMMA, three_way_caps(export, names))
-    console.print(plan_table(api, state_dir, GEMMA))
-    with console.status(f"asking {GEMMA} through the three agents (/v1/chat/completions)..."):
+    name = args.decoder
+    export = export_decoder(console, name, args.cache_dir / "exports" / name, args.cache_dir)
+    caps = decoder_caps(export, names)
+    console.print(budgets_table(name, export / "model.onnx", caps))
+    deploy_decoder(console, api, export, name, caps)
+    console.print(plan_table(api, state_dir, name))
+    with console.status(f"asking {name} through the agents (/v1/chat/completions)..."):
         started = time.monotonic()
-        reply = chat(api, GEMMA, QUESTION, stop=STOP)
+        reply = chat(api, name, QUESTION, stop=STOP)
     usage = reply["usage"]
     console.print(f"[bold]you:[/] {QUESTION}")
-    console.print(f"[bold]{GEMMA}:[/] {reply['choices'][0]['message']['content'].strip()}")
+    console.print(f"[bold]{name}:[/] {reply['choices'][0]['message']['content'].strip()}")
     console.print(
         f"({usage['completion_tokens']} tokens in {time.monotonic() - started:.1f} s; each "
         "stage kept its own layers' KV cache, only hidden states crossed between agents)"
     )
+    return export
 
 
 def _keep_profile(measured: Path | None, kept: Path) -> None:

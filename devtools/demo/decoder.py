@@ -22,7 +22,8 @@ from protocols.decoder import DECODER_FILE, MODEL_FILE, DecoderInfo
 DEPLOY_TIMEOUT_S = 900.0
 CAP_SHARE = 0.8
 """Each device's planning cap as a share of the model's weights: with the tied embedding held
-by both the first and the last stage, no two devices can hold the model."""
+by both the first and the last stage, no two devices can hold the model; three can, so the
+demo's four agents still serve it after losing one."""
 
 
 def export_decoder(console: Console, name: str, out: Path, cache_dir: Path) -> Path:
@@ -45,8 +46,8 @@ def decoder_info(export: Path) -> DecoderInfo:
     return DecoderInfo.from_json((export / DECODER_FILE).read_bytes())
 
 
-def three_way_caps(export: Path, names: Sequence[str]) -> dict[str, int]:
-    """Planning caps that no two of the devices can hold the model under."""
+def decoder_caps(export: Path, names: Sequence[str]) -> dict[str, int]:
+    """Planning caps that no two of the devices can hold the model under (three can)."""
     weights = (export / MODEL_FILE).stat().st_size
     return {name: int(CAP_SHARE * weights) for name in names}
 

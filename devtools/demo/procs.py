@@ -206,6 +206,20 @@ class DemoProcesses:
             child.control_port, child.device_id = info["control_port"], info["device_id"]
         return child
 
+    def restart_agent(self, child: AgentChild) -> AgentChild:
+        """Start an exited agent again with its own state dir (keys, pairing, profile)."""
+        if child.alive():
+            raise DemoProcessError(f"agent {child.name} is still running")
+        self.children.remove(child)
+        return self.start_agent(child.name, child.memory, child.state_dir)
+
+    def agent(self, name: str) -> AgentChild:
+        """The running child for agent ``name``."""
+        for child in self.children:
+            if isinstance(child, AgentChild) and child.name == name:
+                return child
+        raise DemoProcessError(f"no agent named {name}")
+
     def check_alive(self) -> None:
         """Raise DemoProcessError if a child has exited."""
         for child in self.children:

@@ -24,10 +24,12 @@ from rich.table import Table
 MODEL_ID = "all-minilm-l6-v2"
 AGENT_MEMORY = "1GiB"
 """Each agent's own budget. Gemma 3 270M (1,023 MiB of float32 weights, plus its KV cache and
-runtime) fits on none of them; MiniLM is held to three devices by the planning caps below."""
-CAPS_MB = {"nas": 70, "laptop": 30, "sbc": 30}
-"""Planning caps (MB) the deployment is made with: MiniLM's ~90 MB of weights fit on no single
-device, nor on any two, so the planner must use all three."""
+runtime) fits on none of them; MiniLM is held off a single device by the planning caps below."""
+MINILM_CAP_SHARE = 0.65
+"""Each device's planning cap for MiniLM as a share of its weights: no single device can hold
+the model (nor, once activations are counted, any two), while any three of the four can, so
+losing one agent leaves room for a real re-plan. The first stage holds the word embeddings
+(51.6% of the weights), so every cap must be above that share."""
 SENTENCES = [
     "A quick brown fox jumps over the lazy dog.",
     "A fast brown fox leaps over a sleepy dog.",
@@ -113,13 +115,24 @@ def _quiet_export() -> Iterator[None]:
                 logger.setLevel(level)
 
 
-def budgets_table(names: dict[str, str]) -> Table:
-    """The agents' budgets and the planning caps, by role -> device name."""
-    table = Table(title="three agents on 127.0.0.1 (MiniLM weights: ~90 MB)")
+def minilm_caps(model: Path, names: Sequence[str]) -> dict[str, int]:
+    """MiniLM's planning caps by device name (see :data:`MINILM_CAP_SHARE`)."""
+    return {name: int(MINILM_CAP_SHARE * model.stat().st_size) for name in names}
+
+
+def budgets_table(model_name: str, model: Path, caps: dict[str, int]) -> Table:
+    """The agents' budgets and one model's planning caps, with what losing one agent leaves."""
+    weights = model.stat().st_size
+    left = sum(caps.values()) - max(caps.values())
+    table = Table(
+        title=f"{len(caps)} agents on 127.0.0.1; {model_name}: {weights / 1e6:.0f} MB of weights",
+        caption=f"no agent can hold {model_name} alone; after losing any one agent the others "
+        f"still have {left / 1e6:.0f} MB of caps for it (a re-plan, not a 503)",
+    )
     for column in ("device", "agent memory budget", "planning cap"):
         table.add_column(column, justify="right")
-    for role, name in names.items():
-        table.add_row(name, AGENT_MEMORY, f"{CAPS_MB[role]} MB")
+    for name, cap in caps.items():
+        table.add_row(name, AGENT_MEMORY, f"{cap / 1e6:.0f} MB")
     return table
 
 

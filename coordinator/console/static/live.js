@@ -10,8 +10,8 @@ FS.pages.live = {
     await loadModels();
     fillSelect($("live-model"), modelOptions(), "nothing is deployed");
   },
-  show() { startStream(); },
-  hide() { stopStream(); },
+  show() { startStream(); startFailoverPoll(); },
+  hide() { stopStream(); stopFailoverPoll(); },
   wire() {
     $("live-model").addEventListener("change", () => { stopStream(); startStream(); });
   },
@@ -49,6 +49,45 @@ async function startStream() {
       await sleep(2000);
     }
   }
+}
+
+// Failover as it happens: devices lost and back, re-plans, models that cannot be served now
+// (GET /v1/failover, polled while the page is shown).
+const FAILOVER_EVERY_MS = 2000;
+const FAILOVER_SHOWN = 12;
+
+function stopFailoverPoll() {
+  if (FS.live.failoverTimer) clearInterval(FS.live.failoverTimer);
+  FS.live.failoverTimer = null;
+}
+
+function startFailoverPoll() {
+  stopFailoverPoll();
+  refreshFailover();
+  FS.live.failoverTimer = setInterval(refreshFailover, FAILOVER_EVERY_MS);
+}
+
+async function refreshFailover() {
+  let reply;
+  try {
+    reply = await api("GET", "/v1/failover");
+  } catch (e) {
+    $("live-failover-state").textContent = e.message;
+    return;
+  }
+  const conditions = Object.entries(reply.models || {});
+  $("live-failover-state").innerHTML = !reply.enabled ? "Failover is off on this coordinator." :
+    conditions.length === 0 ? "Every deployed model is served by its active version." :
+    conditions.map(([model, c]) => `<span class="notice">${esc(model)} v${c.plan_version}: ` +
+      `${esc(c.state)} (${esc(c.reason)})</span>`).join(" ");
+  const events = (reply.events || []).slice(-FAILOVER_SHOWN).reverse();
+  $("live-failover").innerHTML = events.length === 0 ? `<li class="muted">Nothing yet.</li>` :
+    events.map(ev => `<li class="failover-${esc(ev.kind)}"><time>` +
+      `${new Date(ev.at * 1000).toLocaleTimeString()}</time> <b>${esc(ev.kind)}</b>` +
+      (ev.device ? ` ${esc(ev.device)}` : "") +
+      (ev.model_id ? ` ${esc(ev.model_id)}` : "") +
+      (ev.plan_version !== null && ev.plan_version !== undefined ? ` v${ev.plan_version}` : "") +
+      (ev.detail ? ` <span class="muted">${esc(ev.detail)}</span>` : "") + `</li>`).join("");
 }
 
 function renderLive(snap) {
