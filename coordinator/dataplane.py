@@ -300,6 +300,8 @@ class SessionStep:
     session_id: str
     position: int = 0
     end: bool = False
+    rewind: bool = False
+    """Cut the session back to ``position`` on every stage before the step."""
 
     def header_fields(self) -> dict[str, Any]:
         """Keyword arguments for the request's :class:`FrameHeader`."""
@@ -307,6 +309,7 @@ class SessionStep:
             "session_id": self.session_id,
             "session_position": None if self.end else self.position,
             "session_end": self.end,
+            "session_rewind": self.rewind,
         }
 
 
@@ -320,6 +323,6 @@ def _remote_error(message: str) -> Exception:
         return CapacityError(message, SESSION_FULL_RETRY_S)
     if kind in {"InputMismatchError", "ExecutionError", "TensorSpecError", "ContextLengthError"}:
         return RequestError(message)
-    if kind in {"LinkError", "SessionStateError"}:
+    if kind in {"LinkError", "SessionStateError", "SessionRewindError"}:
         return ChainBrokenError(f"the chain failed: {message}")
     return NotServableError(f"the chain failed: {message}")
