@@ -31,7 +31,7 @@ from fastapi.responses import JSONResponse
 from pydantic import BaseModel, ConfigDict, Field
 
 from coordinator.deployer import DeployCommand, Deployer
-from coordinator.deployments import DeploymentStore, ModelRecord, VersionRecord
+from coordinator.deployments import DeploymentStore, ModelRecord, Speculative, VersionRecord
 from coordinator.embeddings import Embedder, default_tokenizer_dir
 from coordinator.errors import (
     AgentError,
@@ -91,6 +91,9 @@ class DeployBody(Body):
     tokenizer_dir: str | None = None
     baseline: Baseline | None = None
     """Cut the way a baseline does (``exo``, ``even``) instead of planning: for comparisons."""
+    speculative: Speculative | None = None
+    """A decoder's speculative decoding (``off|lookup|draft|auto``; default: kept, or ``auto``
+    for a new model)."""
 
 
 class EmbeddingsBody(BaseModel):
@@ -147,7 +150,10 @@ def serving_router(serving: Serving) -> APIRouter:
             tokenizer_dir=body.tokenizer_dir or default_tokenizer_dir(model_id),
             baseline=body.baseline,
         )
-        return await run_in_threadpool(serving.deployer.deploy, command)
+        version = await run_in_threadpool(serving.deployer.deploy, command)
+        if body.speculative is not None:
+            serving.store.set_speculative(model_id, body.speculative)
+        return version
 
     @api.post("/deployments/{model_id}/rollback")
     async def rollback(model_id: str) -> VersionRecord:

@@ -26,6 +26,8 @@ BOOK_FILE = "deployments.json"
 MODEL_ID = re.compile(r"^[a-z0-9][a-z0-9._-]{0,62}$")
 
 VersionState = Literal["active", "previous", "retired"]
+Speculative = Literal["off", "lookup", "draft", "auto"]
+"""A decoder's speculative decoding (see :mod:`coordinator.generation.speculative`)."""
 
 
 class Placement(FrozenModel):
@@ -74,6 +76,8 @@ class ModelRecord(FrozenModel):
 
     model_id: str
     tokenizer_dir: str | None = None
+    speculative: Speculative = "auto"
+    """How a decoder drafts tokens to verify in one chain pass (``off``: one token a pass)."""
     active: PositiveInt | None = None
     previous: PositiveInt | None = None
     versions: list[VersionRecord] = Field(default_factory=list)
@@ -179,6 +183,16 @@ class DeploymentStore:
                 )
             )
             return _with_state(previous, "active")
+
+    def set_speculative(self, model_id: str, mode: Speculative) -> ModelRecord:
+        """Set a deployed model's speculative decoding; raises UnknownModelError."""
+        with self._lock:
+            record = next((m for m in self._book.models if m.model_id == model_id), None)
+            if record is None:
+                raise UnknownModelError(f"no model {model_id!r} is deployed")
+            updated = record.model_copy(update={"speculative": mode})
+            self._put(updated)
+            return updated
 
     def _put(self, record: ModelRecord) -> None:
         models = [m for m in self._book.models if m.model_id != record.model_id]
