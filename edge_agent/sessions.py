@@ -12,8 +12,8 @@ session beyond ``max_sessions`` is refused with :class:`SessionLimitError` (the 
 answers 503 with Retry-After), a step past ``max_context`` with :class:`ContextLengthError`, and a
 session idle for ``idle_timeout_s`` is ended. A step may first *rewind* the session to a position
 it already holds (speculative decoding drops the drafted tokens it rejected); a rewind past what
-the session holds is refused with :class:`SessionRewindError` and changes nothing. Ending a session drops its arrays and returns the
-freed heap to the OS.
+the session holds is refused with :class:`SessionRewindError` and changes nothing. Ending a
+session drops its arrays and returns the freed heap to the OS.
 """
 
 from __future__ import annotations
@@ -100,8 +100,7 @@ class SessionTable:
             raise SessionStateError(f"session {key!r} is unknown here; it cannot be rewound")
         if position > session.length:
             raise SessionRewindError(
-                f"session {key!r} holds {session.length} tokens; it cannot be rewound to "
-                f"{position}"
+                f"session {key!r} holds {session.length} tokens; it cannot be rewound to {position}"
             )
         if position == session.length:
             return
