@@ -96,6 +96,12 @@ class DeployBody(Body):
     for a new model)."""
 
 
+class SpeculativeBody(Body):
+    """``PUT /v1/deployments/{model_id}/speculative``."""
+
+    speculative: Speculative
+
+
 class EmbeddingsBody(BaseModel):
     """OpenAI ``POST /v1/embeddings`` (extra OpenAI fields such as ``user`` are accepted)."""
 
@@ -154,6 +160,10 @@ def serving_router(serving: Serving) -> APIRouter:
         if body.speculative is not None:
             serving.store.set_speculative(model_id, body.speculative)
         return version
+
+    @api.put("/deployments/{model_id}/speculative")
+    def set_speculative(model_id: str, body: SpeculativeBody) -> ModelRecord:
+        return serving.store.set_speculative(model_id, body.speculative)
 
     @api.post("/deployments/{model_id}/rollback")
     async def rollback(model_id: str) -> VersionRecord:

@@ -74,6 +74,8 @@ class ConsoleModel(BaseModel):
     """Drafted tokens the chain accepted, over all passes so far (None before any)."""
     tokens_per_s: float | None = None
     """Generated tokens per second of chain time in speculative passes (None before any)."""
+    drafted_tokens: int = 0
+    accepted_tokens: int = 0
 
 
 def console_model(
@@ -90,6 +92,8 @@ def console_model(
         speculative=record.speculative if kind == "decoder" else "off",
         acceptance_rate=stats.acceptance_rate if stats is not None else None,
         tokens_per_s=stats.tokens_per_s if stats is not None else None,
+        drafted_tokens=stats.drafted if stats is not None else 0,
+        accepted_tokens=stats.accepted if stats is not None else 0,
     )
 
 

@@ -9,6 +9,10 @@ import numpy as np
 import pytest
 from generation_helpers import BigramBackend, bigram_table, tiny_model, word_id
 
+from coordinator.dataplane import DataPlane, SessionStep
+from coordinator.decoder_serving import ChainDecoderBackend
+from coordinator.deployments import VersionRecord
+from coordinator.errors import ChainBrokenError
 from coordinator.generation.backend import TopCandidates
 from coordinator.generation.drafters import DraftLength, PromptLookup
 from coordinator.generation.engine import Finished, GenerationRequest, TextDelta, generate
@@ -18,6 +22,14 @@ from coordinator.generation.speculative import (
     SpeculationStats,
     accept,
     trailing_candidates,
+)
+from protocols.decoder import (
+    INPUT_IDS,
+    TOP_IDS,
+    TOP_LOGITS,
+    TRAILING_POSITIONS,
+    TRAILING_TOP_IDS,
+    TRAILING_TOP_LOGITS,
 )
 
 CHAIN = [" the", " cat", " sat", " on", " the", " mat", " a", " big", " red", " dog", " ran"]
@@ -139,3 +151,73 @@ def test_greedy_text_is_the_same_with_and_without_speculation(max_tokens: int) -
     if max_tokens == 40:
         assert stats.accepted > 0 and len(backend.passes) < max_tokens - 1
         assert backend.rewinds > 0  # some drafts were rejected and cut back
+
+
+class LosingChain:
+    """A fake chain client: stages that keep per-session lengths (rewind included, as agents
+    do) and answer from a bigram table; the first pass that carries drafts loses a stage."""
+
+    def __init__(self, table: np.ndarray) -> None:
+        self.bigram = BigramBackend(table)
+        self.held: dict[str, int] = {}
+        self.calls: list[tuple[str, int, int, bool]] = []
+        self.lost = False
+
+    async def infer_async(
+        self, tensors: dict[str, np.ndarray], timeout: float, session: SessionStep
+    ) -> dict[str, np.ndarray]:
+        if session.end:
+            self.held.pop(session.session_id, None)
+            return {}
+        ids = [int(t) for t in tensors[INPUT_IDS][0]]
+        self.calls.append((session.session_id, session.position, len(ids), session.rewind))
+        held = self.held.get(session.session_id)
+        if held is None and session.position != 0:
+            raise ChainBrokenError("SessionStateError: unknown session")
+        if session.rewind and session.position > (held or 0):
+            raise ChainBrokenError("SessionRewindError: never held that many")
+        if not session.rewind and session.position != (held or 0):
+            raise ChainBrokenError("SessionStateError: wrong position")
+        if len(ids) > 1 and session.position > 0 and not self.lost:
+            self.lost = True
+            self.held.clear()  # the stage with every session's cache is gone
+            raise ChainBrokenError("LinkError: stage 2 went away")
+        self.held[session.session_id] = session.position + len(ids)
+        tail = [self.bigram.candidates(t) for t in ids[-TRAILING_POSITIONS:]]
+        return {
+            TOP_LOGITS: tail[-1].logits[None],
+            TOP_IDS: tail[-1].ids[None],
+            TRAILING_TOP_LOGITS: np.stack([c.logits for c in tail])[None],
+            TRAILING_TOP_IDS: np.stack([c.ids for c in tail])[None],
+        }
+
+
+def test_a_stage_lost_mid_speculation_replays_to_the_same_text() -> None:
+    table = bigram_table(seed=3, chain=CHAIN)
+    prompt = [word_id(w) for w in CHAIN[:6]] * 2
+    request = GenerationRequest(prompt, 30, SamplingParams(temperature=0), session="s")
+    want = _run(tiny_model(BigramBackend(table)), request)
+    chain = LosingChain(table)
+    versions = iter(range(1, 100))
+    version = [VersionRecord.model_construct(model_id="m", plan_version=next(versions))]
+    failures: list[str] = []
+
+    def failed(record: VersionRecord, error: Exception) -> None:
+        failures.append(str(error))
+        version[0] = VersionRecord.model_construct(model_id="m", plan_version=next(versions))
+
+    plane = DataPlane()
+    try:
+        backend = ChainDecoderBackend(plane, lambda _: (version[0], chain), failed)  # type: ignore[arg-type,return-value]
+        model = tiny_model(BigramBackend(table))
+        speculating = type(model)(
+            backend, model.tokenizer, model.info, Speculation(PromptLookup(), 8, SpeculationStats())
+        )
+        got = _run(speculating, request)
+    finally:
+        plane.close()
+    assert got == want
+    assert chain.lost and failures == ["LinkError: stage 2 went away"]
+    replays = [c for c in chain.calls if "~" in c[0]]
+    assert replays and replays[0][1] == 0 and replays[0][2] > len(prompt)  # history, re-prefilled
+    assert chain.held == {}  # the session was ended on the new chain
