@@ -72,11 +72,17 @@ def test_draft_length_follows_the_acceptance_rate() -> None:
     for _ in range(10):
         length.update(length.k, length.k)
     assert length.k == 7 and length.rate > 0.95
-    for _ in range(10):
+    for _ in range(4):
         length.update(length.k, 0)
-    assert length.k == 1 and length.rate < 0.05
-    length.update(0, 0)  # nothing drafted: nothing learned
-    assert length.k == 1
+    assert length.k == 1 and length.rate < 0.3
+    for _ in range(6):
+        length.update(max(length.k, 1), 0)
+    assert length.rate < 0.05 and length.k == 0  # drafting does not pay: plain steps
+    for _ in range(7):
+        length.update(length.k, 0)  # nothing drafted: nothing learned
+        assert length.k == 0
+    length.update(0, 0)
+    assert length.k == 1  # a probe after 8 plain passes
 
 
 def test_greedy_acceptance_keeps_the_agreeing_prefix_then_the_model_s_token() -> None:

@@ -56,11 +56,18 @@ class DraftLength:
     ``(1 - a**(k+1)) / (1 - a)`` tokens per pass, and a pass over ``k + 1`` positions costs
     about ``1 + cost * k`` single-token passes (a stage reads its weights once per pass; the
     extra positions cost compute). The length is the ``k`` in ``[1, limit]`` with the best
-    ratio; the rate is an exponential moving average over drafted tokens.
+    ratio; the rate is an exponential moving average over drafted tokens. When even the best
+    ratio does not beat a plain step (the rate is below ``cost``), nothing is drafted, except
+    once every ``probe_every`` passes, so a text that starts repeating itself is noticed.
     """
 
     def __init__(
-        self, limit: int, cost: float = 0.2, start_rate: float = 0.5, smoothing: float = 0.3
+        self,
+        limit: int,
+        cost: float = 0.2,
+        start_rate: float = 0.5,
+        smoothing: float = 0.3,
+        probe_every: int = 8,
     ) -> None:
         if limit < 1:
             raise ValueError(f"the draft length limit must be at least 1, got {limit}")
@@ -68,19 +75,26 @@ class DraftLength:
         self.cost = cost
         self.rate = start_rate
         self._smoothing = smoothing
+        self._probe_every = probe_every
+        self._undrafted = 0
 
     def update(self, drafted: int, accepted: int) -> None:
-        """Record one verified draft: ``accepted`` of its ``drafted`` tokens were kept."""
+        """Record one pass: ``accepted`` of its ``drafted`` tokens were kept."""
         if drafted <= 0:
+            self._undrafted += 1
             return
+        self._undrafted = 0
         # the acceptance of each drafted token up to the first rejection
         observed = accepted / min(drafted, accepted + 1)
         self.rate += self._smoothing * (observed - self.rate)
 
     @property
     def k(self) -> int:
-        """The draft length to use next."""
-        return max(range(1, self.limit + 1), key=lambda k: self._gain(k))
+        """The draft length to use next (0: a plain step)."""
+        best = max(range(1, self.limit + 1), key=lambda k: self._gain(k))
+        if self._gain(best) > 1.0 or self._undrafted >= self._probe_every:
+            return best
+        return 0
 
     def _gain(self, k: int) -> float:
         a = min(self.rate, 0.999)
