@@ -88,6 +88,13 @@ def serve(config: CoordinatorConfig, console: Console) -> int:
         config.segment_cache_dir,
     )
     serving = Serving(store, deployer, router, Embedder(store, router), links, failover)
+    generation = DecoderModels(
+        store,
+        plane,
+        router.chain_client,
+        router.chain_failed,
+        planned_context(deployer.segment_dir),
+    )
     app = create_app(
         Services(
             config.token,
@@ -105,13 +112,8 @@ def serve(config: CoordinatorConfig, console: Console) -> int:
                 config.training_target,
                 _paired_agents(config, pairing),
             ),
-            generation=DecoderModels(
-                store,
-                plane,
-                router.chain_client,
-                router.chain_failed,
-                planned_context(deployer.segment_dir),
-            ),
+            generation=generation,
+            speculation=generation.speculation_stats.get,
         )
     )
     server = uvicorn.Server(

@@ -78,6 +78,11 @@ def register(subparsers: Any) -> None:
         help="plan with at most SIZE on DEVICE (repeatable)",
     )
     deploy.add_argument("--tokenizer", type=Path, help="tokenizer directory of a text encoder")
+    deploy.add_argument(
+        "--speculative",
+        choices=["off", "lookup", "draft", "auto"],
+        help="a decoder's speculative decoding (default: auto for a new model)",
+    )
     deploy.set_defaults(run=run_deploy)
 
     rollback = _client_parser(subparsers, "rollback", "switch a model back to its last version")
@@ -163,6 +168,8 @@ def run_deploy(args: argparse.Namespace) -> int:
         body["model_id"] = args.name
     if args.tokenizer:
         body["tokenizer_dir"] = str(args.tokenizer.expanduser().resolve())
+    if args.speculative:
+        body["speculative"] = args.speculative
     code, reply = _call(args, "POST", "/v1/deployments", body, DEPLOY_TIMEOUT_S)
     if code == 200:
         _print_version(console, reply)

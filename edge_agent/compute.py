@@ -104,7 +104,7 @@ class StageRunner:
         if header.session_id is None:  # one-shot: a fresh state, kept by nobody
             return await self._call(work.deployed, {**work.feeds, **table.empty_feeds()})
         key = session_key(header.request_id, header.session_id)
-        step = table.begin_step(key, header.session_position or 0)
+        step = table.begin_step(key, header.session_position or 0, header.session_rewind)
         try:
             outputs = await self._call(work.deployed, {**work.feeds, **step.feeds})
             table.end_step(step, outputs)

@@ -18,6 +18,7 @@ everything the agent itself refuses raises one of these::
     │   ├── ExecutionError     ONNX Runtime failed while running the segment
     │   ├── SessionLimitError  no room for another session's state        -> 503 at the coordinator
     │   ├── SessionStateError  a step for an unknown session or the wrong position (replay)
+    │   │   └── SessionRewindError a rewind to a position the session never held
     │   ├── ContextLengthError a session would grow past the planned context length
     │   └── RemoteRequestError a requester got an error frame back from the chain
     ├── LinkError              the next agent of the chain cannot be reached
@@ -100,6 +101,10 @@ class SessionLimitError(RequestError):
 
 class SessionStateError(RequestError):
     """A step names a session this stage does not hold, or the wrong position in it."""
+
+
+class SessionRewindError(SessionStateError):
+    """A rewind asks for a position the session never held (it can only be cut back)."""
 
 
 class ContextLengthError(RequestError):

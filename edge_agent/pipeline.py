@@ -204,6 +204,7 @@ class Pipeline:
             header.session_id,
             header.session_position,
             header.session_end,
+            header.session_rewind,
         )
         if problem is not None:
             await self._fail(deployed, header, RequestError(problem), origin)

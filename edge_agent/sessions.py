@@ -10,8 +10,10 @@ reordered frame) is refused and changes nothing.
 Capacity is what the plan reserved memory for (:class:`protocols.manifest.SessionLimits`): a new
 session beyond ``max_sessions`` is refused with :class:`SessionLimitError` (the coordinator
 answers 503 with Retry-After), a step past ``max_context`` with :class:`ContextLengthError`, and a
-session idle for ``idle_timeout_s`` is ended. Ending a session drops its arrays and returns the
-freed heap to the OS.
+session idle for ``idle_timeout_s`` is ended. A step may first *rewind* the session to a position
+it already holds (speculative decoding drops the drafted tokens it rejected); a rewind past what
+the session holds is refused with :class:`SessionRewindError` and changes nothing. Ending a
+session drops its arrays and returns the freed heap to the OS.
 """
 
 from __future__ import annotations
@@ -23,7 +25,12 @@ from dataclasses import dataclass
 import numpy as np
 
 from edge_agent.checks import Array, InputSpec
-from edge_agent.errors import ContextLengthError, SessionLimitError, SessionStateError
+from edge_agent.errors import (
+    ContextLengthError,
+    SessionLimitError,
+    SessionRewindError,
+    SessionStateError,
+)
 from edge_agent.runtime import release_freed_heap
 from protocols.decoder import StatePair
 from protocols.deploy import ORIGIN_SEPARATOR
@@ -82,10 +89,31 @@ class SessionTable:
         """Bytes held by every session's state."""
         return sum(a.nbytes for s in self._sessions.values() for a in s.state.values())
 
-    def begin_step(self, key: str, position: int) -> StepState:
-        """The past feeds for a step of session ``key`` that starts at ``position`` tokens."""
+    def truncate(self, key: str, position: int) -> None:
+        """Cut session ``key`` back to its first ``position`` tokens.
+
+        Raises :class:`SessionStateError` for a session this stage does not hold and
+        :class:`SessionRewindError` when it holds fewer than ``position`` tokens.
+        """
+        session = self._sessions.get(key)
+        if session is None:
+            raise SessionStateError(f"session {key!r} is unknown here; it cannot be rewound")
+        if position > session.length:
+            raise SessionRewindError(
+                f"session {key!r} holds {session.length} tokens; it cannot be rewound to {position}"
+            )
+        if position == session.length:
+            return
+        session.state = {p.past: _cut(session.state[p.past], p.axis, position) for p in self._pairs}
+        session.length = position
+
+    def begin_step(self, key: str, position: int, rewind: bool = False) -> StepState:
+        """The past feeds for a step of session ``key`` that starts at ``position`` tokens
+        (after cutting the session back to ``position`` when ``rewind`` is set)."""
         self.expire()
         session = self._sessions.get(key)
+        if session is not None and rewind:
+            self.truncate(key, position)
         if session is None:
             if position != 0:
                 raise SessionStateError(
@@ -163,6 +191,16 @@ def _empty_state(spec: InputSpec, axis: int) -> Array:
     return array
 
 
+def _cut(array: Array, axis: int, length: int) -> Array:
+    """The first ``length`` entries of ``array`` along ``axis``, as a compact read-only copy
+    (a view would keep the dropped entries' memory alive)."""
+    index = [slice(None)] * array.ndim
+    index[axis] = slice(0, length)
+    cut: Array = np.ascontiguousarray(array[tuple(index)])
+    cut.flags.writeable = False
+    return cut
+
+
 def _length(state: Mapping[str, Array], pairs: Sequence[StatePair]) -> int:
     lengths = {state[p.past].shape[p.axis] for p in pairs}
     if len(lengths) != 1:
@@ -178,12 +216,18 @@ def session_key(routed_request_id: str, session_id: str) -> str:
 
 
 def check_session_fields(
-    has_sessions: bool, session_id: str | None, position: int | None, end: bool
+    has_sessions: bool,
+    session_id: str | None,
+    position: int | None,
+    end: bool,
+    rewind: bool = False,
 ) -> str | None:
     """Why a frame's session fields do not fit the deployment, or None when they do.
 
     ``has_sessions``: the deployment keeps per-session state (on this stage or another).
     """
+    if rewind and (session_id is None or end or position is None):
+        return "session_rewind needs a session step (session_id and session_position, no end)"
     if not has_sessions:
         if session_id is not None or end:
             return "this deployment keeps no sessions"

@@ -168,13 +168,14 @@ def export_decoder(
     """
     from partitioner.decoders.cache import default_cache_dir
     from partitioner.decoders.export import export_decoder as export_source
+    from partitioner.decoders.export import state_names
     from partitioner.decoders.progress import Steps
     from partitioner.decoders.sources import load_source
 
     steps = steps or Steps()
     source = load_source(name, cache_dir or default_cache_dir(None), steps)
     done = export_source(source, out_dir, top_k=top_k, steps=steps)
-    outputs = ("top_logits", "top_ids", *(pair.present for pair in done.info.state))
+    outputs = tuple(state_names(done.info)[1])
     return ExportResult(done.model_path, outputs, done.max_abs_diff, done.param_bytes)
 
 

@@ -25,6 +25,10 @@ Outputs
     ``top_ids[0, 0]``). ``present.{i}.key`` / ``present.{i}.value``: the past grown by ``q``
     along axis 2 (every layer keeps the full context; sliding-window layers mask instead of
     truncating).
+    ``trailing_top_logits`` float32 / ``trailing_top_ids`` int64 ``[batch, min(q, W), top_k]``
+    (graphs whose DecoderInfo sets ``trailing_positions = W``): the same top-k for each of the
+    step's last ``min(q, W)`` positions, oldest first, so one pass can verify several drafted
+    tokens (speculative decoding). ``top_logits`` equals ``trailing_top_logits[:, -1]``.
 """
 
 from __future__ import annotations
@@ -47,6 +51,11 @@ ATTENTION_MASK: Final = "attention_mask"
 POSITION_IDS: Final = "position_ids"
 TOP_LOGITS: Final = "top_logits"
 TOP_IDS: Final = "top_ids"
+TRAILING_TOP_LOGITS: Final = "trailing_top_logits"
+TRAILING_TOP_IDS: Final = "trailing_top_ids"
+TRAILING_POSITIONS: Final = 8
+"""Trailing positions whose top-k the exported graphs return (so up to 7 drafted tokens are
+verified per pass; a prefill pays for this many positions of the output head, not one)."""
 KV_AXIS: Final = 2
 """The sequence axis of every key/value tensor."""
 
@@ -93,6 +102,9 @@ class DecoderInfo(FrozenModel):
     chat_template: str | None = Field(default=None, max_length=1 << 20)
     """Jinja chat template from the model package (rendered in a sandbox)."""
     state: list[StatePair] = Field(min_length=1)
+    trailing_positions: PositiveInt | None = None
+    """How many trailing positions' top-k the graph returns in ``trailing_top_logits`` /
+    ``trailing_top_ids``; None for graphs exported without them (no speculative decoding)."""
 
     @property
     def kv_bytes_per_token(self) -> int:

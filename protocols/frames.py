@@ -93,6 +93,10 @@ class FrameHeader(FrozenModel):
     its own count (a replayed or reordered frame)."""
     session_end: bool = False
     """Ends the session: every stage frees its state, then the last answers with no tensors."""
+    session_rewind: bool = False
+    """Before this step, every stage cuts the session back to ``session_position`` tokens
+    (dropping drafted tokens a speculative step rejected); a stage that never held that many
+    refuses the step."""
     segment_index: NonNegativeInt = 0
     plan_version: NonNegativeInt = 0
     tensors: list[TensorSpec] = Field(default_factory=list, max_length=MAX_TENSORS)

@@ -6,7 +6,12 @@ import numpy as np
 import pytest
 
 from edge_agent.checks import InputSpec
-from edge_agent.errors import ContextLengthError, SessionLimitError, SessionStateError
+from edge_agent.errors import (
+    ContextLengthError,
+    SessionLimitError,
+    SessionRewindError,
+    SessionStateError,
+)
 from edge_agent.sessions import SessionTable, check_session_fields, session_key
 from protocols.decoder import StatePair
 from protocols.manifest import SessionLimits
@@ -106,3 +111,39 @@ def test_session_keys_and_fields() -> None:
     assert "session_id" in (check_session_fields(True, None, None, True) or "")
     assert "session_position" in (check_session_fields(True, "s", None, False) or "")
     assert check_session_fields(True, "s", None, True) is None
+
+
+def test_a_rewind_cuts_every_state_back_and_the_step_continues_there() -> None:
+    table = _table(Clock(), context=16)
+    step = table.begin_step("a|s1", 0)
+    table.end_step(step, _presents(step.feeds, 3))
+    step = table.begin_step("a|s1", 3)
+    table.end_step(step, _presents(step.feeds, 5))  # 3 + a verified draft of 5
+    step = table.begin_step("a|s1", 5, rewind=True)  # two drafted tokens were rejected
+    for pair in PAIRS:
+        kept = step.feeds[pair.past]
+        assert kept.shape == (1, 2, 5, 4)
+        assert kept[0, 0, :, 0].tolist() == [0, 0, 0, 3, 3]
+        assert not kept.flags.writeable
+    assert table.end_step(step, _presents(step.feeds, 2)) == 7
+    assert table.state_bytes() == 2 * 2 * 7 * 4 * 4
+
+
+def test_a_rewind_past_what_the_session_held_is_refused_and_changes_nothing() -> None:
+    table = _table(Clock())
+    step = table.begin_step("a|s1", 0)
+    table.end_step(step, _presents(step.feeds, 3))
+    with pytest.raises(SessionRewindError, match="holds 3 tokens"):
+        table.begin_step("a|s1", 4, rewind=True)
+    with pytest.raises(SessionRewindError):
+        table.truncate("a|s1", 9)
+    with pytest.raises(SessionStateError, match="unknown"):
+        table.truncate("b|s1", 0)
+    step = table.begin_step("a|s1", 3, rewind=True)  # a rewind to the end changes nothing
+    assert table.end_step(step, _presents(step.feeds, 1)) == 4
+
+
+def test_rewind_needs_a_session_step() -> None:
+    assert check_session_fields(True, "s", 3, False, rewind=True) is None
+    assert "session_rewind" in (check_session_fields(True, None, None, False, rewind=True) or "")
+    assert "session_rewind" in (check_session_fields(True, "s", None, True, rewind=True) or "")

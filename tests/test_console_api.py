@@ -306,7 +306,17 @@ def test_plan_route_shows_units_memory_and_the_bottleneck(
 ) -> None:
     client, _ = deployed
     [model] = client.get("/v1/console/models", headers=AUTH).json()
-    assert model == {"model_id": "stack", "kind": "encoder", "active": 1, "previous": None}
+    assert model == {
+        "model_id": "stack",
+        "kind": "encoder",
+        "active": 1,
+        "previous": None,
+        "speculative": "off",  # an encoder does not generate
+        "acceptance_rate": None,
+        "tokens_per_s": None,
+        "drafted_tokens": 0,
+        "accepted_tokens": 0,
+    }
     view = client.get("/v1/plan/stack", headers=AUTH).json()
     stages = view["stages"]
     assert len(stages) == 3 and view["total_units"] == stages[-1]["unit_end"]

@@ -165,3 +165,21 @@ def test_input_checks_and_pooling_helpers() -> None:
     pooled = mean_pool(hidden, np.array([[1, 1, 0]]))
     np.testing.assert_allclose(pooled, [[2**-0.5, 2**-0.5]], rtol=1e-6)
     assert model_id_of(Path("/x/all-MiniLM-L6-v2.onnx")) == "all-minilm-l6-v2"
+
+
+def test_speculative_decoding_is_set_per_model_and_kept(client: TestClient) -> None:
+    def put(model: str, body: object) -> int:
+        route = f"/v1/deployments/{model}/speculative"
+        return client.put(route, json=body, headers=AUTH).status_code
+
+    [record] = client.get("/v1/deployments", headers=AUTH).json()
+    assert record["speculative"] == "auto"  # the default
+    assert put("enc", {"speculative": "off"}) == 200
+    assert put("enc", {"speculative": "sometimes"}) == 422
+    assert put("nope", {"speculative": "lookup"}) == 404
+    assert (
+        client.put("/v1/deployments/enc/speculative", json={"speculative": "off"}).status_code
+        == 401
+    )
+    [record] = client.get("/v1/deployments", headers=AUTH).json()
+    assert record["speculative"] == "off"

@@ -18,7 +18,14 @@ import pytest
 from partitioner.decoders.ort_runner import OrtDecoder, read_info
 from partitioner.samples import embedded_samples
 from partitioner.verify import run_model
-from protocols.decoder import DECODER_FILE, MODEL_FILE, DecoderInfo, past_name, present_name
+from protocols.decoder import (
+    DECODER_FILE,
+    MODEL_FILE,
+    TRAILING_POSITIONS,
+    DecoderInfo,
+    past_name,
+    present_name,
+)
 
 pytestmark = pytest.mark.slow
 
@@ -93,8 +100,11 @@ def test_decoder_json_round_trips_and_names_the_graph(tiny: tuple[str, Path]) ->
     assert [o.name for o in model.graph.output] == [
         "top_logits",
         "top_ids",
+        "trailing_top_logits",
+        "trailing_top_ids",
         *(present_name(i, k) for i in layers for k in kinds),
     ]
+    assert info.trailing_positions == TRAILING_POSITIONS
     assert [(p.past, p.present) for p in info.state] == [
         (past_name(i, k), present_name(i, k)) for i in layers for k in kinds
     ]
@@ -122,6 +132,31 @@ def test_present_is_past_grown_by_q(tiny_gemma3_dir: Path, q: int) -> None:
         present = out[pair.present]
         assert present.shape == (1, info.num_kv_heads, 5 + q, info.head_dim)
         np.testing.assert_array_equal(present[:, :, :5], past[pair.past])
+
+
+@pytest.mark.parametrize("q", [1, 4, TRAILING_POSITIONS + 3])
+def test_trailing_top_k_matches_one_token_steps(tiny_gemma3_dir: Path, q: int) -> None:
+    """One pass over q tokens returns, for each of its last min(q, W) positions, the top-k a
+    token-by-token run gives there (what verifying drafted tokens relies on)."""
+    decoder = OrtDecoder(tiny_gemma3_dir)
+    ids = [int(i) for i in np.random.default_rng(q).integers(1000, 2000, size=12 + q)]
+    decoder.prefill(ids[:12])
+    out = run_model(
+        tiny_gemma3_dir / MODEL_FILE,
+        {
+            "input_ids": np.asarray([ids[12:]], dtype=np.int64),
+            "attention_mask": np.ones((1, 12 + q), dtype=np.int64),
+            "position_ids": np.arange(12, 12 + q, dtype=np.int64)[None, :],
+            **decoder.kv,
+        },
+    )
+    kept = min(q, TRAILING_POSITIONS)
+    assert out["trailing_top_ids"].shape == (1, kept, decoder.info.top_k)
+    np.testing.assert_array_equal(out["trailing_top_ids"][:, -1], out["top_ids"])
+    steps = [decoder.decode(token) for token in ids[12:]]
+    for row, step in enumerate(steps[q - kept :]):
+        assert out["trailing_top_ids"][0, row, 0] == step.top_ids[0]
+        np.testing.assert_allclose(out["trailing_top_logits"][0, row], step.top_logits, atol=1e-4)
 
 
 def test_graph_never_reads_the_shape_of_a_past_tensor(tiny: tuple[str, Path]) -> None:

@@ -78,11 +78,15 @@ def test_decode_steps_send_one_hidden_state_per_hop(lab: GenLab) -> None:
     """The middle agent's bytes out per decode step: a frame with the hidden state."""
     middle = agents_in_stage_order(lab, MODEL_ID)[1]
     with lab.coordinator.client() as api:
+        plain = {"speculative": "off"}  # one token per step (speculation is on by default)
+        assert api.put(f"/v1/deployments/{MODEL_ID}/speculative", json=plain).status_code == 200
         before = agent_metric(lab, middle, "fedshard_bytes_out_total")
         short = _complete(api, 1)
         after_one = agent_metric(lab, middle, "fedshard_bytes_out_total")
         long = _complete(api, 17)
         after_many = agent_metric(lab, middle, "fedshard_bytes_out_total")
+        default = {"speculative": "auto"}
+        assert api.put(f"/v1/deployments/{MODEL_ID}/speculative", json=default).status_code == 200
     assert short.status_code == long.status_code == 200
     steps = long.json()["usage"]["completion_tokens"] - 1
     per_step = (after_many - after_one - (after_one - before)) / steps

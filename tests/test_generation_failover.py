@@ -4,7 +4,9 @@ Three real agents serve ``tiny-llama`` under caps that let any two of them hold 
 greedy generation is streamed; after some tokens the agent holding the decoder layers (and so the
 session's KV cache) is killed with SIGKILL. The coordinator notices, re-plans on the two agents
 left, and the session replays its tokens on the new chain to rebuild the cache (as Petals does):
-the streamed text is the one an uninterrupted greedy run produces.
+the streamed text is the one an uninterrupted greedy run produces. Speculative decoding is on (the
+default): the stage is lost between verifying passes, and the replay rebuilds only the accepted
+tokens (a unit test in test_generation_speculative.py loses it on a pass that carries drafts).
 """
 
 from __future__ import annotations
@@ -79,6 +81,8 @@ def test_a_stream_survives_losing_the_stage_with_its_cache(lab: GenLab) -> None:
     assert killed.is_set()
     assert "".join(pieces) == want
     with lab.coordinator.client() as api:
+        [shown] = [m for m in api.get("/v1/console/models").json() if m["model_id"] == MODEL_ID]
+        assert shown["speculative"] == "auto" and shown["tokens_per_s"] is not None
         [record] = [m for m in api.get("/v1/deployments").json() if m["model_id"] == MODEL_ID]
     [live] = [v for v in record["versions"] if v["state"] == "active"]
     assert victim_name not in {p["device"] for p in live["segments"]}

@@ -16,6 +16,7 @@ from typing import Literal
 from pydantic import Field, NonNegativeFloat, NonNegativeInt, PositiveInt
 
 from coordinator.errors import NotServableError, RollbackError, StateError, UnknownModelError
+from coordinator.generation.speculative import Speculative
 from hostkit.files import write_atomic
 from protocols.base import FrozenModel
 from protocols.errors import SchemaError
@@ -74,6 +75,8 @@ class ModelRecord(FrozenModel):
 
     model_id: str
     tokenizer_dir: str | None = None
+    speculative: Speculative = "auto"
+    """How a decoder drafts tokens to verify in one chain pass (``off``: one token a pass)."""
     active: PositiveInt | None = None
     previous: PositiveInt | None = None
     versions: list[VersionRecord] = Field(default_factory=list)
@@ -179,6 +182,16 @@ class DeploymentStore:
                 )
             )
             return _with_state(previous, "active")
+
+    def set_speculative(self, model_id: str, mode: Speculative) -> ModelRecord:
+        """Set a deployed model's speculative decoding; raises UnknownModelError."""
+        with self._lock:
+            record = next((m for m in self._book.models if m.model_id == model_id), None)
+            if record is None:
+                raise UnknownModelError(f"no model {model_id!r} is deployed")
+            updated = record.model_copy(update={"speculative": mode})
+            self._put(updated)
+            return updated
 
     def _put(self, record: ModelRecord) -> None:
         models = [m for m in self._book.models if m.model_id != record.model_id]

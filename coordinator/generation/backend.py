@@ -27,6 +27,7 @@ from numpy.typing import NDArray
 from protocols.decoder import DecoderInfo
 
 if TYPE_CHECKING:
+    from coordinator.generation.speculative import Speculation
     from coordinator.generation.tokenizer import ChatTokenizer
 
 
@@ -79,6 +80,8 @@ class GenerationModel:
     backend: DecoderBackend
     tokenizer: ChatTokenizer
     info: DecoderInfo
+    speculation: Speculation | None = None
+    """How the model speculates (None: one chain step per token)."""
 
 
 ModelLookup = Callable[[str], GenerationModel | None]

@@ -19,6 +19,7 @@ accepted by the backend (so a caller can still answer with an HTTP error before 
 
 from __future__ import annotations
 
+import contextlib
 import logging
 import uuid
 from collections.abc import AsyncGenerator, Sequence
@@ -26,10 +27,12 @@ from dataclasses import dataclass, field
 from typing import Literal
 
 import anyio
+import numpy as np
 
 from coordinator.errors import ContextLengthError, RequestError
-from coordinator.generation.backend import GenerationModel
+from coordinator.generation.backend import GenerationModel, TopCandidates
 from coordinator.generation.sampling import SamplingParams, choose, make_rng
+from coordinator.generation.speculative import VerifyingBackend, speculative_tokens
 
 log = logging.getLogger(__name__)
 FinishReason = Literal["stop", "length"]
@@ -109,24 +112,23 @@ async def generate(
         eos = frozenset(model.info.eos_token_ids)
         text = _StopFilter(request.stop)
         detok = model.tokenizer.incremental()
-        position, generated = len(prompt), 0
+        generated = 0
         reason: FinishReason = "length"
-        while True:
-            token = choose(candidates, request.sampling, rng)
-            generated += 1
-            if token in eos:
-                reason = "stop"
-                break
-            piece = text.feed(detok.push(token))
-            if piece:
-                yield TextDelta(piece)
-            if text.stopped:
-                reason = "stop"
-                break
-            if generated >= request.max_tokens:
-                break
-            candidates = await backend.step(session, position, [token])
-            position += 1
+        tokens = _tokens(model, request, prompt, candidates, rng)
+        async with contextlib.aclosing(tokens):
+            async for token in tokens:
+                generated += 1
+                if token in eos:
+                    reason = "stop"
+                    break
+                piece = text.feed(detok.push(token))
+                if piece:
+                    yield TextDelta(piece)
+                if text.stopped:
+                    reason = "stop"
+                    break
+                if generated >= request.max_tokens:
+                    break
         if not text.stopped:
             tail = text.feed(detok.flush())
             tail += text.flush()
@@ -137,6 +139,44 @@ async def generate(
         yield Finished(reason, Usage(len(prompt), generated))
     finally:
         await _end(model, session)
+
+
+def _tokens(
+    model: GenerationModel,
+    request: GenerationRequest,
+    prompt: list[int],
+    first: TopCandidates,
+    rng: np.random.Generator,
+) -> AsyncGenerator[int, None]:
+    """The generated tokens, one chain step each, or verified in passes when the model
+    speculates (:mod:`coordinator.generation.speculative`)."""
+    if model.speculation is not None and isinstance(model.backend, VerifyingBackend):
+        return speculative_tokens(
+            model.backend,
+            request.session,
+            prompt,
+            first,
+            request.max_tokens,
+            request.sampling,
+            rng,
+            model.speculation,
+        )
+    return _plain_tokens(model, request, len(prompt), first, rng)
+
+
+async def _plain_tokens(
+    model: GenerationModel,
+    request: GenerationRequest,
+    position: int,
+    candidates: TopCandidates,
+    rng: np.random.Generator,
+) -> AsyncGenerator[int, None]:
+    """One token per step: choose from the candidates, feed it, repeat."""
+    while True:
+        token = choose(candidates, request.sampling, rng)
+        yield token
+        candidates = await model.backend.step(request.session, position, [token])
+        position += 1
 
 
 async def _end(model: GenerationModel, session: str) -> None:

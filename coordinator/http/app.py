@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import hmac
 import math
+from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
 from typing import TYPE_CHECKING, Annotated, Any
@@ -24,6 +25,7 @@ from protocols.profile import Announcement
 
 if TYPE_CHECKING:
     from coordinator.generation.backend import ModelLookup
+    from coordinator.generation.speculative import SpeculationStats
     from coordinator.http.serving import Serving
     from coordinator.training.manager import TrainingRuns
     from coordinator.transport.agent_client import AgentClient
@@ -43,6 +45,8 @@ class Services:
     """Deployments, inference and embeddings (absent: ``/v1/models`` lists nothing)."""
     generation: ModelLookup | None = None
     """Decoder models for ``/v1/chat/completions`` and ``/v1/completions`` (absent: no routes)."""
+    speculation: Callable[[str], SpeculationStats | None] | None = None
+    """A decoder's speculative decoding counters by model id (the console shows them)."""
     agents: AgentClient | None = None
     """Control-plane client (the console reads the agents' metrics with it)."""
     state_dir: Path | None = None

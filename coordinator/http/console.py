@@ -43,7 +43,7 @@ from coordinator.console.plans import (
 from coordinator.console.slowness import SlownessSampler, SlowStage, StageReading
 from coordinator.console.stages import StageRates, StageSampler, StageTarget
 from coordinator.console.stats import InferenceTimer, RequestSnapshot, RequestStats
-from coordinator.deploy.store import VersionRecord
+from coordinator.deploy.store import ModelRecord, VersionRecord
 from coordinator.errors import DeployError, NotServableError, RequestError, UnknownModelError
 from coordinator.transport.agent_client import AgentAddress
 from protocols.decoder import DECODER_FILE
@@ -51,6 +51,7 @@ from protocols.plan import Objective
 
 if TYPE_CHECKING:
     from coordinator.fleet.registry import DeviceRecord
+    from coordinator.generation.speculative import SpeculationStats
     from coordinator.http.app import Services
 
 STREAM_SECONDS = 10.0
@@ -68,6 +69,33 @@ class ConsoleModel(BaseModel):
     kind: Literal["encoder", "decoder"]
     active: int | None
     previous: int | None
+    speculative: str = "off"
+    """A decoder's speculative decoding setting (``off|lookup|draft|auto``)."""
+    acceptance_rate: float | None = None
+    """Drafted tokens the chain accepted, over all passes so far (None before any)."""
+    tokens_per_s: float | None = None
+    """Generated tokens per second of chain time in speculative passes (None before any)."""
+    drafted_tokens: int = 0
+    accepted_tokens: int = 0
+
+
+def console_model(
+    record: ModelRecord, speculation: Callable[[str], SpeculationStats | None] | None
+) -> ConsoleModel:
+    """A model's console entry, with a decoder's speculative decoding counters."""
+    kind = model_kind(record.versions[-1]) if record.versions else "encoder"
+    stats = speculation(record.model_id) if speculation is not None else None
+    return ConsoleModel(
+        model_id=record.model_id,
+        kind=kind,
+        active=record.active,
+        previous=record.previous,
+        speculative=record.speculative if kind == "decoder" else "off",
+        acceptance_rate=stats.acceptance_rate if stats is not None else None,
+        tokens_per_s=stats.tokens_per_s if stats is not None else None,
+        drafted_tokens=stats.drafted if stats is not None else 0,
+        accepted_tokens=stats.accepted if stats is not None else 0,
+    )
 
 
 class WhatIfBody(BaseModel):
@@ -225,13 +253,7 @@ def console_router(services: Services, live: LiveMetrics) -> APIRouter:
         if services.serving is None:
             return []
         return [
-            ConsoleModel(
-                model_id=m.model_id,
-                kind=model_kind(m.versions[-1]) if m.versions else "encoder",
-                active=m.active,
-                previous=m.previous,
-            )
-            for m in services.serving.store.book().models
+            console_model(m, services.speculation) for m in services.serving.store.book().models
         ]
 
     @api.get("/plan/{model_id}")

@@ -34,6 +34,7 @@ from coordinator.errors import (
     RequestError,
 )
 from coordinator.fleet.links import LinkMeter
+from coordinator.generation.speculative import Speculative
 from coordinator.serving.embeddings import Embedder, default_tokenizer_dir
 from coordinator.serving.failover import Failover
 from coordinator.serving.router import Router
@@ -78,6 +79,15 @@ class DeployBody(Body):
     tokenizer_dir: str | None = None
     baseline: Baseline | None = None
     """Cut the way a baseline does (``exo``, ``even``) instead of planning: for comparisons."""
+    speculative: Speculative | None = None
+    """A decoder's speculative decoding (``off|lookup|draft|auto``; default: kept, or ``auto``
+    for a new model)."""
+
+
+class SpeculativeBody(Body):
+    """``PUT /v1/deployments/{model_id}/speculative``."""
+
+    speculative: Speculative
 
 
 class EmbeddingsBody(BaseModel):
@@ -134,7 +144,14 @@ def serving_router(serving: Serving) -> APIRouter:
             tokenizer_dir=body.tokenizer_dir or default_tokenizer_dir(model_id),
             baseline=body.baseline,
         )
-        return await run_in_threadpool(serving.deployer.deploy, command)
+        version = await run_in_threadpool(serving.deployer.deploy, command)
+        if body.speculative is not None:
+            serving.store.set_speculative(model_id, body.speculative)
+        return version
+
+    @api.put("/deployments/{model_id}/speculative")
+    def set_speculative(model_id: str, body: SpeculativeBody) -> ModelRecord:
+        return serving.store.set_speculative(model_id, body.speculative)
 
     @api.post("/deployments/{model_id}/rollback")
     async def rollback(model_id: str) -> VersionRecord:

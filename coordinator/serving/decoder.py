@@ -28,12 +28,21 @@ from coordinator.errors import (
 )
 from coordinator.generation.backend import GenerationModel, TopCandidates
 from coordinator.generation.feeds import Arrays, step_inputs
+from coordinator.generation.speculative import (
+    Speculation,
+    SpeculationStats,
+    Speculative,
+    drafter_for,
+    trailing_candidates,
+)
 from coordinator.generation.tokenizer import ChatTokenizer
 from coordinator.transport.dataplane import ChainClient, DataPlane, SessionStep
 from protocols.decoder import (
     DECODER_FILE,
     TOP_IDS,
     TOP_LOGITS,
+    TRAILING_TOP_IDS,
+    TRAILING_TOP_LOGITS,
     DecoderInfo,
 )
 from protocols.errors import ProtocolError
@@ -81,16 +90,30 @@ class ChainDecoderBackend:
 
     async def step(self, session: str, position: int, token_ids: Sequence[int]) -> TopCandidates:
         """One step of ``session`` through the chain; its next-token candidates."""
+        return _candidates(await self._advance(session, position, token_ids, rewind=False))
+
+    async def verify(
+        self, session: str, position: int, token_ids: Sequence[int]
+    ) -> list[TopCandidates]:
+        """One speculative pass: ``session`` cut back to ``position`` tokens on every stage,
+        then ``token_ids`` appended; the candidates after each of them."""
+        out = await self._advance(session, position, token_ids, rewind=True)
+        return _trailing(out, len(token_ids))
+
+    async def _advance(
+        self, session: str, position: int, token_ids: Sequence[int], rewind: bool
+    ) -> Arrays:
         history = self._history.setdefault(session, [])
-        if position != len(history):
+        if position > len(history) or (position != len(history) and not rewind):
             raise RequestError(f"session {session!r} holds {len(history)} tokens, not {position}")
+        del history[position:]
         deadline = time.monotonic() + self._recovery_s
         version, client = await asyncio.to_thread(self._client_of, deadline)
         wire, held_on = self._wire.setdefault(session, (session, version.plan_version))
         tensors = step_inputs(position, token_ids)
         if held_on == version.plan_version:
             try:
-                out = await self._call(client, tensors, SessionStep(wire, position))
+                out = await self._call(client, tensors, SessionStep(wire, position, rewind=rewind))
             except (AgentError, NotServableError) as exc:
                 if isinstance(exc, CapacityError) or (position == 0 and not _lost(exc)):
                     raise
@@ -105,7 +128,7 @@ class ChainDecoderBackend:
         else:
             out = await self._replay(session, [*history, *token_ids], deadline)
         history.extend(token_ids)
-        return _candidates(out)
+        return out
 
     async def _replay(self, session: str, tokens: list[int], deadline: float) -> Arrays:
         """Prefill ``tokens`` under a fresh id on the version in service now."""
@@ -149,6 +172,17 @@ def _candidates(out: Arrays) -> TopCandidates:
     return TopCandidates.of(out[TOP_LOGITS], out[TOP_IDS])
 
 
+def _trailing(out: Arrays, count: int) -> list[TopCandidates]:
+    if TRAILING_TOP_LOGITS not in out or TRAILING_TOP_IDS not in out:
+        raise NotServableError(
+            f"the chain answered without {TRAILING_TOP_LOGITS}/{TRAILING_TOP_IDS}"
+        )
+    try:
+        return trailing_candidates(out[TRAILING_TOP_LOGITS], out[TRAILING_TOP_IDS], count)
+    except ValueError as exc:
+        raise NotServableError(f"the chain's trailing candidates do not fit: {exc}") from exc
+
+
 class DecoderModels:
     """The generation API's model lookup: deployed models whose directory holds a
     ``decoder.json`` (what ``fedshard export`` writes for a decoder) and a tokenizer.
@@ -172,6 +206,8 @@ class DecoderModels:
         self._client_of = client_of
         self._failed = failed
         self._backends: dict[str, ChainDecoderBackend] = {}
+        self.speculation_stats: dict[str, SpeculationStats] = {}
+        """Per model id: how its speculative passes fared (the console shows them)."""
         self._planned_context = planned_context
         self._loaded: dict[tuple[str, str], tuple[ChatTokenizer, DecoderInfo]] = {}
         self._lock = threading.Lock()
@@ -197,7 +233,22 @@ class DecoderModels:
             backend = self._backends[model_id] = ChainDecoderBackend(
                 self._plane, lambda deadline: self._client_of(model_id, deadline), self._failed
             )
-        return GenerationModel(backend=backend, tokenizer=tokenizer, info=info)
+        return GenerationModel(
+            backend=backend,
+            tokenizer=tokenizer,
+            info=info,
+            speculation=self._speculation(model_id, record.speculative, info),
+        )
+
+    def _speculation(
+        self, model_id: str, mode: Speculative, info: DecoderInfo
+    ) -> Speculation | None:
+        drafter = drafter_for(mode)
+        positions = info.trailing_positions or 1
+        if drafter is None or positions < 2:  # off, or a graph without trailing candidates
+            return None
+        stats = self.speculation_stats.setdefault(model_id, SpeculationStats())
+        return Speculation(drafter, positions, stats)
 
     def _load(self, model_id: str, directory: Path) -> tuple[ChatTokenizer, DecoderInfo] | None:
         key = (model_id, str(directory))

@@ -303,6 +303,8 @@ class SessionStep:
     session_id: str
     position: int = 0
     end: bool = False
+    rewind: bool = False
+    """Cut the session back to ``position`` on every stage before the step."""
 
     def header_fields(self) -> dict[str, Any]:
         """Keyword arguments for the request's :class:`FrameHeader`."""
@@ -310,4 +312,5 @@ class SessionStep:
             "session_id": self.session_id,
             "session_position": None if self.end else self.position,
             "session_end": self.end,
+            "session_rewind": self.rewind,
         }

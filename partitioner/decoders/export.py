@@ -29,6 +29,9 @@ from protocols.decoder import (
     POSITION_IDS,
     TOP_IDS,
     TOP_LOGITS,
+    TRAILING_POSITIONS,
+    TRAILING_TOP_IDS,
+    TRAILING_TOP_LOGITS,
     DecoderInfo,
     StatePair,
     past_name,
@@ -83,13 +86,15 @@ def decoder_info(source: DecoderSource, top_k: int) -> DecoderInfo:
             for i in range(layers)
             for kind in ("key", "value")
         ],
+        trailing_positions=TRAILING_POSITIONS,
     )
 
 
 def state_names(info: DecoderInfo) -> tuple[list[str], list[str]]:
     """``(graph input names, graph output names)`` in graph order."""
     inputs = [INPUT_IDS, ATTENTION_MASK, POSITION_IDS] + [p.past for p in info.state]
-    outputs = [TOP_LOGITS, TOP_IDS] + [p.present for p in info.state]
+    outputs = [TOP_LOGITS, TOP_IDS, TRAILING_TOP_LOGITS, TRAILING_TOP_IDS]
+    outputs += [p.present for p in info.state]
     return inputs, outputs
 
 
@@ -163,7 +168,7 @@ def _torch_cases(
     one token after :data:`SAMPLE_PAST`) and ``trace`` (several tokens after the same past)."""
     prefill_in = step_feeds(ids[:SAMPLE_PAST], empty_past(info))
     prefill_out = _run_torch(module, prefill_in)
-    past = prefill_out[2:]
+    past = prefill_out[4:]  # after top_logits, top_ids and the trailing pair
     next_token = int(prefill_out[1][0, 0])
     step_in = step_feeds([next_token], past)
     # two identical rows: a batch axis traced at size 1 would be fixed to 1 in the graph
@@ -239,6 +244,8 @@ def _name_dims(model: Any, info: DecoderInfo) -> None:
         ATTENTION_MASK: {0: BATCH, 1: "total_sequence"},
         TOP_LOGITS: {0: BATCH},
         TOP_IDS: {0: BATCH},
+        TRAILING_TOP_LOGITS: {0: BATCH, 1: "trailing"},
+        TRAILING_TOP_IDS: {0: BATCH, 1: "trailing"},
     }
     renamed: dict[str, str] = {}
     for value in [*model.graph.input, *model.graph.output]:
@@ -306,6 +313,6 @@ def _check(
         want = dict(zip(outputs, expected, strict=True))
         if int(got[TOP_IDS][0, 0]) != int(want[TOP_IDS][0, 0]):
             raise GraphError(f"{path}: ONNX Runtime picks another next token than torch ({case})")
-        del want[TOP_IDS]
+        del want[TOP_IDS], want[TRAILING_TOP_IDS]
         worst = max(worst, *compare(want, got).values())
     return worst

@@ -12,6 +12,8 @@ from __future__ import annotations
 from collections.abc import Sequence
 from typing import Any
 
+from protocols.decoder import TRAILING_POSITIONS
+
 FULL_ATTENTION = "full_attention"
 SLIDING_ATTENTION = "sliding_attention"
 ATTENTION_NAME = "fedshard_grouped"
@@ -104,12 +106,22 @@ def filled_cache(past: Sequence[Any]) -> Any:
     return cache
 
 
-def decoder_module(model: Any, *, top_k: int, sliding_window: int | None, mask_dict: bool) -> Any:
+def decoder_module(
+    model: Any,
+    *,
+    top_k: int,
+    sliding_window: int | None,
+    mask_dict: bool,
+    trailing: int = TRAILING_POSITIONS,
+) -> Any:
     """Wrap a ``*ForCausalLM`` as ``(input_ids, attention_mask, position_ids, *past) ->
-    (top_logits, top_ids, *present)``.
+    (top_logits, top_ids, trailing_top_logits, trailing_top_ids, *present)``.
 
     ``mask_dict``: pass the masks as ``{layer_type: mask}`` (Gemma 3) instead of one 4D
-    tensor (Llama).
+    tensor (Llama). ``trailing``: the output head runs on the step's last ``min(q, trailing)``
+    positions and returns each one's top-k (``[batch, min(q, trailing), top_k]``), so a step
+    that feeds drafted tokens verifies them all in one pass; the last one is also returned as
+    ``top_logits``/``top_ids`` for callers that only want the next token.
     """
     import torch
 
@@ -130,10 +142,11 @@ def decoder_module(model: Any, *, top_k: int, sliding_window: int | None, mask_d
                 position_ids=position_ids,
                 cache=cache,
                 use_cache=True,
-                logits_to_keep=1,
+                logits_to_keep=trailing,
             )
             top_logits, top_ids = torch.topk(out.logits[:, -1, :], top_k, dim=-1)
+            every_logits, every_ids = torch.topk(out.logits, top_k, dim=-1)
             present = [t for layer in cache.layers for t in (layer.keys, layer.values)]
-            return (top_logits, top_ids, *present)
+            return (top_logits, top_ids, every_logits, every_ids, *present)
 
     return Decoder().eval()

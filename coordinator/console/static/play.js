@@ -67,6 +67,16 @@ function renderSentenceKey(sentences) {
   list.innerHTML = sentences.map(s => `<li>${esc(s)}</li>`).join("");
 }
 
+// "speculative decoding: lookup, 62% of drafted tokens accepted, 23.1 tokens/s" for a decoder.
+async function speculationLine(modelId) {
+  const m = (await loadModels()).find(x => x.model_id === modelId);
+  if (!m || m.speculative === "off") return "Speculative decoding: off.";
+  const rate = m.acceptance_rate === null ? "no drafts yet" :
+    `${Math.round(m.acceptance_rate * 100)}% of drafted tokens accepted`;
+  const speed = m.tokens_per_s === null ? "" : `, ${m.tokens_per_s.toFixed(1)} tokens/s`;
+  return `Speculative decoding: ${m.speculative}, ${rate}${speed}.`;
+}
+
 function chatBubble(role, text) {
   const div = document.createElement("div");
   div.className = `bubble ${role}`;
@@ -112,7 +122,8 @@ async function chat() {
       }
     });
     FS.chat.messages.push({role: "assistant", content: answer.textContent});
-    status("chat-status", finish === "length" ? "Stopped at the token limit." : "");
+    status("chat-status", [finish === "length" ? "Stopped at the token limit." : "",
+      await speculationLine(model)].filter(Boolean).join(" "));
   } catch (e) {
     if (e.name === "AbortError") status("chat-status", "Stopped.");
     else { answer.classList.add("failed"); status("chat-status", e.message, true); }

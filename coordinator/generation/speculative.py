@@ -1,0 +1,178 @@
+"""Speculative decoding over the chain: draft k tokens, verify them in one pass of every stage.
+
+Each pass feeds the last chosen token and up to k drafted ones at the session's position; the
+last stage returns the top-k candidates of each of those positions (the graph's
+``trailing_top_*`` outputs, :mod:`protocols.decoder`). Drafted tokens are accepted in order:
+
+* greedy (``temperature == 0``): while a draft equals the greedy choice at its position, so the
+  text is the one plain greedy decoding gives, token for token;
+* sampling: a draft ``d`` is kept with probability ``p(d)``, the target's probability after
+  temperature and top-p (the drafters here are deterministic, so the draft distribution is a
+  point mass and ``min(1, p/q)`` is ``p(d)``); on a rejection the token is drawn from ``p``
+  without ``d``, renormalised. This is the standard speculative-sampling rule (Leviathan et
+  al. 2023, Chen et al. 2023), so every token has the plain sampler's distribution (the random
+  draws differ, so a seeded request gets other, equally likely, text).
+
+Every pass yields the accepted drafts plus one token chosen from the candidates after them, so
+a pass never yields less than a plain step. The next pass tells every stage to *rewind* the
+session to the accepted length (``session_rewind``), dropping the rejected positions' cache.
+"""
+
+from __future__ import annotations
+
+import threading
+import time
+from collections.abc import AsyncGenerator, Sequence
+from dataclasses import dataclass
+from typing import Literal, Protocol, runtime_checkable
+
+import numpy as np
+
+from coordinator.generation.backend import TopCandidates
+from coordinator.generation.drafters import Drafter, DraftLength, PromptLookup
+from coordinator.generation.sampling import SamplingParams, choose, greedy, nucleus, probabilities
+
+Speculative = Literal["off", "lookup", "draft", "auto"]
+"""A decoder's speculative decoding (see :mod:`coordinator.generation.speculative`)."""
+
+
+@runtime_checkable
+class VerifyingBackend(Protocol):
+    """A backend that can verify drafted tokens in one pass (see the module docstring)."""
+
+    async def verify(
+        self, session: str, position: int, token_ids: Sequence[int]
+    ) -> list[TopCandidates]:
+        """Append ``token_ids`` at ``position`` after cutting ``session`` back to
+        ``position`` tokens (it may hold more: rejected drafts); the candidates after each of
+        ``token_ids``, in order."""
+        ...
+
+
+def drafter_for(mode: Speculative) -> Drafter | None:
+    """The drafter a mode uses, or None for no speculation.
+
+    ``auto`` is prompt lookup. The draft model (``draft``) is not built yet: it falls back to
+    prompt lookup too.
+    """
+    return None if mode == "off" else PromptLookup()
+
+
+def accept(
+    drafts: Sequence[int],
+    candidates: Sequence[TopCandidates],
+    params: SamplingParams,
+    rng: np.random.Generator,
+) -> list[int]:
+    """The tokens one verified pass yields: the accepted drafts, then one more.
+
+    ``candidates[i]`` is what the target model predicts after the i-th fed token (the last
+    chosen one, then each draft), so ``len(candidates) == len(drafts) + 1``.
+    """
+    if len(candidates) != len(drafts) + 1:
+        raise ValueError(f"{len(drafts)} drafts need {len(drafts) + 1} candidate sets")
+    out: list[int] = []
+    for draft, cands in zip(drafts, candidates, strict=False):
+        if params.temperature == 0.0:
+            token = greedy(cands)
+            out.append(token)
+            if token != draft:
+                return out
+            continue
+        probs = nucleus(probabilities(cands.logits, params.temperature), params.top_p)
+        hit = cands.ids == draft
+        if rng.random() < float(probs[hit].sum()):
+            out.append(draft)
+            continue
+        residual = np.where(hit, 0.0, probs)
+        out.append(int(cands.ids[int(rng.choice(residual.size, p=residual / residual.sum()))]))
+        return out
+    out.append(choose(candidates[-1], params, rng))
+    return out
+
+
+def trailing_candidates(logits: np.ndarray, ids: np.ndarray, count: int) -> list[TopCandidates]:
+    """The candidates after each of a pass's last ``count`` tokens, from the graph's
+    ``trailing_top_logits``/``trailing_top_ids`` (``[1, min(q, W), top_k]``)."""
+    if logits.ndim != 3 or logits.shape != ids.shape or logits.shape[1] < count:
+        raise ValueError(
+            f"trailing top-k of shape {logits.shape} / {ids.shape} cannot give {count} positions"
+        )
+    rows = range(logits.shape[1] - count, logits.shape[1])
+    return [TopCandidates.of(logits[0, row], ids[0, row]) for row in rows]
+
+
+class SpeculationStats:
+    """Per-model counters the console shows: acceptance rate and decode tokens/s."""
+
+    def __init__(self) -> None:
+        self._lock = threading.Lock()
+        self.passes = 0
+        self.drafted = 0
+        self.accepted = 0
+        self.tokens = 0
+        self.seconds = 0.0
+
+    def record(self, drafted: int, accepted: int, tokens: int, seconds: float) -> None:
+        """One verified pass: ``tokens`` yielded in ``seconds`` of chain time."""
+        with self._lock:
+            self.passes += 1
+            self.drafted += drafted
+            self.accepted += accepted
+            self.tokens += tokens
+            self.seconds += seconds
+
+    @property
+    def acceptance_rate(self) -> float | None:
+        """Accepted over drafted tokens (None before any draft)."""
+        with self._lock:
+            return self.accepted / self.drafted if self.drafted else None
+
+    @property
+    def tokens_per_s(self) -> float | None:
+        """Tokens yielded per second of verifying passes (None before any pass)."""
+        with self._lock:
+            return self.tokens / self.seconds if self.seconds > 0 else None
+
+
+@dataclass(frozen=True)
+class Speculation:
+    """How one model speculates: its drafter, the most tokens a pass verifies, its stats."""
+
+    drafter: Drafter
+    max_positions: int
+    """The graph's ``trailing_positions``: a pass feeds at most this many tokens."""
+    stats: SpeculationStats
+
+
+async def speculative_tokens(
+    backend: VerifyingBackend,
+    session: str,
+    context: list[int],
+    first: TopCandidates,
+    budget: int,
+    params: SamplingParams,
+    rng: np.random.Generator,
+    speculation: Speculation,
+) -> AsyncGenerator[int, None]:
+    """The generated tokens of ``session`` (whose stages hold the prompt ``context``, with
+    ``first`` the candidates after it), at most ``budget`` of them, verified in passes."""
+    held = len(context)
+    context = [*context, choose(first, params, rng)]
+    yield context[-1]
+    produced = 1
+    length = DraftLength(speculation.max_positions - 1)
+    while produced < budget:
+        count = min(length.k, budget - produced - 1)
+        drafts = speculation.drafter.propose(context, count)[:count]
+        start = time.perf_counter()
+        candidates = await backend.verify(session, held, [context[-1], *drafts])
+        tokens = accept(drafts, candidates, params, rng)
+        accepted = len(tokens) - 1
+        speculation.stats.record(len(drafts), accepted, len(tokens), time.perf_counter() - start)
+        length.update(len(drafts), accepted)
+        held += 1 + accepted
+        for token in tokens:
+            context.append(token)
+            produced += 1
+            yield token

@@ -1,0 +1,229 @@
+"""Speculative decoding units: prompt lookup, draft length, acceptance, the engine's passes."""
+
+from __future__ import annotations
+
+import asyncio
+from collections.abc import Sequence
+
+import numpy as np
+import pytest
+from generation_helpers import BigramBackend, bigram_table, tiny_model, word_id
+
+from coordinator.deploy.store import VersionRecord
+from coordinator.errors import ChainBrokenError
+from coordinator.generation.backend import TopCandidates
+from coordinator.generation.drafters import DraftLength, PromptLookup
+from coordinator.generation.engine import Finished, GenerationRequest, TextDelta, generate
+from coordinator.generation.sampling import SamplingParams, nucleus, probabilities
+from coordinator.generation.speculative import (
+    Speculation,
+    SpeculationStats,
+    accept,
+    trailing_candidates,
+)
+from coordinator.serving.decoder import ChainDecoderBackend
+from coordinator.transport.dataplane import DataPlane, SessionStep
+from protocols.decoder import (
+    INPUT_IDS,
+    TOP_IDS,
+    TOP_LOGITS,
+    TRAILING_POSITIONS,
+    TRAILING_TOP_IDS,
+    TRAILING_TOP_LOGITS,
+)
+
+CHAIN = [" the", " cat", " sat", " on", " the", " mat", " a", " big", " red", " dog", " ran"]
+
+
+class VerifyingBigram(BigramBackend):
+    """The bigram fake with one-pass verification: every fed token's candidates, and a
+    session that may be cut back to any position it holds (never past it)."""
+
+    def __init__(self, *args: object, **kwargs: object) -> None:
+        super().__init__(*args, **kwargs)  # type: ignore[arg-type]
+        self.passes: list[tuple[int, list[int]]] = []
+        self.rewinds = 0
+
+    async def verify(
+        self, session: str, position: int, token_ids: Sequence[int]
+    ) -> list[TopCandidates]:
+        held = self.lengths.get(session, 0)
+        if position > held:
+            raise AssertionError(f"{session}: rewind to {position}, held {held}")
+        self.passes.append((position, list(token_ids)))
+        self.rewinds += position < held
+        self.lengths[session] = position + len(token_ids)
+        await asyncio.sleep(0)
+        return [self.candidates(int(t)) for t in token_ids]
+
+
+def test_prompt_lookup_continues_the_most_recent_longest_match() -> None:
+    lookup = PromptLookup(max_ngram=3)
+    tokens = [1, 2, 3, 9, 9, 1, 2, 3, 4, 5, 6, 7, 1, 2, 3]
+    assert lookup.propose(tokens, 3) == [4, 5, 6]  # the later copy of 1 2 3
+    assert lookup.propose(tokens, 0) == []
+    assert lookup.propose([5, 6, 7, 8], 4) == []  # nothing repeats
+    assert lookup.propose([1, 2, 8, 2], 2) == [8, 2]  # falls back to a 1-gram
+    assert lookup.propose([1, 2, 3, 1, 2], 9) == [3, 1, 2]  # stops at the end of the text
+
+
+def test_draft_length_follows_the_acceptance_rate() -> None:
+    length = DraftLength(limit=7)
+    for _ in range(10):
+        length.update(length.k, length.k)
+    assert length.k == 7 and length.rate > 0.95
+    for _ in range(4):
+        length.update(length.k, 0)
+    assert length.k == 1 and length.rate < 0.3
+    for _ in range(6):
+        length.update(max(length.k, 1), 0)
+    assert length.rate < 0.05 and length.k == 0  # drafting does not pay: plain steps
+    for _ in range(7):
+        length.update(length.k, 0)  # nothing drafted: nothing learned
+        assert length.k == 0
+    length.update(0, 0)
+    assert length.k == 1  # a probe after 8 plain passes
+
+
+def test_greedy_acceptance_keeps_the_agreeing_prefix_then_the_model_s_token() -> None:
+    cands = [TopCandidates.of([9.0, 1.0], [t, 0]) for t in (5, 6, 7, 8)]
+    params, rng = SamplingParams(temperature=0), np.random.default_rng(0)
+    assert accept([5, 6, 7], cands, params, rng) == [5, 6, 7, 8]  # all kept, plus one
+    assert accept([5, 4, 7], cands, params, rng) == [5, 6]  # the model's token replaces 4
+    assert accept([], cands[:1], params, rng) == [5]
+    with pytest.raises(ValueError, match="candidate sets"):
+        accept([5], cands, params, rng)
+
+
+def test_sampled_acceptance_keeps_the_target_distribution() -> None:
+    """First token of a pass with draft ``d``: accepted with p(d), else drawn from p without
+    d, so over many passes it is distributed as p (here after temperature and top-p)."""
+    cands = TopCandidates.of([2.0, 1.5, 1.0, 0.2, -1.0], [10, 11, 12, 13, 14])
+    params = SamplingParams(temperature=0.8, top_p=0.9)
+    want = nucleus(probabilities(cands.logits, 0.8), 0.9)
+    rng = np.random.default_rng(7)
+    draws = 20_000
+    for draft in (11, 14):  # a likely draft, and one top-p has cut
+        counts = dict.fromkeys(cands.ids.tolist(), 0)
+        for _ in range(draws):
+            counts[accept([draft], [cands, cands], params, rng)[0]] += 1
+        got = np.array([counts[i] for i in cands.ids.tolist()]) / draws
+        np.testing.assert_allclose(got, want, atol=0.015)
+
+
+def test_trailing_candidates_take_the_last_rows() -> None:
+    logits = np.arange(24, dtype=np.float32).reshape(1, 4, 6)[:, :, ::-1].copy()
+    ids = np.arange(24).reshape(1, 4, 6)
+    got = trailing_candidates(logits, ids, 2)
+    assert [c.ids[0] for c in got] == [12, 18]
+    with pytest.raises(ValueError, match="cannot give 5"):
+        trailing_candidates(logits, ids, 5)
+
+
+def _run(model: object, request: GenerationRequest) -> tuple[str, Finished]:
+    async def collect() -> tuple[str, Finished]:
+        text, finished = "", None
+        async for event in generate(model, request):  # type: ignore[arg-type]
+            if isinstance(event, TextDelta):
+                text += event.text
+            elif isinstance(event, Finished):
+                finished = event
+        assert finished is not None
+        return text, finished
+
+    return asyncio.run(collect())
+
+
+@pytest.mark.parametrize("max_tokens", [1, 5, 40])
+def test_greedy_text_is_the_same_with_and_without_speculation(max_tokens: int) -> None:
+    table = bigram_table(seed=3, chain=CHAIN)
+    prompt = [word_id(w) for w in CHAIN[:6]] * 2  # the text repeats what it will generate
+    request = GenerationRequest(prompt, max_tokens, SamplingParams(temperature=0), session="s")
+    plain = _run(tiny_model(BigramBackend(table)), request)
+    backend = VerifyingBigram(table)
+    stats = SpeculationStats()
+    model = tiny_model(backend)
+    fast = _run(
+        type(model)(
+            model.backend, model.tokenizer, model.info, Speculation(PromptLookup(), 8, stats)
+        ),
+        request,
+    )
+    assert fast == plain
+    assert fast[1].usage.completion_tokens == max_tokens
+    assert backend.ended == ["s"]
+    # never past the context plain decoding uses: the last token is never fed
+    assert all(p + len(t) <= len(prompt) + max_tokens - 1 for p, t in backend.passes)
+    if max_tokens == 40:
+        assert stats.accepted > 0 and len(backend.passes) < max_tokens - 1
+        assert backend.rewinds > 0  # some drafts were rejected and cut back
+
+
+class LosingChain:
+    """A fake chain client: stages that keep per-session lengths (rewind included, as agents
+    do) and answer from a bigram table; the first pass that carries drafts loses a stage."""
+
+    def __init__(self, table: np.ndarray) -> None:
+        self.bigram = BigramBackend(table)
+        self.held: dict[str, int] = {}
+        self.calls: list[tuple[str, int, int, bool]] = []
+        self.lost = False
+
+    async def infer_async(
+        self, tensors: dict[str, np.ndarray], timeout: float, session: SessionStep
+    ) -> dict[str, np.ndarray]:
+        if session.end:
+            self.held.pop(session.session_id, None)
+            return {}
+        ids = [int(t) for t in tensors[INPUT_IDS][0]]
+        self.calls.append((session.session_id, session.position, len(ids), session.rewind))
+        held = self.held.get(session.session_id)
+        if held is None and session.position != 0:
+            raise ChainBrokenError("SessionStateError: unknown session")
+        if session.rewind and session.position > (held or 0):
+            raise ChainBrokenError("SessionRewindError: never held that many")
+        if not session.rewind and session.position != (held or 0):
+            raise ChainBrokenError("SessionStateError: wrong position")
+        if len(ids) > 1 and session.position > 0 and not self.lost:
+            self.lost = True
+            self.held.clear()  # the stage with every session's cache is gone
+            raise ChainBrokenError("LinkError: stage 2 went away")
+        self.held[session.session_id] = session.position + len(ids)
+        tail = [self.bigram.candidates(t) for t in ids[-TRAILING_POSITIONS:]]
+        return {
+            TOP_LOGITS: tail[-1].logits[None],
+            TOP_IDS: tail[-1].ids[None],
+            TRAILING_TOP_LOGITS: np.stack([c.logits for c in tail])[None],
+            TRAILING_TOP_IDS: np.stack([c.ids for c in tail])[None],
+        }
+
+
+def test_a_stage_lost_mid_speculation_replays_to_the_same_text() -> None:
+    table = bigram_table(seed=3, chain=CHAIN)
+    prompt = [word_id(w) for w in CHAIN[:6]] * 2
+    request = GenerationRequest(prompt, 30, SamplingParams(temperature=0), session="s")
+    want = _run(tiny_model(BigramBackend(table)), request)
+    chain = LosingChain(table)
+    versions = iter(range(1, 100))
+    version = [VersionRecord.model_construct(model_id="m", plan_version=next(versions))]
+    failures: list[str] = []
+
+    def failed(record: VersionRecord, error: Exception) -> None:
+        failures.append(str(error))
+        version[0] = VersionRecord.model_construct(model_id="m", plan_version=next(versions))
+
+    plane = DataPlane()
+    try:
+        backend = ChainDecoderBackend(plane, lambda _: (version[0], chain), failed)  # type: ignore[arg-type,return-value]
+        model = tiny_model(BigramBackend(table))
+        speculating = type(model)(
+            backend, model.tokenizer, model.info, Speculation(PromptLookup(), 8, SpeculationStats())
+        )
+        got = _run(speculating, request)
+    finally:
+        plane.close()
+    assert got == want
+    assert chain.lost and failures == ["LinkError: stage 2 went away"]
+    replays = [c for c in chain.calls if "~" in c[0]]
+    assert replays and replays[0][1] == 0 and replays[0][2] > len(prompt)  # history, re-prefilled
+    assert chain.held == {}  # the session was ended on the new chain
