@@ -148,6 +148,12 @@ def test_embeddings_and_deployment_errors(client: TestClient) -> None:
     assert embed({"model": "enc", "input": ["a", 1]})[0] == 400
     assert embed({"model": "enc", "input": "x", "dimensions": 0})[0] == 400
     assert embed({"model": "enc", "input": "x", "frobnicate": 1})[0] == 400
+    not_utf8 = client.post(
+        "/v1/embeddings", content=b'{"\xe8', headers={**AUTH, "content-type": "application/json"}
+    )
+    assert (
+        not_utf8.status_code == 400 and not_utf8.json()["error"]["type"] == "invalid_request_error"
+    )
     rollback = client.post("/v1/deployments/enc/rollback", headers=AUTH)
     assert rollback.status_code == 409 and "no previous version" in rollback.json()["detail"]
     missing = client.post("/v1/deployments", json={"model_path": "/no/such.onnx"}, headers=AUTH)

@@ -28,10 +28,11 @@ from collections.abc import Callable, Coroutine, Sequence
 from dataclasses import dataclass
 from typing import Any, Final
 
-from fastapi import FastAPI, HTTPException, Request, Response
+from fastapi import FastAPI, Request, Response
 from fastapi.exceptions import RequestValidationError
 from fastapi.responses import JSONResponse
 from fastapi.routing import APIRoute
+from starlette.exceptions import HTTPException as StarletteHTTPException
 
 from coordinator.errors import (
     AgentError,
@@ -126,7 +127,7 @@ def render(exc: BaseException) -> Rendered:
     if isinstance(exc, RequestValidationError):
         message, param = validation_message(exc.errors())
         return Rendered(MALFORMED, message, param, {})
-    if isinstance(exc, HTTPException):
+    if isinstance(exc, StarletteHTTPException):  # FastAPI's, or Starlette's (a body not UTF-8)
         code = "invalid_api_key" if exc.status_code == 401 else None
         entry = HttpError(exc.status_code, INVALID, code)
         return Rendered(entry, str(exc.detail), None, dict(exc.headers or {}))

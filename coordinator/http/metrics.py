@@ -181,6 +181,20 @@ class CoordinatorMetrics:
                 await aclose()
 
 
+def route_template(scope: Scope) -> str:
+    """The matched route's template (``/v1/models/{model_id}``), from the path and its path
+    parameters; :data:`UNMATCHED` when no route matched."""
+    if scope.get("endpoint") is None:
+        return UNMATCHED
+    segments = str(scope["path"]).split("/")
+    for name, value in dict(scope.get("path_params") or {}).items():
+        for i in range(len(segments) - 1, 0, -1):
+            if segments[i] == str(value):
+                segments[i] = "{" + name + "}"
+                break
+    return "/".join(segments)
+
+
 class RequestMeter:
     """ASGI middleware: counts and times every HTTP request into :class:`CoordinatorMetrics`."""
 
@@ -206,7 +220,7 @@ class RequestMeter:
         try:
             await self.app(scope, receive, metered_send)
         finally:
-            route = getattr(scope.get("route"), "path", None) or UNMATCHED
+            route = route_template(scope)
             model = request_notes.model if state["status"] != 404 else ""
             seconds = time.monotonic() - started
             self.metrics.record(route, scope["method"], state["status"], model, seconds)
