@@ -210,7 +210,7 @@ def test_no_room_for_a_session_is_a_rate_limit_error_with_retry_after(cluster: C
         for _ in range(SESSIONS):  # each returns once its prefill ran: the session is open
             held.append(
                 client.completions.create(
-                    model=LLAMA, prompt=PROMPT, max_tokens=900, temperature=0, stream=True
+                    model=LLAMA, prompt=PROMPT, max_tokens=480, temperature=0, stream=True
                 )
             )
         with pytest.raises(openai.RateLimitError) as refused:
