@@ -12,10 +12,11 @@ CoordinatorError
 ├── RollbackError           there is no earlier version to switch back to
 ├── RequestError            an inference request is malformed (4xx)
 │   ├── UnknownModelError   no deployment has that model id (404)
-│   └── ContextLengthError  prompt plus requested tokens exceed the model's context (400)
+│   ├── ContextLengthError  prompt plus requested tokens exceed the model's context (400)
+│   └── DimensionsError     embeddings ``dimensions`` the model cannot give (400)
 └── NotServableError        the model cannot be served right now (503)
     ├── ChainBrokenError    a stage lost its link or its session state: retry on a new chain
-    ├── CapacityError       no room for a new generation session now (503, Retry-After)
+    ├── CapacityError       no room for a new generation session now (429, Retry-After)
     └── UnavailableError    the devices left cannot hold the model (503, Retry-After)
 
 The HTTP API translates these at its boundary (see :mod:`coordinator.http.serving`).
@@ -98,6 +99,10 @@ class ContextLengthError(RequestError):
         self.max_context = max_context
         self.prompt_tokens = prompt_tokens
         self.max_tokens = max_tokens
+
+
+class DimensionsError(RequestError):
+    """Embeddings ``dimensions`` asks for a size the model cannot give."""
 
 
 class ChainBrokenError(NotServableError):

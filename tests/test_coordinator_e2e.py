@@ -234,7 +234,7 @@ def test_no_token_gets_401(lab: Lab) -> None:
 def test_api_errors_are_4xx_with_a_message(lab: Lab) -> None:
     with lab.coordinator.client() as api:
         unknown = api.post("/v1/embeddings", json={"model": "nope", "input": "x"})
-        assert unknown.status_code == 404 and "nope" in unknown.json()["detail"]
+        assert unknown.status_code == 404 and "nope" in unknown.json()["error"]["message"]
         bad = api.post(
             "/v1/infer", content=b"{not json", headers={"Content-Type": "application/json"}
         )
@@ -392,4 +392,4 @@ def test_revoked_agent_is_refused_on_both_planes(lab: Lab) -> None:
         again = lab.coordinator.cli("pair", revoked.name, pairing_code(revoked))
         assert again.returncode == 1 and "revoked" in again.stdout
         refused = _embed(api, SENTENCES[:1])  # the live version runs on the revoked device
-        assert refused.status_code == 503 and "revoked" in refused.json()["detail"]
+        assert refused.status_code == 503 and "revoked" in refused.json()["error"]["message"]

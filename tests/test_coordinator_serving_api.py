@@ -137,21 +137,37 @@ def test_unservable_model_is_503_with_the_reason(client: TestClient) -> None:
 def test_embeddings_and_deployment_errors(client: TestClient) -> None:
     def embed(body: object) -> tuple[int, str]:
         response = client.post("/v1/embeddings", json=body, headers=AUTH)
-        return response.status_code, str(response.json()["detail"])
+        return response.status_code, str(response.json()["error"]["message"])
 
     assert embed({"model": "nope", "input": "x"})[0] == 404
     code, detail = embed({"model": "enc", "input": "hello"})
     assert code == 400 and "not a text encoder" in detail
     assert embed({"model": "enc", "input": []})[0] == 400
-    assert embed({"model": "enc", "input": "x", "encoding_format": "base64"})[0] == 400
-    assert embed({"model": "enc", "input": [1, 2]})[0] == 400
+    assert embed({"model": "enc", "input": "x", "encoding_format": "hex"})[0] == 400
+    assert embed({"model": "enc", "input": [1, 2]})[1] == detail  # token ids, same model check
+    assert embed({"model": "enc", "input": [[1], []]})[0] == 400
+    assert embed({"model": "enc", "input": ["a", 1]})[0] == 400
+    assert embed({"model": "enc", "input": "x", "dimensions": 0})[0] == 400
+    assert embed({"model": "enc", "input": "x", "frobnicate": 1})[0] == 400
+    not_utf8 = client.post(
+        "/v1/embeddings", content=b'{"\xe8', headers={**AUTH, "content-type": "application/json"}
+    )
+    assert (
+        not_utf8.status_code == 400 and not_utf8.json()["error"]["type"] == "invalid_request_error"
+    )
     rollback = client.post("/v1/deployments/enc/rollback", headers=AUTH)
     assert rollback.status_code == 409 and "no previous version" in rollback.json()["detail"]
     missing = client.post("/v1/deployments", json={"model_path": "/no/such.onnx"}, headers=AUTH)
     assert missing.status_code == 409 and "no model file" in missing.json()["detail"]
     models = client.get("/v1/models", headers=AUTH).json()
     assert models["object"] == "list" and [m["id"] for m in models["data"]] == ["enc"]
-    assert client.get("/v1/models").status_code == 401
+    assert client.get("/v1/models/enc", headers=AUTH).json() == models["data"][0]
+    missing_model = client.get("/v1/models/nope", headers=AUTH)
+    assert missing_model.status_code == 404
+    assert missing_model.json()["error"]["code"] == "model_not_found"
+    no_token = client.get("/v1/models")
+    assert no_token.status_code == 401
+    assert no_token.json()["error"]["code"] == "invalid_api_key"
     paths = client.get("/openapi.json").json()["paths"]
     assert {"/v1/embeddings", "/v1/infer", "/v1/deployments"} <= set(paths)
 

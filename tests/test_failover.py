@@ -753,12 +753,12 @@ def test_when_the_rest_cannot_hold_it_requests_get_503_and_nothing_hangs(lab: La
             _check_answer(lab, i, outcome)
         else:
             assert outcome.status == 503, outcome.text
-            assert big in outcome.body["detail"], outcome.body
+            assert big in outcome.body["error"]["message"], outcome.body
     with lab.coordinator.client() as api:
         late = api.post("/v1/embeddings", json={"model": MODEL_ID, "input": "after the kill"})
         state = api.get("/v1/failover").json()["models"][MODEL_ID]
     assert late.status_code == 503 and int(late.headers["Retry-After"]) >= 1
-    detail = late.json()["detail"]
+    detail = late.json()["error"]["message"]
     assert f"device {big} was lost" in detail and "cannot" in detail, detail
     assert state["state"] == "unavailable"
 

@@ -1,6 +1,6 @@
 """The OpenAI-compatible generation API on the coordinator app, over a fake bigram backend:
 greedy and seeded sampling, stop strings (never leaked into a stream), limits and usage, the SSE
-format, OpenAI error bodies, 503 + Retry-After, one ``end()`` per generation whatever happens,
+format, OpenAI error bodies, 429 + Retry-After, one ``end()`` per generation whatever happens,
 and concurrent generations interleaving their steps."""
 
 from __future__ import annotations
@@ -262,12 +262,12 @@ def test_token_unknown_model_and_bad_requests(client: TestClient, chain: BigramB
     assert chain.steps == [] and chain.ended == []
 
 
-def test_capacity_is_503_with_retry_after(tmp_path: Path) -> None:
+def test_capacity_is_429_with_retry_after(tmp_path: Path) -> None:
     backend = BigramBackend(bigram_table(), capacity=2.3)
     with TestClient(_app(tmp_path, backend)) as client:
         for stream in (False, True):
             r = _chat(client, stream=stream)
-            assert _error(r, 503)["code"] == "overloaded"
+            assert _error(r, 429)["code"] == "overloaded"
             assert r.headers["retry-after"] == "3"
     assert len(backend.ended) == 2 and len(set(backend.ended)) == 2
 

@@ -301,13 +301,14 @@ def test_link_cut_when_the_rest_cannot_hold_it_requests_get_503_and_nothing_hang
             _check(lab, i, answer)
             continue
         assert answer.status == 503, f"request {i}: {answer.status} {answer.detail}"
-        assert big in answer.detail["detail"], answer.detail
+        assert big in answer.detail["error"]["message"], answer.detail
         refused += 1
     assert refused, "no request was refused after the cut"
     ask = {"model": MODEL_ID, "input": "after the cut"}
     status, body, headers = lab.cluster.api.call("POST", "/v1/embeddings", ask)
     assert status == 503 and int(headers["retry-after"]) >= 1, (status, body)
-    assert f"device {big} was lost" in body["detail"] and "cannot" in body["detail"], body
+    message = body["error"]["message"]
+    assert f"device {big} was lost" in message and "cannot" in message, body
     assert lab.cluster.api.get("/v1/failover")["models"][MODEL_ID]["state"] == "unavailable"
 
 

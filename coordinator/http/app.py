@@ -116,15 +116,14 @@ def create_app(services: Services) -> FastAPI:
     from coordinator.console import install_console
     from coordinator.http.console import mount_console_api
     from coordinator.http.errors import install_error_handlers
+    from coordinator.http.metrics import mount_metrics
+    from coordinator.http.openai_serving import openai_serving_router
     from coordinator.http.serving import serving_router
 
     app = FastAPI(title="fedshard coordinator", version=SOFTWARE_VERSION)
     install_error_handlers(app)
-    v1 = APIRouter(
-        prefix="/v1",
-        dependencies=[_token_dependency(services.token)],
-        responses=ERROR_RESPONSES,
-    )
+    token = _token_dependency(services.token)
+    v1 = APIRouter(prefix="/v1", dependencies=[token], responses=ERROR_RESPONSES)
 
     @v1.get("/devices")
     def list_devices() -> list[DeviceView]:
@@ -135,7 +134,7 @@ def create_app(services: Services) -> FastAPI:
                 fingerprint=r.fingerprint,
                 host=r.host,
                 online=r.online,
-                status=_device_status(book, r.name, r.fingerprint, r.impostor_of),
+                status=device_status(book, r.name, r.fingerprint, r.impostor_of),
                 announcement=r.announcement,
             )
             for r in services.registry.devices(online_only=False)
@@ -177,14 +176,10 @@ def create_app(services: Services) -> FastAPI:
             raise HTTPException(status.HTTP_404_NOT_FOUND, str(exc)) from exc
         return {"revoked": body.name, "agents_told": told}
 
+    metrics = mount_metrics(app, services, token)
+    v1.include_router(openai_serving_router(services.serving, metrics))
     if services.serving is not None:
         v1.include_router(serving_router(services.serving))
-    else:
-
-        @v1.get("/models")
-        def list_models() -> dict[str, object]:
-            return {"object": "list", "data": []}
-
     mount_console_api(app, v1, services)
     if services.training is not None:
         from coordinator.http.training import mount_training
@@ -193,13 +188,14 @@ def create_app(services: Services) -> FastAPI:
     if services.generation is not None:
         from coordinator.http.openai import generation_router
 
-        v1.include_router(generation_router(services.generation))
+        v1.include_router(generation_router(services.generation, metrics))
     app.include_router(v1)
     install_console(app)
     return app
 
 
-def _device_status(book: PairingBook, name: str, fingerprint: str, impostor_of: str | None) -> str:
+def device_status(book: PairingBook, name: str, fingerprint: str, impostor_of: str | None) -> str:
+    """``revoked``, ``paired``, ``impostor`` or ``unpaired``."""
     if fingerprint in book.revoked_fingerprints or name in book.revoked_names:
         return "revoked"
     if any(d.name == name and d.fingerprint == fingerprint for d in book.paired):

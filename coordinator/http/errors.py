@@ -3,28 +3,36 @@
 :data:`CATALOGUE` is the only place an error class becomes an HTTP status. Both body styles are
 rendered from the same entry, so every route family answers an error class with the same status:
 
-- the core API (``/v1/devices``, ``/v1/pairing``, ``/v1/models``, ``/v1/infer``,
-  ``/v1/embeddings``, the console and training routes): ``{"detail": message}``
+- the core API (``/v1/devices``, ``/v1/pairing``, ``/v1/deployments``, ``/v1/infer``, the
+  console and training routes): ``{"detail": message}``
   (:func:`detail_response`);
-- the OpenAI routes (``/v1/chat/completions``, ``/v1/completions``):
-  ``{"error": {"message", "type", "param", "code"}}`` (:func:`openai_response`).
+- the OpenAI routes (:data:`OPENAI_PATHS`: ``/v1/models``, ``/v1/models/{id}``,
+  ``/v1/embeddings``, ``/v1/chat/completions``, ``/v1/completions``):
+  ``{"error": {"message", "type", "param", "code"}}`` (:func:`openai_response`), so the official
+  OpenAI SDK raises its own exception classes (``BadRequestError``, ``AuthenticationError``,
+  ``NotFoundError``, ``RateLimitError``, ``InternalServerError``) with fedshard's message.
 
-A malformed request is 400 everywhere, whether pydantic or the coordinator finds the fault. An
-error carrying ``retry_after_s`` gets a ``Retry-After`` header (whole seconds, at least 1).
-Anything that is not a coordinator error is 500 with a fixed message: never a stack trace.
+No room for a new generation session is 429 with ``Retry-After`` (the SDK's ``RateLimitError``,
+which clients back off from, as from text-generation-inference's "model is overloaded"); a model
+that cannot be served at all now is 503. A malformed request is 400 everywhere, whether pydantic
+or the coordinator finds the fault. An error carrying ``retry_after_s`` gets a ``Retry-After``
+header (whole seconds, at least 1). Anything that is not a coordinator error is 500 with a
+fixed message: never a stack trace.
 """
 
 from __future__ import annotations
 
 import logging
 import math
-from collections.abc import Sequence
+from collections.abc import Callable, Coroutine, Sequence
 from dataclasses import dataclass
 from typing import Any, Final
 
-from fastapi import FastAPI, HTTPException, Request
+from fastapi import FastAPI, Request, Response
 from fastapi.exceptions import RequestValidationError
 from fastapi.responses import JSONResponse
+from fastapi.routing import APIRoute
+from starlette.exceptions import HTTPException as StarletteHTTPException
 
 from coordinator.errors import (
     AgentError,
@@ -32,6 +40,7 @@ from coordinator.errors import (
     ContextLengthError,
     CoordinatorError,
     DeployError,
+    DimensionsError,
     NotServableError,
     PairingError,
     RequestError,
@@ -69,13 +78,14 @@ class HttpError:
 CATALOGUE: Final[tuple[tuple[type[CoordinatorError], HttpError], ...]] = (
     (UnknownModelError, HttpError(404, INVALID, "model_not_found", "model")),
     (ContextLengthError, HttpError(400, INVALID, "context_length_exceeded")),
+    (DimensionsError, HttpError(400, INVALID, "unsupported_dimensions", "dimensions")),
     (RequestError, HttpError(400, INVALID)),
     (WrongCodeError, HttpError(403, INVALID, "wrong_pairing_code")),
     (RevokedError, HttpError(403, INVALID, "device_revoked")),
     (TooManyAttemptsError, HttpError(429, INVALID, "too_many_attempts")),
     (PairingError, HttpError(404, INVALID, "unknown_device")),
     (RollbackError, HttpError(409, INVALID, "nothing_to_roll_back")),
-    (CapacityError, HttpError(503, SERVER, "overloaded")),
+    (CapacityError, HttpError(429, "requests", "overloaded")),
     (UnavailableError, HttpError(503, SERVER, "model_unavailable")),
     (NotServableError, HttpError(503, SERVER, "model_not_servable")),
     (DeployError, HttpError(409, INVALID, "deploy_failed")),
@@ -87,6 +97,11 @@ CATALOGUE: Final[tuple[tuple[type[CoordinatorError], HttpError], ...]] = (
     (CoordinatorError, HttpError(500, SERVER)),
 )
 """Most specific first: the first class ``exc`` is an instance of decides."""
+
+OPENAI_PATHS: Final = frozenset(
+    {"/v1/models", "/v1/embeddings", "/v1/chat/completions", "/v1/completions"}
+)
+"""The routes that mirror OpenAI's API (and ``/v1/models/{id}``): OpenAI error bodies."""
 
 MALFORMED: Final = HttpError(400, INVALID)
 UNEXPECTED: Final = HttpError(500, SERVER)
@@ -112,7 +127,7 @@ def render(exc: BaseException) -> Rendered:
     if isinstance(exc, RequestValidationError):
         message, param = validation_message(exc.errors())
         return Rendered(MALFORMED, message, param, {})
-    if isinstance(exc, HTTPException):
+    if isinstance(exc, StarletteHTTPException):  # FastAPI's, or Starlette's (a body not UTF-8)
         code = "invalid_api_key" if exc.status_code == 401 else None
         entry = HttpError(exc.status_code, INVALID, code)
         return Rendered(entry, str(exc.detail), None, dict(exc.headers or {}))
@@ -147,6 +162,37 @@ def detail_response(exc: BaseException, path: str) -> JSONResponse:
     return JSONResponse(
         {"detail": rendered.message}, status_code=rendered.entry.status, headers=rendered.headers
     )
+
+
+def is_openai_path(path: str) -> bool:
+    """Whether ``path`` is an OpenAI route (its errors are ``{"error": {...}}``)."""
+    return path in OPENAI_PATHS or path.startswith("/v1/models/")
+
+
+def error_json(path: str, status: int, message: str) -> dict[str, Any]:
+    """The error body for ``path`` in its family's style, for answers made outside a route
+    (an ASGI guard that refuses a request before routing): OpenAI's or ``{"detail"}``."""
+    if not is_openai_path(path):
+        return {"detail": message}
+    code = "invalid_api_key" if status == 401 else None
+    kind = SERVER if status >= 500 else INVALID
+    return openai_body(Rendered(HttpError(status, kind, code), message, None, {}))
+
+
+class OpenAIErrorRoute(APIRoute):
+    """A route whose every error (auth, validation, coordinator, unexpected) is OpenAI-shaped."""
+
+    def get_route_handler(self) -> Callable[[Request], Coroutine[Any, Any, Response]]:
+        """The normal handler, with errors turned into OpenAI error responses."""
+        handler = super().get_route_handler()
+
+        async def guarded(request: Request) -> Response:
+            try:
+                return await handler(request)
+            except Exception as exc:  # the API boundary: logged and translated, never leaked
+                return openai_response(exc, request.url.path)
+
+        return guarded
 
 
 def install_error_handlers(app: FastAPI) -> None:

@@ -9,7 +9,7 @@ the last chunk with a choice has the ``finish_reason``; with
 ``stream_options.include_usage`` every chunk has ``"usage": null`` and one more chunk with no
 choices carries the usage. Every error, including a missing token (401) and a malformed body
 (400), is an OpenAI error body ``{"error": {"message", "type", "param", "code"}}``; an unknown
-model is 404, no room for a new session 503 with ``Retry-After``. An error after a stream has
+model is 404, no room for a new session 429 with ``Retry-After``. An error after a stream has
 started is sent as one ``data: {"error": ...}`` event before ``[DONE]``. Never a stack trace.
 """
 
@@ -19,7 +19,7 @@ import json
 import logging
 import time
 import uuid
-from collections.abc import AsyncIterator, Awaitable, Callable, Coroutine
+from collections.abc import AsyncIterator, Awaitable, Callable
 from contextlib import aclosing
 from dataclasses import dataclass
 from typing import Any, Literal
@@ -28,7 +28,6 @@ import anyio
 from fastapi import APIRouter, Request, Response
 from fastapi.concurrency import run_in_threadpool
 from fastapi.responses import JSONResponse, StreamingResponse
-from fastapi.routing import APIRoute
 from starlette.types import Receive, Scope, Send
 
 from coordinator.errors import (
@@ -44,7 +43,8 @@ from coordinator.generation.engine import (
     Usage,
     generate,
 )
-from coordinator.http.errors import openai_body, openai_response, render
+from coordinator.http.errors import OpenAIErrorRoute, openai_body, render
+from coordinator.http.metrics import CoordinatorMetrics, notes
 from coordinator.http.openai_models import (
     COMPLETIONS_DEFAULT_MAX_TOKENS,
     ERROR_RESPONSES,
@@ -56,44 +56,32 @@ from coordinator.http.openai_models import (
 log = logging.getLogger(__name__)
 
 
-def generation_router(models: ModelLookup) -> APIRouter:
-    """The generation routes over ``models`` (model name to backend, tokenizer and info)."""
+def generation_router(models: ModelLookup, metrics: CoordinatorMetrics | None = None) -> APIRouter:
+    """The generation routes over ``models`` (model name to backend, tokenizer and info),
+    counted into ``metrics`` (tokens, open sessions) when given."""
     api = APIRouter(route_class=OpenAIErrorRoute, responses=ERROR_RESPONSES)
 
     @api.post("/chat/completions", response_model=None)
-    async def chat_completions(body: ChatCompletionRequest) -> Response:
+    async def chat_completions(body: ChatCompletionRequest, request: Request) -> Response:
         model = _lookup(models, body.model)
+        notes(request).model = body.model
         messages = [m.for_template() for m in body.messages]
         prompt = await run_in_threadpool(_chat_prompt, model, messages)
         shape = _Shape.new("chat", body.model)
         default = max(1, model.info.max_context - len(prompt))
-        return await _respond(model, body, prompt, body.requested_max_tokens() or default, shape)
+        budget = body.requested_max_tokens() or default
+        return await _respond(model, body, prompt, budget, shape, metrics)
 
     @api.post("/completions", response_model=None)
-    async def completions(body: CompletionRequest) -> Response:
+    async def completions(body: CompletionRequest, request: Request) -> Response:
         model = _lookup(models, body.model)
+        notes(request).model = body.model
         prompt = await run_in_threadpool(_completion_prompt, model, body.prompt)
         shape = _Shape.new("text", body.model)
         budget = body.requested_max_tokens() or COMPLETIONS_DEFAULT_MAX_TOKENS
-        return await _respond(model, body, prompt, budget, shape)
+        return await _respond(model, body, prompt, budget, shape, metrics)
 
     return api
-
-
-class OpenAIErrorRoute(APIRoute):
-    """A route whose every error (auth, validation, coordinator, unexpected) is OpenAI-shaped."""
-
-    def get_route_handler(self) -> Callable[[Request], Coroutine[Any, Any, Response]]:
-        """The normal handler, with errors turned into OpenAI error responses."""
-        handler = super().get_route_handler()
-
-        async def guarded(request: Request) -> Response:
-            try:
-                return await handler(request)
-            except Exception as exc:  # the API boundary: logged and translated, never leaked
-                return openai_response(exc, request.url.path)
-
-        return guarded
 
 
 def _lookup(models: ModelLookup, name: str) -> GenerationModel:
@@ -186,11 +174,14 @@ async def _respond(
     prompt: list[int],
     max_tokens: int,
     shape: _Shape,
+    metrics: CoordinatorMetrics | None = None,
 ) -> Response:
     request = GenerationRequest(
         prompt, max_tokens, body.sampling(), body.stop_sequences(), session=shape.id
     )
     events = generate(model, request)
+    if metrics is not None:
+        events = metrics.generation(shape.model, events, _usage_of)
     if not body.streaming:
         async with aclosing(events):
             pieces: list[str] = []
@@ -226,6 +217,10 @@ async def _sse(events: AsyncIterator[Any], shape: _Shape, usage: bool) -> AsyncI
         )
         yield _data(body)
     yield "data: [DONE]\n\n"
+
+
+def _usage_of(event: object) -> Usage | None:
+    return event.usage if isinstance(event, Finished) else None
 
 
 def _data(payload: dict[str, Any]) -> str:

@@ -261,7 +261,7 @@ class OpenAIErrorDetail(BaseModel):
 
 
 class OpenAIErrorBody(BaseModel):
-    """Every error reply of the generation routes (documented in the OpenAPI schema)."""
+    """Every error reply of the OpenAI routes (documented in the OpenAPI schema)."""
 
     error: OpenAIErrorDetail
 
@@ -272,7 +272,8 @@ ERROR_RESPONSES: dict[int | str, dict[str, Any]] = {
         (400, "invalid parameters, or prompt plus max_tokens over the context length"),
         (401, "no valid bearer token"),
         (404, "no such model"),
+        (429, "no room for a new generation session now (see Retry-After)"),
         (502, "a stage of the model failed"),
-        (503, "no room for a new session now (see Retry-After), or not servable"),
+        (503, "the model cannot be served now (see Retry-After where a retry can succeed)"),
     )
 }

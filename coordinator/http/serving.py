@@ -2,17 +2,17 @@
 
 Routes (bearer token, see :mod:`coordinator.http.app`)::
 
-    GET  /v1/models                            OpenAI-compatible list of deployed models
     GET  /v1/deployments                       versions, plan next to what agents measured
     POST /v1/deployments                       deploy an ONNX file (plan, split, push, check)
     POST /v1/deployments/{model}/rollback      switch back to the previous version
     POST /v1/infer                             named tensors as JSON, or a raw .npz body
-    POST /v1/embeddings                        OpenAI-compatible embeddings
     GET  /v1/links, POST /v1/links/measure     measured links between paired agents
     GET  /v1/links/requester                   measured links from the coordinator to them
     GET  /v1/failover                          lost/returned devices, re-plans, refused models
 
-Coordinator errors are translated into HTTP statuses by :mod:`coordinator.http.errors`.
+Coordinator errors are translated into HTTP statuses by :mod:`coordinator.http.errors`. The
+OpenAI-compatible ``/v1/models`` and ``/v1/embeddings`` live in
+:mod:`coordinator.http.openai_serving`.
 """
 
 from __future__ import annotations
@@ -24,7 +24,7 @@ from pathlib import Path
 from typing import Any
 
 import numpy as np
-from fastapi import APIRouter, Request, Response
+from fastapi import APIRouter, Request
 from fastapi.concurrency import run_in_threadpool
 from pydantic import BaseModel, ConfigDict, Field
 
@@ -35,6 +35,7 @@ from coordinator.errors import (
 )
 from coordinator.fleet.links import LinkMeter
 from coordinator.generation.speculative import Speculative
+from coordinator.http.metrics import notes
 from coordinator.serving.embeddings import Embedder, default_tokenizer_dir
 from coordinator.serving.failover import Failover
 from coordinator.serving.router import Router
@@ -45,8 +46,6 @@ from protocols.plan import Objective
 
 log = logging.getLogger(__name__)
 MAX_NPZ_BYTES = 256 << 20
-VERSION_HEADER = "X-Fedshard-Plan-Version"
-"""Response header naming the plan version that served an embeddings request."""
 
 
 @dataclass(frozen=True)
@@ -90,14 +89,6 @@ class SpeculativeBody(Body):
     speculative: Speculative
 
 
-class EmbeddingsBody(BaseModel):
-    """OpenAI ``POST /v1/embeddings`` (extra OpenAI fields such as ``user`` are accepted)."""
-
-    model: str
-    input: str | list[str]
-    encoding_format: str = "float"
-
-
 class InferBody(Body):
     """``POST /v1/infer`` as JSON: tensors as nested lists, by input name."""
 
@@ -122,11 +113,6 @@ def model_id_of(path: Path) -> str:
 def serving_router(serving: Serving) -> APIRouter:
     """The serving routes (mounted under the token-protected ``/v1``)."""
     api = APIRouter()
-
-    @api.get("/models")
-    def list_models() -> dict[str, Any]:
-        data = [_openai_model(m) for m in serving.store.book().models if m.active is not None]
-        return {"object": "list", "data": data}
 
     @api.get("/deployments")
     def list_deployments() -> list[ModelRecord]:
@@ -183,30 +169,13 @@ def serving_router(serving: Serving) -> APIRouter:
     @api.post("/infer")
     async def infer(request: Request) -> dict[str, Any]:
         model_id, tensors = await _infer_request(request)
+        serving.store.model(model_id)  # 404 for an unknown model
+        notes(request).model = model_id
         version, outputs = await run_in_threadpool(serving.router.infer, model_id, tensors)
         return {
             "model": model_id,
             "plan_version": version.plan_version,
             "outputs": {name: _tensor_json(array) for name, array in outputs.items()},
-        }
-
-    @api.post("/embeddings")
-    async def embeddings(body: EmbeddingsBody, response: Response) -> dict[str, Any]:
-        if body.encoding_format != "float":
-            raise RequestError("only encoding_format 'float' is supported")
-        texts = [body.input] if isinstance(body.input, str) else body.input
-        version, vectors, tokens = await run_in_threadpool(
-            serving.embedder.embed, body.model, texts
-        )
-        response.headers[VERSION_HEADER] = str(version.plan_version)
-        return {
-            "object": "list",
-            "model": body.model,
-            "data": [
-                {"object": "embedding", "index": i, "embedding": v.tolist()}
-                for i, v in enumerate(vectors)
-            ],
-            "usage": {"prompt_tokens": tokens, "total_tokens": tokens},
         }
 
     return api
@@ -240,12 +209,6 @@ def _load_npz(data: bytes) -> dict[str, Any]:
 
 def _tensor_json(array: np.ndarray[Any, Any]) -> dict[str, Any]:
     return {"dtype": str(array.dtype), "shape": list(array.shape), "data": array.tolist()}
-
-
-def _openai_model(record: ModelRecord) -> dict[str, Any]:
-    live = record.version(record.active) if record.active else None
-    created = int(live.created_at) if live else 0
-    return {"id": record.model_id, "object": "model", "created": created, "owned_by": "fedshard"}
 
 
 def _first_line(exc: Exception) -> str:

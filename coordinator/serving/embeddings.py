@@ -4,6 +4,16 @@ Pooling is what sentence-transformers does for all-MiniLM-L6-v2: the mean of the
 states over the attention mask, then L2 normalisation. The tokenizer is read from a local
 directory (``tokenizer.json``, with ``sentence_bert_config.json``'s ``max_seq_length`` when
 present); nothing is downloaded.
+
+An input is a text, or token ids of the model's own tokenizer used as given (what its
+``encode`` returns, special tokens included: ``[CLS] ... [SEP]`` for MiniLM), so ids and their
+text embed to the same vector. Text is truncated to the model's ``max_seq_length`` as
+sentence-transformers does; ids longer than that, or outside the vocabulary, are refused.
+
+``dimensions`` is honoured where the model allows it: shortening a vector (and normalising it
+again) keeps its meaning only for a model trained for it (Matryoshka representation learning),
+and all-MiniLM-L6-v2 was not, so every model accepts exactly its native size (384 for MiniLM),
+and any other value is refused with the size it has.
 """
 
 from __future__ import annotations
@@ -17,10 +27,12 @@ from typing import Any
 import numpy as np
 
 from coordinator.deploy.store import DeploymentStore, VersionRecord
-from coordinator.errors import NotServableError, RequestError
+from coordinator.errors import DimensionsError, NotServableError, RequestError
 from coordinator.serving.router import Router
 
 MAX_INPUTS = 256
+Input = str | Sequence[int]
+"""One input: a text, or token ids of the model's tokenizer."""
 MAX_CHARS = 100_000
 DEFAULT_MAX_TOKENS = 256
 HIDDEN = "last_hidden_state"
@@ -60,6 +72,9 @@ class TextEncoder:
             pad_id=int(padding.get("pad_id", 0)), pad_token=str(padding.get("pad_token", "[PAD]"))
         )
 
+        self._max_tokens = max_tokens
+        self._pad_id = int(padding.get("pad_id", 0))
+
     def encode(self, texts: Sequence[str]) -> tuple[dict[str, np.ndarray[Any, Any]], int]:
         """BERT inputs for a batch, and the number of real (unpadded) tokens."""
         encodings = self._tokenizer.encode_batch(list(texts))
@@ -68,6 +83,36 @@ class TextEncoder:
         types = np.array([e.type_ids for e in encodings], dtype=np.int64)
         feeds = {"input_ids": ids, "attention_mask": mask, "token_type_ids": types}
         return feeds, int(mask.sum())
+
+    def encode_ids(
+        self, batch: Sequence[Sequence[int]]
+    ) -> tuple[dict[str, np.ndarray[Any, Any]], int]:
+        """BERT inputs for token ids used as given (padded to the longest), and their count."""
+        vocab = self._tokenizer.get_vocab_size(with_added_tokens=True)
+        for i, ids in enumerate(batch):
+            if len(ids) > self._max_tokens:
+                raise RequestError(
+                    f"input {i} has {len(ids)} tokens; this model reads at most {self._max_tokens}"
+                )
+            if any(not 0 <= t < vocab for t in ids):
+                raise RequestError(f"input {i}: token ids must be in [0, {vocab})")
+        width = max(len(ids) for ids in batch)
+        padded = np.full((len(batch), width), self._pad_id, dtype=np.int64)
+        mask = np.zeros((len(batch), width), dtype=np.int64)
+        for row, ids in enumerate(batch):
+            padded[row, : len(ids)] = ids
+            mask[row, : len(ids)] = 1
+        types = np.zeros_like(padded)
+        feeds = {"input_ids": padded, "attention_mask": mask, "token_type_ids": types}
+        return feeds, int(mask.sum())
+
+    def encode_inputs(self, inputs: Sequence[Input]) -> tuple[dict[str, np.ndarray[Any, Any]], int]:
+        """Feeds for texts, or for token ids (one kind per request)."""
+        if all(isinstance(x, str) for x in inputs):
+            return self.encode([str(x) for x in inputs])
+        if any(isinstance(x, str) for x in inputs):
+            raise RequestError("input mixes texts and token ids")
+        return self.encode_ids([[int(t) for t in x] for x in inputs])
 
 
 def mean_pool(hidden: np.ndarray[Any, Any], mask: np.ndarray[Any, Any]) -> np.ndarray[Any, Any]:
@@ -90,20 +135,26 @@ class Embedder:
         self._lock = threading.Lock()
 
     def embed(
-        self, model_id: str, texts: Sequence[str]
+        self, model_id: str, inputs: Sequence[Input], dimensions: int | None = None
     ) -> tuple[VersionRecord, np.ndarray[Any, Any], int]:
-        """The version used, one normalised vector per text, and the token count."""
-        _check_texts(texts)
+        """The version used, one normalised vector per input, and the token count.
+
+        ``dimensions``, when given, must be the model's native size (see the module's notes).
+        """
         record = self._store.model(model_id)
+        _check_inputs(inputs)
         if record.tokenizer_dir is None:
             raise RequestError(f"model {model_id!r} is not a text encoder (no tokenizer)")
-        feeds, tokens = self._encoder(record.tokenizer_dir).encode(texts)
+        feeds, tokens = self._encoder(record.tokenizer_dir).encode_inputs(inputs)
         version, outputs = self._router.infer(model_id, feeds)
         if HIDDEN in outputs:
-            return version, mean_pool(outputs[HIDDEN], feeds["attention_mask"]), tokens
-        if POOLED in outputs:
-            return version, outputs[POOLED].astype(np.float32), tokens
-        raise RequestError(f"model {model_id!r} has neither {HIDDEN!r} nor {POOLED!r} outputs")
+            vectors = mean_pool(outputs[HIDDEN], feeds["attention_mask"])
+        elif POOLED in outputs:
+            vectors = outputs[POOLED].astype(np.float32)
+        else:
+            raise RequestError(f"model {model_id!r} has neither {HIDDEN!r} nor {POOLED!r} outputs")
+        check_dimensions(model_id, int(vectors.shape[-1]), dimensions)
+        return version, vectors, tokens
 
     def _encoder(self, directory: str) -> TextEncoder:
         with self._lock:
@@ -113,13 +164,24 @@ class Embedder:
             return encoder
 
 
-def _check_texts(texts: Sequence[str]) -> None:
-    if not texts:
+def check_dimensions(model_id: str, native: int, requested: int | None) -> None:
+    """Refuse a ``dimensions`` other than the model's native size (no Matryoshka training)."""
+    if requested is not None and requested != native:
+        raise DimensionsError(
+            f"model {model_id!r} makes {native}-dimensional embeddings and was not trained to "
+            f"be shortened (Matryoshka), so dimensions must be {native} or left out, "
+            f"not {requested}"
+        )
+
+
+def _check_inputs(inputs: Sequence[Input]) -> None:
+    if not inputs:
         raise RequestError("input is empty")
-    if len(texts) > MAX_INPUTS:
-        raise RequestError(f"at most {MAX_INPUTS} inputs per request, got {len(texts)}")
-    for i, text in enumerate(texts):
-        if not text:
-            raise RequestError(f"input {i} is an empty string")
-        if len(text) > MAX_CHARS:
+    if len(inputs) > MAX_INPUTS:
+        raise RequestError(f"at most {MAX_INPUTS} inputs per request, got {len(inputs)}")
+    for i, item in enumerate(inputs):
+        if not item:
+            kind = "string" if isinstance(item, str) else "list of token ids"
+            raise RequestError(f"input {i} is an empty {kind}")
+        if isinstance(item, str) and len(item) > MAX_CHARS:
             raise RequestError(f"input {i} is longer than {MAX_CHARS} characters")

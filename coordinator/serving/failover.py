@@ -104,6 +104,8 @@ class Failover:
         self._jobs: queue.Queue[tuple[str, str]] = queue.Queue()
         self._queued: set[tuple[str, str]] = set()
         self._events: collections.deque[FailoverEvent] = collections.deque(maxlen=MAX_EVENTS)
+        self._counts: collections.Counter[str] = collections.Counter()
+        """Events so far by kind, never trimmed (the coordinator's ``/metrics``)."""
         self._losses = 0
         """Devices lost so far: a re-plan that fails while another device went away is retried."""
         self._stop = threading.Event()
@@ -201,6 +203,11 @@ class Failover:
         """What failover noticed and did, oldest first (the last :data:`MAX_EVENTS`)."""
         with self._lock:
             return list(self._events)
+
+    def event_counts(self) -> dict[str, int]:
+        """How many events of each kind happened since start (not only the last ones kept)."""
+        with self._lock:
+            return dict(self._counts)
 
     def conditions(self) -> dict[str, Condition]:
         """Models that are being re-planned or cannot be served now."""
@@ -385,6 +392,7 @@ class Failover:
         )
         with self._lock:
             self._events.append(event)
+            self._counts[kind] += 1
 
 
 def holds(status: AgentStatus, plan_version: int) -> bool:

@@ -245,7 +245,8 @@ def similarity_table(console: Console, api: Api) -> Table:
     with console.status("embedding four sentences through the three agents (/v1/embeddings)..."):
         code, reply = api.call("POST", "/v1/embeddings", {"model": MODEL_ID, "input": SENTENCES})
     if code != 200:
-        raise DemoStepError(f"/v1/embeddings failed ({code}): {reply.get('detail', reply)}")
+        message = reply.get("error", {}).get("message", reply)
+        raise DemoStepError(f"/v1/embeddings failed ({code}): {message}")
     vectors = np.array([item["embedding"] for item in reply["data"]], dtype=np.float64)
     vectors /= np.linalg.norm(vectors, axis=1, keepdims=True)
     similarity = vectors @ vectors.T
