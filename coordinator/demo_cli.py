@@ -181,7 +181,8 @@ def _steps(
             "local clients (Flower, SecAgg+, differential privacy), in the coordinator's "
             "background while the agents pair and the models deploy"
         )
-    pair_automatically(console, api, list(names.values()), procs.check_alive)
+    agent_dirs = {name: root / "agents" / name for name in names.values()}
+    pair_automatically(console, api, agent_dirs, procs.check_alive)
     model = export_model(console, args.cache_dir / "exports" / "all-minilm-l6-v2")
     caps = {name: CAPS_MB[role] * 1000**2 for role, name in names.items()}
     deploy_minilm(console, api, model, caps)

@@ -17,9 +17,10 @@ from coordinator.agent_client import AgentAddress, AgentClient, fetch_offer, sen
 from coordinator.ca import CertificateAuthority
 from coordinator.errors import AgentError, PairingError
 from coordinator.pairing import PairedDevice, Pairing
+from coordinator.pending_offers import OfferTableFullError
 from coordinator.registry import DeviceRecord, DeviceRegistry
 from protocols.deploy import Revocations
-from protocols.pairing import PairingGrant
+from protocols.pairing import PairingGrant, grant_proof
 
 log = logging.getLogger(__name__)
 POLL_INTERVAL_S = 0.5
@@ -47,6 +48,8 @@ class TrustService:
         self._offered: set[str] = set()
         """Fingerprints of unpaired agents whose offer is recorded."""
         self._undelivered: dict[str, PairedDevice] = {}
+        self._grant_keys: dict[str, bytes] = {}
+        """The key each undelivered grant proves knowledge of the code with."""
         self._revocations_sent: dict[str, Revocations] = {}
         self._lock = threading.Lock()
         self._stop = threading.Event()
@@ -62,9 +65,10 @@ class TrustService:
 
     def approve(self, name: str, code: str) -> PairedDevice:
         """Issue ``name``'s certificate if ``code`` matches, and deliver it to the agent."""
-        device = self._pairing.approve(name, code)
+        device, key = self._pairing.approve_with_key(name, code)
         with self._lock:
             self._undelivered[name] = device
+            self._grant_keys[name] = key
         self._deliver_grants()
         return device
 
@@ -95,6 +99,7 @@ class TrustService:
             self.poll_once()
 
     def _collect_offers(self) -> None:
+        self._prune_offers()
         book = self._pairing.book()
         paired = {d.name for d in book.paired}
         for record in self._registry.devices():
@@ -110,34 +115,61 @@ class TrustService:
                 if offer.name != record.name:
                     log.warning("%s offered a request for %r; ignored", record.name, offer.name)
                     continue
-                code = self._pairing.request(offer.name, offer.csr_pem, offer.node_public_key)
-            except (AgentError, PairingError) as exc:
+                key_id = self._pairing.request(
+                    offer.name, offer.csr_pem, offer.node_public_key, offer.commitment
+                )
+            except AgentError as exc:
                 log.info("no pairing offer from %s yet: %s", record.name, exc)
                 continue
-            if code != offer.code:
-                log.warning("%s shows code %s, its key gives %s", record.name, offer.code, code)
+            except OfferTableFullError as exc:
+                log.warning("pairing offer from %s not recorded: %s", record.name, exc)
+                continue
+            except PairingError as exc:
+                self._offered.add(record.fingerprint)  # refused once, not fetched again
+                log.warning("pairing offer from %s refused: %s", record.name, exc)
                 continue
             self._offered.add(record.fingerprint)
-            log.warning("pairing request from %s: code %s", record.name, code)
+            log.warning("pairing request from %s (key %s)", record.name, key_id)
+
+    def _prune_offers(self) -> None:
+        """Drop pending offers whose key no unpaired device announces any more (withdrawn, or an
+        offer for another key than the one announced), so they cannot fill the table."""
+        live = [r for r in self._registry.devices() if not _paired(r)]
+        announced = {(r.name, r.fingerprint[:16]) for r in live}
+        for offer in self._pairing.book().pending:
+            if (offer.name, offer.key_id) not in announced:
+                self._pairing.discard_offer(offer.name, offer.key_id or "")
+        self._offered &= {r.fingerprint for r in live}
 
     def _deliver_grants(self) -> None:
+        """Send each approved grant to every unpaired agent announcing its name, until the
+        device announces itself paired with the issued certificate.
+
+        Only the agent that shows the code can check the grant's proof and holds the key the
+        certificate is for; a same-name rogue gets a certificate it cannot use, and cannot make
+        the coordinator stop delivering to the real device.
+        """
         with self._lock:
             waiting = dict(self._undelivered)
         for name, device in waiting.items():
-            record = next(
-                (r for r in self._registry.devices() if r.name == name and not _paired(r)), None
-            )
-            if record is None:
+            if any(r.fingerprint == device.fingerprint and _paired(r) for r in self.trusted()):
+                log.warning("paired %s (certificate %s)", name, device.fingerprint[:16])
+                with self._lock:
+                    self._undelivered.pop(name, None)
+                    self._grant_keys.pop(name, None)
                 continue
-            grant = PairingGrant(ca_pem=self._ca.cert_pem.decode(), cert_pem=device.cert_pem)
-            try:
-                send_grant(address_of(record), grant)
-            except AgentError as exc:
-                log.warning("could not deliver the certificate to %s: %s", name, exc)
-                continue
-            log.warning("paired %s (certificate %s)", name, device.fingerprint[:16])
+            ca_pem = self._ca.cert_pem.decode()
             with self._lock:
-                self._undelivered.pop(name, None)
+                key = self._grant_keys.get(name, b"")
+            proof = grant_proof(key, ca_pem, device.cert_pem)
+            grant = PairingGrant(ca_pem=ca_pem, cert_pem=device.cert_pem, proof=proof)
+            for record in self._registry.devices():
+                if record.name != name or _paired(record):
+                    continue
+                try:
+                    send_grant(address_of(record), grant)
+                except AgentError as exc:
+                    log.warning("could not deliver the certificate to %s: %s", name, exc)
 
     def _push_revocations(self, force: bool) -> list[str]:
         book = self._pairing.book()

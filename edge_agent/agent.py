@@ -27,7 +27,13 @@ from edge_agent.identity import Identity, load_identity
 from edge_agent.links import PeerLink
 from edge_agent.metrics import AgentMetrics
 from edge_agent.microbench import ComputeProfile
-from edge_agent.pairing import accept_grant, pairing_offer, pairing_server_context
+from edge_agent.pairing import (
+    accept_grant,
+    grant_key,
+    pairing_offer,
+    pairing_server_context,
+    shown_code,
+)
 from edge_agent.pipeline import Pipeline
 from edge_agent.probe import probe_link
 from edge_agent.runtime import resident_bytes
@@ -44,7 +50,7 @@ from protocols.deploy import (
     decode_deploy_body,
 )
 from protocols.errors import SchemaError
-from protocols.pairing import PairingGrant
+from protocols.pairing import PairingGrant, PairingOffer
 from protocols.profile import AgentState, Announcement, DeviceProfile
 
 log = logging.getLogger(__name__)
@@ -95,6 +101,8 @@ class Agent:
         self.revocation = _load_revocation(config.state_dir / REVOCATIONS_FILE)
         self._data: FrameServer | None = None
         self._ports = (0, 0)
+        self._grant_key = b"" if identity.paired else grant_key(identity)
+        self._offer: PairingOffer | None = None
 
     async def run(self, stop: asyncio.Event) -> None:
         """Serve until ``stop`` is set, then withdraw the announcement and close everything."""
@@ -126,7 +134,7 @@ class Agent:
                 self._ports[1],
                 "paired"
                 if self.identity.paired
-                else f"UNPAIRED, pairing code {pairing_offer(self.identity).code}",
+                else f"UNPAIRED, pairing code {shown_code(self.identity)}",
                 self.profile.gflops,
             )
             await stop.wait()
@@ -264,11 +272,13 @@ class Agent:
         if self.identity.paired:
             reply = ErrorReply(error="Paired", message="this agent is already paired")
             return Response(410, reply.model_dump_json().encode())
-        return json_response(pairing_offer(self.identity).model_dump_json())
+        if self._offer is None:
+            self._offer = pairing_offer(self.identity, self._grant_key)
+        return json_response(self._offer.model_dump_json())
 
     async def _pair(self, body: bytes) -> Response:
         grant = PairingGrant.from_json(body)
-        files = accept_grant(self.identity, grant, self.config.state_dir)
+        files = accept_grant(self.identity, grant, self.config.state_dir, self._grant_key)
         identity = load_identity(dataclasses.replace(self.config, tls=files))
         self.identity = identity
         self._server_ctx = server_context(identity)

@@ -16,6 +16,7 @@ from cryptography.hazmat.primitives import hashes, serialization
 from cryptography.hazmat.primitives.asymmetric import ec
 from cryptography.x509.oid import NameOID
 from fastapi.testclient import TestClient
+from pairing_helpers import request_code
 from test_coordinator_registry import advertise  # noqa: F401  (the fixture)
 
 from coordinator.agent_client import AgentClient
@@ -67,7 +68,9 @@ class Coordinator:
             .subject_name(x509.Name([x509.NameAttribute(NameOID.COMMON_NAME, name)]))
             .sign(key, hashes.SHA256())
         )
-        code = self.pairing.request(name, csr.public_bytes(serialization.Encoding.PEM).decode())
+        code = request_code(
+            self.pairing, name, csr.public_bytes(serialization.Encoding.PEM).decode()
+        )
         return self.pairing.approve(name, code)
 
     def statuses(self) -> dict[str, tuple[str, bool]]:
