@@ -251,4 +251,3 @@ class Pairing:
     def _save(self, book: PairingBook) -> None:
         write_atomic(self._path, book.to_json().encode(), mode=0o600)
         self._book = book
-

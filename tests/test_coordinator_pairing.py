@@ -9,11 +9,11 @@ from cryptography import x509
 from cryptography.hazmat.primitives import hashes, serialization
 from cryptography.hazmat.primitives.asymmetric import ec
 from cryptography.x509.oid import NameOID
+from pairing_helpers import code_for, request_code
 
 from coordinator.ca import CertificateAuthority
 from coordinator.errors import PairingError, RevokedError, WrongCodeError
 from coordinator.pairing import Pairing
-from pairing_helpers import code_for, request_code
 
 
 def _key_and_csr() -> tuple[ec.EllipticCurvePrivateKey, str]:
@@ -39,6 +39,9 @@ def test_the_offer_carries_a_commitment_the_agents_code_opens(tmp_path: Path) ->
     assert pending.key_id == key_id and pending.code is None  # the code is never known here
     with pytest.raises(PairingError, match="no code commitment"):
         pairing.request("old", csr)  # a fedshard.pairing/1 offer
+    with pytest.raises(WrongCodeError):
+        pairing.approve("nas", "AAAA-AAAA" if code != "AAAA-AAAA" else "BBBB-BBBB")
+    assert pairing.approve("nas", code).name == "nas"
 
 
 def test_approval_with_the_right_code_issues_a_certificate_for_the_agents_key(
