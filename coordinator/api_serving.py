@@ -17,7 +17,6 @@ Coordinator errors are translated into HTTP statuses in :func:`install_error_han
 
 from __future__ import annotations
 
-import io
 import logging
 import math
 from dataclasses import dataclass
@@ -49,6 +48,7 @@ from coordinator.errors import (
 )
 from coordinator.failover import Failover
 from coordinator.links import LinkMeter
+from coordinator.npz_body import load_npz
 from coordinator.serving import Router
 from partitioner.baselines import Baseline
 from protocols.links import Link as DeviceLink
@@ -227,11 +227,7 @@ async def _infer_request(request: Request) -> tuple[str, dict[str, Any]]:
 def _load_npz(data: bytes) -> dict[str, Any]:
     if len(data) > MAX_NPZ_BYTES:
         raise RequestError(f"the .npz body is over {MAX_NPZ_BYTES} bytes")
-    try:
-        with np.load(io.BytesIO(data), allow_pickle=False) as npz:
-            return {name: npz[name] for name in npz.files}
-    except (OSError, ValueError, EOFError) as exc:
-        raise RequestError(f"the body is not a readable .npz file: {exc}") from exc
+    return load_npz(data)
 
 
 def _tensor_json(array: np.ndarray[Any, Any]) -> dict[str, Any]:

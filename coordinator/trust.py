@@ -12,6 +12,8 @@ from __future__ import annotations
 
 import logging
 import threading
+import time
+from concurrent.futures import ThreadPoolExecutor
 
 from coordinator.agent_client import AgentAddress, AgentClient, fetch_offer, send_grant
 from coordinator.ca import CertificateAuthority
@@ -20,10 +22,13 @@ from coordinator.pairing import PairedDevice, Pairing
 from coordinator.pending_offers import OfferTableFullError
 from coordinator.registry import DeviceRecord, DeviceRegistry
 from protocols.deploy import Revocations
-from protocols.pairing import PairingGrant, grant_proof
+from protocols.pairing import PairingGrant, PairingOffer, grant_proof
 
 log = logging.getLogger(__name__)
 POLL_INTERVAL_S = 0.5
+FETCH_WORKERS = 8
+RETRY_S = 5.0
+"""After a failed offer fetch, the host is asked again this much later."""
 
 
 def address_of(record: DeviceRecord) -> AgentAddress:
@@ -49,6 +54,8 @@ class TrustService:
         """Fingerprints of unpaired agents whose offer is recorded."""
         self._undelivered: dict[str, PairedDevice] = {}
         self._grant_keys: dict[str, bytes] = {}
+        self._retry_at: dict[str, float] = {}
+        """Fingerprint -> when a host whose offer could not be fetched is asked again."""
         """The key each undelivered grant proves knowledge of the code with."""
         self._revocations_sent: dict[str, Revocations] = {}
         self._lock = threading.Lock()
@@ -99,37 +106,51 @@ class TrustService:
             self.poll_once()
 
     def _collect_offers(self) -> None:
+        """Fetch the offers of newly seen unpaired agents, all at once (each exchange has its
+        own deadline, so a host that drips its answer delays nobody else), then record them."""
         self._prune_offers()
         book = self._pairing.book()
         paired = {d.name for d in book.paired}
-        for record in self._registry.devices():
-            if (
+        now = time.monotonic()
+        wanted = [
+            record
+            for record in self._registry.devices()
+            if not (
                 record.announcement.state.paired
                 or record.fingerprint in self._offered
+                or self._retry_at.get(record.fingerprint, 0.0) > now
                 or record.name in book.revoked_names
                 or record.name in paired
-            ):
-                continue
-            try:
-                offer = fetch_offer(address_of(record))
-                if offer.name != record.name:
-                    log.warning("%s offered a request for %r; ignored", record.name, offer.name)
-                    continue
-                key_id = self._pairing.request(
-                    offer.name, offer.csr_pem, offer.node_public_key, offer.commitment
-                )
-            except AgentError as exc:
-                log.info("no pairing offer from %s yet: %s", record.name, exc)
-                continue
-            except OfferTableFullError as exc:
-                log.warning("pairing offer from %s not recorded: %s", record.name, exc)
-                continue
-            except PairingError as exc:
-                self._offered.add(record.fingerprint)  # refused once, not fetched again
-                log.warning("pairing offer from %s refused: %s", record.name, exc)
-                continue
-            self._offered.add(record.fingerprint)
-            log.warning("pairing request from %s (key %s)", record.name, key_id)
+            )
+        ]
+        if not wanted:
+            return
+        with ThreadPoolExecutor(min(len(wanted), FETCH_WORKERS)) as pool:
+            fetched = list(pool.map(_fetch, wanted))
+        for record, offer in zip(wanted, fetched, strict=True):
+            if isinstance(offer, AgentError):
+                self._retry_at[record.fingerprint] = time.monotonic() + RETRY_S
+                log.info("no pairing offer from %s yet: %s", record.name, offer)
+            else:
+                self._record_offer(record, offer)
+
+    def _record_offer(self, record: DeviceRecord, offer: PairingOffer) -> None:
+        if offer.name != record.name:
+            log.warning("%s offered a request for %r; ignored", record.name, offer.name)
+            return
+        try:
+            key_id = self._pairing.request(
+                offer.name, offer.csr_pem, offer.node_public_key, offer.commitment
+            )
+        except OfferTableFullError as exc:
+            log.warning("pairing offer from %s not recorded: %s", record.name, exc)
+            return
+        except PairingError as exc:
+            self._offered.add(record.fingerprint)  # refused once, not fetched again
+            log.warning("pairing offer from %s refused: %s", record.name, exc)
+            return
+        self._offered.add(record.fingerprint)
+        log.warning("pairing request from %s (key %s)", record.name, key_id)
 
     def _prune_offers(self) -> None:
         """Drop pending offers whose key no unpaired device announces any more (withdrawn, or an
@@ -188,6 +209,13 @@ class TrustService:
             self._revocations_sent[record.fingerprint] = revoked
             told.append(record.name)
         return told
+
+
+def _fetch(record: DeviceRecord) -> PairingOffer | AgentError:
+    try:
+        return fetch_offer(address_of(record))
+    except AgentError as exc:
+        return exc
 
 
 def _paired(record: DeviceRecord) -> bool:
