@@ -86,7 +86,9 @@ class Agent:
         self.pipeline = Pipeline(self.store, self.metrics, self._link, config.queue_depth)
         self._control = ControlServer(
             {
-                ("POST", "/v1/deploy"): Route(self._deploy, COORDINATOR_ONLY),
+                ("POST", "/v1/deploy"): Route(
+                    self._deploy, COORDINATOR_ONLY, config.max_deploy_bytes
+                ),
                 ("POST", "/v1/unload"): Route(self._unload, COORDINATOR_ONLY),
                 ("POST", "/v1/probe"): Route(self._probe, COORDINATOR_ONLY),
                 ("POST", "/v1/revocations"): Route(self._revoke, COORDINATOR_ONLY),
