@@ -51,11 +51,13 @@ def exchange(
     except OSError as exc:
         raise ExchangeError(str(exc)) from exc
     expired = threading.Event()
+    current: list[socket.socket] = [raw]
+    """The socket to cut: wrapping for TLS detaches ``raw`` from its descriptor."""
 
     def cut() -> None:
         expired.set()
         with contextlib.suppress(OSError):
-            raw.shutdown(socket.SHUT_RDWR)
+            current[0].shutdown(socket.SHUT_RDWR)
 
     timer = threading.Timer(deadline_s, cut)
     timer.daemon = True
@@ -63,6 +65,9 @@ def exchange(
     conn = http.client.HTTPSConnection(host, port, context=ctx, timeout=deadline_s)
     try:
         sock = ctx.wrap_socket(raw, server_hostname=host if ctx.check_hostname else None)
+        current[0] = sock
+        if expired.is_set():
+            raise ExchangeError(f"no TLS handshake within {deadline_s:g} s")
         conn.sock = sock
         if check is not None:
             check(sock)

@@ -88,9 +88,15 @@ class HttpError(Exception):
 class ControlServer:
     """Parses requests, checks the caller's role, dispatches, turns errors into replies."""
 
-    def __init__(self, routes: dict[tuple[str, str], Route], max_body_bytes: int) -> None:
+    def __init__(
+        self,
+        routes: dict[tuple[str, str], Route],
+        max_body_bytes: int,
+        head_timeout_s: float = HEAD_TIMEOUT_S,
+    ) -> None:
         self._routes = routes
         self._max_body = max_body_bytes
+        self._head_timeout = head_timeout_s
 
     async def handle(
         self, reader: asyncio.StreamReader, writer: asyncio.StreamWriter, peer: Peer
@@ -138,13 +144,13 @@ class ControlServer:
 
     async def _read_head(self, reader: asyncio.StreamReader) -> tuple[str, str, int]:
         try:
-            head = await asyncio.wait_for(reader.readuntil(b"\r\n\r\n"), HEAD_TIMEOUT_S)
+            head = await asyncio.wait_for(reader.readuntil(b"\r\n\r\n"), self._head_timeout)
         except asyncio.LimitOverrunError as exc:
             raise HttpError(413, "request head too large") from exc
         except asyncio.IncompleteReadError as exc:
             raise HttpError(400, "connection closed inside the request head") from exc
         except TimeoutError as exc:
-            raise HttpError(408, f"no request head within {HEAD_TIMEOUT_S:g} s") from exc
+            raise HttpError(408, f"no request head within {self._head_timeout:g} s") from exc
         if len(head) > MAX_HEAD_BYTES:
             raise HttpError(413, "request head too large")
         lines = head.decode("latin-1").split("\r\n")
