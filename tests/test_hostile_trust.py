@@ -18,6 +18,7 @@ import subprocess
 from pathlib import Path
 
 import httpx
+import numpy as np
 import pytest
 from agent_helpers import PYTHON, REPO, TestCA, control_client, start_agent, stop_agent
 from coordinator_helpers import pairing_code, start_coordinator, stop_process, wait_for
@@ -176,3 +177,22 @@ def _der(public_key: object) -> bytes:
     return public_key.public_bytes(  # type: ignore[attr-defined, no-any-return]
         serialization.Encoding.DER, serialization.PublicFormat.SubjectPublicKeyInfo
     )
+
+
+def test_a_client_reporting_a_huge_example_count_does_not_dominate_the_average() -> None:
+    from flwr.common import Code, FitRes, Status, ndarrays_to_parameters, parameters_to_ndarrays
+    from flwr.server.strategy import FedAvg
+
+    from coordinator.training.strategy import capped_examples
+
+    def reply(value: float, examples: int) -> tuple[None, FitRes]:
+        arrays = ndarrays_to_parameters([np.full(3, value, np.float32)])
+        return None, FitRes(Status(Code.OK, ""), arrays, examples, {})
+
+    results = [reply(0.0, 50), reply(0.0, 50), reply(30.0, 10**9)]  # the liar claims 10^9
+    for cap, expected in ((1.0, 10.0), (1000.0, 30.0 * 1000 / 1100)):  # DP: equal weights
+        averaged, _ = FedAvg().aggregate_fit(1, capped_examples(results, cap), [])  # type: ignore[arg-type]
+        assert averaged is not None
+        np.testing.assert_allclose(parameters_to_ndarrays(averaged)[0], expected, rtol=1e-5)
+    uncapped, _ = FedAvg().aggregate_fit(1, results, [])  # type: ignore[arg-type]
+    assert uncapped is not None and parameters_to_ndarrays(uncapped)[0][0] > 29.99  # the attack
