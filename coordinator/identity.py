@@ -7,6 +7,7 @@ against the certificate (:func:`peer_identity`), never by host name.
 
 from __future__ import annotations
 
+import datetime as dt
 import hashlib
 import ssl
 from dataclasses import dataclass
@@ -25,6 +26,8 @@ from protocols.deploy import ROLE_COORDINATOR
 KEY_FILE = "coordinator_key.pem"
 CERT_FILE = "coordinator_cert.pem"
 COORDINATOR_NAME = "coordinator"
+RENEW_BEFORE = dt.timedelta(days=60)
+"""The coordinator's certificate is re-issued at start when it expires sooner than this."""
 
 
 @dataclass(frozen=True)
@@ -58,7 +61,23 @@ def open_identity(state_dir: Path, ca: CertificateAuthority) -> CoordinatorIdent
         )
         write_atomic(key_path, pem, mode=0o600)
         write_atomic(cert_path, issued.pem)
+    else:
+        renew_if_expiring(key_path, cert_path, ca)
     return CoordinatorIdentity(key_path, cert_path, state_dir / CA_CERT_FILE)
+
+
+def renew_if_expiring(key_path: Path, cert_path: Path, ca: CertificateAuthority) -> bool:
+    """Re-issue the coordinator's certificate for the same key when it expires within
+    :data:`RENEW_BEFORE`; whether it did."""
+    cert = x509.load_pem_x509_certificate(cert_path.read_bytes())
+    if cert.not_valid_after_utc - dt.datetime.now(dt.UTC) > RENEW_BEFORE:
+        return False
+    key = serialization.load_pem_private_key(key_path.read_bytes(), password=None)
+    assert isinstance(key, ec.EllipticCurvePrivateKey)
+    write_atomic(
+        cert_path, ca.issue_for_key(key.public_key(), COORDINATOR_NAME, ROLE_COORDINATOR).pem
+    )
+    return True
 
 
 def client_context(identity: CoordinatorIdentity) -> ssl.SSLContext:

@@ -196,3 +196,24 @@ def test_a_client_reporting_a_huge_example_count_does_not_dominate_the_average()
         np.testing.assert_allclose(parameters_to_ndarrays(averaged)[0], expected, rtol=1e-5)
     uncapped, _ = FedAvg().aggregate_fit(1, results, [])  # type: ignore[arg-type]
     assert uncapped is not None and parameters_to_ndarrays(uncapped)[0][0] > 29.99  # the attack
+
+
+def test_the_coordinators_certificate_is_renewed_before_it_expires(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    import datetime as dt
+
+    from coordinator import ca as ca_module
+    from coordinator.identity import open_identity
+
+    authority = CertificateAuthority.open(tmp_path)
+    monkeypatch.setattr(ca_module, "CERT_LIFETIME", dt.timedelta(days=10))
+    first = open_identity(tmp_path, authority)
+    old = x509.load_pem_x509_certificate(first.cert_path.read_bytes())
+    monkeypatch.setattr(ca_module, "CERT_LIFETIME", dt.timedelta(days=365))
+    again = open_identity(tmp_path, authority)  # the next start: 10 days left, renewed
+    new = x509.load_pem_x509_certificate(again.cert_path.read_bytes())
+    assert new.not_valid_after_utc - old.not_valid_after_utc > dt.timedelta(days=300)
+    assert _der(new.public_key()) == _der(old.public_key())  # same key, same name and role
+    assert new.subject == old.subject
+    assert open_identity(tmp_path, authority).cert_path.read_bytes() == again.cert_path.read_bytes()
