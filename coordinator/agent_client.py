@@ -18,6 +18,7 @@ from protocols.base import FrozenModel
 from protocols.deploy import (
     ROLE_AGENT,
     AgentStatus,
+    CertificateRenewal,
     DeployReport,
     ErrorReply,
     Hop,
@@ -84,6 +85,11 @@ class AgentClient:
         """``POST /v1/revocations``: install the complete revocation list."""
         body = revoked.model_dump_json().encode()
         return self._call(agent, "POST", "/v1/revocations", body, AgentStatus)
+
+    def renew(self, agent: AgentAddress, renewal: CertificateRenewal) -> AgentStatus:
+        """``POST /v1/certificate``: replace the agent's certificate before it expires."""
+        body = renewal.model_dump_json().encode()
+        return self._call(agent, "POST", "/v1/certificate", body, AgentStatus)
 
     def _call(
         self,

@@ -204,7 +204,10 @@ def create_app(services: Services) -> FastAPI:
 def _device_status(book: PairingBook, name: str, fingerprint: str, impostor_of: str | None) -> str:
     if fingerprint in book.revoked_fingerprints or name in book.revoked_names:
         return "revoked"
-    if any(d.name == name and d.fingerprint == fingerprint for d in book.paired):
+    if any(
+        d.name == name and fingerprint in (d.fingerprint, d.previous_fingerprint)
+        for d in book.paired
+    ):
         return "paired"
     if impostor_of is not None or any(d.name == name for d in book.paired):
         return "impostor"

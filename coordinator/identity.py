@@ -20,14 +20,13 @@ from cryptography.x509.oid import NameOID
 
 from coordinator.ca import CA_CERT_FILE, CertificateAuthority
 from coordinator.errors import AgentError
+from coordinator.renewal import RENEW_BEFORE
 from coordinator.state import write_atomic
 from protocols.deploy import ROLE_COORDINATOR
 
 KEY_FILE = "coordinator_key.pem"
 CERT_FILE = "coordinator_cert.pem"
 COORDINATOR_NAME = "coordinator"
-RENEW_BEFORE = dt.timedelta(days=60)
-"""The coordinator's certificate is re-issued at start when it expires sooner than this."""
 
 
 @dataclass(frozen=True)
@@ -68,7 +67,7 @@ def open_identity(state_dir: Path, ca: CertificateAuthority) -> CoordinatorIdent
 
 def renew_if_expiring(key_path: Path, cert_path: Path, ca: CertificateAuthority) -> bool:
     """Re-issue the coordinator's certificate for the same key when it expires within
-    :data:`RENEW_BEFORE`; whether it did."""
+    :data:`coordinator.renewal.RENEW_BEFORE`; whether it did."""
     cert = x509.load_pem_x509_certificate(cert_path.read_bytes())
     if cert.not_valid_after_utc - dt.datetime.now(dt.UTC) > RENEW_BEFORE:
         return False

@@ -20,6 +20,7 @@ from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
 
+from cryptography import x509
 from pydantic import Field
 
 from coordinator.ca import CertificateAuthority
@@ -49,6 +50,8 @@ class PairedDevice(FrozenModel):
     paired_at: float
     node_public_key: str | None = None
     """Registered with the SuperLink of every training run (see :meth:`Pairing.node_keys`)."""
+    previous_fingerprint: str | None = None
+    """The certificate this one renewed, trusted until the agent announces the new one."""
 
 
 class PairingBook(FrozenModel):
@@ -203,6 +206,11 @@ class Pairing:
             if name not in {d.name for d in book.paired} and not self._pending.for_name(name):
                 raise PairingError(f"unknown device {name!r}")
             fingerprints = [d.fingerprint for d in book.paired if d.name == name]
+            fingerprints += [
+                d.previous_fingerprint
+                for d in book.paired
+                if d.name == name and d.previous_fingerprint is not None
+            ]
             self._save(
                 book.model_copy(
                     update={
@@ -213,6 +221,27 @@ class Pairing:
                 )
             )
             self._pending.drop(name)
+
+    def renew(self, name: str) -> PairedDevice:
+        """Issue ``name`` a new certificate for the same key, name and role (see
+        :mod:`coordinator.renewal`); the old one stays trusted until the agent uses the new."""
+        with self._lock:
+            device = next((d for d in self._book.paired if d.name == name), None)
+            if device is None:
+                raise PairingError(f"device {name!r} is not paired")
+            public_key = x509.load_pem_x509_certificate(device.cert_pem.encode()).public_key()
+            issued = self._ca.issue_for_key(public_key, name, ROLE_AGENT)
+            renewed = device.model_copy(
+                update={
+                    "fingerprint": issued.fingerprint,
+                    "cert_pem": issued.pem.decode(),
+                    "previous_fingerprint": device.fingerprint,
+                }
+            )
+            book = self._book
+            paired = [renewed if d.name == name else d for d in book.paired]
+            self._save(book.model_copy(update={"paired": paired}))
+        return renewed
 
     def discard_offer(self, name: str, key_id: str) -> None:
         """Forget one pending offer (its device no longer announces that key)."""
@@ -238,7 +267,10 @@ class Pairing:
         with self._lock:
             if fingerprint in self._book.revoked_fingerprints:
                 return False
-            return any(d.name == name and d.fingerprint == fingerprint for d in self._book.paired)
+            return any(
+                d.name == name and fingerprint in (d.fingerprint, d.previous_fingerprint)
+                for d in self._book.paired
+            )
 
     def _load(self) -> PairingBook:
         if not self._path.exists():

@@ -21,7 +21,8 @@ from coordinator.errors import AgentError, PairingError
 from coordinator.pairing import PairedDevice, Pairing
 from coordinator.pending_offers import OfferTableFullError
 from coordinator.registry import DeviceRecord, DeviceRegistry
-from protocols.deploy import Revocations
+from coordinator.renewal import expires_soon, needs_push
+from protocols.deploy import CertificateRenewal, Revocations
 from protocols.pairing import PairingGrant, PairingOffer, grant_proof
 
 log = logging.getLogger(__name__)
@@ -89,6 +90,7 @@ class TrustService:
         self._collect_offers()
         self._deliver_grants()
         self._push_revocations(force=False)
+        self._renew_certificates()
 
     def start(self) -> None:
         """Poll in a background thread until :meth:`stop`."""
@@ -151,6 +153,26 @@ class TrustService:
             return
         self._offered.add(record.fingerprint)
         log.warning("pairing request from %s (key %s)", record.name, key_id)
+
+    def _renew_certificates(self) -> None:
+        """Renew expiring certificates and send renewed ones (see :mod:`coordinator.renewal`)."""
+        now = time.monotonic()
+        devices = {d.name: d for d in self._pairing.book().paired}
+        for record in self.trusted():
+            device = devices.get(record.name)
+            if device is None or self._retry_at.get(record.fingerprint, 0.0) > now:
+                continue
+            if not needs_push(device, record.fingerprint):
+                if record.fingerprint != device.fingerprint or not expires_soon(device):
+                    continue
+                device = self._pairing.renew(record.name)
+            self._retry_at[record.fingerprint] = now + RETRY_S
+            try:
+                self._agents.renew(address_of(record), CertificateRenewal(cert_pem=device.cert_pem))
+            except AgentError as exc:
+                log.warning("could not renew the certificate of %s: %s", record.name, exc)
+                continue
+            log.warning("renewed the certificate of %s (%s)", record.name, device.fingerprint[:16])
 
     def _prune_offers(self) -> None:
         """Drop pending offers whose key no unpaired device announces any more (withdrawn, or an

@@ -12,7 +12,7 @@ from collections.abc import Awaitable, Callable
 from pathlib import Path
 
 from edge_agent.channel import FrameServer
-from edge_agent.config import AgentConfig
+from edge_agent.config import AgentConfig, TlsFiles
 from edge_agent.control import (
     ANY_PEER,
     COORDINATOR_ONLY,
@@ -36,11 +36,13 @@ from edge_agent.pairing import (
 )
 from edge_agent.pipeline import Pipeline
 from edge_agent.probe import probe_link
+from edge_agent.renewal import accept_renewal
 from edge_agent.runtime import resident_bytes
 from edge_agent.segments import SegmentStore
 from edge_agent.tls import Peer, Revocation, client_context, peer_of, server_context
 from protocols.deploy import (
     AgentStatus,
+    CertificateRenewal,
     ErrorReply,
     Hop,
     LoadedSegment,
@@ -92,6 +94,7 @@ class Agent:
                 ("POST", "/v1/unload"): Route(self._unload, COORDINATOR_ONLY),
                 ("POST", "/v1/probe"): Route(self._probe, COORDINATOR_ONLY),
                 ("POST", "/v1/revocations"): Route(self._revoke, COORDINATOR_ONLY),
+                ("POST", "/v1/certificate"): Route(self._renew, COORDINATOR_ONLY),
                 ("GET", "/v1/status"): Route(self._status, ANY_PEER),
                 ("GET", "/v1/pairing"): Route(self._pairing_offer, None),
                 ("POST", "/v1/pairing"): Route(self._pair, None),
@@ -281,16 +284,29 @@ class Agent:
     async def _pair(self, body: bytes) -> Response:
         grant = PairingGrant.from_json(body)
         files = accept_grant(self.identity, grant, self.config.state_dir, self._grant_key)
-        identity = load_identity(dataclasses.replace(self.config, tls=files))
+        self._use(load_identity(dataclasses.replace(self.config, tls=files)))
+        log.warning(
+            "paired: certificate %s from the coordinator's CA", self.identity.cert_fingerprint
+        )
+        await self._announce()
+        return await self._status(b"")
+
+    async def _renew(self, body: bytes) -> Response:
+        accept_renewal(self.identity, CertificateRenewal.from_json(body))
+        files = TlsFiles(self.identity.ca_path, self.identity.cert_path, self.identity.key_path)
+        self._use(load_identity(dataclasses.replace(self.config, tls=files)))
+        log.warning("certificate renewed: %s", self.identity.cert_fingerprint)
+        await self._announce()
+        return await self._status(b"")
+
+    def _use(self, identity: Identity) -> None:
+        """Serve every new connection with ``identity``'s certificate."""
         self.identity = identity
         self._server_ctx = server_context(identity)
         self._client_ctx = client_context(identity)
         self.store.identity = identity
         if self._data is not None:
             self._data.ctx = self._server_ctx
-        log.warning("paired: certificate %s from the coordinator's CA", identity.cert_fingerprint)
-        await self._announce()
-        return await self._status(b"")
 
     async def _status(self, body: bytes) -> Response:
         status = AgentStatus(

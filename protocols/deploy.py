@@ -234,6 +234,13 @@ class Revocations(FrozenModel):
     fingerprints: list[str] = Field(default_factory=list, max_length=100_000)
 
 
+class CertificateRenewal(FrozenModel):
+    """``POST /v1/certificate`` (coordinator only): a fresh certificate for the agent's own key,
+    name and role, from the CA it is paired with; it replaces the one about to expire."""
+
+    cert_pem: str = Field(max_length=16384)
+
+
 class ErrorReply(FrozenModel):
     """Body of every non-2xx control-plane reply."""
 

@@ -12,6 +12,7 @@
 from __future__ import annotations
 
 import json
+import socket
 import ssl
 import stat
 import subprocess
@@ -217,3 +218,70 @@ def test_the_coordinators_certificate_is_renewed_before_it_expires(
     assert _der(new.public_key()) == _der(old.public_key())  # same key, same name and role
     assert new.subject == old.subject
     assert open_identity(tmp_path, authority).cert_path.read_bytes() == again.cert_path.read_bytes()
+
+
+def test_an_agents_certificate_is_renewed_before_it_expires_and_keeps_serving(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    import datetime as dt
+    import hashlib
+
+    from coordinator import ca as ca_module
+    from coordinator.agent_client import AgentAddress, AgentClient
+    from coordinator.identity import client_context, open_identity
+    from coordinator.registry import DeviceRegistry
+    from coordinator.trust import TrustService
+    from protocols.profile import AgentState, Announcement, DeviceProfile
+
+    state = tmp_path / "coordinator"
+    authority = CertificateAuthority.open(state)
+    pairing, registry = Pairing(state, authority), DeviceRegistry()
+    agents = AgentClient(client_context(open_identity(state, authority)))
+    trust = TrustService(pairing, registry, authority, agents)
+    agent = start_agent(tmp_path, "edge", None, memory="64MiB")
+
+    def announce(fingerprint: str, paired: bool) -> None:
+        profile = DeviceProfile(
+            device_id=agent.device_id,
+            name="edge",
+            memory_bytes=64 << 20,
+            gflops=1.0,
+            control_port=agent.control_port,
+            data_port=agent.data_port,
+            cert_fingerprint=fingerprint,
+        )
+        announced = Announcement(profile=profile, state=AgentState(paired=paired))
+        registry.announce(announced, "127.0.0.1", "edge-svc")
+
+    def presented() -> str:
+        ctx = client_context(open_identity(state, authority))
+        with (
+            socket.create_connection(("127.0.0.1", agent.control_port), timeout=10) as raw,
+            ctx.wrap_socket(raw) as tls,
+        ):
+            return hashlib.sha256(tls.getpeercert(binary_form=True) or b"").hexdigest()
+
+    try:
+        with _anonymous() as anon:
+            offer = PairingOffer.from_json(anon.get(agent.url("/v1/pairing")).content)
+        announce(hashlib.sha256(_spki(offer.csr_pem)).hexdigest(), paired=False)
+        trust.poll_once()
+        monkeypatch.setattr(ca_module, "CERT_LIFETIME", dt.timedelta(days=30))  # about to expire
+        first = trust.approve("edge", (agent.state_dir / CODE_FILE).read_text().strip())
+        announce(first.fingerprint, paired=True)
+        assert presented() == first.fingerprint
+        monkeypatch.setattr(ca_module, "CERT_LIFETIME", dt.timedelta(days=365))
+        trust.poll_once()  # renews and sends the new certificate
+        [renewed] = pairing.book().paired
+        assert renewed.previous_fingerprint == first.fingerprint != renewed.fingerprint
+        assert presented() == renewed.fingerprint  # new connections use the new certificate
+        assert pairing.is_trusted("edge", first.fingerprint)  # until the agent announces it
+        announce(renewed.fingerprint, paired=True)
+        status = agents.status(AgentAddress("edge", "127.0.0.1", agent.control_port))
+        assert status.paired
+        trust.poll_once()
+        assert pairing.book().paired == [renewed]  # not renewed again
+        pairing.revoke("edge")
+        assert {first.fingerprint, renewed.fingerprint} <= set(pairing.book().revoked_fingerprints)
+    finally:
+        stop_agent(agent)
