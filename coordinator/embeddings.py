@@ -18,11 +18,13 @@ import numpy as np
 
 from coordinator.deployments import DeploymentStore, VersionRecord
 from coordinator.errors import NotServableError, RequestError
+from coordinator.microbatch import micro_batches
 from coordinator.serving import Router
 
 MAX_INPUTS = 256
 MAX_CHARS = 100_000
 DEFAULT_MAX_TOKENS = 256
+SAME_VERSION_TRIES = 3
 HIDDEN = "last_hidden_state"
 POOLED = "sentence_embedding"
 
@@ -59,6 +61,10 @@ class TextEncoder:
         self._tokenizer.enable_padding(
             pad_id=int(padding.get("pad_id", 0)), pad_token=str(padding.get("pad_token", "[PAD]"))
         )
+
+    def lengths(self, texts: Sequence[str]) -> list[int]:
+        """Each text's token count after truncation (what padding makes the batch's width)."""
+        return [sum(e.attention_mask) for e in self._tokenizer.encode_batch(list(texts))]
 
     def encode(self, texts: Sequence[str]) -> tuple[dict[str, np.ndarray[Any, Any]], int]:
         """BERT inputs for a batch, and the number of real (unpadded) tokens."""
@@ -97,7 +103,20 @@ class Embedder:
         record = self._store.model(model_id)
         if record.tokenizer_dir is None:
             raise RequestError(f"model {model_id!r} is not a text encoder (no tokenizer)")
-        feeds, tokens = self._encoder(record.tokenizer_dir).encode(texts)
+        encoder = self._encoder(record.tokenizer_dir)
+        parts = micro_batches(encoder.lengths(texts))
+        for _ in range(SAME_VERSION_TRIES):
+            runs = [self._run(model_id, encoder, texts[part]) for part in parts]
+            versions = {run[0].plan_version for run in runs}
+            if len(versions) == 1:
+                vectors = np.concatenate([run[1] for run in runs])
+                return runs[0][0], vectors, sum(run[2] for run in runs)
+        raise NotServableError(f"model {model_id!r} changed version during every try")
+
+    def _run(
+        self, model_id: str, encoder: TextEncoder, texts: Sequence[str]
+    ) -> tuple[VersionRecord, np.ndarray[Any, Any], int]:
+        feeds, tokens = encoder.encode(texts)
         version, outputs = self._router.infer(model_id, feeds)
         if HIDDEN in outputs:
             return version, mean_pool(outputs[HIDDEN], feeds["attention_mask"]), tokens
