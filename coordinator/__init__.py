@@ -25,12 +25,12 @@ Rooms, each importing only the rooms below it (an import-linter layers contract)
 - :mod:`coordinator.errors`       the error hierarchy (drawn in its docstring)
 - :mod:`coordinator.http`         ``app`` (create_app, devices, pairing), ``serving``, ``console``,
   ``training``, ``openai`` (+ ``openai_models``), ``errors`` (one catalogue, both body styles)
-- :mod:`coordinator.serving`      ``router``, ``failover``, ``embeddings``, ``decoder``
+- :mod:`coordinator.serving.router`      ``router``, ``failover``, ``embeddings``, ``decoder``
 - :mod:`coordinator.console`      the static page, ``plans``, ``stages``, ``stats``, ``slowness``
 - :mod:`coordinator.training`     ``manager`` (runs), ``driver`` (one flwr run), ``runner``,
   ``target`` (the configured training target), ``strategy``, ``server_app``, ...
 - :mod:`coordinator.deploy`       ``deployer``, ``plan``, ``store``
-- :mod:`coordinator.trust`        ``ca``, ``identity``, ``pairing``, ``delivery``
+- :mod:`coordinator.trust.delivery`        ``ca``, ``identity``, ``pairing``, ``delivery``
 - :mod:`coordinator.fleet`        ``registry``, ``discovery``, ``liveness``, ``links``,
   ``requester_links``
 - :mod:`coordinator.generation`   ``engine``, ``sampling``, ``tokenizer``, ``backend``, ``feeds``

@@ -12,7 +12,7 @@ from collections.abc import Awaitable, Callable
 from pathlib import Path
 
 from edge_agent.channel import FrameServer
-from edge_agent.config import AgentConfig
+from edge_agent.config import AgentConfig, TlsFiles
 from edge_agent.control import (
     ANY_PEER,
     COORDINATOR_ONLY,
@@ -27,15 +27,23 @@ from edge_agent.identity import Identity, load_identity
 from edge_agent.links import PeerLink
 from edge_agent.metrics import AgentMetrics
 from edge_agent.microbench import ComputeProfile
-from edge_agent.pairing import accept_grant, pairing_offer, pairing_server_context
+from edge_agent.pairing import (
+    accept_grant,
+    grant_key,
+    pairing_offer,
+    pairing_server_context,
+    shown_code,
+)
 from edge_agent.pipeline import Pipeline
 from edge_agent.probe import probe_link
+from edge_agent.renewal import accept_renewal
 from edge_agent.runtime import resident_bytes
 from edge_agent.segments import SegmentStore
 from edge_agent.tls import Peer, Revocation, client_context, peer_of, server_context
 from hostkit.files import write_atomic
 from protocols.deploy import (
     AgentStatus,
+    CertificateRenewal,
     ErrorReply,
     Hop,
     LoadedSegment,
@@ -45,7 +53,7 @@ from protocols.deploy import (
     decode_deploy_body,
 )
 from protocols.errors import SchemaError
-from protocols.pairing import PairingGrant
+from protocols.pairing import PairingGrant, PairingOffer
 from protocols.profile import AgentState, Announcement, DeviceProfile
 
 log = logging.getLogger(__name__)
@@ -81,10 +89,13 @@ class Agent:
         self.pipeline = Pipeline(self.store, self.metrics, self._link, config.queue_depth)
         self._control = ControlServer(
             {
-                ("POST", "/v1/deploy"): Route(self._deploy, COORDINATOR_ONLY),
+                ("POST", "/v1/deploy"): Route(
+                    self._deploy, COORDINATOR_ONLY, config.max_deploy_bytes
+                ),
                 ("POST", "/v1/unload"): Route(self._unload, COORDINATOR_ONLY),
                 ("POST", "/v1/probe"): Route(self._probe, COORDINATOR_ONLY),
                 ("POST", "/v1/revocations"): Route(self._revoke, COORDINATOR_ONLY),
+                ("POST", "/v1/certificate"): Route(self._renew, COORDINATOR_ONLY),
                 ("GET", "/v1/status"): Route(self._status, ANY_PEER),
                 ("GET", "/v1/pairing"): Route(self._pairing_offer, None),
                 ("POST", "/v1/pairing"): Route(self._pair, None),
@@ -96,6 +107,8 @@ class Agent:
         self.revocation = _load_revocation(config.state_dir / REVOCATIONS_FILE)
         self._data: FrameServer | None = None
         self._ports = (0, 0)
+        self._grant_key = b"" if identity.paired else grant_key(identity)
+        self._offer: PairingOffer | None = None
 
     async def run(self, stop: asyncio.Event) -> None:
         """Serve until ``stop`` is set, then withdraw the announcement and close everything."""
@@ -127,7 +140,7 @@ class Agent:
                 self._ports[1],
                 "paired"
                 if self.identity.paired
-                else f"UNPAIRED, pairing code {pairing_offer(self.identity).code}",
+                else f"UNPAIRED, pairing code {shown_code(self.identity)}",
                 self.profile.gflops,
             )
             await stop.wait()
@@ -263,21 +276,36 @@ class Agent:
         if self.identity.paired:
             reply = ErrorReply(error="Paired", message="this agent is already paired")
             return Response(410, reply.model_dump_json().encode())
-        return json_response(pairing_offer(self.identity).model_dump_json())
+        if self._offer is None:
+            self._offer = pairing_offer(self.identity, self._grant_key)
+        return json_response(self._offer.model_dump_json())
 
     async def _pair(self, body: bytes) -> Response:
         grant = PairingGrant.from_json(body)
-        files = accept_grant(self.identity, grant, self.config.state_dir)
-        identity = load_identity(dataclasses.replace(self.config, tls=files))
+        files = accept_grant(self.identity, grant, self.config.state_dir, self._grant_key)
+        self._use(load_identity(dataclasses.replace(self.config, tls=files)))
+        log.warning(
+            "paired: certificate %s from the coordinator's CA", self.identity.cert_fingerprint
+        )
+        await self._announce()
+        return await self._status(b"")
+
+    async def _renew(self, body: bytes) -> Response:
+        accept_renewal(self.identity, CertificateRenewal.from_json(body))
+        files = TlsFiles(self.identity.ca_path, self.identity.cert_path, self.identity.key_path)
+        self._use(load_identity(dataclasses.replace(self.config, tls=files)))
+        log.warning("certificate renewed: %s", self.identity.cert_fingerprint)
+        await self._announce()
+        return await self._status(b"")
+
+    def _use(self, identity: Identity) -> None:
+        """Serve every new connection with ``identity``'s certificate."""
         self.identity = identity
         self._server_ctx = server_context(identity)
         self._client_ctx = client_context(identity)
         self.store.identity = identity
         if self._data is not None:
             self._data.ctx = self._server_ctx
-        log.warning("paired: certificate %s from the coordinator's CA", identity.cert_fingerprint)
-        await self._announce()
-        return await self._status(b"")
 
     async def _status(self, body: bytes) -> Response:
         status = AgentStatus(

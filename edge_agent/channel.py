@@ -30,6 +30,7 @@ import numpy as np
 
 from edge_agent.checks import Array
 from edge_agent.errors import PeerRejectedError
+from edge_agent.frame_budget import UnfinishedBudget
 from edge_agent.tls import Peer, peer_of
 from protocols.errors import FrameError, TruncatedFrameError
 from protocols.frames import (
@@ -76,9 +77,13 @@ class FrameChannel(Protocol):
 class FrameProtocol(asyncio.BufferedProtocol):
     """Receives frames into exactly-sized buffers; see the module docstring."""
 
-    def __init__(self, max_frame_bytes: int, max_queued: int = 2) -> None:
+    def __init__(
+        self, max_frame_bytes: int, max_queued: int = 2, budget: UnfinishedBudget | None = None
+    ) -> None:
         self._max = max_frame_bytes
         self._max_queued = max_queued
+        self._budget = budget
+        self._reserved = 0
         self._staging = bytearray(STAGING_BYTES)
         self._staged = 0
         self._frame: memoryview | None = None
@@ -114,6 +119,7 @@ class FrameProtocol(asyncio.BufferedProtocol):
             if self._filled == len(self._frame):
                 self._frames.append(self._frame)
                 self._frame = None
+                self._release()
         else:
             self._staged += nbytes
             self._parse_staging()
@@ -137,6 +143,16 @@ class FrameProtocol(asyncio.BufferedProtocol):
                 self._frames.append(bytes(self._staging[offset : offset + total]))
                 offset += total
             else:
+                if self._budget is not None:
+                    if not self._budget.take(total):
+                        self._fail(
+                            FrameError(
+                                f"a {total}-byte frame does not fit the {self._budget.limit}-byte "
+                                "budget of unfinished frames"
+                            )
+                        )
+                        return
+                    self._reserved = total
                 # np.empty, not bytearray(total): no zero-fill of a buffer about to be overwritten
                 frame = np.empty(total, np.uint8).data.cast("B")
                 frame[:available] = self._staging[offset : self._staged]
@@ -148,9 +164,16 @@ class FrameProtocol(asyncio.BufferedProtocol):
             self._staging[:rest] = self._staging[offset : self._staged]
         self._staged = rest
 
+    def _release(self) -> None:
+        if self._budget is not None and self._reserved:
+            self._budget.give(self._reserved)
+        self._reserved = 0
+
     def _fail(self, exc: Exception) -> None:
         self._error = exc
         self._staged = 0
+        self._frame = None
+        self._release()
         if self.transport is not None and not self._reading_paused:
             self._reading_paused = True
             self.transport.pause_reading()
@@ -164,6 +187,7 @@ class FrameProtocol(asyncio.BufferedProtocol):
     def connection_lost(self, exc: Exception | None) -> None:
         """Wake every waiter; a reader sees the end of stream (or the error)."""
         self._eof = True
+        self._release()
         if exc is not None and self._error is None:
             self._error = exc if isinstance(exc, OSError) else ConnectionError(str(exc))
         self._wake()
@@ -345,6 +369,8 @@ class FrameServer:
     """Accepts data-plane connections, does the TLS handshake, hands channels to a handler.
 
     Every connection runs in a task this server keeps; :meth:`close` cancels and awaits them.
+    Frames still being received on all connections together reserve at most
+    ``max_unfinished_bytes`` (default twice the frame limit; see :class:`UnfinishedBudget`).
     A failed handshake (plaintext client, certificate from another CA) is logged and aborted.
     """
 
@@ -354,8 +380,12 @@ class FrameServer:
         ctx: ssl.SSLContext | None,
         max_frame_bytes: int,
         admit: Callable[[Peer], Peer] | None = None,
+        max_unfinished_bytes: int | None = None,
     ) -> None:
         self._handler = handler
+        self._budget = UnfinishedBudget(
+            2 * max_frame_bytes if max_unfinished_bytes is None else max_unfinished_bytes
+        )
         self.ctx = ctx
         """The TLS context for new connections (replaced when the agent pairs)."""
         self._max = max_frame_bytes
@@ -384,7 +414,7 @@ class FrameServer:
 
     async def _connection(self, raw: asyncio.Transport) -> None:
         address = raw.get_extra_info("peername")
-        protocol = FrameProtocol(self._max)
+        protocol = FrameProtocol(self._max, budget=self._budget)
         if self.ctx is None:
             raw.set_protocol(protocol)
             protocol.connection_made(raw)

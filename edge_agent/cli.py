@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import argparse
 import logging
+import os
 from pathlib import Path
 from typing import Any
 
@@ -127,6 +128,12 @@ def config_from_args(args: argparse.Namespace) -> AgentConfig:
     )
 
 
+def private_state_dir(path: Path) -> None:
+    """Create the state dir readable by its owner only (keys, pairing secret, segments)."""
+    path.mkdir(parents=True, exist_ok=True, mode=0o700)
+    os.chmod(path, 0o700)
+
+
 def run_agent(args: argparse.Namespace) -> int:
     """Handler of ``fedshard agent``."""
     logging.basicConfig(
@@ -135,6 +142,7 @@ def run_agent(args: argparse.Namespace) -> int:
     )
     try:
         config = config_from_args(args)
+        private_state_dir(config.state_dir)
         from edge_agent.service import serve
 
         if config.training is None:

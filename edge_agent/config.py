@@ -8,6 +8,7 @@ from pathlib import Path
 from edge_agent.errors import ConfigError
 from protocols import sizes
 from protocols.constants import DEFAULT_MAX_FRAME_BYTES, DEFAULT_QUEUE_DEPTH
+from protocols.deploy import RESERVED_NAMES
 from protocols.errors import SchemaError
 
 
@@ -80,6 +81,8 @@ class AgentConfig:
     """Run a Flower SuperNode beside the agent (``--train-data``)."""
 
     def __post_init__(self) -> None:
+        if self.name.lower() in RESERVED_NAMES:
+            raise ConfigError(f"--name {self.name!r} is reserved for the coordinator")
         if self.memory_bytes <= 0:
             raise ConfigError("--memory must be positive")
         if self.queue_depth < 1:

@@ -9,7 +9,10 @@ client certificate is asked for and only the pairing routes answer)::
     GET  /v1/status   any peer                                                 -> AgentStatus
     GET  /metrics     any peer     Prometheus text format
 
-Errors come back as :class:`protocols.deploy.ErrorReply` JSON with a 4xx or 5xx status.
+Before a byte of a body is read, the route, the caller's role and the body's declared size
+(deploy: the agent's deploy limit; every other route: 1 MiB) are checked. A connection that sends
+no request head within 30 s, or a body slower than 1 MiB/s after 30 s, is answered 408 and
+closed. Errors come back as :class:`protocols.deploy.ErrorReply` JSON with a 4xx or 5xx status.
 """
 
 from __future__ import annotations
@@ -27,11 +30,18 @@ from protocols.errors import ProtocolError
 log = logging.getLogger(__name__)
 
 MAX_HEAD_BYTES = 16 * 1024
+SMALL_BODY_BYTES = 1 << 20
+"""Body cap of every route but deploy (JSON documents of a few KiB)."""
+HEAD_TIMEOUT_S = 30.0
+"""An established connection that has not sent its request head by then is closed."""
+BODY_MIN_RATE = 1 << 20
+"""Bytes per second a body must at least arrive at, after a 30 s allowance."""
 _REASONS = {
     200: "OK",
     400: "Bad Request",
     403: "Forbidden",
     404: "Not Found",
+    408: "Request Timeout",
     409: "Conflict",
     410: "Gone",
     411: "Length Required",
@@ -58,6 +68,9 @@ class Route:
     handler: Callable[[bytes], Awaitable[Response]]
     roles: frozenset[str] | None
     """Roles allowed to call it; None: anyone who completed the TLS handshake (pairing)."""
+    max_body_bytes: int | None = None
+    """Largest body this route reads; None: :data:`SMALL_BODY_BYTES` (the deploy route passes
+    the agent's deploy limit)."""
 
 
 COORDINATOR_ONLY = frozenset({ROLE_COORDINATOR})
@@ -75,9 +88,15 @@ class HttpError(Exception):
 class ControlServer:
     """Parses requests, checks the caller's role, dispatches, turns errors into replies."""
 
-    def __init__(self, routes: dict[tuple[str, str], Route], max_body_bytes: int) -> None:
+    def __init__(
+        self,
+        routes: dict[tuple[str, str], Route],
+        max_body_bytes: int,
+        head_timeout_s: float = HEAD_TIMEOUT_S,
+    ) -> None:
         self._routes = routes
         self._max_body = max_body_bytes
+        self._head_timeout = head_timeout_s
 
     async def handle(
         self, reader: asyncio.StreamReader, writer: asyncio.StreamWriter, peer: Peer
@@ -97,7 +116,8 @@ class ControlServer:
         await writer.drain()
 
     async def _respond(self, reader: asyncio.StreamReader, peer: Peer) -> Response:
-        method, path, body = await self._read_request(reader)
+        """Route, role and size are checked before a byte of the body is read."""
+        method, path, length = await self._read_head(reader)
         route = self._routes.get((method, path.split("?", 1)[0]))
         if route is None:
             return _error(404, "NotFound", f"no route {method} {path}")
@@ -107,6 +127,10 @@ class ControlServer:
         except PeerRejectedError as exc:
             log.warning("refused %s %s from %s: %s", method, path, peer.name, exc)
             return _error(403, type(exc).__name__, str(exc))
+        limit = min(self._max_body, route.max_body_bytes or SMALL_BODY_BYTES)
+        if length > limit:
+            raise HttpError(413, f"body of {length} bytes is over this route's {limit}-byte limit")
+        body = await _read_body(reader, length)
         try:
             return await route.handler(body)
         except (DeployError, PairingError) as exc:
@@ -118,13 +142,15 @@ class ControlServer:
         except LinkError as exc:
             return _error(502, type(exc).__name__, str(exc))
 
-    async def _read_request(self, reader: asyncio.StreamReader) -> tuple[str, str, bytes]:
+    async def _read_head(self, reader: asyncio.StreamReader) -> tuple[str, str, int]:
         try:
-            head = await reader.readuntil(b"\r\n\r\n")
+            head = await asyncio.wait_for(reader.readuntil(b"\r\n\r\n"), self._head_timeout)
         except asyncio.LimitOverrunError as exc:
             raise HttpError(413, "request head too large") from exc
         except asyncio.IncompleteReadError as exc:
             raise HttpError(400, "connection closed inside the request head") from exc
+        except TimeoutError as exc:
+            raise HttpError(408, f"no request head within {self._head_timeout:g} s") from exc
         if len(head) > MAX_HEAD_BYTES:
             raise HttpError(413, "request head too large")
         lines = head.decode("latin-1").split("\r\n")
@@ -146,11 +172,20 @@ class ControlServer:
         length = int(length_text)
         if length > self._max_body:
             raise HttpError(413, f"body of {length} bytes is over the {self._max_body}-byte limit")
-        try:
-            body = await reader.readexactly(length) if length else b""
-        except asyncio.IncompleteReadError as exc:
-            raise HttpError(400, "connection closed inside the body") from exc
-        return parts[0], parts[1], body
+        return parts[0], parts[1], length
+
+
+async def _read_body(reader: asyncio.StreamReader, length: int) -> bytes:
+    """Read ``length`` bytes within 30 s plus the time they take at :data:`BODY_MIN_RATE`."""
+    if not length:
+        return b""
+    deadline = 30.0 + length / BODY_MIN_RATE
+    try:
+        return await asyncio.wait_for(reader.readexactly(length), deadline)
+    except asyncio.IncompleteReadError as exc:
+        raise HttpError(400, "connection closed inside the body") from exc
+    except TimeoutError as exc:
+        raise HttpError(408, f"the body did not arrive within {deadline:.0f} s") from exc
 
 
 def json_response(model_json: str, status: int = 200) -> Response:

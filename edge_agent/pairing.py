@@ -1,13 +1,15 @@
 """Pairing, agent side (protocols.pairing): show a code, hand out a CSR, accept a certificate.
 
 An unpaired agent serves only ``GET /v1/pairing`` (its :class:`PairingOffer`: a certificate
-request for its own key and the code derived from that key) and ``POST /v1/pairing`` (a
+request for its own key and the commitment to its code) and ``POST /v1/pairing`` (a
 :class:`PairingGrant`), over TLS with its self-signed certificate and no client certificate.
-The grant is accepted only if the certificate certifies this agent's own key, names this device
-with the agent role, and was issued by the CA sent along; the files are then written to the state
-dir, where later starts find them. Trust rests on the operator comparing the code the agent logs
-with the one the coordinator shows; a grant that arrives first from elsewhere leaves the agent
-paired to that CA, which the coordinator sees as "already paired".
+The code is derived from a random secret kept in the state dir (``pairing-secret``, mode 0600)
+and the agent's public key; the agent logs it and writes it to ``STATE_DIR/pairing-code`` (0600)
+for the operator, and it never travels. The grant is accepted only if it proves knowledge of
+the code (``protocols.pairing.grant_proof``), its certificate certifies this agent's own key,
+names this device with the agent role, and was issued by the CA sent along; the files are then
+written to the state dir, where later starts find them. A grant from anyone who did not get the
+code from the operator (a foreign CA on the LAN) is refused and the agent stays unpaired.
 
 The offer also carries the agent's Flower node-authentication public key (EC P-256, OpenSSH
 format, made on first use under ``STATE_DIR/training/node-auth``); the coordinator registers it
@@ -31,11 +33,21 @@ from edge_agent.errors import PairingError
 from edge_agent.identity import KEY_FILE, Identity, load_private_key, spki
 from hostkit.files import write_atomic
 from protocols.deploy import ROLE_AGENT
-from protocols.pairing import PairingGrant, PairingOffer, pairing_code
+from protocols.pairing import (
+    CODE_FILE,
+    PairingGrant,
+    PairingOffer,
+    commitment,
+    new_secret,
+    pairing_key,
+    proof_matches,
+    secret_code,
+)
 
 CA_FILE = "ca.pem"
 CERT_FILE = "cert.pem"
 NODE_KEY_DIR = "node-auth"
+SECRET_FILE = "pairing-secret"
 
 
 def node_key_dir(state_dir: Path) -> Path:
@@ -81,9 +93,44 @@ def stored_tls(state_dir: Path) -> TlsFiles | None:
     return files if all(p.exists() for p in (files.ca, files.cert, files.key)) else None
 
 
-def pairing_offer(identity: Identity) -> PairingOffer:
-    """A certificate request for the agent's key (CN = name, OU = agent), its pairing code and
-    its node-authentication public key (the key files sit next to the agent's key)."""
+def _write_private(path: Path, data: bytes) -> None:
+    tmp = path.with_suffix(".tmp")
+    fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o600)
+    with os.fdopen(fd, "wb") as fh:
+        fh.write(data)
+    os.replace(tmp, path)
+
+
+def pairing_secret(state_dir: Path) -> bytes:
+    """The agent's pairing secret, made on first use (mode 0600)."""
+    path = state_dir / SECRET_FILE
+    if path.is_file():
+        secret = path.read_bytes()
+        if len(secret) >= 16:
+            return secret
+    secret = new_secret()
+    _write_private(path, secret)
+    return secret
+
+
+def shown_code(identity: Identity) -> str:
+    """The code this unpaired agent shows its operator (also written to ``pairing-code``)."""
+    public = spki(load_private_key(identity.key_path.read_bytes()).public_key())
+    code = secret_code(pairing_secret(identity.key_path.parent), public)
+    _write_private(identity.key_path.parent / CODE_FILE, f"{code}\n".encode())
+    return code
+
+
+def grant_key(identity: Identity) -> bytes:
+    """The key a grant must prove knowledge of (see ``protocols.pairing.pairing_key``)."""
+    public = spki(load_private_key(identity.key_path.read_bytes()).public_key())
+    return pairing_key(shown_code(identity), public)
+
+
+def pairing_offer(identity: Identity, key_for_grants: bytes | None = None) -> PairingOffer:
+    """A certificate request for the agent's key (CN = name, OU = agent), the commitment to its
+    code (from :func:`grant_key`) and its node-authentication public key (the key files sit
+    next to the agent's key)."""
     key = load_private_key(identity.key_path.read_bytes())
     subject = x509.Name(
         [
@@ -96,15 +143,22 @@ def pairing_offer(identity: Identity) -> PairingOffer:
     return PairingOffer(
         name=identity.name,
         csr_pem=csr.public_bytes(serialization.Encoding.PEM).decode(),
-        code=pairing_code(spki(key.public_key())),
+        commitment=commitment(grant_key(identity) if key_for_grants is None else key_for_grants),
         node_public_key=node_public_key(identity.key_path.parent),
     )
 
 
-def accept_grant(identity: Identity, grant: PairingGrant, state_dir: Path) -> TlsFiles:
-    """Check a grant against this agent's key and name, store it; raises PairingError."""
+def accept_grant(
+    identity: Identity, grant: PairingGrant, state_dir: Path, key_for_grants: bytes
+) -> TlsFiles:
+    """Check a grant's proof, and its certificate against this agent's key and name, store it;
+    raises PairingError."""
     if identity.paired:
         raise PairingError("this agent is already paired")
+    if not proof_matches(key_for_grants, grant):
+        raise PairingError(
+            "the grant does not prove knowledge of this agent's pairing code; refused"
+        )
     try:
         ca = x509.load_pem_x509_certificate(grant.ca_pem.encode())
         cert = x509.load_pem_x509_certificate(grant.cert_pem.encode())

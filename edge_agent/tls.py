@@ -9,6 +9,7 @@ from dataclasses import dataclass
 
 from edge_agent.errors import PeerRejectedError
 from edge_agent.identity import Identity
+from protocols.deploy import ROLE_AGENT
 
 
 @dataclass(frozen=True)
@@ -77,7 +78,12 @@ def check_peer(
 
 
 class Revocation:
-    """The devices this agent refuses on every channel (set by the coordinator, persisted)."""
+    """The devices this agent refuses on every channel (set by the coordinator, persisted).
+
+    Names are device names, so they revoke agent-role certificates only: a revoked name never
+    matches the coordinator's own certificate, whatever name a rogue announced. Fingerprints
+    revoke exactly one certificate, whatever its role.
+    """
 
     def __init__(self, names: Collection[str] = (), fingerprints: Collection[str] = ()) -> None:
         self.names = frozenset(names)
@@ -90,7 +96,7 @@ class Revocation:
 
     def revoked(self, peer: Peer) -> bool:
         """Whether ``peer`` is on the list."""
-        return peer.name in self.names or bool(
+        return (peer.role == ROLE_AGENT and peer.name in self.names) or bool(
             peer.fingerprint and peer.fingerprint in self.fingerprints
         )
 

@@ -70,6 +70,13 @@ from protocols.manifest import SegmentEntry, SessionLimits
 DEPLOY_FORMAT: Final = "fedshard.deploy/1"
 ROLE_AGENT: Final = "agent"
 ROLE_COORDINATOR: Final = "coordinator"
+ROLE_SUPERLINK: Final = "superlink"
+"""The Flower SuperLink's certificate: never accepted on an agent's control or data plane."""
+RESERVED_NAMES: Final = frozenset({"coordinator", "superlink", "localhost"})
+"""Names no agent may carry: they name the coordinator's own certificates. Agents refuse to
+start with one, the coordinator refuses pairing requests for one, and revocation by name applies
+to agent-role certificates only, so revoking a rogue that called itself ``coordinator`` cannot
+lock out the coordinator."""
 PROBE_PREFIX: Final = "probe/"
 """``request_id`` prefix of a link-probe frame."""
 ORIGIN_SEPARATOR: Final = "|"
@@ -225,6 +232,13 @@ class Revocations(FrozenModel):
 
     names: list[str] = Field(default_factory=list, max_length=100_000)
     fingerprints: list[str] = Field(default_factory=list, max_length=100_000)
+
+
+class CertificateRenewal(FrozenModel):
+    """``POST /v1/certificate`` (coordinator only): a fresh certificate for the agent's own key,
+    name and role, from the CA it is paired with; it replaces the one about to expire."""
+
+    cert_pem: str = Field(max_length=16384)
 
 
 class ErrorReply(FrozenModel):

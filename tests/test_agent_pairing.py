@@ -26,7 +26,14 @@ from cryptography.hazmat.primitives import serialization
 from devtools.requester import Requester
 from edge_agent.discovery import ZeroconfBrowser
 from protocols.deploy import Hop
-from protocols.pairing import PairingGrant, PairingOffer, pairing_code
+from protocols.pairing import (
+    CODE_FILE,
+    PairingGrant,
+    PairingOffer,
+    commitment,
+    grant_proof,
+    pairing_key,
+)
 
 pytestmark = pytest.mark.timeout(120)
 
@@ -49,16 +56,20 @@ def test_pairing_by_code_then_serving_and_restart(tmp_path: Path) -> None:
             spki = csr.public_key().public_bytes(
                 serialization.Encoding.DER, serialization.PublicFormat.SubjectPublicKeyInfo
             )
-            assert offer.name == "edge1" and offer.code == pairing_code(spki)
-            assert offer.code in agent.log()  # the agent shows the same code to the operator
+            code = (agent.state_dir / CODE_FILE).read_text().strip()
+            assert f"pairing code {code}" in agent.log()  # shown to the operator, never sent
+            assert offer.name == "edge1" and offer.code is None and code not in offer.csr_pem
+            key = pairing_key(code, spki)
+            assert offer.commitment == commitment(key)
             assert anon.get(agent.url("/v1/status")).status_code == 403
             other_key = rogue.issue("edge1")[0].read_text()
-            wrong = PairingGrant(ca_pem=ca.ca_path.read_text(), cert_pem=other_key)
+            ca_pem = ca.ca_path.read_text()
+            proof = grant_proof(key, ca_pem, other_key)
+            wrong = PairingGrant(ca_pem=ca_pem, cert_pem=other_key, proof=proof)
             refused = anon.post(agent.url("/v1/pairing"), content=wrong.model_dump_json())
             assert refused.status_code == 409 and "another key" in refused.text
-            grant = PairingGrant(
-                ca_pem=ca.ca_path.read_text(), cert_pem=ca.certify(offer.csr_pem, "edge1")
-            )
+            cert = ca.certify(offer.csr_pem, "edge1")
+            grant = PairingGrant(ca_pem=ca_pem, cert_pem=cert, proof=grant_proof(key, ca_pem, cert))
             paired = anon.post(agent.url("/v1/pairing"), content=grant.model_dump_json())
             assert paired.status_code == 200, paired.text
             assert paired.json()["paired"] is True

@@ -37,7 +37,7 @@ from cryptography.hazmat.primitives import hashes
 from devtools.requester import Requester
 from edge_agent.discovery import ZeroconfBrowser
 from edge_agent.errors import LinkError, RemoteRequestError
-from protocols.deploy import Hop
+from protocols.deploy import ROLE_AGENT, Hop
 from protocols.frames import PREFIX, FrameHeader, encode_frame
 
 pytestmark = pytest.mark.timeout(180)
@@ -301,7 +301,7 @@ def test_link_probe(env: Env) -> None:
 
 
 def test_revoked_devices_are_refused_on_both_planes(env: Env) -> None:
-    mallory = env.ca.client_context("mallory")
+    mallory = env.ca.client_context("mallory", ROLE_AGENT)  # names revoke agents only
 
     async def connected_then_revoked() -> None:
         requester = await Requester.connect(env.chain, mallory, 1)

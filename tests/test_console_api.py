@@ -15,6 +15,7 @@ import pytest
 from fastapi import FastAPI
 from fastapi.testclient import TestClient
 from graph_helpers import block_stack
+from pairing_helpers import request_code
 from test_coordinator_api import _csr
 
 from coordinator.console import ASSETS, asset_text
@@ -241,7 +242,7 @@ def test_what_if_devices_checks_names_and_drops() -> None:
 
 
 def _pair(services: Services, name: str, memory: int) -> None:
-    code = services.pairing.request(name, _csr())
+    code = request_code(services.pairing, name, _csr())
     device = services.pairing.approve(name, code)
     profile = DeviceProfile(
         device_id="ab" * 8,

@@ -9,6 +9,7 @@ from cryptography.hazmat.primitives import hashes, serialization
 from cryptography.hazmat.primitives.asymmetric import ec
 from cryptography.x509.oid import NameOID
 from fastapi.testclient import TestClient
+from pairing_helpers import request_code
 
 from coordinator.fleet.registry import DeviceRegistry
 from coordinator.http.app import Services, create_app
@@ -44,13 +45,13 @@ def test_every_route_needs_the_token(tmp_path: Path) -> None:
         assert client.get(path).status_code == 401
         assert client.get(path, headers={"Authorization": "Bearer wrong"}).status_code == 401
         assert client.get(path, headers={"Authorization": f"Bearer {TOKEN}"}).status_code == 200
-        assert client.get(f"{path}?token={TOKEN}").status_code == 200
+        assert client.get(f"{path}?token={TOKEN}").status_code == 401  # only the console's page
 
 
 def test_pairing_through_the_api_and_device_status(tmp_path: Path) -> None:
     client, services = _client(tmp_path)
     auth = {"Authorization": f"Bearer {TOKEN}"}
-    code = services.pairing.request("nas", _csr())
+    code = request_code(services.pairing, "nas", _csr())
     wrong = client.post(
         "/v1/pairing/approve", json={"name": "nas", "code": "AAAA-AAAA"}, headers=auth
     )

@@ -9,6 +9,7 @@ from cryptography.hazmat.primitives import hashes, serialization
 from cryptography.hazmat.primitives.asymmetric import ec
 from cryptography.x509.oid import NameOID
 from fastapi.testclient import TestClient
+from pairing_helpers import request_code
 
 from coordinator.fleet.registry import DeviceRegistry
 from coordinator.http.app import Services, create_app
@@ -53,7 +54,7 @@ def test_paired_reannouncement_replaces_the_unpaired_record_and_impostors_stay_o
     agents = AgentClient(client_context(open_identity(tmp_path, ca)))
     trust = TrustService(pairing, registry, ca, agents)
     _announce(registry, "nas", "1" * 64, "nas-svc", paired=False)
-    code = pairing.request("nas", _csr())
+    code = request_code(pairing, "nas", _csr())
     device = pairing.approve("nas", code)
     assert trust.trusted() == []  # still announcing the self-signed certificate
     _announce(registry, "nas", device.fingerprint, "nas-svc", paired=True)

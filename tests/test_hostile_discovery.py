@@ -11,12 +11,14 @@ import secrets
 from pathlib import Path
 
 import pytest
+from coordinator_helpers import wait_for
 from cryptography import x509
 from cryptography.hazmat.primitives import hashes, serialization
 from cryptography.hazmat.primitives.asymmetric import ec
 from cryptography.x509.oid import NameOID
 from fastapi.testclient import TestClient
-from test_coordinator_registry import advertise  # noqa: F401  (the fixture)
+from pairing_helpers import request_code
+from test_coordinator_registry import _stop, advertise  # noqa: F401  (the fixture)
 
 from coordinator.fleet.discovery import ZeroconfDiscovery
 from coordinator.fleet.registry import DeviceRecord, DeviceRegistry
@@ -68,7 +70,9 @@ class Coordinator:
             .subject_name(x509.Name([x509.NameAttribute(NameOID.COMMON_NAME, name)]))
             .sign(key, hashes.SHA256())
         )
-        code = self.pairing.request(name, csr.public_bytes(serialization.Encoding.PEM).decode())
+        code = request_code(
+            self.pairing, name, csr.public_bytes(serialization.Encoding.PEM).decode()
+        )
         return self.pairing.approve(name, code)
 
     def statuses(self) -> dict[str, tuple[str, bool]]:
@@ -101,7 +105,7 @@ def test_a_rogue_with_a_paired_name_and_a_fake_fingerprint_is_never_used(
     real = _announcement(name, device_id, nas.fingerprint, 9000)
     # the paired name and a copied device id, with a certificate fingerprint it made up
     rogue = _announcement(name, device_id, fake, 9100)
-    registry = coordinator.registry
+    registry = coordinator.fleet.registry
     with ZeroconfDiscovery(registry, "127.0.0.1"):
         order = [(_unique("rogue"), rogue), (_unique("real"), real)]
         for service, announcement in order if rogue_first else order[::-1]:
@@ -122,13 +126,46 @@ def test_a_rogue_with_a_paired_name_and_a_fake_fingerprint_is_never_used(
         )
 
 
+@pytest.mark.parametrize("rogue_first", [True, False], ids=["rogue-first", "rogue-second"])
+def test_a_rogue_copying_a_paired_fingerprint_can_hide_the_device_never_take_its_place(
+    tmp_path: Path,
+    advertise,  # noqa: F811
+    rogue_first: bool,
+) -> None:
+    coordinator = Coordinator(tmp_path)
+    name = _unique("nas")
+    nas = coordinator.pair(name)
+    real = _announcement(name, _hex(16), nas.fingerprint, 9000)
+    rogue = _announcement(name, _hex(16), nas.fingerprint, 9100)  # the public fingerprint
+    registry = coordinator.fleet.registry
+
+    def ports() -> list[int]:
+        return [r.announcement.profile.control_port for r in coordinator.trust.trusted()]
+
+    with ZeroconfDiscovery(registry, "127.0.0.1"):
+        services = {"real": _unique("real"), "rogue": _unique("rogue")}
+        procs = {}
+        for who in ("rogue", "real") if rogue_first else ("real", "rogue"):
+            announcement = rogue if who == "rogue" else real
+            procs[who] = advertise(services[who], 9000, encode_txt(announcement))
+            assert registry.wait_for(lambda ds: bool(_mine(ds, name)), 5.0)
+        # both announced: the first one holds the record (a rogue first hides the device)
+        assert wait_for(lambda: ports() == [9100 if rogue_first else 9000], 5.0), ports()
+        assert len(_mine(registry.devices(online_only=False), name)) == 1
+        _stop(procs["rogue"])  # the fake is withdrawn: the real device is there, and used
+        assert wait_for(lambda: ports() == [9000], 5.0), ports()
+        assert coordinator.statuses()[nas.fingerprint] == ("paired", True)
+        _stop(procs["real"])
+        assert registry.wait_for(lambda ds: not _mine(ds, name), 5.0)
+
+
 def test_a_rogue_taking_over_the_instance_name_cannot_erase_the_paired_device(
     tmp_path: Path,
 ) -> None:
     """mDNS does not stop a rogue from announcing the real agent's instance name."""
     coordinator = Coordinator(tmp_path)
     nas, fake = coordinator.pair("nas"), "e" * 64
-    registry = coordinator.registry
+    registry = coordinator.fleet.registry
     registry.announce(_announcement("nas", "a" * 16, nas.fingerprint, 9000), "127.0.0.1", "svc")
     registry.announce(_announcement("nas", "a" * 16, fake, 9100), "10.0.0.9", "svc")
     assert coordinator.trust.trusted() == []

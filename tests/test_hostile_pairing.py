@@ -1,5 +1,6 @@
 """Guessing pairing codes: wrong codes are rate-limited per device and overall, with 429 and
-Retry-After, and a lock holds even against the right code until it expires."""
+Retry-After, and a lock holds even against the right code until it expires; approvals for a
+device whose request has not arrived are not guesses and lock nobody out."""
 
 from __future__ import annotations
 
@@ -10,6 +11,7 @@ from cryptography.hazmat.primitives import hashes, serialization
 from cryptography.hazmat.primitives.asymmetric import ec
 from cryptography.x509.oid import NameOID
 from fastapi.testclient import TestClient
+from pairing_helpers import request_code
 
 from coordinator.fleet.registry import DeviceRegistry
 from coordinator.http.app import Services, create_app
@@ -43,7 +45,7 @@ def _request(pairing: Pairing, name: str) -> str:
         .subject_name(x509.Name([x509.NameAttribute(NameOID.COMMON_NAME, name)]))
         .sign(key, hashes.SHA256())
     )
-    return pairing.request(name, csr.public_bytes(serialization.Encoding.PEM).decode())
+    return request_code(pairing, name, csr.public_bytes(serialization.Encoding.PEM).decode())
 
 
 def _approve(client: TestClient, name: str, code: str) -> tuple[int, str, str | None]:
@@ -86,11 +88,12 @@ def test_one_locked_device_does_not_lock_another(tmp_path: Path) -> None:
 def test_guessing_across_devices_locks_every_approval(tmp_path: Path) -> None:
     client, pairing, clock = _setup(tmp_path)
     codes = {name: _request(pairing, name) for name in ("a", "b", "c")}
-    # spread under the per-device limit, plus names that have no request at all
-    guesses = [("a", "AAAA-AAAA"), ("b", "AAAA-AAAA"), ("ghost", "AAAA-AAAA"), ("c", "AAAA-AAAA")]
+    # spread under the per-device limit; names with no request at all are not guesses
+    guesses = [("a", "AAAA-AAAA"), ("b", "AAAA-AAAA"), ("c", "AAAA-AAAA"), ("a", "CCCC-CCCC")]
     for name, guess in guesses:
-        assert _approve(client, name, guess)[0] in (403, 404)
-    assert _approve(client, "a", "BBBB-BBBB")[0] == 403  # the fifth failure sets the lock
+        assert _approve(client, name, guess)[0] == 403
+    assert _approve(client, "ghost", "AAAA-AAAA")[0] == 404
+    assert _approve(client, "b", "BBBB-BBBB")[0] == 403  # the fifth failure sets the lock
     status, detail, retry_after = _approve(client, "c", codes["c"])
     assert (status, retry_after) == (429, "120") and "all devices" in detail
     clock.now += LIMITS.lockout_s + 1
@@ -109,6 +112,26 @@ def test_failures_outside_the_window_are_forgotten(tmp_path: Path) -> None:
     assert (
         client.post(
             "/v1/pairing/approve", json={"name": "nas", "code": code}, headers=AUTH
+        ).status_code
+        == 200
+    )
+
+
+def test_pairing_before_the_request_arrives_locks_nobody_out(tmp_path: Path) -> None:
+    client, pairing, _ = _setup(tmp_path)
+    other = _request(pairing, "sbc")
+    for _ in range(LIMITS.overall * 3):  # `fedshard pair nas CODE` retrying early
+        assert _approve(client, "nas", "AAAA-AAAA")[0] == 404
+    code = _request(pairing, "nas")
+    assert (
+        client.post(
+            "/v1/pairing/approve", json={"name": "nas", "code": code}, headers=AUTH
+        ).status_code
+        == 200
+    )
+    assert (
+        client.post(
+            "/v1/pairing/approve", json={"name": "sbc", "code": other}, headers=AUTH
         ).status_code
         == 200
     )

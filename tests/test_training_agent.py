@@ -103,7 +103,7 @@ def test_the_pairing_offer_carries_the_node_key_and_the_coordinator_registers_it
     from edge_agent.identity import load_identity
     from edge_agent.pairing import make_node_key, node_key_dir, pairing_offer
     from protocols.errors import SchemaError
-    from protocols.pairing import PairingOffer
+    from protocols.pairing import CODE_FILE, PairingOffer
 
     state = tmp_path / "agent"
     offer = pairing_offer(load_identity(AgentConfig("cam-1", 1 << 20, state)))
@@ -124,8 +124,8 @@ def test_the_pairing_offer_carries_the_node_key_and_the_coordinator_registers_it
 
     ca = CertificateAuthority.open(tmp_path / "coordinator")
     pairing = Pairing(tmp_path / "coordinator", ca)
-    code = pairing.request(offer.name, offer.csr_pem, offer.node_public_key)
-    assert code == offer.code
+    pairing.request(offer.name, offer.csr_pem, offer.node_public_key, offer.commitment)
+    code = (state / CODE_FILE).read_text().strip()
     assert pairing.node_keys() == {}  # pending devices are not registered
     pairing.approve("cam-1", code)
     assert pairing.node_keys() == {"cam-1": offer.node_public_key}

@@ -9,6 +9,13 @@ a device is *used* is decided by the pairing book (see
 :class:`coordinator.trust.delivery.TrustService`).
 The registry is fed by a discovery source (see :mod:`coordinator.fleet.discovery`) and is safe to
 read from other threads.
+
+A second mDNS service announcing a fingerprint that an online record already holds (a rogue
+copying a paired device's public fingerprint, with its own host and port) never replaces that
+record: it is kept aside as an *alternate*, and takes the record's place only if the record's own
+service departs. So a rogue that announces first can hide the device until it withdraws, and
+one that announces second changes nothing; either way, once the fake is withdrawn the real
+device is back.
 """
 
 from __future__ import annotations
@@ -58,6 +65,9 @@ class DeviceRegistry:
         self._paired_fingerprint = paired_fingerprint
         self._lock = threading.Lock()
         self._devices: dict[str, DeviceRecord] = {}
+        self._alternates: dict[str, dict[str, tuple[Announcement, str]]] = {}
+        """Fingerprint -> service name -> (announcement, host) of other services announcing
+        a fingerprint an online record holds."""
         self._changed = threading.Condition(self._lock)
 
     def announce(self, announcement: Announcement, host: str, service_name: str) -> DeviceRecord:
@@ -65,8 +75,11 @@ class DeviceRegistry:
         fingerprint = announcement.profile.cert_fingerprint
         now = self._clock()
         with self._lock:
-            self._forget_replaced(service_name, fingerprint)
             previous = self._devices.get(fingerprint)
+            if previous is not None and previous.online and previous.service_name != service_name:
+                self._alternates.setdefault(fingerprint, {})[service_name] = (announcement, host)
+                return self._flagged(previous)
+            self._forget_replaced(service_name, fingerprint)
             owner = self._name_owner(announcement.profile.name, exclude=fingerprint)
             record = DeviceRecord(
                 announcement=announcement,
@@ -83,10 +96,28 @@ class DeviceRegistry:
     def depart(self, service_name: str) -> None:
         """Mark the device announced under ``service_name`` as gone."""
         with self._lock:
+            for alternates in self._alternates.values():
+                alternates.pop(service_name, None)
             for fingerprint, record in self._devices.items():
                 if record.service_name == service_name and record.online:
-                    self._devices[fingerprint] = replace(record, online=False)
+                    self._devices[fingerprint] = self._successor(record)
             self._changed.notify_all()
+
+    def _successor(self, record: DeviceRecord) -> DeviceRecord:
+        """What replaces a departed record: an alternate announcing its fingerprint (online),
+        or the record itself, offline."""
+        alternates = self._alternates.get(record.fingerprint)
+        if not alternates:
+            return replace(record, online=False)
+        service_name, (announcement, host) = alternates.popitem()
+        return replace(
+            record,
+            announcement=announcement,
+            host=host,
+            service_name=service_name,
+            last_seen=self._clock(),
+            online=True,
+        )
 
     def devices(self, online_only: bool = True) -> list[DeviceRecord]:
         """Every known device, in first-seen order."""

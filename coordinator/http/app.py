@@ -1,7 +1,9 @@
 """The coordinator's HTTP API (FastAPI): devices, pairing and models, behind a bearer token.
 
-Every route needs ``Authorization: Bearer TOKEN`` (or ``?token=`` for the console's first
-load). Errors come back as ``{"detail": ...}`` with a 4xx/5xx status, never a stack trace.
+Every route needs ``Authorization: Bearer TOKEN``, checked with the body size before any body
+is read (:mod:`coordinator.http.guard`); ``?token=`` is only for the console page's first load,
+which needs no token itself. Errors come back as ``{"detail": ...}`` with a 4xx/5xx status,
+never a stack trace.
 """
 
 from __future__ import annotations
@@ -13,12 +15,13 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import TYPE_CHECKING, Annotated, Any
 
-from fastapi import APIRouter, Depends, FastAPI, HTTPException, Query, params, status
+from fastapi import APIRouter, Depends, FastAPI, HTTPException, params, status
 from fastapi.security import HTTPAuthorizationCredentials, HTTPBearer
 from pydantic import BaseModel, ConfigDict
 
 from coordinator.errors import PairingError, RevokedError, TooManyAttemptsError, WrongCodeError
 from coordinator.fleet.registry import DeviceRegistry
+from coordinator.http.guard import ApiGuard
 from coordinator.trust.pairing import Pairing, PairingBook
 from protocols.constants import SOFTWARE_VERSION
 from protocols.profile import Announcement
@@ -90,6 +93,8 @@ ERROR_RESPONSES: dict[int | str, dict[str, Any]] = {
         (403, "wrong pairing code, or a revoked device"),
         (404, "no such model, device or pairing request"),
         (409, "infeasible or failed deployment, nothing to roll back"),
+        (411, "a body without a Content-Length"),
+        (413, "a body over the route's size limit"),
         (429, "too many wrong pairing codes (see Retry-After)"),
         (502, "an agent failed"),
         (503, "not servable now, with the reason"),
@@ -121,6 +126,7 @@ def create_app(services: Services) -> FastAPI:
     from coordinator.http.serving import serving_router
 
     app = FastAPI(title="fedshard coordinator", version=SOFTWARE_VERSION)
+    app.add_middleware(ApiGuard, token=services.token)
     install_error_handlers(app)
     token = _token_dependency(services.token)
     v1 = APIRouter(prefix="/v1", dependencies=[token], responses=ERROR_RESPONSES)
@@ -198,7 +204,10 @@ def device_status(book: PairingBook, name: str, fingerprint: str, impostor_of: s
     """``revoked``, ``paired``, ``impostor`` or ``unpaired``."""
     if fingerprint in book.revoked_fingerprints or name in book.revoked_names:
         return "revoked"
-    if any(d.name == name and d.fingerprint == fingerprint for d in book.paired):
+    if any(
+        d.name == name and fingerprint in (d.fingerprint, d.previous_fingerprint)
+        for d in book.paired
+    ):
         return "paired"
     if impostor_of is not None or any(d.name == name for d in book.paired):
         return "impostor"
@@ -208,9 +217,9 @@ def device_status(book: PairingBook, name: str, fingerprint: str, impostor_of: s
 def _token_dependency(token: str) -> params.Depends:
     def check(
         credentials: Annotated[HTTPAuthorizationCredentials | None, Depends(_BEARER)],
-        query_token: Annotated[str | None, Query(alias="token")] = None,
     ) -> None:
-        given = credentials.credentials if credentials is not None else query_token
+        # ApiGuard already refused these before reading a body; kept for the OpenAPI schema
+        given = credentials.credentials if credentials is not None else None
         if given is None or not hmac.compare_digest(given.encode(), token.encode()):
             raise HTTPException(
                 status.HTTP_401_UNAUTHORIZED,

@@ -17,7 +17,6 @@ OpenAI-compatible ``/v1/models`` and ``/v1/embeddings`` live in
 
 from __future__ import annotations
 
-import io
 import logging
 from dataclasses import dataclass
 from pathlib import Path
@@ -36,6 +35,7 @@ from coordinator.errors import (
 from coordinator.fleet.links import LinkMeter
 from coordinator.generation.speculative import Speculative
 from coordinator.http.metrics import notes
+from coordinator.http.npz import load_npz
 from coordinator.serving.embeddings import Embedder, default_tokenizer_dir
 from coordinator.serving.failover import Failover
 from coordinator.serving.router import Router
@@ -200,11 +200,7 @@ async def _infer_request(request: Request) -> tuple[str, dict[str, Any]]:
 def _load_npz(data: bytes) -> dict[str, Any]:
     if len(data) > MAX_NPZ_BYTES:
         raise RequestError(f"the .npz body is over {MAX_NPZ_BYTES} bytes")
-    try:
-        with np.load(io.BytesIO(data), allow_pickle=False) as npz:
-            return {name: npz[name] for name in npz.files}
-    except (OSError, ValueError, EOFError) as exc:
-        raise RequestError(f"the body is not a readable .npz file: {exc}") from exc
+    return load_npz(data)
 
 
 def _tensor_json(array: np.ndarray[Any, Any]) -> dict[str, Any]:

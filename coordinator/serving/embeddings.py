@@ -28,6 +28,7 @@ import numpy as np
 
 from coordinator.deploy.store import DeploymentStore, VersionRecord
 from coordinator.errors import DimensionsError, NotServableError, RequestError
+from coordinator.serving.microbatch import micro_batches
 from coordinator.serving.router import Router
 
 MAX_INPUTS = 256
@@ -35,6 +36,7 @@ Input = str | Sequence[int]
 """One input: a text, or token ids of the model's tokenizer."""
 MAX_CHARS = 100_000
 DEFAULT_MAX_TOKENS = 256
+SAME_VERSION_TRIES = 3
 HIDDEN = "last_hidden_state"
 POOLED = "sentence_embedding"
 
@@ -106,6 +108,13 @@ class TextEncoder:
         feeds = {"input_ids": padded, "attention_mask": mask, "token_type_ids": types}
         return feeds, int(mask.sum())
 
+    def lengths(self, inputs: Sequence[Input]) -> list[int]:
+        """Each input's token count after truncation (what padding makes the batch's width)."""
+        if all(isinstance(x, str) for x in inputs):
+            encodings = self._tokenizer.encode_batch([str(x) for x in inputs])
+            return [sum(e.attention_mask) for e in encodings]
+        return [len(x) for x in inputs]
+
     def encode_inputs(self, inputs: Sequence[Input]) -> tuple[dict[str, np.ndarray[Any, Any]], int]:
         """Feeds for texts, or for token ids (one kind per request)."""
         if all(isinstance(x, str) for x in inputs):
@@ -145,16 +154,27 @@ class Embedder:
         _check_inputs(inputs)
         if record.tokenizer_dir is None:
             raise RequestError(f"model {model_id!r} is not a text encoder (no tokenizer)")
-        feeds, tokens = self._encoder(record.tokenizer_dir).encode_inputs(inputs)
+        encoder = self._encoder(record.tokenizer_dir)
+        parts = micro_batches(encoder.lengths(inputs))
+        for _ in range(SAME_VERSION_TRIES):
+            runs = [self._run(model_id, encoder, inputs[part]) for part in parts]
+            if len({run[0].plan_version for run in runs}) == 1:
+                vectors = np.concatenate([run[1] for run in runs])
+                check_dimensions(model_id, int(vectors.shape[-1]), dimensions)
+                return runs[0][0], vectors, sum(run[2] for run in runs)
+        raise NotServableError(f"model {model_id!r} changed version during every try")
+
+    def _run(
+        self, model_id: str, encoder: TextEncoder, inputs: Sequence[Input]
+    ) -> tuple[VersionRecord, np.ndarray[Any, Any], int]:
+        """One micro-batch through the chain: the version used, its vectors, its tokens."""
+        feeds, tokens = encoder.encode_inputs(inputs)
         version, outputs = self._router.infer(model_id, feeds)
         if HIDDEN in outputs:
-            vectors = mean_pool(outputs[HIDDEN], feeds["attention_mask"])
-        elif POOLED in outputs:
-            vectors = outputs[POOLED].astype(np.float32)
-        else:
-            raise RequestError(f"model {model_id!r} has neither {HIDDEN!r} nor {POOLED!r} outputs")
-        check_dimensions(model_id, int(vectors.shape[-1]), dimensions)
-        return version, vectors, tokens
+            return version, mean_pool(outputs[HIDDEN], feeds["attention_mask"]), tokens
+        if POOLED in outputs:
+            return version, outputs[POOLED].astype(np.float32), tokens
+        raise RequestError(f"model {model_id!r} has neither {HIDDEN!r} nor {POOLED!r} outputs")
 
     def _encoder(self, directory: str) -> TextEncoder:
         with self._lock:

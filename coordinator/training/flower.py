@@ -33,7 +33,7 @@ from coordinator.training.errors import FlowerProcessError, TrainingRunError
 from coordinator.trust.ca import CertificateAuthority
 from hostkit.files import write_atomic
 from hostkit.processes import stop_tree
-from protocols.deploy import ROLE_COORDINATOR
+from protocols.deploy import ROLE_SUPERLINK
 
 log = logging.getLogger(__name__)
 
@@ -85,7 +85,8 @@ def issue_superlink_tls(ca: CertificateAuthority, out_dir: Path, host: str = HOS
     """A fresh P-256 key and a certificate for ``localhost`` and ``host`` from fedshard's CA."""
     key = ec.generate_private_key(ec.SECP256R1())
     addresses = sorted({HOST, host})
-    issued = ca.issue_for_key(key.public_key(), TLS_NAME, ROLE_COORDINATOR, ip_addresses=addresses)
+    # its own role: on agents' control and data planes it is never taken for the coordinator
+    issued = ca.issue_for_key(key.public_key(), TLS_NAME, ROLE_SUPERLINK, ip_addresses=addresses)
     files = TlsFiles(out_dir / "ca.pem", out_dir / "superlink.pem", out_dir / "superlink.key")
     write_atomic(files.ca_cert, ca.cert_pem)
     write_atomic(files.cert, issued.pem)
@@ -233,6 +234,7 @@ def superlink(
         )  # fmt: skip
     try:
         wait_for_port(port, proc, start_timeout_s, "flower-superlink", host)
+        tls.key.unlink(missing_ok=True)  # loaded by now: the key does not stay on disk
         log.info("SuperLink listening on %s:%d (log %s)", host, port, log_path)
         yield SuperLink(port, flwr_home, tls, proc, log_path, host)
     finally:

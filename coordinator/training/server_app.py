@@ -160,6 +160,7 @@ def build_strategy(
         min_clients=cfg.reconstruction_threshold if s.secagg else 1,
         accountant=accountant,
         noise_multiplier=s.noise_multiplier if dp else None,
+        max_examples=secagg_max_weight(cfg.settings),
         full_model_bytes=version.full_weight_bytes(),
         on_round=recorder.add if recorder is not None else None,
         on_weights=_checkpointer(cfg) if cfg.checkpoint_every else None,

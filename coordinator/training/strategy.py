@@ -14,6 +14,7 @@ noise lands on the all-client average before the shard-wise rescale (see
 
 from __future__ import annotations
 
+import dataclasses
 import logging
 import time
 from collections.abc import Callable
@@ -48,6 +49,19 @@ log = logging.getLogger(__name__)
 
 Evaluator = Callable[[list[np.ndarray]], tuple[float, float]]
 """Global trainable arrays -> (held-out loss, held-out accuracy)."""
+
+
+def capped_examples(
+    results: list[tuple[ClientProxy, FitRes]], cap: float | None
+) -> list[tuple[ClientProxy, FitRes]]:
+    """Replies with each reported example count limited to ``cap`` (None: as reported)."""
+    if cap is None:
+        return results
+    limit = max(1, int(cap))
+    return [
+        (proxy, dataclasses.replace(res, num_examples=min(max(res.num_examples, 0), limit)))
+        for proxy, res in results
+    ]
 
 
 def _mean_finite(values: list[float], weights: list[float]) -> float | None:
@@ -114,6 +128,7 @@ class ShardwiseStrategy(Strategy):
         full_model_bytes: int = 0,
         on_round: Callable[[RoundMetrics], None] | None = None,
         on_weights: Callable[[int, list[np.ndarray]], None] | None = None,
+        max_examples: float | None = None,
     ) -> None:
         super().__init__()
         self.inner = inner
@@ -125,6 +140,9 @@ class ShardwiseStrategy(Strategy):
         self.full_model_bytes = full_model_bytes
         self.on_round = on_round
         self.on_weights = on_weights
+        self.max_examples = max_examples
+        """Most examples one client's reply may weigh (its own count is not trusted: one
+        device reporting a huge count would dominate the average); SecAgg+'s ``max_weight``."""
         self._round = _RoundState()
 
     def __repr__(self) -> str:
@@ -158,6 +176,7 @@ class ShardwiseStrategy(Strategy):
                 self.min_clients,
             )
             return None, {}
+        results = capped_examples(results, self.max_examples)
         averaged, _ = self.inner.aggregate_fit(server_round, results, failures)
         if averaged is None:
             return None, {}

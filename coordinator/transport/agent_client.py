@@ -7,17 +7,23 @@ role; pairing calls go to unpaired agents, whose self-signed certificates cannot
 
 from __future__ import annotations
 
-import http.client
 import ssl
 from dataclasses import dataclass
 from typing import TypeVar
 
 from coordinator.errors import AgentError, AgentRefusedError
+from coordinator.transport.bounded_http import (
+    MAX_OFFER_BYTES,
+    MAX_REPLY_BYTES,
+    ExchangeError,
+    exchange,
+)
 from coordinator.transport.tls import check_peer, pairing_context
 from protocols.base import FrozenModel
 from protocols.deploy import (
     ROLE_AGENT,
     AgentStatus,
+    CertificateRenewal,
     DeployReport,
     ErrorReply,
     Hop,
@@ -31,7 +37,10 @@ from protocols.pairing import PairingGrant, PairingOffer
 
 Model = TypeVar("Model", bound=FrozenModel)
 DEFAULT_TIMEOUT_S = 30.0
-DEPLOY_TIMEOUT_S = 300.0
+DEPLOY_TIMEOUT_S = 1800.0
+"""Total time for one deploy (send the segment, load, warm up, answer)."""
+PAIRING_TIMEOUT_S = 5.0
+"""Total time for one exchange with an unpaired host (mDNS only suggested it)."""
 
 
 @dataclass(frozen=True)
@@ -82,6 +91,11 @@ class AgentClient:
         body = revoked.model_dump_json().encode()
         return self._call(agent, "POST", "/v1/revocations", body, AgentStatus)
 
+    def renew(self, agent: AgentAddress, renewal: CertificateRenewal) -> AgentStatus:
+        """``POST /v1/certificate``: replace the agent's certificate before it expires."""
+        body = renewal.model_dump_json().encode()
+        return self._call(agent, "POST", "/v1/certificate", body, AgentStatus)
+
     def _call(
         self,
         agent: AgentAddress,
@@ -97,14 +111,18 @@ class AgentClient:
 
 def fetch_offer(agent: AgentAddress) -> PairingOffer:
     """``GET /v1/pairing`` on an unpaired agent."""
-    status, data = _request(agent, "GET", "/v1/pairing", b"", pairing_context(), 10.0, False)
+    status, data = _request(
+        agent, "GET", "/v1/pairing", b"", pairing_context(), PAIRING_TIMEOUT_S, False
+    )
     return _parse(agent, status, data, PairingOffer)
 
 
 def send_grant(agent: AgentAddress, grant: PairingGrant) -> AgentStatus:
     """``POST /v1/pairing`` to an unpaired agent: its certificate and the CA."""
     body = grant.model_dump_json().encode()
-    status, data = _request(agent, "POST", "/v1/pairing", body, pairing_context(), 10.0, False)
+    status, data = _request(
+        agent, "POST", "/v1/pairing", body, pairing_context(), PAIRING_TIMEOUT_S, False
+    )
     return _parse(agent, status, data, AgentStatus)
 
 
@@ -117,20 +135,16 @@ def _request(
     timeout: float,
     check: bool,
 ) -> tuple[int, bytes]:
-    conn = http.client.HTTPSConnection(agent.host, agent.control_port, context=ctx, timeout=timeout)
+    """One exchange, ``timeout`` for all of it; replies over their cap are refused
+    (:mod:`coordinator.transport.bounded_http`): an unpaired host gets :data:`MAX_OFFER_BYTES`."""
+    limit = MAX_REPLY_BYTES if check else MAX_OFFER_BYTES
+    verify = (lambda sock: check_peer(sock, agent.device, ROLE_AGENT)) if check else None
     try:
-        conn.connect()
-        if check:
-            assert isinstance(conn.sock, ssl.SSLSocket)
-            check_peer(conn.sock, agent.device, ROLE_AGENT)
-        headers = {"Content-Type": "application/octet-stream", "Connection": "close"}
-        conn.request(method, path, body=body, headers=headers)
-        response = conn.getresponse()
-        return response.status, response.read()
-    except (OSError, ssl.SSLError, http.client.HTTPException) as exc:
+        return exchange(
+            agent.host, agent.control_port, ctx, (method, path, body), timeout, limit, verify
+        )
+    except ExchangeError as exc:
         raise AgentError(f"{agent.device} ({agent.host}:{agent.control_port}): {exc}") from exc
-    finally:
-        conn.close()
 
 
 def _parse(agent: AgentAddress, status: int, data: bytes, model: type[Model]) -> Model:

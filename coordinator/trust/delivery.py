@@ -12,17 +12,24 @@ from __future__ import annotations
 
 import logging
 import threading
+import time
+from concurrent.futures import ThreadPoolExecutor
 
 from coordinator.errors import AgentError, PairingError
 from coordinator.fleet.registry import DeviceRecord, DeviceRegistry
 from coordinator.transport.agent_client import AgentAddress, AgentClient, fetch_offer, send_grant
 from coordinator.trust.ca import CertificateAuthority
+from coordinator.trust.offers import OfferTableFullError
 from coordinator.trust.pairing import PairedDevice, Pairing
-from protocols.deploy import Revocations
-from protocols.pairing import PairingGrant
+from coordinator.trust.renewal import expires_soon, needs_push
+from protocols.deploy import CertificateRenewal, Revocations
+from protocols.pairing import PairingGrant, PairingOffer, grant_proof
 
 log = logging.getLogger(__name__)
 POLL_INTERVAL_S = 0.5
+FETCH_WORKERS = 8
+RETRY_S = 5.0
+"""After a failed offer fetch, the host is asked again this much later."""
 
 
 def address_of(record: DeviceRecord) -> AgentAddress:
@@ -47,6 +54,10 @@ class TrustService:
         self._offered: set[str] = set()
         """Fingerprints of unpaired agents whose offer is recorded."""
         self._undelivered: dict[str, PairedDevice] = {}
+        self._grant_keys: dict[str, bytes] = {}
+        self._retry_at: dict[str, float] = {}
+        """Fingerprint -> when a host whose offer could not be fetched is asked again."""
+        """The key each undelivered grant proves knowledge of the code with."""
         self._revocations_sent: dict[str, Revocations] = {}
         self._lock = threading.Lock()
         self._stop = threading.Event()
@@ -62,9 +73,10 @@ class TrustService:
 
     def approve(self, name: str, code: str) -> PairedDevice:
         """Issue ``name``'s certificate if ``code`` matches, and deliver it to the agent."""
-        device = self._pairing.approve(name, code)
+        device, key = self._pairing.approve_with_key(name, code)
         with self._lock:
             self._undelivered[name] = device
+            self._grant_keys[name] = key
         self._deliver_grants()
         return device
 
@@ -78,6 +90,7 @@ class TrustService:
         self._collect_offers()
         self._deliver_grants()
         self._push_revocations(force=False)
+        self._renew_certificates()
 
     def start(self) -> None:
         """Poll in a background thread until :meth:`stop`."""
@@ -95,49 +108,111 @@ class TrustService:
             self.poll_once()
 
     def _collect_offers(self) -> None:
+        """Fetch the offers of newly seen unpaired agents, all at once (each exchange has its
+        own deadline, so a host that drips its answer delays nobody else), then record them."""
+        self._prune_offers()
         book = self._pairing.book()
         paired = {d.name for d in book.paired}
-        for record in self._registry.devices():
-            if (
+        now = time.monotonic()
+        wanted = [
+            record
+            for record in self._registry.devices()
+            if not (
                 record.announcement.state.paired
                 or record.fingerprint in self._offered
+                or self._retry_at.get(record.fingerprint, 0.0) > now
                 or record.name in book.revoked_names
                 or record.name in paired
-            ):
+            )
+        ]
+        if not wanted:
+            return
+        with ThreadPoolExecutor(min(len(wanted), FETCH_WORKERS)) as pool:
+            fetched = list(pool.map(_fetch, wanted))
+        for record, offer in zip(wanted, fetched, strict=True):
+            if isinstance(offer, AgentError):
+                self._retry_at[record.fingerprint] = time.monotonic() + RETRY_S
+                log.info("no pairing offer from %s yet: %s", record.name, offer)
+            else:
+                self._record_offer(record, offer)
+
+    def _record_offer(self, record: DeviceRecord, offer: PairingOffer) -> None:
+        if offer.name != record.name:
+            log.warning("%s offered a request for %r; ignored", record.name, offer.name)
+            return
+        try:
+            key_id = self._pairing.request(
+                offer.name, offer.csr_pem, offer.node_public_key, offer.commitment
+            )
+        except OfferTableFullError as exc:
+            log.warning("pairing offer from %s not recorded: %s", record.name, exc)
+            return
+        except PairingError as exc:
+            self._offered.add(record.fingerprint)  # refused once, not fetched again
+            log.warning("pairing offer from %s refused: %s", record.name, exc)
+            return
+        self._offered.add(record.fingerprint)
+        log.warning("pairing request from %s (key %s)", record.name, key_id)
+
+    def _renew_certificates(self) -> None:
+        """Renew expiring certificates and send renewed ones (:mod:`coordinator.trust.renewal`)."""
+        now = time.monotonic()
+        devices = {d.name: d for d in self._pairing.book().paired}
+        for record in self.trusted():
+            device = devices.get(record.name)
+            if device is None or self._retry_at.get(record.fingerprint, 0.0) > now:
                 continue
-            try:
-                offer = fetch_offer(address_of(record))
-                if offer.name != record.name:
-                    log.warning("%s offered a request for %r; ignored", record.name, offer.name)
+            if not needs_push(device, record.fingerprint):
+                if record.fingerprint != device.fingerprint or not expires_soon(device):
                     continue
-                code = self._pairing.request(offer.name, offer.csr_pem, offer.node_public_key)
-            except (AgentError, PairingError) as exc:
-                log.info("no pairing offer from %s yet: %s", record.name, exc)
+                device = self._pairing.renew(record.name)
+            self._retry_at[record.fingerprint] = now + RETRY_S
+            try:
+                self._agents.renew(address_of(record), CertificateRenewal(cert_pem=device.cert_pem))
+            except AgentError as exc:
+                log.warning("could not renew the certificate of %s: %s", record.name, exc)
                 continue
-            if code != offer.code:
-                log.warning("%s shows code %s, its key gives %s", record.name, offer.code, code)
-                continue
-            self._offered.add(record.fingerprint)
-            log.warning("pairing request from %s: code %s", record.name, code)
+            log.warning("renewed the certificate of %s (%s)", record.name, device.fingerprint[:16])
+
+    def _prune_offers(self) -> None:
+        """Drop pending offers whose key no unpaired device announces any more (withdrawn, or an
+        offer for another key than the one announced), so they cannot fill the table."""
+        live = [r for r in self._registry.devices() if not _paired(r)]
+        announced = {(r.name, r.fingerprint[:16]) for r in live}
+        for offer in self._pairing.book().pending:
+            if (offer.name, offer.key_id) not in announced:
+                self._pairing.discard_offer(offer.name, offer.key_id or "")
+        self._offered &= {r.fingerprint for r in live}
 
     def _deliver_grants(self) -> None:
+        """Send each approved grant to every unpaired agent announcing its name, until the
+        device announces itself paired with the issued certificate.
+
+        Only the agent that shows the code can check the grant's proof and holds the key the
+        certificate is for; a same-name rogue gets a certificate it cannot use, and cannot make
+        the coordinator stop delivering to the real device.
+        """
         with self._lock:
             waiting = dict(self._undelivered)
         for name, device in waiting.items():
-            record = next(
-                (r for r in self._registry.devices() if r.name == name and not _paired(r)), None
-            )
-            if record is None:
+            if any(r.fingerprint == device.fingerprint and _paired(r) for r in self.trusted()):
+                log.warning("paired %s (certificate %s)", name, device.fingerprint[:16])
+                with self._lock:
+                    self._undelivered.pop(name, None)
+                    self._grant_keys.pop(name, None)
                 continue
-            grant = PairingGrant(ca_pem=self._ca.cert_pem.decode(), cert_pem=device.cert_pem)
-            try:
-                send_grant(address_of(record), grant)
-            except AgentError as exc:
-                log.warning("could not deliver the certificate to %s: %s", name, exc)
-                continue
-            log.warning("paired %s (certificate %s)", name, device.fingerprint[:16])
+            ca_pem = self._ca.cert_pem.decode()
             with self._lock:
-                self._undelivered.pop(name, None)
+                key = self._grant_keys.get(name, b"")
+            proof = grant_proof(key, ca_pem, device.cert_pem)
+            grant = PairingGrant(ca_pem=ca_pem, cert_pem=device.cert_pem, proof=proof)
+            for record in self._registry.devices():
+                if record.name != name or _paired(record):
+                    continue
+                try:
+                    send_grant(address_of(record), grant)
+                except AgentError as exc:
+                    log.warning("could not deliver the certificate to %s: %s", name, exc)
 
     def _push_revocations(self, force: bool) -> list[str]:
         book = self._pairing.book()
@@ -156,6 +231,13 @@ class TrustService:
             self._revocations_sent[record.fingerprint] = revoked
             told.append(record.name)
         return told
+
+
+def _fetch(record: DeviceRecord) -> PairingOffer | AgentError:
+    try:
+        return fetch_offer(address_of(record))
+    except AgentError as exc:
+        return exc
 
 
 def _paired(record: DeviceRecord) -> bool:

@@ -1,8 +1,9 @@
 """Pairing: agents ask for a certificate, the operator approves by code, revoked ones stay out.
 
-An agent sends a certificate request; the coordinator keeps it as *pending* with the pairing
-code derived from the request's public key (the agent shows the same code). The operator
-approves ``NAME CODE``; a wrong code is refused, and wrong codes are rate-limited (see
+An agent sends a certificate request and a commitment to the code it shows; the coordinator
+keeps it as *pending*, in memory (:mod:`coordinator.trust.offers`). The operator approves
+``NAME CODE`` with the code the device shows; only the offer whose commitment that code opens
+is approved, a wrong code is refused, and wrong codes are rate-limited (see
 :class:`AttemptLimits`): too many for one device, or for all devices together, within a window
 lock approvals for a while, even with the right code. Approval issues a certificate from the CA.
 Revocation is by certificate fingerprint and by device name, and is permanent. The book is
@@ -20,8 +21,6 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from cryptography import x509
-from cryptography.hazmat.primitives import serialization
-from cryptography.hazmat.primitives.asymmetric.types import CertificatePublicKeyTypes
 from pydantic import Field
 
 from coordinator.errors import (
@@ -32,25 +31,14 @@ from coordinator.errors import (
     WrongCodeError,
 )
 from coordinator.trust.ca import CertificateAuthority
+from coordinator.trust.offers import PendingOffers, PendingRequest, match
 from hostkit.files import write_atomic
 from protocols.base import FrozenModel
 from protocols.deploy import ROLE_AGENT
 from protocols.errors import SchemaError
-from protocols.pairing import codes_match, pairing_code
 
 BOOK_FILE = "pairings.json"
-MAX_PENDING = 64
-
-
-class PendingRequest(FrozenModel):
-    """A certificate request waiting for the operator."""
-
-    name: str
-    code: str
-    csr_pem: str
-    requested_at: float
-    node_public_key: str | None = None
-    """The agent's Flower node-authentication key (OpenSSH), if it sent one."""
+__all__ = ["AttemptLimits", "PairedDevice", "Pairing", "PairingBook", "PendingRequest"]
 
 
 class PairedDevice(FrozenModel):
@@ -62,6 +50,8 @@ class PairedDevice(FrozenModel):
     paired_at: float
     node_public_key: str | None = None
     """Registered with the SuperLink of every training run (see :meth:`Pairing.node_keys`)."""
+    previous_fingerprint: str | None = None
+    """The certificate this one renewed, trusted until the agent announces the new one."""
 
 
 class PairingBook(FrozenModel):
@@ -148,49 +138,49 @@ class Pairing:
         self._path = state_dir / BOOK_FILE
         self._ca = ca
         self._lock = threading.Lock()
-        self._book = self._load()
+        self._book = self._load().model_copy(update={"pending": []})
+        self._pending = PendingOffers()
         self._attempts = AttemptLimiter(limits or AttemptLimits(), clock)
 
-    def request(self, name: str, csr_pem: str, node_public_key: str | None = None) -> str:
-        """Record an agent's certificate request (and node key); returns its pairing code."""
-        try:
-            csr = x509.load_pem_x509_csr(csr_pem.encode())
-        except ValueError as exc:
-            raise PairingError(f"not a PEM certificate request: {exc}") from exc
-        if not csr.is_signature_valid:
-            raise PairingError("the certificate request is not signed by its own key")
-        code = pairing_code(_spki(csr.public_key()))
+    def request(
+        self,
+        name: str,
+        csr_pem: str,
+        node_public_key: str | None = None,
+        commitment: str | None = None,
+    ) -> str:
+        """Record an agent's offer (certificate request, code commitment, node key) as pending
+        in memory; returns its key id. Raises PairingError (RevokedError, reserved names, a full
+        table: see :mod:`coordinator.trust.offers`)."""
         with self._lock:
             if name in self._book.revoked_names:
                 raise RevokedError(f"device {name!r} is revoked")
-            pending = [p for p in self._book.pending if p.name != name][-(MAX_PENDING - 1) :]
-            entry = PendingRequest(
-                name=name,
-                code=code,
-                csr_pem=csr_pem,
-                requested_at=time.time(),
-                node_public_key=node_public_key,
-            )
-            self._save(self._book.model_copy(update={"pending": [*pending, entry]}))
-        return code
+        return self._pending.add(name, csr_pem, node_public_key, commitment).key_id or ""
 
     def approve(self, name: str, code: str) -> PairedDevice:
-        """Issue the certificate of the pending request of ``name`` if ``code`` matches it.
+        """Issue the certificate of the pending offer of ``name`` that ``code`` opens.
 
         Raises TooManyAttemptsError while approvals for ``name`` are locked (see
         :class:`AttemptLimits`), whatever the code.
         """
+        return self.approve_with_key(name, code)[0]
+
+    def approve_with_key(self, name: str, code: str) -> tuple[PairedDevice, bytes]:
+        """:meth:`approve`, also returning the key the grant's proof is made with."""
         with self._lock:
             self._attempts.check(name)
             if name in self._book.revoked_names:
                 raise RevokedError(f"device {name!r} is revoked")
-            request = next((p for p in self._book.pending if p.name == name), None)
-            if request is None:
-                self._attempts.failed(None)
+            offers = self._pending.for_name(name)
+            if not offers:
+                # nothing to pair: not a guess, so not counted (an early ``fedshard pair``
+                # retrying until the request arrives must not lock anyone out)
                 raise PairingError(f"no pending pairing request from {name!r}")
-            if not codes_match(request.code, code):
+            matched = match(offers, code)
+            if matched is None:
                 self._attempts.failed(name)
                 raise WrongCodeError(f"the code does not match device {name!r}")
+            request, key = matched
             self._attempts.succeeded(name)
             issued = self._ca.issue(request.csr_pem.encode(), name=name, role=ROLE_AGENT)
             device = PairedDevice(
@@ -203,36 +193,67 @@ class Pairing:
             book = self._book
             self._save(
                 book.model_copy(
-                    update={
-                        "pending": [p for p in book.pending if p.name != name],
-                        "paired": [*(d for d in book.paired if d.name != name), device],
-                    }
+                    update={"paired": [*(d for d in book.paired if d.name != name), device]}
                 )
             )
-        return device
+            self._pending.drop(name)
+        return device, key
 
     def revoke(self, name: str) -> None:
         """Refuse ``name`` and every certificate it was given, from now on."""
         with self._lock:
             book = self._book
-            if name not in {d.name for d in book.paired} | {p.name for p in book.pending}:
+            if name not in {d.name for d in book.paired} and not self._pending.for_name(name):
                 raise PairingError(f"unknown device {name!r}")
             fingerprints = [d.fingerprint for d in book.paired if d.name == name]
+            fingerprints += [
+                d.previous_fingerprint
+                for d in book.paired
+                if d.name == name and d.previous_fingerprint is not None
+            ]
             self._save(
                 book.model_copy(
                     update={
-                        "pending": [p for p in book.pending if p.name != name],
                         "paired": [d for d in book.paired if d.name != name],
                         "revoked_fingerprints": sorted({*book.revoked_fingerprints, *fingerprints}),
                         "revoked_names": sorted({*book.revoked_names, name}),
                     }
                 )
             )
+            self._pending.drop(name)
+
+    def renew(self, name: str) -> PairedDevice:
+        """Issue ``name`` a new certificate for the same key, name and role.
+
+        See :mod:`coordinator.trust.renewal`; the old one stays trusted until the agent uses the
+        new one.
+        """
+        with self._lock:
+            device = next((d for d in self._book.paired if d.name == name), None)
+            if device is None:
+                raise PairingError(f"device {name!r} is not paired")
+            public_key = x509.load_pem_x509_certificate(device.cert_pem.encode()).public_key()
+            issued = self._ca.issue_for_key(public_key, name, ROLE_AGENT)
+            renewed = device.model_copy(
+                update={
+                    "fingerprint": issued.fingerprint,
+                    "cert_pem": issued.pem.decode(),
+                    "previous_fingerprint": device.fingerprint,
+                }
+            )
+            book = self._book
+            paired = [renewed if d.name == name else d for d in book.paired]
+            self._save(book.model_copy(update={"paired": paired}))
+        return renewed
+
+    def discard_offer(self, name: str, key_id: str) -> None:
+        """Forget one pending offer (its device no longer announces that key)."""
+        self._pending.discard(name, key_id)
 
     def book(self) -> PairingBook:
         """A snapshot of every pending, paired and revoked device."""
         with self._lock:
-            return self._book
+            return self._book.model_copy(update={"pending": self._pending.all()})
 
     def fingerprint_of(self, name: str) -> str | None:
         """The certificate fingerprint ``name`` is paired with (None if unpaired or revoked)."""
@@ -249,7 +270,10 @@ class Pairing:
         with self._lock:
             if fingerprint in self._book.revoked_fingerprints:
                 return False
-            return any(d.name == name and d.fingerprint == fingerprint for d in self._book.paired)
+            return any(
+                d.name == name and fingerprint in (d.fingerprint, d.previous_fingerprint)
+                for d in self._book.paired
+            )
 
     def _load(self) -> PairingBook:
         if not self._path.exists():
@@ -262,9 +286,3 @@ class Pairing:
     def _save(self, book: PairingBook) -> None:
         write_atomic(self._path, book.to_json().encode(), mode=0o600)
         self._book = book
-
-
-def _spki(public_key: CertificatePublicKeyTypes) -> bytes:
-    return public_key.public_bytes(
-        serialization.Encoding.DER, serialization.PublicFormat.SubjectPublicKeyInfo
-    )

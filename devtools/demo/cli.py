@@ -208,7 +208,8 @@ def _steps(
             "local clients (Flower, SecAgg+, differential privacy), in the coordinator's "
             "background while the agents pair and the models deploy"
         )
-    pair_automatically(console, api, names, procs.check_alive)
+    agent_dirs = {name: root / "agents" / name for name in names}
+    pair_automatically(console, api, agent_dirs, procs.check_alive)
     model = export_model(console, args.cache_dir / "exports" / "all-minilm-l6-v2")
     caps = minilm_caps(model, names)
     console.print(budgets_table("all-MiniLM-L6-v2", model, caps))

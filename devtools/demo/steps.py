@@ -12,7 +12,7 @@ import json
 import logging
 import time
 import warnings
-from collections.abc import Callable, Iterator, Sequence
+from collections.abc import Callable, Iterator, Mapping, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -20,6 +20,8 @@ from typing import Any
 import numpy as np
 from rich.console import Console
 from rich.table import Table
+
+from protocols.pairing import CODE_FILE
 
 MODEL_ID = "all-minilm-l6-v2"
 AGENT_MEMORY = "1GiB"
@@ -137,14 +139,15 @@ def budgets_table(model_name: str, model: Path, caps: dict[str, int]) -> Table:
 
 
 def pair_automatically(
-    console: Console, api: Api, names: Sequence[str], alive: Callable[[], None]
+    console: Console, api: Api, agents: Mapping[str, Path], alive: Callable[[], None]
 ) -> None:
-    """Approve each agent's pending pairing request with the code the API shows (demo only)."""
+    """Approve each agent's pending pairing request with the code it shows, read from its state
+    dir (``agents``: name -> state dir; demo only, the agents run on this machine)."""
     console.print(
         "[bold yellow]demo mode: pairing automatically[/] (a real deployment approves each "
         "agent's code with `fedshard pair NAME CODE` or in the console)"
     )
-    wanted = set(names)
+    wanted = set(agents)
     deadline = time.monotonic() + PAIR_TIMEOUT_S
     with console.status("waiting for the agents' pairing requests (mDNS on 127.0.0.1)..."):
         while True:
@@ -152,14 +155,16 @@ def pair_automatically(
             statuses = _statuses(api, wanted)
             if all(statuses.get(n) == "paired" for n in wanted):
                 break
-            pending = {p["name"]: p["code"] for p in api.get("/v1/pairing")["pending"]}
+            pending = {p["name"] for p in api.get("/v1/pairing")["pending"]}
             for name in sorted(wanted):
-                if statuses.get(name) != "paired" and name in pending:
+                shown = agents[name] / CODE_FILE
+                if statuses.get(name) != "paired" and name in pending and shown.is_file():
+                    typed = shown.read_text().strip()
                     code, reply = api.call(
-                        "POST", "/v1/pairing/approve", {"name": name, "code": pending[name]}
+                        "POST", "/v1/pairing/approve", {"name": name, "code": typed}
                     )
                     if code == 200:
-                        console.print(f"  paired {name} (code {pending[name]})")
+                        console.print(f"  paired {name} (code {typed})")
                     elif code != 404:
                         raise DemoStepError(f"pairing {name} failed: {code} {reply}")
             if time.monotonic() > deadline:

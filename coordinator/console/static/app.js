@@ -218,7 +218,7 @@ function renderPaired(devices) {
 
 function renderPending(book) {
   $("pending-table").tBodies[0].innerHTML = book.pending.map(p =>
-    `<tr data-device="${esc(p.name)}"><td>${esc(p.name)}</td><td><code>${esc(p.code)}</code></td>
+    `<tr data-device="${esc(p.name)}"><td>${esc(p.name)}</td><td><code>${esc(p.key_id || "")}</code></td>
       <td>${new Date(p.requested_at * 1000).toLocaleTimeString()}</td>
       <td><button type="button" class="pick" data-name="${esc(p.name)}">Approve…</button></td></tr>`
   ).join("") || `<tr><td colspan="4" class="muted">No device is waiting.</td></tr>`;
