@@ -146,7 +146,7 @@ def run_chaos(
             reference, _ = greedy_reference(target.decoder_export, STREAM_PROMPT, STREAM_TOKENS)
     models = [MODEL_ID] + ([target.decoder_id] if target.decoder_id else [])
     victim = _victim(api, target.decoder_id or MODEL_ID)
-    before = _active_sizes(api, models)
+    before = _active_sizes(api, models, victim)
     supervisor.skip_history()
     tally = Tally()
     first_token = threading.Event()
@@ -186,7 +186,7 @@ def run_chaos(
         stream=verdict,
         timeline=timeline,
         whole_again=all(
-            _active_sizes(api, models).get(model, 0) >= size for model, size in before.items()
+            _active_sizes(api, list(before)).get(model, 0) >= size for model, size in before.items()
         ),
     )
     console.print(outcome_table(outcome))
@@ -361,14 +361,17 @@ def _plan_sizes(api: Api) -> dict[str, dict[int, int]]:
     }
 
 
-def _active_sizes(api: Api, models: Sequence[str]) -> dict[str, int]:
-    """How many devices each model's active version uses now."""
+def _active_sizes(api: Api, models: Sequence[str], using: str | None = None) -> dict[str, int]:
+    """How many devices each model's active version uses now (only those using device
+    ``using``, when given: the models that losing it affects)."""
     sizes = {}
     for record in api.get("/v1/deployments"):
         if record["model_id"] in models and record.get("active") is not None:
             active = record["active"]
             version = next(v for v in record["versions"] if v["plan_version"] == active)
-            sizes[record["model_id"]] = len(version["segments"])
+            devices = [segment["device"] for segment in version["segments"]]
+            if using is None or using in devices:
+                sizes[record["model_id"]] = len(devices)
     return sizes
 
 
