@@ -24,6 +24,7 @@ def test_a_model_that_shrank_must_expand_after_the_restart() -> None:
         note(KILLED - 5, "expanded", "m", 1),  # before the kill: not this chaos run's
         note(KILLED + 0.5, "lost", device="a"),
         note(KILLED + 3, "replanned", "m", 2),
+        note(KILLED + 9, "back", device="a"),
         note(KILLED + 20, "expanded", "m", 3),
     ]
     sizes = {"m": {1: 4, 2: 3, 3: 4}}
@@ -32,6 +33,7 @@ def test_a_model_that_shrank_must_expand_after_the_restart() -> None:
     assert t.notice_s == 0.5
     assert t.replan_s == {"m": 3.0}
     assert t.expand_s == {"m": 12.0}
+    assert t.rejoin_s == 1.0
     assert t.settled
 
 
@@ -47,7 +49,8 @@ def test_a_model_replanned_on_as_many_devices_has_nothing_to_expand() -> None:
     notes = [note(KILLED + 1, "lost", device="a"), note(KILLED + 4, "replanned", "d", 7)]
     sizes = {"d": {6: 2, 7: 2}}
     t = _timeline(notes, sizes, "a", {"d": 2}, KILLED, FakeSupervisor())  # type: ignore[arg-type]
-    assert t.kept_whole == ["d"] and t.expand_s == {} and t.settled
+    assert t.kept_whole == ["d"] and t.expand_s == {}
+    assert not t.settled  # the device was never restarted, so it never rejoined
 
 
 def test_a_model_not_yet_replanned_is_not_settled() -> None:

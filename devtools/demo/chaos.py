@@ -90,13 +90,17 @@ class Timeline:
     expand_s: dict[str, float | None]
     """Models whose re-plan used fewer devices than before: when they expanded back."""
     kept_whole: list[str] = field(default_factory=list)
-    """Models re-planned on as many devices as before: nothing to expand back."""
+    """Models re-planned on as many devices as before (a spare agent took the lost one's
+    place): nothing to expand back."""
+    rejoin_s: float | None = None
+    """From the restart to the coordinator counting the device back."""
 
     @property
     def settled(self) -> bool:
-        """Every model was re-planned, and every one that shrank expanded back."""
+        """Every model was re-planned, every one that shrank expanded back, the device is back."""
         replanned = all(v is not None for v in self.replan_s.values())
-        return replanned and all(v is not None for v in self.expand_s.values())
+        expanded = all(v is not None for v in self.expand_s.values())
+        return replanned and expanded and self.rejoin_s is not None
 
 
 @dataclass(frozen=True)
@@ -113,11 +117,13 @@ class ChaosOutcome:
     stream: str
     """The streamed completion's verdict: ``correct``, ``wrong``, ``lost`` or ``none``."""
     timeline: Timeline
+    whole_again: bool
+    """Every model is served on at least as many devices as before the kill."""
 
     @property
     def ok(self) -> bool:
-        """Nothing lost or wrong, and every model that shrank expanded back."""
-        return self.lost == 0 and self.wrong == 0 and self.timeline.settled
+        """Nothing lost or wrong, the device back, every model as wide as before the kill."""
+        return self.lost == 0 and self.wrong == 0 and self.timeline.settled and self.whole_again
 
 
 @dataclass(frozen=True)
@@ -140,7 +146,7 @@ def run_chaos(
             reference, _ = greedy_reference(target.decoder_export, STREAM_PROMPT, STREAM_TOKENS)
     models = [MODEL_ID] + ([target.decoder_id] if target.decoder_id else [])
     victim = _victim(api, target.decoder_id or MODEL_ID)
-    before = _active_sizes(api, models)
+    before = _active_sizes(api, models, victim)
     supervisor.skip_history()
     tally = Tally()
     first_token = threading.Event()
@@ -179,20 +185,28 @@ def run_chaos(
         refusals=dict(tally.refusals),
         stream=verdict,
         timeline=timeline,
+        whole_again=all(
+            _active_sizes(api, list(before)).get(model, 0) >= size for model, size in before.items()
+        ),
     )
     console.print(outcome_table(outcome))
     return outcome
 
 
 def _victim(api: Api, model_id: str) -> str:
-    """The device of the middle segment of ``model_id``'s active plan (the first if only one)."""
+    """The device of the middle segment of the widest active plan (``model_id``'s among equals):
+    when a plan uses every agent, losing this one makes it shrink, so it must expand back."""
+    plans = []
     for record in api.get("/v1/deployments"):
-        if record["model_id"] != model_id or record.get("active") is None:
+        if record.get("active") is None:
             continue
         version = next(v for v in record["versions"] if v["plan_version"] == record["active"])
-        segments = version["segments"]
-        return str(segments[len(segments) // 2]["device"])
-    raise RuntimeError(f"{model_id} has no active version to attack")
+        plans.append((len(version["segments"]), record["model_id"] == model_id, version))
+    if not plans:
+        raise RuntimeError("nothing is deployed to attack")
+    _, _, widest = max(plans, key=lambda plan: plan[:2])
+    segments = widest["segments"]
+    return str(segments[len(segments) // 2]["device"])
 
 
 def _wait_for_kill_moment(
@@ -347,14 +361,17 @@ def _plan_sizes(api: Api) -> dict[str, dict[int, int]]:
     }
 
 
-def _active_sizes(api: Api, models: Sequence[str]) -> dict[str, int]:
-    """How many devices each model's active version uses now."""
+def _active_sizes(api: Api, models: Sequence[str], using: str | None = None) -> dict[str, int]:
+    """How many devices each model's active version uses now (only those using device
+    ``using``, when given: the models that losing it affects)."""
     sizes = {}
     for record in api.get("/v1/deployments"):
         if record["model_id"] in models and record.get("active") is not None:
             active = record["active"]
             version = next(v for v in record["versions"] if v["plan_version"] == active)
-            sizes[record["model_id"]] = len(version["segments"])
+            devices = [segment["device"] for segment in version["segments"]]
+            if using is None or using in devices:
+                sizes[record["model_id"]] = len(devices)
     return sizes
 
 
@@ -408,7 +425,14 @@ def _timeline(
             back = next((n.at for n in mine if n.kind == "expanded" and n.at >= restarted), None)
         expand[model] = None if back is None or restarted is None else back - restarted
     notice = None if lost is None else lost - killed_at
-    return Timeline(notice, replan, expand, whole)
+    rejoin = None
+    if restarted is not None:
+        back_at = next(
+            (n.at for n in after if n.kind == "back" and n.device == victim and n.at >= restarted),
+            None,
+        )
+        rejoin = None if back_at is None else back_at - restarted
+    return Timeline(notice, replan, expand, whole, rejoin)
 
 
 def outcome_table(outcome: ChaosOutcome) -> Table:
@@ -433,6 +457,8 @@ def outcome_table(outcome: ChaosOutcome) -> Table:
         rows.append((f"time to expand {model} back (after the restart)", _seconds(seconds)))
     for model in outcome.timeline.kept_whole:
         rows.append((f"{model} after the re-plan", "as many devices as before"))
+    rows.append(("time to rejoin (after the restart)", _seconds(outcome.timeline.rejoin_s)))
+    rows.append(("every model back on as many devices", "yes" if outcome.whole_again else "no"))
     for what, value in rows:
         table.add_row(what, value)
     return table
