@@ -2,7 +2,6 @@
 
 Rooms, each importing only the rooms below it (an import-linter layers contract)::
 
-    cli          the ``fedshard`` entry point (registers every package's subcommands)
     commands     ``fedshard coordinator | pair | revoke | deploy | rollback | devices``
     app          composition root: builds every service once and runs the HTTP server
     http         everything FastAPI and nothing else: routes, bodies, the error catalogue
@@ -38,5 +37,6 @@ Rooms, each importing only the rooms below it (an import-linter layers contract)
 
 Below every room: :mod:`protocols` (formats), :mod:`partitioner` (planning and cutting) and
 :mod:`hostkit` (atomic writes, process-tree stop). The coordinator never imports
-:mod:`edge_agent` or :mod:`devtools` (demo, lab, the digits task live there).
+:mod:`edge_agent` or :mod:`devtools` (demo, lab, the digits task live there); the ``fedshard``
+command that registers all of their subcommands is the top-level :mod:`fedshard` package.
 """

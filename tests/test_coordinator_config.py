@@ -12,8 +12,8 @@ def test_coordinator_flags_build_the_training_and_cache_config(
 ) -> None:
     """``fedshard coordinator --superlink-port`` sends API runs to paired agents."""
     from coordinator import app as service
-    from coordinator.cli import build_parser
     from coordinator.config import AgentTrainingConfig, CoordinatorConfig
+    from fedshard.cli import build_parser
 
     seen: list[CoordinatorConfig] = []
     monkeypatch.setattr(service, "serve", lambda config, console: seen.append(config) or 0)

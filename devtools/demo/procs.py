@@ -92,7 +92,7 @@ def fedshard_command() -> list[str]:
     script = Path(sys.executable).parent / "fedshard"
     if script.is_file() and os.access(script, os.X_OK):
         return [str(script)]
-    return [sys.executable, "-c", "from coordinator.cli import main; main()"]
+    return [sys.executable, "-m", "fedshard"]
 
 
 def port_is_free(port: int) -> bool:
