@@ -37,7 +37,7 @@ from coordinator_helpers import start_coordinator, stop_process
 from cryptography import x509
 from cryptography.hazmat.primitives import serialization
 
-from coordinator import agent_client
+from coordinator.transport import agent_client
 from coordinator.errors import AgentError
 from coordinator.fleet.registry import DeviceRegistry
 from coordinator.transport.agent_client import AgentAddress, AgentClient, fetch_offer

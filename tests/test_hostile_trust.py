@@ -204,7 +204,7 @@ def test_the_coordinators_certificate_is_renewed_before_it_expires(
 ) -> None:
     import datetime as dt
 
-    from coordinator import ca as ca_module
+    from coordinator.trust import ca as ca_module
     from coordinator.trust.identity import open_identity
 
     authority = CertificateAuthority.open(tmp_path)
@@ -226,7 +226,7 @@ def test_an_agents_certificate_is_renewed_before_it_expires_and_keeps_serving(
     import datetime as dt
     import hashlib
 
-    from coordinator import ca as ca_module
+    from coordinator.trust import ca as ca_module
     from coordinator.fleet.registry import DeviceRegistry
     from coordinator.transport.agent_client import AgentAddress, AgentClient
     from coordinator.trust.delivery import TrustService
