@@ -37,9 +37,9 @@ from coordinator_helpers import start_coordinator, stop_process
 from cryptography import x509
 from cryptography.hazmat.primitives import serialization
 
-from coordinator.transport import agent_client
 from coordinator.errors import AgentError
 from coordinator.fleet.registry import DeviceRegistry
+from coordinator.transport import agent_client
 from coordinator.transport.agent_client import AgentAddress, AgentClient, fetch_offer
 from coordinator.trust.ca import CertificateAuthority
 from coordinator.trust.delivery import TrustService
