@@ -329,8 +329,10 @@ def report(
         f"# Generation speed ({args.model})",
         "",
         f"`.venv/bin/python bench/generate.py --model {args.model} --tokens {args.tokens} "
-        f"--runs {args.runs}` on {os.cpu_count()} cores; one intra-op thread everywhere; "
-        f"{len(ids)}-token chat prompt, {args.tokens} new tokens, greedy.",
+        f"--runs {args.runs}{f' --export {args.export}' if args.export else ''}` on "
+        f"{os.cpu_count()} cores (load average {os.getloadavg()[0]:.1f} at the end); one "
+        f"intra-op thread everywhere; {len(ids)}-token chat prompt, {args.tokens} new tokens, "
+        "greedy.",
         "",
         "| engine | time to first token | decode tokens/s | total tokens/s |",
         "|---|---|---|---|",
@@ -354,7 +356,7 @@ def report(
                 "target": 1.5,
             },
             *(
-                {"name": f"generation: prompt lookup vs none, {p}, {n} stream(s)", "value": v}
+                {"name": f"generation: prompt lookup vs none, {p}, {STREAMS[n]}", "value": v}
                 for (p, n), v in speedups.items()
                 if (p, n) != ("code editing", "one")
             ),
@@ -362,6 +364,9 @@ def report(
     }
     args.out.with_suffix(".json").write_text(json.dumps(headlines, indent=2) + "\n")
     console.print(f"one stream / ORT: {vs_ort:.2f}x; 4 streams / one: {streams:.2f}x")
+
+
+STREAMS = {"one": "1 stream", "four": "4 streams"}
 
 
 def spec_speedups(spec: list[SpecRow]) -> dict[tuple[str, str], float]:
