@@ -118,7 +118,7 @@ class Agent:
                 await self._advertiser.start(self.announcement())
             _write_ready(ready, self)
             log.info(
-                "agent %s ready: control %s:%d, data %s:%d, %s, %.1f GFLOP/s",
+                "agent %s ready: control %s:%d, data %s:%d, %s, %.1f GFLOP/s, %s GB/s",
                 cfg.name,
                 cfg.interface,
                 self._ports[0],
@@ -128,6 +128,7 @@ class Agent:
                 if self.identity.paired
                 else f"UNPAIRED, pairing code {pairing_offer(self.identity).code}",
                 self.profile.gflops,
+                self.profile.memory_gbps,
             )
             await stop.wait()
             log.info("agent %s stopping", cfg.name)
@@ -158,6 +159,7 @@ class Agent:
             name=self.config.name,
             memory_bytes=self.config.memory_bytes,
             gflops=self.profile.gflops,
+            memory_gbps=self.profile.memory_gbps,
             control_port=self._ports[0],
             data_port=self._ports[1],
             cert_fingerprint=self.identity.cert_fingerprint,
@@ -288,6 +290,7 @@ class Agent:
             memory_committed_bytes=self.store.committed_bytes(),
             resident_memory_bytes=resident_bytes(),
             gflops=self.profile.gflops,
+            memory_gbps=self.profile.memory_gbps,
             paired=self.identity.paired,
             segments=[
                 LoadedSegment(

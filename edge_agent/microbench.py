@@ -1,10 +1,17 @@
-"""Compute profile: an ONNX Runtime MatMul micro-benchmark, cached in the state dir.
+"""Device profile: the two roofs (compute and memory bandwidth), cached in the state dir.
 
-The benchmark model is written as raw protobuf (the agent does not depend on the ``onnx``
-package): ``MATMULS`` chained ``[N, N] x [N, N]`` products, so one run is large enough that the
-per-call overhead does not matter. Each trial counts the smaller of wall time and process CPU
-time per thread (ORT spinning is off, so CPU time is busy time), and GFLOP/s is the best trial
-(as ``timeit`` advises): that keeps it within about 10% on a machine shared with other work.
+Both micro-benchmarks run in ONNX Runtime with the agent's own thread settings, since that is
+what will run the segments. The models are written as raw protobuf (the agent does not depend
+on the ``onnx`` package).
+
+- **Compute**: ``MATMULS`` chained ``[N, N] x [N, N]`` products, so one run is large enough that
+  the per-call overhead does not matter. Each trial counts the smaller of wall time and process
+  CPU time per thread (ORT spinning is off, so CPU time is busy time), and GFLOP/s is the best
+  trial (as ``timeit`` advises): that keeps it within about 10% on a machine shared with other
+  work.
+- **Memory bandwidth**: a ``ReduceSum`` over a float32 buffer larger than the caches (twice the
+  largest cache the OS reports, see :func:`stream_bytes`), which reads every byte once; GB/s is
+  the best of the trials (wall time: a streaming read waits on memory, not on the core).
 """
 
 from __future__ import annotations
@@ -25,7 +32,10 @@ log = logging.getLogger(__name__)
 PROFILE_FILE = "profile.json"
 MATRIX = 256
 MATMULS = 4
+STREAM_MIN_BYTES = 64 << 20
+STREAM_MAX_BYTES = 512 << 20
 _FLOAT = 1  # TensorProto.FLOAT
+_CACHE_DIR = Path("/sys/devices/system/cpu/cpu0/cache")
 
 
 class ComputeProfile(BaseModel):
@@ -34,6 +44,11 @@ class ComputeProfile(BaseModel):
     model_config = ConfigDict(frozen=True, extra="forbid")
 
     gflops: PositiveFloat
+    memory_gbps: PositiveFloat | None = None
+    """Streaming-read bandwidth in GB/s (10^9 bytes/s); None in caches written before it was
+    measured (such a cache is measured again)."""
+    stream_bytes: PositiveInt | None = None
+    """Size of the buffer the bandwidth was measured on."""
     intra_op_threads: PositiveInt
     inter_op_threads: PositiveInt
     onnxruntime_version: str
@@ -65,10 +80,76 @@ def matmul_model_bytes(n: int = MATRIX, count: int = MATMULS) -> bytes:
     return _varint_field(1, 8) + _field(2, b"fedshard") + _field(7, graph) + _field(8, opset)
 
 
+def reduce_model_bytes(elements: int) -> bytes:
+    """A serialized ONNX model: ``y = ReduceSum(x)`` over a float32 vector of ``elements``."""
+    node = _node("ReduceSum", ["x"], ["y"], "sum")
+    graph = b"".join(
+        [
+            _field(1, node),
+            _field(2, b"fedshard_stream"),
+            _field(11, _value_info("x", [elements])),
+            _field(12, _value_info("y", [1])),
+        ]
+    )
+    opset = _field(1, b"") + _varint_field(2, 17)
+    return _varint_field(1, 8) + _field(2, b"fedshard") + _field(7, graph) + _field(8, opset)
+
+
+def stream_bytes(cache_dir: Path = _CACHE_DIR) -> int:
+    """Buffer size for the bandwidth benchmark: twice the largest CPU cache the OS reports,
+    within [:data:`STREAM_MIN_BYTES`, :data:`STREAM_MAX_BYTES`], a multiple of 1 MiB."""
+    largest = 0
+    for size_file in sorted(cache_dir.glob("index*/size")):
+        try:
+            largest = max(largest, _parse_cache_size(size_file.read_text()))
+        except (OSError, ValueError):
+            continue
+    wanted = max(STREAM_MIN_BYTES, min(STREAM_MAX_BYTES, 2 * largest))
+    return (wanted + (1 << 20) - 1) >> 20 << 20
+
+
+def _parse_cache_size(text: str) -> int:
+    """``"32K"``, ``"4096K"``, ``"300M"`` or plain bytes, as sysfs writes cache sizes."""
+    text = text.strip().upper()
+    scale = {"K": 1 << 10, "M": 1 << 20, "G": 1 << 30}.get(text[-1:], 1)
+    digits = text[:-1] if scale != 1 else text
+    return int(digits) * scale
+
+
+def measure_memory_gbps(runtime: RuntimeConfig, size: int | None = None, trials: int = 10) -> float:
+    """Best streaming-read bandwidth (GB/s) of ``trials`` ReduceSum runs over ``size`` bytes."""
+    import onnxruntime as ort
+
+    from edge_agent.runtime import session_options
+
+    elements = (size or stream_bytes()) // 4
+    session = ort.InferenceSession(
+        reduce_model_bytes(elements), session_options(runtime), providers=["CPUExecutionProvider"]
+    )
+    buffer = np.ones(elements, dtype=np.float32)
+    feeds = {"x": buffer}
+    session.run(None, feeds)
+    best = float("inf")
+    for _ in range(trials):
+        start = time.perf_counter()
+        session.run(None, feeds)
+        best = min(best, time.perf_counter() - start)
+    return buffer.nbytes / max(best, 1e-9) / 1e9
+
+
+def measure_profile(runtime: RuntimeConfig) -> ComputeProfile:
+    """Both roofs with the agent's thread settings (about two seconds)."""
+    compute = measure_gflops(runtime)
+    size = stream_bytes()
+    gbps = measure_memory_gbps(runtime, size)
+    return compute.model_copy(update={"memory_gbps": round(gbps, 3), "stream_bytes": size})
+
+
 def measure_gflops(
     runtime: RuntimeConfig, budget_s: float = 1.0, trials: int = 10
 ) -> ComputeProfile:
-    """Run the micro-benchmark with the agent's thread settings; about ``budget_s`` seconds."""
+    """Run the MatMul micro-benchmark with the agent's thread settings; about ``budget_s``
+    seconds (the profile it returns has no bandwidth; see :func:`measure_profile`)."""
     import onnxruntime as ort
 
     from edge_agent.runtime import session_options
@@ -124,17 +205,23 @@ def load_or_measure(
             log.warning("ignoring unreadable profile cache %s: %s", path, exc)
         else:
             if (
-                cached.intra_op_threads == runtime.intra_op_threads
+                cached.memory_gbps is not None
+                and cached.intra_op_threads == runtime.intra_op_threads
                 and cached.inter_op_threads == runtime.inter_op_threads
                 and cached.onnxruntime_version == ort.__version__
             ):
                 return cached
-    profile = measure_gflops(runtime)
+    profile = measure_profile(runtime)
     state_dir.mkdir(parents=True, exist_ok=True)
     tmp = path.with_suffix(".tmp")
     tmp.write_text(profile.model_dump_json(indent=2))
     tmp.replace(path)
-    log.info("measured %.1f GFLOP/s with %d thread(s)", profile.gflops, runtime.intra_op_threads)
+    log.info(
+        "measured %.1f GFLOP/s and %.1f GB/s with %d thread(s)",
+        profile.gflops,
+        profile.memory_gbps,
+        runtime.intra_op_threads,
+    )
     return profile
 
 

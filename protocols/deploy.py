@@ -212,6 +212,8 @@ class AgentStatus(FrozenModel):
     """Sum of the predicted memory of the loaded segments."""
     resident_memory_bytes: NonNegativeInt
     gflops: float
+    memory_gbps: float | None = None
+    """Streaming-read bandwidth, GB/s (None from agents that predate it)."""
     paired: bool
     segments: list[LoadedSegment] = Field(default_factory=list)
 

@@ -17,6 +17,10 @@ class DeviceSpec(FrozenModel):
     memory_bytes: NonNegativeInt
     gflops: PositiveFloat
     bandwidth_mbps: PositiveFloat
+    memory_gbps: PositiveFloat | None = None
+    """Memory roof (streaming-read GB/s, as ``fedshard profile`` measures it). With it every
+    unit is priced by the roofline, ``max(FLOPs / compute, bytes read / bandwidth)``; without
+    it by FLOPs alone."""
 
 
 class DeviceList(FrozenModel):

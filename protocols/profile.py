@@ -22,7 +22,10 @@ class DeviceProfile(FrozenModel):
     memory_bytes: NonNegativeInt
     """The most memory this agent may use for segments and sessions."""
     gflops: PositiveFloat
-    """Measured with an ONNX Runtime micro-benchmark."""
+    """Compute roof, measured with an ONNX Runtime MatMul micro-benchmark."""
+    memory_gbps: PositiveFloat | None = None
+    """Memory roof: streaming-read bandwidth in GB/s (10^9 bytes/s), measured with an ONNX
+    Runtime ReduceSum over a buffer larger than the caches; None from agents that predate it."""
     providers: list[ProviderName] = Field(
         default_factory=lambda: ["CPUExecutionProvider"], max_length=8
     )
