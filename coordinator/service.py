@@ -32,6 +32,7 @@ from coordinator.pairing import Pairing
 from coordinator.registry import DeviceRecord, DeviceRegistry
 from coordinator.requester_links import requester_probe
 from coordinator.serving import Router
+from coordinator.stage_timing import StageTiming
 from coordinator.state import sweep_temp_files
 from coordinator.training.service import PairedAgents, coordinator_runs
 from coordinator.trust import TrustService, address_of
@@ -85,6 +86,7 @@ def serve(config: CoordinatorConfig, console: Console) -> int:
         router.retire,
         links.requester_links,
         config.segment_cache_dir,
+        StageTiming(config.state_dir),
     )
     serving = Serving(store, deployer, router, Embedder(store, router), links, failover)
     app = create_app(

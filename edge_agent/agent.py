@@ -160,6 +160,9 @@ class Agent:
             memory_bytes=self.config.memory_bytes,
             gflops=self.profile.gflops,
             memory_gbps=self.profile.memory_gbps,
+            cache_bytes=self.profile.cache_bytes,
+            cache_gbps=self.profile.cache_gbps,
+            op_us=self.profile.op_us,
             control_port=self._ports[0],
             data_port=self._ports[1],
             cert_fingerprint=self.identity.cert_fingerprint,
@@ -291,6 +294,9 @@ class Agent:
             resident_memory_bytes=resident_bytes(),
             gflops=self.profile.gflops,
             memory_gbps=self.profile.memory_gbps,
+            cache_bytes=self.profile.cache_bytes,
+            cache_gbps=self.profile.cache_gbps,
+            op_us=self.profile.op_us,
             paired=self.identity.paired,
             segments=[
                 LoadedSegment(

@@ -12,6 +12,9 @@ on the ``onnx`` package).
 - **Memory bandwidth**: a ``ReduceSum`` over a float32 buffer larger than the caches (twice the
   largest cache the OS reports, see :func:`stream_bytes`), which reads every byte once; GB/s is
   the best of the trials (wall time: a streaming read waits on memory, not on the core).
+- **Operator cost**: a chain of :data:`OPS` ``Add`` operators on a 64-element vector; the best
+  trial's time per operator is the fixed cost every kernel launch pays (it dominates small
+  segments).
 """
 
 from __future__ import annotations
@@ -23,7 +26,15 @@ import time
 from pathlib import Path
 
 import numpy as np
-from pydantic import BaseModel, ConfigDict, PositiveFloat, PositiveInt, ValidationError
+from pydantic import (
+    BaseModel,
+    ConfigDict,
+    NonNegativeFloat,
+    NonNegativeInt,
+    PositiveFloat,
+    PositiveInt,
+    ValidationError,
+)
 
 from edge_agent.config import RuntimeConfig
 
@@ -32,10 +43,7 @@ log = logging.getLogger(__name__)
 PROFILE_FILE = "profile.json"
 MATRIX = 256
 MATMULS = 4
-STREAM_MIN_BYTES = 64 << 20
-STREAM_MAX_BYTES = 512 << 20
 _FLOAT = 1  # TensorProto.FLOAT
-_CACHE_DIR = Path("/sys/devices/system/cpu/cpu0/cache")
 
 
 class ComputeProfile(BaseModel):
@@ -45,10 +53,16 @@ class ComputeProfile(BaseModel):
 
     gflops: PositiveFloat
     memory_gbps: PositiveFloat | None = None
-    """Streaming-read bandwidth in GB/s (10^9 bytes/s); None in caches written before it was
-    measured (such a cache is measured again)."""
+    """Streaming-read bandwidth in GB/s (10^9 bytes/s) beyond the caches; None in caches
+    written before it was measured (such a cache is measured again)."""
     stream_bytes: PositiveInt | None = None
     """Size of the buffer the bandwidth was measured on."""
+    cache_bytes: NonNegativeInt | None = None
+    """Largest buffer still read at least twice as fast as memory (0: no such cache)."""
+    cache_gbps: PositiveFloat | None = None
+    """Streaming-read bandwidth of a buffer of ``cache_bytes``."""
+    op_us: NonNegativeFloat | None = None
+    """Fixed cost of one operator, microseconds."""
     intra_op_threads: PositiveInt
     inter_op_threads: PositiveInt
     onnxruntime_version: str
@@ -65,84 +79,39 @@ def matmul_model_bytes(n: int = MATRIX, count: int = MATMULS) -> bytes:
     prev = "x"
     for i in range(count):
         out = "y" if i == count - 1 else f"h{i}"
-        nodes.append(_node("MatMul", [prev, "w"], [out], f"mm{i}"))
+        nodes.append(node_bytes("MatMul", [prev, "w"], [out], f"mm{i}"))
         prev = out
+    return model_bytes(nodes, "fedshard_microbench", [("x", shape), ("w", shape)], [("y", shape)])
+
+
+def model_bytes(
+    nodes: list[bytes],
+    name: str,
+    inputs: list[tuple[str, list[int]]],
+    outputs: list[tuple[str, list[int]]],
+) -> bytes:
+    """A serialized opset-17 ONNX model of ``nodes`` (from :func:`node_bytes`) with float32
+    ``inputs`` and ``outputs`` of the given shapes."""
     graph = b"".join(
         [
             *(_field(1, node) for node in nodes),
-            _field(2, b"fedshard_microbench"),
-            _field(11, _value_info("x", shape)),
-            _field(11, _value_info("w", shape)),
-            _field(12, _value_info("y", shape)),
+            _field(2, name.encode()),
+            *(_field(11, _value_info(n, shape)) for n, shape in inputs),
+            *(_field(12, _value_info(n, shape)) for n, shape in outputs),
         ]
     )
     opset = _field(1, b"") + _varint_field(2, 17)
     return _varint_field(1, 8) + _field(2, b"fedshard") + _field(7, graph) + _field(8, opset)
-
-
-def reduce_model_bytes(elements: int) -> bytes:
-    """A serialized ONNX model: ``y = ReduceSum(x)`` over a float32 vector of ``elements``."""
-    node = _node("ReduceSum", ["x"], ["y"], "sum")
-    graph = b"".join(
-        [
-            _field(1, node),
-            _field(2, b"fedshard_stream"),
-            _field(11, _value_info("x", [elements])),
-            _field(12, _value_info("y", [1])),
-        ]
-    )
-    opset = _field(1, b"") + _varint_field(2, 17)
-    return _varint_field(1, 8) + _field(2, b"fedshard") + _field(7, graph) + _field(8, opset)
-
-
-def stream_bytes(cache_dir: Path = _CACHE_DIR) -> int:
-    """Buffer size for the bandwidth benchmark: twice the largest CPU cache the OS reports,
-    within [:data:`STREAM_MIN_BYTES`, :data:`STREAM_MAX_BYTES`], a multiple of 1 MiB."""
-    largest = 0
-    for size_file in sorted(cache_dir.glob("index*/size")):
-        try:
-            largest = max(largest, _parse_cache_size(size_file.read_text()))
-        except (OSError, ValueError):
-            continue
-    wanted = max(STREAM_MIN_BYTES, min(STREAM_MAX_BYTES, 2 * largest))
-    return (wanted + (1 << 20) - 1) >> 20 << 20
-
-
-def _parse_cache_size(text: str) -> int:
-    """``"32K"``, ``"4096K"``, ``"300M"`` or plain bytes, as sysfs writes cache sizes."""
-    text = text.strip().upper()
-    scale = {"K": 1 << 10, "M": 1 << 20, "G": 1 << 30}.get(text[-1:], 1)
-    digits = text[:-1] if scale != 1 else text
-    return int(digits) * scale
-
-
-def measure_memory_gbps(runtime: RuntimeConfig, size: int | None = None, trials: int = 10) -> float:
-    """Best streaming-read bandwidth (GB/s) of ``trials`` ReduceSum runs over ``size`` bytes."""
-    import onnxruntime as ort
-
-    from edge_agent.runtime import session_options
-
-    elements = (size or stream_bytes()) // 4
-    session = ort.InferenceSession(
-        reduce_model_bytes(elements), session_options(runtime), providers=["CPUExecutionProvider"]
-    )
-    buffer = np.ones(elements, dtype=np.float32)
-    feeds = {"x": buffer}
-    session.run(None, feeds)
-    best = float("inf")
-    for _ in range(trials):
-        start = time.perf_counter()
-        session.run(None, feeds)
-        best = min(best, time.perf_counter() - start)
-    return buffer.nbytes / max(best, 1e-9) / 1e9
 
 
 def measure_profile(runtime: RuntimeConfig) -> ComputeProfile:
-    """Both roofs with the agent's thread settings (about two seconds)."""
+    """Both roofs, the cache level and the operator cost with the agent's thread settings
+    (about two seconds)."""
+    from edge_agent.membench import measure_memory
+
     compute = measure_gflops(runtime)
-    size = stream_bytes()
-    gbps = measure_memory_gbps(runtime, size)
-    return compute.model_copy(update={"memory_gbps": round(gbps, 3), "stream_bytes": size})
+    memory = measure_memory(runtime)
+    return compute.model_copy(update=memory.model_dump())
 
 
 def measure_gflops(
@@ -206,6 +175,7 @@ def load_or_measure(
         else:
             if (
                 cached.memory_gbps is not None
+                and cached.op_us is not None
                 and cached.intra_op_threads == runtime.intra_op_threads
                 and cached.inter_op_threads == runtime.inter_op_threads
                 and cached.onnxruntime_version == ort.__version__
@@ -245,7 +215,8 @@ def _field(number: int, payload: bytes) -> bytes:
     return _varint(number << 3 | 2) + _varint(len(payload)) + payload
 
 
-def _node(op: str, inputs: list[str], outputs: list[str], name: str) -> bytes:
+def node_bytes(op: str, inputs: list[str], outputs: list[str], name: str) -> bytes:
+    """A serialized ``NodeProto`` without attributes."""
     return b"".join(
         [
             *(_field(1, i.encode()) for i in inputs),

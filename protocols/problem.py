@@ -5,9 +5,11 @@ units. The semantics (which the planner implements exactly) are:
 
 - a stage's compute is the sum of its units' seconds on the device's type, each added left
   to right: ``compute_s[device.type]`` when given, otherwise (``/2`` only) the unit's
-  *roofline* time on that type, ``max(flops / (gflops * 1e9), bytes_read / (memory_gbps *
-  1e9))`` with the devices' compute roof ``gflops`` and memory roof ``memory_gbps`` (GB/s,
-  10^9 bytes/s; without a memory roof, ``flops / (gflops * 1e9)``), see :func:`roofline_s`;
+  *roofline* time on that type, ``max(flops / (gflops * 1e9), bytes_read / (gbps * 1e9)) +
+  ops * op_us / 1e6`` with the devices' compute roof ``gflops``, memory roof ``gbps`` (GB/s,
+  10^9 bytes/s: ``cache_gbps`` for work reading at most ``cache_bytes``, else
+  ``memory_gbps``; without either, the compute term alone) and operator cost ``op_us``, see
+  :func:`roofline_s`;
 - every stage but the last sends its last unit's ``out_bytes`` to the next stage's
   device, taking ``out_bytes * 8 / (bandwidth_mbps * 1e6) + latency_ms / 1e3`` seconds,
   where the link is the ``links`` entry for the pair if any, otherwise the smaller of
@@ -47,6 +49,8 @@ class Work(FrozenModel):
     bytes_read: NonNegativeInt
     """Its weights at their stored precision (scales and zero points included), the
     activations it reads and writes and, for a decoder, its KV cache at the costed context."""
+    ops: NonNegativeInt = 0
+    """Operators (kernel launches) it runs: each costs the device's ``op_us`` on top."""
 
 
 class Unit(FrozenModel):
@@ -86,21 +90,43 @@ class ProblemDevice(FrozenModel):
     """``/2``: compute roof, GFLOP/s (devices of one type must agree)."""
     memory_gbps: PositiveFloat | None = None
     """``/2``: memory roof, GB/s of streaming reads (devices of one type must agree)."""
+    cache_bytes: NonNegativeInt = 0
+    """``/2``: work reading at most this many bytes is read at ``cache_gbps``."""
+    cache_gbps: PositiveFloat | None = None
+    """``/2``: streaming-read bandwidth within the cache, GB/s."""
+    op_us: NonNegativeFloat = 0.0
+    """``/2``: fixed cost of one operator, microseconds (devices of one type must agree)."""
+
+
+_ROOF_FIELDS = ("gflops", "memory_gbps", "cache_bytes", "cache_gbps", "op_us")
 
 
 class Roofs(FrozenModel):
-    """A device type's two roofs."""
+    """A device type's roofs: compute, memory (and the cache below it), operator cost."""
 
     gflops: PositiveFloat
     memory_gbps: PositiveFloat | None = None
+    cache_bytes: NonNegativeInt = 0
+    cache_gbps: PositiveFloat | None = None
+    op_us: NonNegativeFloat = 0.0
+
+    def bandwidth_gbps(self, bytes_read: int) -> float | None:
+        """The bandwidth ``bytes_read`` bytes are read at: the cache's if they fit in it."""
+        if self.cache_gbps is not None and bytes_read <= self.cache_bytes:
+            return self.cache_gbps
+        return self.memory_gbps
 
 
 def roofline_s(work: Work, roofs: Roofs) -> float:
-    """Seconds of ``work`` under ``roofs``: the larger of compute time and memory time."""
-    compute = float(work.flops) / (roofs.gflops * 1e9)
-    if roofs.memory_gbps is None:
-        return compute
-    return max(compute, float(work.bytes_read) / (roofs.memory_gbps * 1e9))
+    """Seconds of ``work`` under ``roofs``: the larger of compute time and memory time, plus
+    the operators' fixed cost: ``max(flops / (gflops 1e9), bytes_read / (gbps 1e9)) + ops *
+    op_us / 1e6``, where ``gbps`` is ``cache_gbps`` when ``bytes_read <= cache_bytes`` and
+    ``memory_gbps`` otherwise (without either, the compute time alone)."""
+    busy = float(work.flops) / (roofs.gflops * 1e9)
+    gbps = roofs.bandwidth_gbps(work.bytes_read)
+    if gbps is not None:
+        busy = max(busy, float(work.bytes_read) / (gbps * 1e9))
+    return busy + float(work.ops) * roofs.op_us / 1e6
 
 
 class PlanningProblem(FrozenModel):
@@ -124,7 +150,13 @@ class PlanningProblem(FrozenModel):
         roofs: dict[str, Roofs] = {}
         for device in self.devices:
             if device.gflops is not None:
-                roofs[device.type] = Roofs(gflops=device.gflops, memory_gbps=device.memory_gbps)
+                roofs[device.type] = Roofs(
+                    gflops=device.gflops,
+                    memory_gbps=device.memory_gbps,
+                    cache_bytes=device.cache_bytes,
+                    cache_gbps=device.cache_gbps,
+                    op_us=device.op_us,
+                )
         return roofs
 
     def unit_seconds(self, index: int, device_type: str) -> float:
@@ -162,18 +194,17 @@ class PlanningProblem(FrozenModel):
 
     def _check_roofs(self) -> set[str]:
         """The device types with roofs; roofline fields need ``/2`` and agree within a type."""
-        uses = any(d.gflops is not None or d.memory_gbps is not None for d in self.devices) or any(
+        plain = tuple(ProblemDevice.model_fields[f].default for f in _ROOF_FIELDS)
+        rows = [tuple(getattr(d, f) for f in _ROOF_FIELDS) for d in self.devices]
+        uses = any(row != plain for row in rows) or any(
             u.work is not None or u.prefill is not None for u in self.units
         )
         if uses and self.format != ROOFLINE_PROBLEM_FORMAT:
-            raise ValueError(
-                f"roofline fields (work, gflops, memory_gbps) need {ROOFLINE_PROBLEM_FORMAT!r}"
-            )
-        seen: dict[str, tuple[float | None, float | None]] = {}
-        for device in self.devices:
-            pair = (device.gflops, device.memory_gbps)
-            if device.gflops is None and device.memory_gbps is not None:
-                raise ValueError(f"device {device.name!r} has a memory roof but no gflops")
-            if seen.setdefault(device.type, pair) != pair:
+            raise ValueError(f"roofline fields need format {ROOFLINE_PROBLEM_FORMAT!r}")
+        seen: dict[str, tuple[object, ...]] = {}
+        for device, row in zip(self.devices, rows, strict=True):
+            if device.gflops is None and row != plain:
+                raise ValueError(f"device {device.name!r} has roofs but no gflops")
+            if seen.setdefault(device.type, row) != row:
                 raise ValueError(f"devices of type {device.type!r} have different roofs")
-        return {kind for kind, (gflops, _) in seen.items() if gflops is not None}
+        return {kind for kind, row in seen.items() if row[0] is not None}

@@ -19,10 +19,10 @@ from protocols.profile import AgentState, Announcement, DeviceProfile
 
 MAX_ENTRY_BYTES: Final = 255
 MAX_TXT_ENTRIES: Final = 64
-"""Most entries a record may have (an agent sends 14 at most)."""
+"""Most entries a record may have (an agent sends 17 at most)."""
 MAX_RECORD_BYTES: Final = 4096
 """Most bytes a whole record may have, with one length byte per entry (an agent's fit in
-14 x 256)."""
+17 x 256)."""
 
 # TXT key -> model field. Every profile key is required; state keys are optional.
 _PROFILE_KEYS: Final = {
@@ -37,7 +37,12 @@ _PROFILE_KEYS: Final = {
     "fp": "cert_fingerprint",
     "sw": "software_version",
 }
-_OPTIONAL_PROFILE_KEYS: Final = {"mbw": "memory_gbps"}
+_OPTIONAL_PROFILE_KEYS: Final = {
+    "mbw": "memory_gbps",
+    "cbw": "cache_gbps",
+    "cache": "cache_bytes",
+    "opus": "op_us",
+}
 """Profile keys older agents do not send: left out when unset, absent means unknown."""
 _STATE_KEYS: Final = {"paired": "paired", "seg": "segment_sha256", "plv": "plan_version"}
 
@@ -152,6 +157,9 @@ _PARSERS: Final[dict[str, Callable[[str], object]]] = {
     "memory_bytes": _parse_int,
     "gflops": _parse_float,
     "memory_gbps": _parse_float,
+    "cache_gbps": _parse_float,
+    "cache_bytes": _parse_int,
+    "op_us": _parse_float,
     "providers": _parse_list,
     "control_port": _parse_int,
     "data_port": _parse_int,
