@@ -25,7 +25,12 @@ from coordinator.deploy_plan import LiveDevice, deploy_bodies, device_list, max_
 from coordinator.deployments import DeploymentStore, Placement, VersionRecord, now
 from coordinator.errors import AgentError, CoordinatorError, DeployError
 from coordinator.registry import DeviceRecord
-from coordinator.stage_timing import StageTiming, stage_times
+from coordinator.stage_timing import (
+    CALIBRATION_RUNS,
+    StageTiming,
+    calibrates_at_deploy,
+    stage_times,
+)
 from partitioner.baselines import Baseline
 from protocols.deploy import DeployReport, Hop
 from protocols.errors import SchemaError
@@ -324,7 +329,12 @@ def split_and_run(
 
     planner = None if command.baseline is None else baseline_planner(command.baseline)
     try:
-        options = SplitOptions(command.objective, segment_cache=segment_cache)
+        options = SplitOptions(
+            command.objective,
+            segment_cache=segment_cache,
+            calibrate=calibrates_at_deploy(command.model_path),
+            calibration_runs=CALIBRATION_RUNS,
+        )
         result = split_model(command.model_path, devices, out, options, planner=planner)
         samples = dict(result.analysis.samples)
         known = run_chain([w.files[0] for w in result.segments], samples)

@@ -6,6 +6,14 @@ median of its warm-up runs after the first) and reports it next to the plan's pr
 or faster than its roofs it really runs: later plans price it with every roof scaled by it
 (:func:`corrected`), so the time of any work on it is multiplied by the correction.
 
+How the work of a model is spread over its units is measured too, for models up to
+:data:`CALIBRATE_MAX_BYTES`: the coordinator times every unit on its own machine when it cuts
+the model (``fedshard split --calibrate``'s path, :func:`calibrates_at_deploy`), and each
+device's roofline time for the whole model is spread by those shares. The per-device
+correction then only has to say how fast the device is, not how its stage is made up, so it
+still holds when a later plan gives the device other units. Bigger models (decoders that read
+hundreds of MB per token) are left to the roofline, which prices their memory-bound units well.
+
 The correction is the geometric mean of the measured/predicted ratios of the last
 :data:`WINDOW` deploys, each taken against the uncorrected roofs. It is kept per device in
 ``STATE/stage-timing.json`` and clamped to [:data:`LOWEST`, :data:`HIGHEST`], so one odd
@@ -32,11 +40,14 @@ from protocols.base import FrozenModel
 log = logging.getLogger(__name__)
 
 FILE_NAME = "stage-timing.json"
+CALIBRATE_MAX_BYTES = 256 << 20
+"""Models up to this size (file plus external data) have their units timed at deploy."""
+CALIBRATION_RUNS = 5
 WINDOW = 5
 LOWEST = 0.05
 HIGHEST = 20.0
-MIN_MEASURED_S = 1e-5
-"""Stage times below this (10 us) are timer noise and teach nothing."""
+MIN_MEASURED_S = 1e-6
+"""Stage times below this (1 us) are timer noise and teach nothing."""
 
 
 @dataclass(frozen=True)
@@ -151,3 +162,15 @@ def stage_times(version: VersionRecord) -> list[StageTime]:
         StageTime(device=p.device, predicted_s=p.predicted_compute_s, measured_s=p.warmup_s)
         for p in version.segments
     ]
+
+
+def calibrates_at_deploy(model_path: Path) -> bool:
+    """Whether a deploy of ``model_path`` times its units first (small models: a second or
+    two; the file and its external data up to :data:`CALIBRATE_MAX_BYTES`)."""
+    try:
+        size = model_path.stat().st_size
+        size += sum(p.stat().st_size for p in model_path.parent.glob(f"{model_path.name}*.data"))
+        size += sum(p.stat().st_size for p in model_path.parent.glob(f"{model_path.stem}.data"))
+    except OSError:
+        return False
+    return size <= CALIBRATE_MAX_BYTES

@@ -5,8 +5,8 @@ protobuf (:func:`edge_agent.microbench.model_bytes`; the agent does not depend o
 
 - **memory roof**: a ``ReduceSum`` over a float32 buffer larger than the caches (twice the
   largest cache the OS reports, within 64-256 MiB, see :func:`stream_bytes`), which reads
-  every byte once; GB/s is the best of the trials (a streaming read waits on memory, not on
-  the core, so wall time is what counts);
+  every byte once; GB/s is the best of the trials (each the smaller of wall and thread CPU
+  time, as the agent times its segments: a core stalled on memory is busy);
 - **cache level**: the same read over buffers of 1, 2, 4, ... MiB; the largest one still read
   at least :data:`CACHE_SPEEDUP` times faster than the memory roof is the cache a working set
   must fit in to be read at cache speed (on a VM the OS's cache sizes say little about the
@@ -99,14 +99,16 @@ def measure_memory_gbps(runtime: RuntimeConfig, size: int, trials: int = 10) -> 
     elements = size // 4
     session = _session(reduce_model_bytes(elements), runtime)
     buffer = np.ones(elements, dtype=np.float32)
-    best = _best_run(session, {"x": buffer}, trials)
+    best = _best_run(session, {"x": buffer}, trials, runtime.intra_op_threads)
     return buffer.nbytes / max(best, 1e-9) / 1e9
 
 
 def measure_op_us(runtime: RuntimeConfig, trials: int = 20) -> float:
     """Best per-operator time (microseconds) of ``trials`` runs of the :data:`OPS`-long chain."""
     session = _session(chain_model_bytes(), runtime)
-    best = _best_run(session, {"x": np.ones(64, dtype=np.float32)}, trials)
+    best = _best_run(
+        session, {"x": np.ones(64, dtype=np.float32)}, trials, runtime.intra_op_threads
+    )
     return best / OPS * 1e6
 
 
@@ -147,11 +149,26 @@ def _session(model: bytes, runtime: RuntimeConfig) -> Any:
     return ort.InferenceSession(model, session_options(runtime), providers=["CPUExecutionProvider"])
 
 
-def _best_run(session: Any, feeds: dict[str, np.ndarray[Any, Any]], trials: int) -> float:
+def _best_run(
+    session: Any, feeds: dict[str, np.ndarray[Any, Any]], trials: int, threads: int
+) -> float:
+    """Fastest of ``trials`` runs; with one thread each run counts the smaller of wall time and
+    the thread's CPU time (as the agent times its segments: time held off by other processes
+    is not the device's speed)."""
     session.run(None, feeds)
     best = float("inf")
     for _ in range(trials):
-        start = time.perf_counter()
+        start, cpu = time.perf_counter(), time.thread_time()
         session.run(None, feeds)
-        best = min(best, time.perf_counter() - start)
+        wall = time.perf_counter() - start
+        best = min(best, min(wall, time.thread_time() - cpu) if threads == 1 else wall)
     return best
+
+
+def run_spread(values: list[float]) -> float:
+    """Largest deviation of a measurement from the median of repeated ones, as a fraction
+    (0.1: the worst run was 10% off the median), the stability ``fedshard profile`` promises."""
+    if not values or min(values) <= 0:
+        raise ValueError("need at least one positive measurement")
+    middle = float(statistics.median(values))
+    return max(abs(v - middle) for v in values) / middle

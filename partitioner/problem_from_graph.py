@@ -2,15 +2,15 @@
 
 from __future__ import annotations
 
+import math
 from collections.abc import Sequence
 
 from partitioner.errors import GraphError
 from partitioner.runtime_memory import GRAPH_ONLY, RuntimeMemory
 from partitioner.units import UnitPlan
-from protocols.constants import DEFAULT_QUEUE_DEPTH
-from protocols.constants import ROOFLINE_PROBLEM_FORMAT
+from protocols.constants import DEFAULT_QUEUE_DEPTH, ROOFLINE_PROBLEM_FORMAT
 from protocols.devices import DeviceList, DeviceSpec
-from protocols.problem import PlanningProblem, Work
+from protocols.problem import PlanningProblem, Roofs, Work, roofline_s
 
 
 def device_type(name: str) -> str:
@@ -51,11 +51,15 @@ def build_problem(
     ``state_bytes`` (one per unit) is per-session state a unit keeps resident, a decoder's KV
     cache at its planned sessions and context: it is added to the unit's ``weight_bytes``.
 
-    ``work`` (one per unit, from :mod:`partitioner.roofline`): when given, and no
-    ``compute_shares``, and some device has a memory roof, the problem is a
-    ``fedshard.problem/2`` priced by the roofline: each unit carries its work (and its
-    ``prefill`` work, shown next to the plan) and each device its roofs, and ``compute_s`` is
-    left to the roofline (``phase`` names what ``work`` describes).
+    ``work`` (one per unit, from :mod:`partitioner.roofline`): when given and some device has
+    a memory roof, the problem is a ``fedshard.problem/2`` priced by the roofline: each unit
+    carries its work (and its ``prefill`` work, shown next to the plan) and each device its
+    roofs, and ``compute_s`` is left to the roofline (``phase`` names what ``work``
+    describes). With ``compute_shares`` as well, each device's roofline time for the whole
+    model is kept and distributed over the units by the measured shares: ``compute_s`` is
+    given, so what the roofline gets wrong about one kind of unit against another (operator
+    overheads, caches) comes from the measurement, and what it says about the device's
+    speed from its roofs.
 
     Raises :class:`~protocols.errors.SchemaError` if the devices do not make a valid problem
     (e.g. a link given twice), :class:`~partitioner.errors.GraphError` if ``compute_shares``
@@ -65,11 +69,7 @@ def build_problem(
     state = list(state_bytes) if state_bytes is not None else [0] * len(units.units)
     if len(state) != len(units.units):
         raise GraphError(f"{len(state)} state sizes for {len(units.units)} units")
-    roofline = (
-        work is not None
-        and compute_shares is None
-        and any(d.memory_gbps is not None for d in devices.devices)
-    )
+    roofline = work is not None and any(d.memory_gbps is not None for d in devices.devices)
     document: dict[str, object] = {
         "name": name,
         "input_bytes": units.input_bytes,
@@ -106,7 +106,25 @@ def build_problem(
     if roofline:
         assert work is not None
         _price_by_roofline(document, work, prefill, phase)
+        if compute_shares is not None:
+            _distribute(document, devices, work, compute_shares)
     return PlanningProblem.from_obj(document)
+
+
+def _distribute(
+    document: dict[str, object],
+    devices: DeviceList,
+    work: Sequence[Work],
+    shares: Sequence[float],
+) -> None:
+    """Give every unit ``compute_s``: its share of each device's roofline time for the model."""
+    units = document["units"]
+    assert isinstance(units, list)
+    for device in devices.devices:
+        roofs = Roofs.model_validate(_roofs(device))
+        total = math.fsum(roofline_s(w, roofs) for w in work)
+        for unit, share in zip(units, shares, strict=True):
+            unit["compute_s"][device_type(device.name)] = total * share
 
 
 def _roofs(device: DeviceSpec) -> dict[str, object]:
