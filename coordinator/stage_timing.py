@@ -42,7 +42,7 @@ log = logging.getLogger(__name__)
 FILE_NAME = "stage-timing.json"
 CALIBRATE_MAX_BYTES = 256 << 20
 """Models up to this size (file plus external data) have their units timed at deploy."""
-CALIBRATION_RUNS = 5
+CALIBRATION_RUNS = 10
 WINDOW = 5
 LOWEST = 0.05
 HIGHEST = 20.0

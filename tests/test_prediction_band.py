@@ -14,6 +14,7 @@ ratio band, not a wall-time assert: both numbers come from the same machine in t
 from __future__ import annotations
 
 import json
+import os
 import secrets
 from collections.abc import Iterator
 from dataclasses import dataclass
@@ -34,6 +35,9 @@ pytestmark = [pytest.mark.slow, pytest.mark.timeout(900)]
 
 MODEL_ID = "tiny-llama-band"
 BAND = (0.75, 1.33)
+OVERSUBSCRIBED = 1.5
+"""Above this many runnable processes per core (the 1-minute load average), stage times on
+this machine say nothing about the devices: the test is skipped, not failed."""
 CAP = "14MB"
 
 
@@ -55,6 +59,9 @@ class Lab:
 
 @pytest.fixture(scope="module")
 def lab(tiny_llama_dir: Path, tmp_path_factory: pytest.TempPathFactory) -> Iterator[Lab]:
+    load = os.getloadavg()[0] / (os.cpu_count() or 1)
+    if load > OVERSUBSCRIBED:
+        pytest.skip(f"{load:.1f} runnable processes per core: stage timings would be noise")
     tmp = tmp_path_factory.mktemp("prediction-band")
     coordinator = start_coordinator(tmp)
     try:
