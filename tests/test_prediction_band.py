@@ -58,10 +58,11 @@ class Lab:
 
 
 @pytest.fixture(scope="module")
-def lab(tiny_llama_dir: Path, tmp_path_factory: pytest.TempPathFactory) -> Iterator[Lab]:
+def lab(request: pytest.FixtureRequest, tmp_path_factory: pytest.TempPathFactory) -> Iterator[Lab]:
     load = os.getloadavg()[0] / (os.cpu_count() or 1)
     if load > OVERSUBSCRIBED:
         pytest.skip(f"{load:.1f} runnable processes per core: stage timings would be noise")
+    tiny_llama_dir: Path = request.getfixturevalue("tiny_llama_dir")  # exported only if run
     tmp = tmp_path_factory.mktemp("prediction-band")
     coordinator = start_coordinator(tmp)
     try:
