@@ -8,7 +8,11 @@ Same run, same thread settings (1 intra-op thread everywhere):
     .venv/bin/python bench/pipeline.py [--requests 120] [--latency-runs 30]
 
 Prints a table and writes bench/results/pipeline.md. Targets: sharded latency within 1.15x of
-the whole model; pipelined throughput at least 80% of the slowest-stage bound.
+the whole model; pipelined throughput at least 80% of the slowest-stage bound. The split is
+priced by the roofline on the roofs ``fedshard profile`` measures here (at 1 x 128), and the
+table puts each stage's prediction next to the agents' measurements (target 0.75-1.33x), and
+the sharded plan's latency and throughput next to the best single device (the whole model in
+one session on this machine; target at least 0.95x).
 """
 
 from __future__ import annotations
@@ -35,13 +39,13 @@ sys.path[:0] = [str(REPO), str(REPO / "tests")]
 import onnxruntime as ort  # noqa: E402
 from agent_helpers import (  # noqa: E402
     AGENT_NAMES,
+    MINILM_DEVICES,
     TestCA,
     agents,
     control_client,
     deploy_manifest,
     minilm_feeds,
     minilm_model,
-    minilm_split,
     segment_inputs,
 )
 from report import plots  # noqa: E402
@@ -51,6 +55,7 @@ from rich.table import Table  # noqa: E402
 
 from devtools.requester import Requester  # noqa: E402
 from edge_agent.config import RuntimeConfig  # noqa: E402
+from edge_agent.microbench import ComputeProfile, measure_profile  # noqa: E402
 from edge_agent.runtime import session_options  # noqa: E402
 from protocols.manifest import Manifest  # noqa: E402
 
@@ -73,6 +78,30 @@ def main() -> int:
         result = deployment.measure(args)
     report(result, deployment.manifest.segments)
     return 0
+
+
+def roofline_split(model: Path, out: Path, profile: ComputeProfile) -> Manifest:
+    """``fedshard split`` of MiniLM onto MINILM_DEVICES with this machine's measured roofs,
+    costed at the benchmark's shapes (batch 1, 128 tokens), verified; the manifest."""
+    from partitioner.split import SplitOptions, split_model
+    from protocols.devices import DeviceList
+
+    roofs = {
+        "gflops": profile.gflops,
+        "memory_gbps": profile.memory_gbps,
+        "cache_bytes": profile.cache_bytes or 0,
+        "cache_gbps": profile.cache_gbps,
+        "op_us": profile.op_us or 0.0,
+    }
+    # MINILM_DEVICES' budgets plus 1 MB each for the workspace at 128 tokens
+    spec = {
+        "devices": [
+            {**d, **roofs, "memory_bytes": int(d["memory_bytes"]) + 1_000_000}
+            for d in MINILM_DEVICES["devices"]
+        ]
+    }
+    options = SplitOptions(verify=True, dims={"batch": 1, "sequence": 128})
+    return split_model(model, DeviceList.from_obj(spec), out, options).manifest
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
@@ -124,7 +153,7 @@ def deployed(tmp: Path) -> Iterator[Deployment]:
     feeds = minilm_feeds(1, 128)
     options = session_options(RuntimeConfig())
     whole = ort.InferenceSession(str(model), options, providers=["CPUExecutionProvider"])
-    manifest = minilm_split(model, tmp / "split")
+    manifest = roofline_split(model, tmp / "split", measure_profile(RuntimeConfig()))
     warmups = segment_inputs(manifest, tmp / "split", feeds)
     ca = TestCA(tmp / "ca")
     with agents(tmp, AGENT_NAMES, ca, memory="512MiB", extra=["--no-advertise"]) as procs:
@@ -213,6 +242,12 @@ def report(r, segments) -> None:  # type: ignore[no-untyped-def]
     bound = 1e3 / max(r["stage_ms"])
     latency_ratio = r["shard_ms"] / r["whole_ms"]
     throughput_ratio = r["rps"] / bound
+    predicted = [s.predicted_compute_s * 1e3 for s in segments]
+    warm = [float(rep["warmup_s"]) * 1e3 for rep in r["reports"]]
+    band = [p / m for p, m in zip(predicted, warm, strict=True)]  # the agents' steady state
+    single_rps = 1e3 / r["whole_ms"]
+    never_slower_latency = r["whole_ms"] / r["shard_ms"]
+    never_slower_throughput = r["rps"] / single_rps
     rows = [
         ("whole model, one ORT session (median)", f"{r['whole_ms']:.2f} ms", ""),
         ("three agents, one request at a time (median)", f"{r['shard_ms']:.2f} ms", ""),
@@ -239,10 +274,36 @@ def report(r, segments) -> None:  # type: ignore[no-untyped-def]
             )
             for s, ms, rep in zip(segments, r["stage_ms"], r["reports"], strict=True)
         ],
+        *[
+            (
+                f"stage {s.index}: predicted / measured (roofline)",
+                f"{ratio:.2f}x",
+                f"predicted {p:.2f} ms against the agent's warm-up median {w:.2f} ms (target "
+                f"0.75-1.33x); {p / ms:.2f}x the pipelined wall time {ms:.2f} ms",
+            )
+            for s, p, w, ms, ratio in zip(
+                segments, predicted, warm, r["stage_ms"], band, strict=True
+            )
+        ],
         ("slowest-stage bound", f"{bound:.1f} req/s", ""),
         (f"pipelined, {r['in_flight']} in flight", f"{r['rps']:.1f} req/s", ""),
         ("pipelined / bound", f"{throughput_ratio:.3f}", "target >= 0.80"),
         ("max abs(sharded - whole)", f"{r['max_diff']:.2e}", ""),
+        (
+            "best single device (whole model here), one at a time",
+            f"{single_rps:.1f} req/s",
+            "the plan must not be slower than this device alone",
+        ),
+        (
+            "never slower: single-device latency / sharded latency",
+            f"{never_slower_latency:.3f}x",
+            "target >= 0.95x (MiniLM fits one device here; caps force three)",
+        ),
+        (
+            "never slower: pipelined throughput / single device",
+            f"{never_slower_throughput:.3f}x",
+            "target >= 0.95x",
+        ),
     ]
     table = Table(title="fedshard pipeline: MiniLM, batch 1, 128 tokens, 1 ORT thread per process")
     for col in ("measure", "value", "note"):
@@ -284,8 +345,15 @@ def report(r, segments) -> None:  # type: ignore[no-untyped-def]
             Headline("MiniLM on 3 agents / whole model, latency", latency_ratio, "x", "<= 1.15"),
             Headline("pipelined throughput / slowest-stage bound", throughput_ratio, "", ">= 0.8"),
             Headline("pipelined throughput, MiniLM 1x128", r["rps"], "req/s"),
+            Headline("worst stage predicted/measured (roofline)", max(band, key=_off), "x"),
+            Headline("pipelined throughput / best single device", never_slower_throughput, "x"),
         ],
     )
+
+
+def _off(ratio: float) -> float:
+    """How far a predicted/measured ratio is from 1, either way."""
+    return max(ratio, 1 / ratio)
 
 
 if __name__ == "__main__":

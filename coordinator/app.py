@@ -15,6 +15,7 @@ from rich.console import Console
 
 from coordinator.config import CoordinatorConfig
 from coordinator.deploy.deployer import Deployer
+from coordinator.deploy.stage_timing import StageTiming
 from coordinator.deploy.store import DeploymentStore
 from coordinator.fleet.discovery import ZeroconfDiscovery
 from coordinator.fleet.links import LinkMeter
@@ -86,6 +87,7 @@ def serve(config: CoordinatorConfig, console: Console) -> int:
         router.retire,
         links.requester_links,
         config.segment_cache_dir,
+        StageTiming(config.state_dir),
     )
     serving = Serving(store, deployer, router, Embedder(store, router), links, failover)
     generation = DecoderModels(

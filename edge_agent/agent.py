@@ -132,7 +132,7 @@ class Agent:
                 await self._advertiser.start(self.announcement())
             _write_ready(ready, self)
             log.info(
-                "agent %s ready: control %s:%d, data %s:%d, %s, %.1f GFLOP/s",
+                "agent %s ready: control %s:%d, data %s:%d, %s, %.1f GFLOP/s, %s GB/s",
                 cfg.name,
                 cfg.interface,
                 self._ports[0],
@@ -142,6 +142,7 @@ class Agent:
                 if self.identity.paired
                 else f"UNPAIRED, pairing code {shown_code(self.identity)}",
                 self.profile.gflops,
+                self.profile.memory_gbps,
             )
             await stop.wait()
             log.info("agent %s stopping", cfg.name)
@@ -172,6 +173,10 @@ class Agent:
             name=self.config.name,
             memory_bytes=self.config.memory_bytes,
             gflops=self.profile.gflops,
+            memory_gbps=self.profile.memory_gbps,
+            cache_bytes=self.profile.cache_bytes,
+            cache_gbps=self.profile.cache_gbps,
+            op_us=self.profile.op_us,
             control_port=self._ports[0],
             data_port=self._ports[1],
             cert_fingerprint=self.identity.cert_fingerprint,
@@ -315,6 +320,10 @@ class Agent:
             memory_committed_bytes=self.store.committed_bytes(),
             resident_memory_bytes=resident_bytes(),
             gflops=self.profile.gflops,
+            memory_gbps=self.profile.memory_gbps,
+            cache_bytes=self.profile.cache_bytes,
+            cache_gbps=self.profile.cache_gbps,
+            op_us=self.profile.op_us,
             paired=self.identity.paired,
             segments=[
                 LoadedSegment(

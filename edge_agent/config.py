@@ -35,7 +35,7 @@ class RuntimeConfig:
 
     intra_op_threads: int = 1
     inter_op_threads: int = 1
-    warmup_runs: int = 3
+    warmup_runs: int = 5
 
     def __post_init__(self) -> None:
         if self.intra_op_threads < 1 or self.inter_op_threads < 1:

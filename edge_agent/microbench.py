@@ -1,10 +1,20 @@
-"""Compute profile: an ONNX Runtime MatMul micro-benchmark, cached in the state dir.
+"""Device profile: the two roofs (compute and memory bandwidth), cached in the state dir.
 
-The benchmark model is written as raw protobuf (the agent does not depend on the ``onnx``
-package): ``MATMULS`` chained ``[N, N] x [N, N]`` products, so one run is large enough that the
-per-call overhead does not matter. Each trial counts the smaller of wall time and process CPU
-time per thread (ORT spinning is off, so CPU time is busy time), and GFLOP/s is the best trial
-(as ``timeit`` advises): that keeps it within about 10% on a machine shared with other work.
+Both micro-benchmarks run in ONNX Runtime with the agent's own thread settings, since that is
+what will run the segments. The models are written as raw protobuf (the agent does not depend
+on the ``onnx`` package).
+
+- **Compute**: ``MATMULS`` chained ``[N, N] x [N, N]`` products, so one run is large enough that
+  the per-call overhead does not matter. Each trial counts the smaller of wall time and process
+  CPU time per thread (ORT spinning is off, so CPU time is busy time), and GFLOP/s is the best
+  trial (as ``timeit`` advises): that keeps it within about 10% on a machine shared with other
+  work.
+- **Memory bandwidth**: a ``ReduceSum`` over a float32 buffer larger than the caches (twice the
+  largest cache the OS reports, see :func:`stream_bytes`), which reads every byte once; GB/s is
+  the best of the trials (wall time: a streaming read waits on memory, not on the core).
+- **Operator cost**: a chain of :data:`OPS` ``Add`` operators on a 64-element vector; the best
+  trial's time per operator is the fixed cost every kernel launch pays (it dominates small
+  segments).
 """
 
 from __future__ import annotations
@@ -16,7 +26,15 @@ import time
 from pathlib import Path
 
 import numpy as np
-from pydantic import BaseModel, ConfigDict, PositiveFloat, PositiveInt, ValidationError
+from pydantic import (
+    BaseModel,
+    ConfigDict,
+    NonNegativeFloat,
+    NonNegativeInt,
+    PositiveFloat,
+    PositiveInt,
+    ValidationError,
+)
 
 from edge_agent.config import RuntimeConfig
 from hostkit.files import write_atomic
@@ -35,6 +53,17 @@ class ComputeProfile(BaseModel):
     model_config = ConfigDict(frozen=True, extra="forbid")
 
     gflops: PositiveFloat
+    memory_gbps: PositiveFloat | None = None
+    """Streaming-read bandwidth in GB/s (10^9 bytes/s) beyond the caches; None in caches
+    written before it was measured (such a cache is measured again)."""
+    stream_bytes: PositiveInt | None = None
+    """Size of the buffer the bandwidth was measured on."""
+    cache_bytes: NonNegativeInt | None = None
+    """Largest buffer still read at least twice as fast as memory (0: no such cache)."""
+    cache_gbps: PositiveFloat | None = None
+    """Streaming-read bandwidth of a buffer of ``cache_bytes``."""
+    op_us: NonNegativeFloat | None = None
+    """Fixed cost of one operator, microseconds."""
     intra_op_threads: PositiveInt
     inter_op_threads: PositiveInt
     onnxruntime_version: str
@@ -51,25 +80,46 @@ def matmul_model_bytes(n: int = MATRIX, count: int = MATMULS) -> bytes:
     prev = "x"
     for i in range(count):
         out = "y" if i == count - 1 else f"h{i}"
-        nodes.append(_node("MatMul", [prev, "w"], [out], f"mm{i}"))
+        nodes.append(node_bytes("MatMul", [prev, "w"], [out], f"mm{i}"))
         prev = out
+    return model_bytes(nodes, "fedshard_microbench", [("x", shape), ("w", shape)], [("y", shape)])
+
+
+def model_bytes(
+    nodes: list[bytes],
+    name: str,
+    inputs: list[tuple[str, list[int]]],
+    outputs: list[tuple[str, list[int]]],
+) -> bytes:
+    """A serialized opset-17 ONNX model of ``nodes`` (from :func:`node_bytes`) with float32
+    ``inputs`` and ``outputs`` of the given shapes."""
     graph = b"".join(
         [
             *(_field(1, node) for node in nodes),
-            _field(2, b"fedshard_microbench"),
-            _field(11, _value_info("x", shape)),
-            _field(11, _value_info("w", shape)),
-            _field(12, _value_info("y", shape)),
+            _field(2, name.encode()),
+            *(_field(11, _value_info(n, shape)) for n, shape in inputs),
+            *(_field(12, _value_info(n, shape)) for n, shape in outputs),
         ]
     )
     opset = _field(1, b"") + _varint_field(2, 17)
     return _varint_field(1, 8) + _field(2, b"fedshard") + _field(7, graph) + _field(8, opset)
 
 
+def measure_profile(runtime: RuntimeConfig) -> ComputeProfile:
+    """Both roofs, the cache level and the operator cost with the agent's thread settings
+    (about two seconds)."""
+    from edge_agent.membench import measure_memory
+
+    compute = measure_gflops(runtime)
+    memory = measure_memory(runtime)
+    return compute.model_copy(update=memory.model_dump())
+
+
 def measure_gflops(
     runtime: RuntimeConfig, budget_s: float = 1.0, trials: int = 10
 ) -> ComputeProfile:
-    """Run the micro-benchmark with the agent's thread settings; about ``budget_s`` seconds."""
+    """Run the MatMul micro-benchmark with the agent's thread settings; about ``budget_s``
+    seconds (the profile it returns has no bandwidth; see :func:`measure_profile`)."""
     import onnxruntime as ort
 
     from edge_agent.runtime import session_options
@@ -125,15 +175,22 @@ def load_or_measure(
             log.warning("ignoring unreadable profile cache %s: %s", path, exc)
         else:
             if (
-                cached.intra_op_threads == runtime.intra_op_threads
+                cached.memory_gbps is not None
+                and cached.op_us is not None
+                and cached.intra_op_threads == runtime.intra_op_threads
                 and cached.inter_op_threads == runtime.inter_op_threads
                 and cached.onnxruntime_version == ort.__version__
             ):
                 return cached
-    profile = measure_gflops(runtime)
+    profile = measure_profile(runtime)
     state_dir.mkdir(parents=True, exist_ok=True)
     write_atomic(path, profile.model_dump_json(indent=2).encode())
-    log.info("measured %.1f GFLOP/s with %d thread(s)", profile.gflops, runtime.intra_op_threads)
+    log.info(
+        "measured %.1f GFLOP/s and %.1f GB/s with %d thread(s)",
+        profile.gflops,
+        profile.memory_gbps,
+        runtime.intra_op_threads,
+    )
     return profile
 
 
@@ -157,7 +214,8 @@ def _field(number: int, payload: bytes) -> bytes:
     return _varint(number << 3 | 2) + _varint(len(payload)) + payload
 
 
-def _node(op: str, inputs: list[str], outputs: list[str], name: str) -> bytes:
+def node_bytes(op: str, inputs: list[str], outputs: list[str], name: str) -> bytes:
+    """A serialized ``NodeProto`` without attributes."""
     return b"".join(
         [
             *(_field(1, i.encode()) for i in inputs),

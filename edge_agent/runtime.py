@@ -122,6 +122,11 @@ def peak_resident_bytes() -> int | None:
     return None
 
 
+WARMUP_MIN_S = 0.2
+"""Warm-ups of short stages go on at least this long (the median of more runs is steadier)."""
+WARMUP_MAX_RUNS = 50
+
+
 @dataclass
 class SegmentSession:
     """A loaded segment: its ORT session and declared inputs and outputs."""
@@ -179,27 +184,42 @@ class SegmentSession:
         return dict(zip(self.outputs, values, strict=True))
 
     def warm_up(
-        self, feeds: dict[str, Array] | None, shapes: dict[str, list[int]], runs: int
+        self,
+        feeds: dict[str, Array] | None,
+        shapes: dict[str, list[int]],
+        runs: int,
+        threads: int = 1,
     ) -> tuple[float, float]:
         """Run ``1 + runs`` times on ``feeds`` (or all-ones inputs shaped by ``shapes``).
 
-        Returns (first run, median of the others) in seconds. Afterwards the heap freed by the
-        runs is returned to the OS, so what stays resident is the weights, the session and
-        the arena's activation workspace at these shapes.
+        Short stages run on until :data:`WARMUP_MIN_S` have passed (at most
+        :data:`WARMUP_MAX_RUNS` runs), so a sub-millisecond stage's median is over enough runs
+        to be stable. Returns (first run, median of the others) in seconds: the steady-state
+        stage time.
+        With one intra-op thread ONNX Runtime runs on the calling thread, so each run counts
+        the smaller of its wall time and the thread's CPU time: the time the stage really
+        took, not the time other processes on the same cores held it off (agents sharing a
+        machine warm up at once). Afterwards the heap freed by the runs is returned to the
+        OS, so what stays resident is the weights, the session and the arena's activation
+        workspace at these shapes.
         """
         if feeds is None:
             feeds = {}
             for spec in self.inputs:
                 default = [d if isinstance(d, int) else 1 for d in spec.shape]
                 feeds[spec.name] = np.ones(shapes.get(spec.name) or default, DTYPES[spec.dtype])
-        times = []
-        for _ in range(runs + 1):
-            start = time.perf_counter()
+        times: list[float] = []
+        began = time.perf_counter()
+        while len(times) < runs + 1 or (
+            len(times) < WARMUP_MAX_RUNS and time.perf_counter() - began < WARMUP_MIN_S
+        ):
+            start, cpu = time.perf_counter(), time.thread_time()
             try:
                 self.run(feeds)
             except ExecutionError as exc:
                 raise SegmentLoadError(f"warm-up failed: {exc}") from exc
-            times.append(time.perf_counter() - start)
+            wall = time.perf_counter() - start
+            times.append(min(wall, time.thread_time() - cpu) if threads == 1 else wall)
         release_freed_heap()
         return times[0], statistics.median(times[1:]) if runs else times[0]
 

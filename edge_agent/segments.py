@@ -146,7 +146,10 @@ class SegmentStore:
                 table = _session_table(manifest, session)
                 feeds = _warmup_feeds(session, warmup) if len(warmup) else None
                 first, median = session.warm_up(
-                    feeds, manifest.warmup_shapes, self._runtime.warmup_runs
+                    feeds,
+                    manifest.warmup_shapes,
+                    self._runtime.warmup_runs,
+                    self._runtime.intra_op_threads,
                 )
                 measured = resident_bytes() - before
                 peak = peak_resident_bytes() if peak_known else None

@@ -2,14 +2,15 @@
 
 from __future__ import annotations
 
+import math
 from collections.abc import Sequence
 
 from partitioner.errors import GraphError
 from partitioner.runtime_memory import GRAPH_ONLY, RuntimeMemory
 from partitioner.units import UnitPlan
-from protocols.constants import DEFAULT_QUEUE_DEPTH
-from protocols.devices import DeviceList
-from protocols.problem import PlanningProblem
+from protocols.constants import DEFAULT_QUEUE_DEPTH, ROOFLINE_PROBLEM_FORMAT
+from protocols.devices import DeviceList, DeviceSpec
+from protocols.problem import PlanningProblem, Roofs, Work, roofline_s
 
 
 def device_type(name: str) -> str:
@@ -26,6 +27,9 @@ def build_problem(
     compute_shares: Sequence[float] | None = None,
     runtime: RuntimeMemory = GRAPH_ONLY,
     state_bytes: Sequence[int] | None = None,
+    work: Sequence[Work] | None = None,
+    prefill: Sequence[Work] | None = None,
+    phase: str = "",
 ) -> PlanningProblem:
     """The planning problem for placing ``units`` on ``devices``.
 
@@ -47,14 +51,25 @@ def build_problem(
     ``state_bytes`` (one per unit) is per-session state a unit keeps resident, a decoder's KV
     cache at its planned sessions and context: it is added to the unit's ``weight_bytes``.
 
+    ``work`` (one per unit, from :mod:`partitioner.roofline`): when given and some device has
+    a memory roof, the problem is a ``fedshard.problem/2`` priced by the roofline: each unit
+    carries its work (and its ``prefill`` work, shown next to the plan) and each device its
+    roofs, and ``compute_s`` is left to the roofline (``phase`` names what ``work``
+    describes). With ``compute_shares`` as well, each device's roofline time for the whole
+    model is kept and distributed over the units by the measured shares: ``compute_s`` is
+    given, so what the roofline gets wrong about one kind of unit against another (operator
+    overheads, caches) comes from the measurement, and what it says about the device's
+    speed from its roofs.
+
     Raises :class:`~protocols.errors.SchemaError` if the devices do not make a valid problem
     (e.g. a link given twice), :class:`~partitioner.errors.GraphError` if ``compute_shares``
     does not have one share per unit.
     """
-    work = _unit_work(units, compute_shares)
+    charged = _unit_work(units, compute_shares)
     state = list(state_bytes) if state_bytes is not None else [0] * len(units.units)
     if len(state) != len(units.units):
         raise GraphError(f"{len(state)} state sizes for {len(units.units)} units")
+    roofline = work is not None and any(d.memory_gbps is not None for d in devices.devices)
     document: dict[str, object] = {
         "name": name,
         "input_bytes": units.input_bytes,
@@ -69,7 +84,7 @@ def build_problem(
                     device_type(d.name): flops / (d.gflops * 1e9) for d in devices.devices
                 },
             }
-            for u, flops, kv in zip(units.units, work, state, strict=True)
+            for u, flops, kv in zip(units.units, charged, state, strict=True)
         ],
         "devices": [
             {
@@ -78,6 +93,7 @@ def build_problem(
                 "memory_bytes": d.memory_bytes,
                 "bandwidth_mbps": d.bandwidth_mbps,
             }
+            | (_roofs(d) if roofline else {})
             for d in devices.devices
         ],
         "links": [link.model_dump() for link in devices.links],
@@ -87,7 +103,58 @@ def build_problem(
     }
     if devices.requester is not None:
         document["requester"] = devices.requester.model_dump()
+    if roofline:
+        assert work is not None
+        _price_by_roofline(document, work, prefill, phase)
+        if compute_shares is not None:
+            _distribute(document, devices, work, compute_shares)
     return PlanningProblem.from_obj(document)
+
+
+def _distribute(
+    document: dict[str, object],
+    devices: DeviceList,
+    work: Sequence[Work],
+    shares: Sequence[float],
+) -> None:
+    """Give every unit ``compute_s``: its share of each device's roofline time for the model."""
+    units = document["units"]
+    assert isinstance(units, list)
+    for device in devices.devices:
+        roofs = Roofs.model_validate(_roofs(device))
+        total = math.fsum(roofline_s(w, roofs) for w in work)
+        for unit, share in zip(units, shares, strict=True):
+            unit["compute_s"][device_type(device.name)] = total * share
+
+
+def _roofs(device: DeviceSpec) -> dict[str, object]:
+    return {
+        "gflops": device.gflops,
+        "memory_gbps": device.memory_gbps,
+        "cache_bytes": device.cache_bytes,
+        "cache_gbps": device.cache_gbps,
+        "op_us": device.op_us,
+    }
+
+
+def _price_by_roofline(
+    document: dict[str, object],
+    work: Sequence[Work],
+    prefill: Sequence[Work] | None,
+    phase: str,
+) -> None:
+    """Turn ``document`` into a ``/2`` problem whose units are priced by their work."""
+    units = document["units"]
+    assert isinstance(units, list)
+    if len(work) != len(units) or (prefill is not None and len(prefill) != len(units)):
+        raise GraphError(f"work for {len(work)} units, the chain has {len(units)}")
+    document["format"] = ROOFLINE_PROBLEM_FORMAT
+    document["phase"] = phase
+    for k, unit in enumerate(units):
+        unit["compute_s"] = {}
+        unit["work"] = work[k].model_dump()
+        if prefill is not None:
+            unit["prefill"] = prefill[k].model_dump()
 
 
 def _unit_work(units: UnitPlan, shares: Sequence[float] | None) -> list[float]:

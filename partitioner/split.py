@@ -33,6 +33,7 @@ from partitioner.frontier import Frontier, build_frontier
 from partitioner.graph import GraphIndex, index_graph
 from partitioner.modelio import file_sha256, initializer_bytes, load_model
 from partitioner.problem_from_graph import build_problem
+from partitioner.roofline import unit_work
 from partitioner.runtime_memory import RuntimeMemory
 from partitioner.samples import Samples, check_samples, embedded_samples, load_npz, synthesize
 from partitioner.segment_files import WrittenSegment, cached_cuts, write_segments
@@ -50,7 +51,7 @@ from protocols.manifest import (
     TensorInfo,
 )
 from protocols.plan import Objective, Plan
-from protocols.problem import PlanningProblem
+from protocols.problem import PlanningProblem, Work
 
 MANIFEST_NAME = "manifest.json"
 Planner = Callable[[PlanningProblem, Objective], Plan]
@@ -285,7 +286,14 @@ def planning_problem(
         compute_shares=shares,
         runtime=opts.runtime,
         state_bytes=_state_bytes(analysis, opts.sessions),
+        work=analysis_work(analysis),
+        phase="decode" if analysis.decoder is not None else "request",
     )
+
+
+def analysis_work(analysis: Analysis) -> list[Work]:
+    """Each unit's roofline work at the analysis's shapes (see :mod:`partitioner.roofline`)."""
+    return unit_work(analysis.index, analysis.frontier, analysis.table, analysis.units)
 
 
 def _state_bytes(analysis: Analysis, sessions: SessionLimits) -> list[int] | None:

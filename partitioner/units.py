@@ -212,7 +212,7 @@ def build_units(
     max_units: int = DEFAULT_MAX_UNITS,
 ) -> UnitPlan:
     """Choose unit boundaries and cost every unit."""
-    closures = _StaticClosures(index)
+    closures = StaticClosures(index)
     node_cost = [node_flops(n, index.node_inputs[i], table) for i, n in enumerate(index.nodes)]
     weights = {name: tensor_proto_bytes(t) for name, t in index.initializers.items()}
     total_flops = max(1, sum(node_cost[n] for n in frontier.order))
@@ -271,7 +271,7 @@ def _direct_weight(index: GraphIndex, node: int, weights: Mapping[str, int]) -> 
     return sum(weights.get(name, 0) for name in index.node_inputs[node])
 
 
-class _StaticClosures:
+class StaticClosures:
     """Static nodes needed to recompute a set of tensors, stopping at activations."""
 
     def __init__(self, index: GraphIndex) -> None:

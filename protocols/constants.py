@@ -13,6 +13,8 @@ SERVICE_TYPE: Final = "_fedshard._tcp.local."
 
 MANIFEST_FORMAT: Final = "fedshard.manifest/1"
 PROBLEM_FORMAT: Final = "fedshard.problem/1"
+ROOFLINE_PROBLEM_FORMAT: Final = "fedshard.problem/2"
+"""A planning problem whose units may be priced by the devices' roofs (see protocols.problem)."""
 
 DEFAULT_MAX_FRAME_BYTES: Final = 256 * 1024 * 1024
 """Largest activation frame an agent accepts unless configured otherwise."""

@@ -219,6 +219,11 @@ class AgentStatus(FrozenModel):
     """Sum of the predicted memory of the loaded segments."""
     resident_memory_bytes: NonNegativeInt
     gflops: float
+    memory_gbps: float | None = None
+    """Streaming-read bandwidth, GB/s (None from agents that predate it)."""
+    cache_bytes: int | None = None
+    cache_gbps: float | None = None
+    op_us: float | None = None
     paired: bool
     segments: list[LoadedSegment] = Field(default_factory=list)
 

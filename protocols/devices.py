@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from typing import Self
 
-from pydantic import Field, NonNegativeInt, PositiveFloat, model_validator
+from pydantic import Field, NonNegativeFloat, NonNegativeInt, PositiveFloat, model_validator
 
 from protocols.base import FrozenModel
 from protocols.links import Link, Requester, check_links, check_requester
@@ -17,6 +17,16 @@ class DeviceSpec(FrozenModel):
     memory_bytes: NonNegativeInt
     gflops: PositiveFloat
     bandwidth_mbps: PositiveFloat
+    memory_gbps: PositiveFloat | None = None
+    """Memory roof (streaming-read GB/s, as ``fedshard profile`` measures it). With it every
+    unit is priced by the roofline, ``max(FLOPs / compute, bytes read / bandwidth)``; without
+    it by FLOPs alone."""
+    cache_bytes: NonNegativeInt = 0
+    """Work reading at most this many bytes is priced at ``cache_gbps``."""
+    cache_gbps: PositiveFloat | None = None
+    """Streaming-read bandwidth within the cache, GB/s."""
+    op_us: NonNegativeFloat = 0.0
+    """Fixed cost of one operator, microseconds (roofline pricing only)."""
 
 
 class DeviceList(FrozenModel):

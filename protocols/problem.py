@@ -1,9 +1,15 @@
-"""``fedshard.problem/1``: a planning problem stated directly.
+"""``fedshard.problem/1`` and ``/2``: a planning problem stated directly.
 
 A model is a chain of *units*; devices each hold at most one contiguous stage of
 units. The semantics (which the planner implements exactly) are:
 
-- a stage's compute is the sum of its units' ``compute_s[device.type]``;
+- a stage's compute is the sum of its units' seconds on the device's type, each added left
+  to right: ``compute_s[device.type]`` when given, otherwise (``/2`` only) the unit's
+  *roofline* time on that type, ``max(flops / (gflops * 1e9), bytes_read / (gbps * 1e9)) +
+  ops * op_us / 1e6`` with the devices' compute roof ``gflops``, memory roof ``gbps`` (GB/s,
+  10^9 bytes/s: ``cache_gbps`` for work reading at most ``cache_bytes``, else
+  ``memory_gbps``; without either, the compute term alone) and operator cost ``op_us``, see
+  :func:`roofline_s`;
 - every stage but the last sends its last unit's ``out_bytes`` to the next stage's
   device, taking ``out_bytes * 8 / (bandwidth_mbps * 1e6) + latency_ms / 1e3`` seconds,
   where the link is the ``links`` entry for the pair if any, otherwise the smaller of
@@ -32,8 +38,19 @@ from typing import Literal, Self
 from pydantic import Field, NonNegativeFloat, NonNegativeInt, PositiveFloat, model_validator
 
 from protocols.base import FrozenModel
-from protocols.constants import DEFAULT_QUEUE_DEPTH, PROBLEM_FORMAT
+from protocols.constants import DEFAULT_QUEUE_DEPTH, PROBLEM_FORMAT, ROOFLINE_PROBLEM_FORMAT
 from protocols.links import Link, Requester, check_links, check_requester
+
+
+class Work(FrozenModel):
+    """What one unit does in one phase: multiply-adds and bytes it must read from memory."""
+
+    flops: NonNegativeInt
+    bytes_read: NonNegativeInt
+    """Its weights at their stored precision (scales and zero points included), the
+    activations it reads and writes and, for a decoder, its KV cache at the costed context."""
+    ops: NonNegativeInt = 0
+    """Operators (kernel launches) it runs: each costs the device's ``op_us`` on top."""
 
 
 class Unit(FrozenModel):
@@ -42,10 +59,16 @@ class Unit(FrozenModel):
     name: str
     weight_bytes: NonNegativeInt
     out_bytes: NonNegativeInt
-    compute_s: dict[str, NonNegativeFloat]
-    """Seconds per micro-batch, keyed by device type."""
+    compute_s: dict[str, NonNegativeFloat] = Field(default_factory=dict)
+    """Seconds per micro-batch, keyed by device type; a type missing here is priced by the
+    roofline of ``work`` (``/2`` only)."""
     workspace_bytes: NonNegativeInt = 0
     """Peak activation workspace while the unit runs; a stage adds the largest of its units'."""
+    work: Work | None = None
+    """``/2``: the planned phase's work (an encoder request, a decoder's decode step)."""
+    prefill: Work | None = None
+    """``/2``, decoders: the work of prefilling the prompt; shown next to the plan, never
+    planned on."""
 
 
 class SharedWeight(FrozenModel):
@@ -63,12 +86,53 @@ class ProblemDevice(FrozenModel):
     type: str = Field(min_length=1)
     memory_bytes: NonNegativeInt
     bandwidth_mbps: PositiveFloat
+    gflops: PositiveFloat | None = None
+    """``/2``: compute roof, GFLOP/s (devices of one type must agree)."""
+    memory_gbps: PositiveFloat | None = None
+    """``/2``: memory roof, GB/s of streaming reads (devices of one type must agree)."""
+    cache_bytes: NonNegativeInt = 0
+    """``/2``: work reading at most this many bytes is read at ``cache_gbps``."""
+    cache_gbps: PositiveFloat | None = None
+    """``/2``: streaming-read bandwidth within the cache, GB/s."""
+    op_us: NonNegativeFloat = 0.0
+    """``/2``: fixed cost of one operator, microseconds (devices of one type must agree)."""
+
+
+_ROOF_FIELDS = ("gflops", "memory_gbps", "cache_bytes", "cache_gbps", "op_us")
+
+
+class Roofs(FrozenModel):
+    """A device type's roofs: compute, memory (and the cache below it), operator cost."""
+
+    gflops: PositiveFloat
+    memory_gbps: PositiveFloat | None = None
+    cache_bytes: NonNegativeInt = 0
+    cache_gbps: PositiveFloat | None = None
+    op_us: NonNegativeFloat = 0.0
+
+    def bandwidth_gbps(self, bytes_read: int) -> float | None:
+        """The bandwidth ``bytes_read`` bytes are read at: the cache's if they fit in it."""
+        if self.cache_gbps is not None and bytes_read <= self.cache_bytes:
+            return self.cache_gbps
+        return self.memory_gbps
+
+
+def roofline_s(work: Work, roofs: Roofs) -> float:
+    """Seconds of ``work`` under ``roofs``: the larger of compute time and memory time, plus
+    the operators' fixed cost: ``max(flops / (gflops 1e9), bytes_read / (gbps 1e9)) + ops *
+    op_us / 1e6``, where ``gbps`` is ``cache_gbps`` when ``bytes_read <= cache_bytes`` and
+    ``memory_gbps`` otherwise (without either, the compute time alone)."""
+    busy = float(work.flops) / (roofs.gflops * 1e9)
+    gbps = roofs.bandwidth_gbps(work.bytes_read)
+    if gbps is not None:
+        busy = max(busy, float(work.bytes_read) / (gbps * 1e9))
+    return busy + float(work.ops) * roofs.op_us / 1e6
 
 
 class PlanningProblem(FrozenModel):
-    """A ``fedshard.problem/1`` document."""
+    """A ``fedshard.problem/1`` or ``/2`` document (``/2`` adds roofline costs)."""
 
-    format: Literal["fedshard.problem/1"] = PROBLEM_FORMAT
+    format: Literal["fedshard.problem/1", "fedshard.problem/2"] = PROBLEM_FORMAT
     name: str = ""
     input_bytes: NonNegativeInt = 0
     queue_depth: NonNegativeInt = DEFAULT_QUEUE_DEPTH
@@ -78,20 +142,69 @@ class PlanningProblem(FrozenModel):
     shared_weights: list[SharedWeight] = Field(default_factory=list)
     requester: Requester | None = None
     """Where inputs come from and results go back to; ``None``: neither is counted."""
+    phase: str = ""
+    """``/2``: the phase ``work`` describes (``"request"``, ``"decode"``), for people."""
+
+    def type_roofs(self) -> dict[str, Roofs]:
+        """The roofs of each device type whose devices carry a compute roof."""
+        roofs: dict[str, Roofs] = {}
+        for device in self.devices:
+            if device.gflops is not None:
+                roofs[device.type] = Roofs(
+                    gflops=device.gflops,
+                    memory_gbps=device.memory_gbps,
+                    cache_bytes=device.cache_bytes,
+                    cache_gbps=device.cache_gbps,
+                    op_us=device.op_us,
+                )
+        return roofs
+
+    def unit_seconds(self, index: int, device_type: str) -> float:
+        """Seconds of unit ``index`` on ``device_type``: its ``compute_s`` entry when given,
+        else its roofline time (the validator made sure one exists)."""
+        unit = self.units[index]
+        given = unit.compute_s.get(device_type)
+        if given is not None:
+            return given
+        assert unit.work is not None  # checked by the validator
+        return roofline_s(unit.work, self.type_roofs()[device_type])
 
     @model_validator(mode="after")
     def _check_references(self) -> Self:
         names = [d.name for d in self.devices]
         if len(set(names)) != len(names):
             raise ValueError("device names must be unique")
+        roofed = self._check_roofs()
         types = {d.type for d in self.devices}
         for i, unit in enumerate(self.units):
             missing = types - unit.compute_s.keys()
+            if unit.work is not None:
+                missing -= roofed
             if missing:
-                raise ValueError(f"unit {i} ({unit.name!r}) has no compute_s for {sorted(missing)}")
+                raise ValueError(
+                    f"unit {i} ({unit.name!r}) has neither compute_s nor work and roofs for "
+                    f"{sorted(missing)}"
+                )
         check_links(set(names), self.links)
         check_requester(set(names), self.requester)
         for shared in self.shared_weights:
             if any(u >= len(self.units) for u in shared.units):
                 raise ValueError(f"shared weight {shared.name!r} names a unit out of range")
         return self
+
+    def _check_roofs(self) -> set[str]:
+        """The device types with roofs; roofline fields need ``/2`` and agree within a type."""
+        plain = tuple(ProblemDevice.model_fields[f].default for f in _ROOF_FIELDS)
+        rows = [tuple(getattr(d, f) for f in _ROOF_FIELDS) for d in self.devices]
+        uses = any(row != plain for row in rows) or any(
+            u.work is not None or u.prefill is not None for u in self.units
+        )
+        if uses and self.format != ROOFLINE_PROBLEM_FORMAT:
+            raise ValueError(f"roofline fields need format {ROOFLINE_PROBLEM_FORMAT!r}")
+        seen: dict[str, tuple[object, ...]] = {}
+        for device, row in zip(self.devices, rows, strict=True):
+            if device.gflops is None and row != plain:
+                raise ValueError(f"device {device.name!r} has roofs but no gflops")
+            if seen.setdefault(device.type, row) != row:
+                raise ValueError(f"devices of type {device.type!r} have different roofs")
+        return {kind for kind, row in seen.items() if row[0] is not None}

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from typing import Annotated
 
-from pydantic import Field, NonNegativeInt, PositiveFloat
+from pydantic import Field, NonNegativeFloat, NonNegativeInt, PositiveFloat
 
 from protocols.base import FrozenModel
 from protocols.constants import PROTOCOL_VERSION, SOFTWARE_VERSION
@@ -22,7 +22,16 @@ class DeviceProfile(FrozenModel):
     memory_bytes: NonNegativeInt
     """The most memory this agent may use for segments and sessions."""
     gflops: PositiveFloat
-    """Measured with an ONNX Runtime micro-benchmark."""
+    """Compute roof, measured with an ONNX Runtime MatMul micro-benchmark."""
+    memory_gbps: PositiveFloat | None = None
+    """Memory roof: streaming-read bandwidth in GB/s (10^9 bytes/s), measured with an ONNX
+    Runtime ReduceSum over a buffer larger than the caches; None from agents that predate it."""
+    cache_bytes: NonNegativeInt | None = None
+    """Largest working set read at cache speed (at least twice the memory roof); 0: none."""
+    cache_gbps: PositiveFloat | None = None
+    """Streaming-read bandwidth of working sets up to ``cache_bytes``, GB/s."""
+    op_us: NonNegativeFloat | None = None
+    """Fixed cost of one ONNX Runtime operator, microseconds."""
     providers: list[ProviderName] = Field(
         default_factory=lambda: ["CPUExecutionProvider"], max_length=8
     )

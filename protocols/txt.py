@@ -19,10 +19,10 @@ from protocols.profile import AgentState, Announcement, DeviceProfile
 
 MAX_ENTRY_BYTES: Final = 255
 MAX_TXT_ENTRIES: Final = 64
-"""Most entries a record may have (an agent sends 13 at most)."""
+"""Most entries a record may have (an agent sends 17 at most)."""
 MAX_RECORD_BYTES: Final = 4096
 """Most bytes a whole record may have, with one length byte per entry (an agent's fit in
-13 x 256)."""
+17 x 256)."""
 
 # TXT key -> model field. Every profile key is required; state keys are optional.
 _PROFILE_KEYS: Final = {
@@ -37,6 +37,13 @@ _PROFILE_KEYS: Final = {
     "fp": "cert_fingerprint",
     "sw": "software_version",
 }
+_OPTIONAL_PROFILE_KEYS: Final = {
+    "mbw": "memory_gbps",
+    "cbw": "cache_gbps",
+    "cache": "cache_bytes",
+    "opus": "op_us",
+}
+"""Profile keys older agents do not send: left out when unset, absent means unknown."""
 _STATE_KEYS: Final = {"paired": "paired", "seg": "segment_sha256", "plv": "plan_version"}
 
 
@@ -45,6 +52,9 @@ def encode_txt(announcement: Announcement) -> dict[str, str]:
     profile = announcement.profile.model_dump()
     state = announcement.state.model_dump()
     entries = {key: _to_text(profile[field]) for key, field in _PROFILE_KEYS.items()}
+    for key, field in _OPTIONAL_PROFILE_KEYS.items():
+        if profile[field] is not None:
+            entries[key] = _to_text(profile[field])
     for key, field in _STATE_KEYS.items():
         if state[field] is not None:
             entries[key] = _to_text(state[field])
@@ -63,6 +73,11 @@ def decode_txt(properties: Mapping[bytes, bytes | None] | Mapping[str, str | Non
     if missing:
         raise TxtRecordError(f"TXT record lacks {', '.join(missing)}")
     profile_fields = {field: _from_text(field, text[key]) for key, field in _PROFILE_KEYS.items()}
+    profile_fields |= {
+        field: _from_text(field, text[key])
+        for key, field in _OPTIONAL_PROFILE_KEYS.items()
+        if key in text
+    }
     state_fields = {
         field: _from_text(field, text[key]) for key, field in _STATE_KEYS.items() if key in text
     }
@@ -141,6 +156,10 @@ _PARSERS: Final[dict[str, Callable[[str], object]]] = {
     "protocol_version": _parse_int,
     "memory_bytes": _parse_int,
     "gflops": _parse_float,
+    "memory_gbps": _parse_float,
+    "cache_gbps": _parse_float,
+    "cache_bytes": _parse_int,
+    "op_us": _parse_float,
     "providers": _parse_list,
     "control_port": _parse_int,
     "data_port": _parse_int,

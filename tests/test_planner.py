@@ -78,7 +78,7 @@ def _score(problem: PlanningProblem, stages: tuple[tuple[str, int, int], ...]) -
     transfers += _to_requester(problem, stages[-1][0], problem.units[-1].out_bytes)
     for index, (name, start, end) in enumerate(stages):
         kind = devices[name].type
-        computes.append(sum(problem.units[i].compute_s[kind] for i in range(start, end)))
+        computes.append(sum(_unit_seconds(problem, i, kind) for i in range(start, end)))
         if index + 1 < len(stages):
             bandwidth, latency = _link(problem, name, stages[index + 1][0])
             out = problem.units[end - 1].out_bytes
@@ -86,6 +86,24 @@ def _score(problem: PlanningProblem, stages: tuple[tuple[str, int, int], ...]) -
         overflow = max(overflow, _memory(problem, start, end) - devices[name].memory_bytes)
     bottleneck = max(computes + transfers)
     return Scored(stages, bottleneck, sum(computes) + sum(transfers), int(overflow))
+
+
+def _unit_seconds(problem: PlanningProblem, index: int, kind: str) -> float:
+    """A unit's seconds on a type, straight from the ``/2`` semantics: its ``compute_s`` entry,
+    else the roofline of its work under the type's roofs."""
+    unit = problem.units[index]
+    if kind in unit.compute_s:
+        return unit.compute_s[kind]
+    assert unit.work is not None
+    device = next(d for d in problem.devices if d.type == kind)
+    assert device.gflops is not None
+    seconds = float(unit.work.flops) / (device.gflops * 1e9)
+    bandwidth = device.memory_gbps
+    if device.cache_gbps is not None and unit.work.bytes_read <= device.cache_bytes:
+        bandwidth = device.cache_gbps
+    if bandwidth is not None:
+        seconds = max(seconds, float(unit.work.bytes_read) / (bandwidth * 1e9))
+    return seconds + float(unit.work.ops) * device.op_us / 1e6
 
 
 def _arrangements(problem: PlanningProblem) -> Iterator[tuple[tuple[str, int, int], ...]]:
@@ -125,12 +143,26 @@ COMPUTE = st.one_of(
 )
 
 
+ROOFS = {
+    "cpu": {"gflops": 2e-9, "memory_gbps": 1e-9, "cache_bytes": 40, "cache_gbps": 4e-9},
+    "gpu": {"gflops": 8e-9, "memory_gbps": 3e-9, "op_us": 1e5},
+    "npu": {"gflops": 1e-9},
+}
+"""Roofs per type for ``fedshard.problem/2`` instances (tiny rates: a unit takes seconds)."""
+
+
 @st.composite
 def problems(
-    draw: st.DrawFn, max_devices: int = 4, max_units: int = 7, requester: bool = False
+    draw: st.DrawFn,
+    max_devices: int = 4,
+    max_units: int = 7,
+    requester: bool = False,
+    roofline: bool = False,
 ) -> PlanningProblem:
     """Small instances with ties, shared weights, workspace, links and tight memory; with
-    ``requester``, a requester with links to some of the devices."""
+    ``requester``, a requester with links to some of the devices; with ``roofline``, a
+    ``fedshard.problem/2`` whose devices carry roofs and whose units carry work, some priced
+    by ``compute_s`` on some types and by the roofline on the others."""
     n_units = draw(st.integers(1, max_units))
     n_devices = draw(st.integers(1, max_devices))
     kinds = draw(st.lists(st.sampled_from(TYPES), min_size=n_devices, max_size=n_devices))
@@ -182,7 +214,20 @@ def problems(
         }
         for a, b in linked
     ]
+    if roofline:
+        for unit in units:
+            unit["work"] = {
+                "flops": draw(st.sampled_from([0, 1, 2, 3, 6])),
+                "bytes_read": draw(st.sampled_from([0, 1, 2, 30, 50, 90])),
+                "ops": draw(st.integers(0, 3)),
+            }
+            priced = unit["compute_s"]
+            assert isinstance(priced, dict)
+            unit["compute_s"] = {k: v for k, v in priced.items() if draw(st.booleans())}
+        for device in devices:
+            device.update(ROOFS[str(device["type"])])
     document = {
+        "format": "fedshard.problem/2" if roofline else "fedshard.problem/1",
         "name": "random",
         "input_bytes": input_bytes,
         "queue_depth": queue_depth,
@@ -232,6 +277,27 @@ def test_planner_equals_exhaustive_search(requester: bool, data: st.DataObject) 
                 plan(problem, objective)
             assert caught.value.shortfall_bytes == truth.shortfall > 0
             assert f"{truth.shortfall} bytes" in str(caught.value)
+        return
+    throughput = plan(problem, Objective.THROUGHPUT)
+    assert throughput.bottleneck_s == truth.throughput.bottleneck
+    assert throughput.latency_s == pytest.approx(truth.throughput.latency, rel=1e-9, abs=1e-12)
+    latency = plan(problem, Objective.LATENCY)
+    assert latency.latency_s == pytest.approx(truth.latency.latency, rel=1e-9, abs=1e-12)
+    for objective in Objective:
+        _check_plan_is_honest(problem, objective)
+
+
+@REQUESTER
+@SETTINGS
+@given(st.data())
+def test_roofline_planner_equals_exhaustive_search(requester: bool, data: st.DataObject) -> None:
+    """``fedshard.problem/2``: units priced by the roofline of their work on each type's roofs
+    (memory, cache or compute bound, plus operator cost), or by ``compute_s`` where given."""
+    problem = data.draw(problems(requester=requester, roofline=True))
+    truth = oracle(problem)
+    if truth.throughput is None or truth.latency is None:
+        with pytest.raises(InfeasiblePlanError):
+            plan(problem, Objective.THROUGHPUT)
         return
     throughput = plan(problem, Objective.THROUGHPUT)
     assert throughput.bottleneck_s == truth.throughput.bottleneck

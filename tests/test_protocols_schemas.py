@@ -110,7 +110,8 @@ def _problem_dict() -> dict:
 @pytest.mark.parametrize(
     "mutate",
     [
-        lambda d: d.update(format="fedshard.problem/2"),
+        lambda d: d.update(format="fedshard.problem/3"),
+        lambda d: d["devices"][0].update(gflops=10.0),  # roofs need /2
         lambda d: d.update(surprise=1),
         lambda d: d["units"][0].pop("weight_bytes"),
         lambda d: d["units"][0].update(compute_s={"gpu": 1.0}),

@@ -21,6 +21,10 @@ profiles = st.builds(
     control_port=st.integers(1, 65535),
     data_port=st.integers(1, 65535),
     cert_fingerprint=hexes,
+    memory_gbps=st.none() | st.floats(min_value=1e-3, max_value=1e4, allow_nan=False),
+    cache_bytes=st.none() | st.integers(0, 2**40),
+    cache_gbps=st.none() | st.floats(min_value=1e-3, max_value=1e4, allow_nan=False),
+    op_us=st.none() | st.floats(min_value=0, max_value=1e3, allow_nan=False),
 )
 states = st.builds(
     AgentState,
@@ -65,6 +69,23 @@ def test_unknown_keys_are_ignored() -> None:
     assert decode_txt(props) == _sample()
 
 
+def test_roofs_travel_as_optional_keys_and_old_agents_parse_without_them() -> None:
+    roofed = _sample().model_copy(
+        update={
+            "profile": _sample().profile.model_copy(
+                update={"memory_gbps": 3.25, "cache_bytes": 16 << 20, "cache_gbps": 18.5}
+            )
+        }
+    )
+    entries = encode_txt(roofed)
+    assert (entries["mbw"], entries["cache"], entries["cbw"]) == ("3.25", str(16 << 20), "18.5")
+    assert "opus" not in entries
+    assert decode_txt(entries) == roofed
+    old = encode_txt(_sample())  # an agent from before the memory roof
+    assert not {"mbw", "cbw", "cache", "opus"} & old.keys()
+    assert decode_txt(old).profile.memory_gbps is None
+
+
 def test_protocol_version_key_is_present() -> None:
     assert encode_txt(_sample())["pv"] == "1"
 
@@ -76,6 +97,9 @@ def test_protocol_version_key_is_present() -> None:
         (b"mem", b"-5"),
         (b"gf", b"nan"),
         (b"gf", b"-1"),
+        (b"mbw", b"0"),
+        (b"mbw", b"inf"),
+        (b"cache", b"-1"),
         (b"cp", b"70000"),
         (b"fp", b"not-hex"),
         (b"name", b"bad name with spaces"),

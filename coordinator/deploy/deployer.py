@@ -21,6 +21,12 @@ from typing import Any
 import numpy as np
 
 from coordinator.deploy.plan import LiveDevice, deploy_bodies, device_list, max_abs_diff
+from coordinator.deploy.stage_timing import (
+    CALIBRATION_RUNS,
+    StageTiming,
+    calibrates_at_deploy,
+    stage_times,
+)
 from coordinator.deploy.store import DeploymentStore, Placement, VersionRecord, now
 from coordinator.errors import AgentError, CoordinatorError, DeployError
 from coordinator.fleet.registry import DeviceRecord
@@ -89,6 +95,7 @@ class Deployer:
         retired: Callable[[int], None] = lambda plan_version: None,
         requester_links: Callable[[], list[RequesterLink]] | None = None,
         segment_cache: Path | None = None,
+        timing: StageTiming | None = None,
     ) -> None:
         self._dir = state_dir / "deployments"
         self._store = store
@@ -100,6 +107,7 @@ class Deployer:
         self._retired = retired
         self._requester_links = requester_links
         self._segment_cache = segment_cache
+        self._timing = timing
         self._lock = threading.Lock()
         self._busy: set[str] = set()
         self._busy_lock = threading.Lock()
@@ -110,13 +118,18 @@ class Deployer:
             raise DeployError(f"no model file at {command.model_path}")
         with self._lock:
             live = self._live_devices()
+            if self._timing is not None:
+                live = self._timing.apply(live)
             links = self._links()
             requester = None if self._requester_links is None else self._requester_links()
             devices = device_list(live, links, command.memory_caps, command.strict_caps, requester)
             plan_version = self._store.reserve_plan_version()
             out = self.segment_dir(command.model_id, plan_version)
             split = split_and_run(command, devices, out, self._segment_cache)
-            return self._install(command, plan_version, split, live)
+            version = self._install(command, plan_version, split, live)
+            if self._timing is not None:
+                self._timing.record(stage_times(version), {d.name: d.correction for d in live})
+            return version
 
     def replan(self, version: VersionRecord, trigger: str) -> VersionRecord:
         """Deploy ``version``'s model again, planned on the devices online now (failover).
@@ -246,6 +259,10 @@ class Deployer:
                 budget_bytes=s.memory_budget_bytes,
                 committed_bytes=s.memory_committed_bytes,
                 gflops=s.gflops,
+                memory_gbps=s.memory_gbps,
+                cache_bytes=s.cache_bytes or 0,
+                cache_gbps=s.cache_gbps,
+                op_us=s.op_us or 0.0,
                 host=r.host,
                 control_port=r.announcement.profile.control_port,
                 data_port=r.announcement.profile.data_port,
@@ -312,7 +329,12 @@ def split_and_run(
 
     planner = None if command.baseline is None else baseline_planner(command.baseline)
     try:
-        options = SplitOptions(command.objective, segment_cache=segment_cache)
+        options = SplitOptions(
+            command.objective,
+            segment_cache=segment_cache,
+            calibrate=calibrates_at_deploy(command.model_path),
+            calibration_runs=CALIBRATION_RUNS,
+        )
         result = split_model(command.model_path, devices, out, options, planner=planner)
         samples = dict(result.analysis.samples)
         known = run_chain([w.files[0] for w in result.segments], samples)

@@ -45,6 +45,14 @@ class LiveDevice:
     host: str
     control_port: int
     data_port: int
+    memory_gbps: float | None = None
+    """Memory roof (None from agents that predate it: priced by FLOPs alone)."""
+    cache_bytes: int = 0
+    cache_gbps: float | None = None
+    op_us: float = 0.0
+    correction: float = 1.0
+    """The measured/predicted correction already applied to the roofs above
+    (:mod:`coordinator.deploy.stage_timing`)."""
 
 
 def device_list(
@@ -76,6 +84,10 @@ def device_list(
                 memory_bytes=min(free, cap) if cap is not None else free,
                 gflops=device.gflops,
                 bandwidth_mbps=DEFAULT_BANDWIDTH_MBPS,
+                memory_gbps=device.memory_gbps,
+                cache_bytes=device.cache_bytes,
+                cache_gbps=device.cache_gbps,
+                op_us=device.op_us,
             )
         )
     names = {d.name for d in devices}

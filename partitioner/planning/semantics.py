@@ -5,7 +5,9 @@ The dynamic programme in :mod:`partitioner.planning.engine` performs the very sa
 operations in the very same order, so the value it optimises equals, bit for bit, what
 :func:`evaluate` reports for the plan it returns:
 
-- a stage's compute is ``sum(compute_s[type] for its units)``, added left to right from 0;
+- a stage's compute is the sum of its units' seconds (``compute_s[type]``, or the roofline time
+  of a ``/2`` unit, both from :meth:`~protocols.problem.PlanningProblem.unit_seconds`), added
+  left to right from 0;
 - a transfer is ``float(out_bytes) * 8.0 / (bandwidth_mbps * 1e6) + latency_ms / 1e3``;
 - latency is accumulated in chain order from 0: the in-transfer from the requester (if one is
   modelled), compute of stage 1, its transfer, compute of stage 2, ..., compute of the last stage,
@@ -60,8 +62,8 @@ def transfer_seconds(out_bytes: int, bandwidth_mbps: float, latency_ms: float) -
 def stage_compute(problem: PlanningProblem, device_type: str, start: int, end: int) -> float:
     """Compute seconds of units ``[start, end)`` on a device of ``device_type``."""
     total = 0.0
-    for unit in problem.units[start:end]:
-        total += unit.compute_s[device_type]
+    for index in range(start, end):
+        total += problem.unit_seconds(index, device_type)
     return total
 
 

@@ -52,7 +52,7 @@ def build_tables(problem: PlanningProblem) -> Tables:
     n = len(problem.units)
     types = sorted({device.type for device in problem.devices})
     compute = {
-        kind: _compute_table(np.array([unit.compute_s[kind] for unit in problem.units]))
+        kind: _compute_table(np.array([problem.unit_seconds(i, kind) for i in range(n)]))
         for kind in types
     }
     out = np.array([unit.out_bytes for unit in problem.units], dtype=np.float64)

@@ -1,0 +1,131 @@
+"""Roofline costs of planning units: the FLOPs a unit does and the bytes it must read.
+
+A unit's time on a device is the larger of its FLOPs over the device's compute roof and its
+bytes over the device's memory roof (``protocols.problem.roofline_s``). A decode step reads
+hundreds of MB of weights for a few MFLOPs, so it is bound by memory, not by multiply-adds;
+an encoder request at 128 tokens does ~100 FLOPs per weight byte and is bound by compute.
+
+Bytes read, per unit, at the shapes the analysis bound (the deployment's shapes):
+
+- **weights** at their stored precision: every initializer the unit's nodes read (shared ones
+  included: a tied embedding is read by each unit that uses it), scales and zero points of
+  quantized weights included, since they are initializers too; a table only *gathered* from
+  (an embedding lookup) counts the rows gathered, not the whole table;
+- **activations** that cross the unit's boundary: every tensor its nodes read that was made
+  outside it (the frontier coming in, model inputs; for a decoder the past keys and values, so
+  the KV cache is counted at the costed context, bound with ``--dim``) and the frontier it
+  hands on. Tensors made and used inside the unit are not counted: at the shapes an edge
+  deployment runs they stay in the caches (measured on MiniLM at 1 x 128: counting every
+  kernel's inputs and outputs priced the attention units at 5-6x their time).
+
+Everything here is pure: graph index, frontier, shape table and units in, numbers out.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from dataclasses import dataclass
+
+from partitioner.costs import ShapeTable, tensor_proto_bytes
+from partitioner.frontier import Frontier
+from partitioner.graph import GraphIndex
+from partitioner.units import StaticClosures, UnitPlan
+from protocols.problem import Roofs, Work, roofline_s
+
+
+@dataclass(frozen=True)
+class UnitTraffic:
+    """Where a unit's bytes come from (for tables and tests)."""
+
+    weight_bytes: int
+    activation_bytes: int
+    ops: int
+    """Operators the unit runs: its main nodes and the static ones it recomputes (shape
+    arithmetic runs on every request when shapes are dynamic)."""
+
+    @property
+    def total(self) -> int:
+        """All bytes the unit reads or writes."""
+        return self.weight_bytes + self.activation_bytes
+
+
+def unit_traffic(
+    index: GraphIndex, frontier: Frontier, table: ShapeTable, units: UnitPlan
+) -> list[UnitTraffic]:
+    """Bytes each unit moves at ``table``'s binding (see the module docstring)."""
+    sizes = {name: tensor_proto_bytes(t) for name, t in index.initializers.items()}
+    closures = StaticClosures(index)
+    out: list[UnitTraffic] = []
+    for unit in units.units:
+        nodes = frontier.order[unit.start : unit.end]
+        gathered = _gathered_only(index, nodes, unit.initializers)
+        weights = sum(sizes[name] for name in unit.initializers - gathered.keys())
+        weights += sum(table.nbytes(out) for out in gathered.values())
+        activations = _boundary_bytes(index, nodes, table, sizes) + unit.out_bytes
+        ops = len(nodes) + len(closures.of(nodes))
+        out.append(UnitTraffic(weights, activations, ops))
+    return out
+
+
+_GATHERS = frozenset({"Gather", "GatherElements", "GatherND"})
+
+
+def _gathered_only(
+    index: GraphIndex, nodes: Sequence[int], initializers: frozenset[str]
+) -> dict[str, str]:
+    """Initializers the unit's nodes only gather rows from: name -> the gather's output."""
+    gathered: dict[str, str] = {}
+    other: set[str] = set()
+    for node_id in nodes:
+        node = index.nodes[node_id]
+        inputs = index.node_inputs[node_id]
+        for position, name in enumerate(inputs):
+            if name not in initializers:
+                continue
+            if node.op_type in _GATHERS and position == 0 and name not in gathered:
+                gathered[name] = node.output[0]
+            else:
+                other.add(name)
+    return {name: out for name, out in gathered.items() if name not in other}
+
+
+def _boundary_bytes(
+    index: GraphIndex, nodes: Sequence[int], table: ShapeTable, weights: dict[str, int]
+) -> int:
+    """Bytes of the activations the unit's nodes read that none of them made."""
+    made = {name for node_id in nodes for name in index.nodes[node_id].output if name}
+    read = {
+        name
+        for node_id in nodes
+        for name in index.node_inputs[node_id]
+        if name not in weights and name not in made and not index.is_static_tensor(name)
+    }
+    return sum(table.nbytes(name) for name in read)
+
+
+def unit_work(
+    index: GraphIndex, frontier: Frontier, table: ShapeTable, units: UnitPlan
+) -> list[Work]:
+    """Each unit's :class:`~protocols.problem.Work` at ``table``'s binding."""
+    traffic = unit_traffic(index, frontier, table, units)
+    return [
+        Work(flops=unit.flops, bytes_read=moved.total, ops=moved.ops)
+        for unit, moved in zip(units.units, traffic, strict=True)
+    ]
+
+
+def stage_seconds(work: Sequence[Work], roofs: Roofs) -> float:
+    """Seconds of a stage made of ``work``'s units under ``roofs``, added left to right as
+    the planner adds them."""
+    total = 0.0
+    for item in work:
+        total += roofline_s(item, roofs)
+    return total
+
+
+def bound_by(work: Work, roofs: Roofs) -> str:
+    """``"memory"`` or ``"compute"``: which roof limits ``work`` (for tables)."""
+    if roofs.memory_gbps is None:
+        return "compute"
+    memory = work.bytes_read / (roofs.memory_gbps * 1e9)
+    return "memory" if memory > work.flops / (roofs.gflops * 1e9) else "compute"

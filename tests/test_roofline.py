@@ -1,0 +1,231 @@
+"""Roofline costs: the device's roofs, units' work, the ``/2`` problem and what it plans.
+
+Unit tests (a fake-free ONNX Runtime for the micro-benchmarks, hand-built graphs for the
+traffic); the brute-force equality of the planner on ``/2`` problems is in test_planner.py.
+"""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import numpy as np
+import onnx
+import pytest
+from onnx import TensorProto, helper, numpy_helper
+
+from coordinator.deploy.plan import LiveDevice
+from coordinator.deploy.stage_timing import HIGHEST, StageTime, StageTiming, corrected
+from edge_agent.config import RuntimeConfig
+from edge_agent.membench import cache_level, measure_memory_gbps, parse_cache_size, run_spread
+from partitioner.planner import evaluate, plan
+from partitioner.roofline import bound_by, unit_traffic
+from partitioner.split import analyse
+from protocols.errors import SchemaError
+from protocols.plan import Objective
+from protocols.problem import PlanningProblem, Roofs, Work, roofline_s
+
+SHARED = Path(__file__).resolve().parents[1].parent / "shared" / "benchmarks" / "planner"
+
+
+# ----------------------------------------------------------------------------- the roofs
+
+
+def test_roofline_takes_the_larger_roof_plus_operator_cost() -> None:
+    roofs = Roofs(gflops=100.0, memory_gbps=10.0, cache_bytes=1000, cache_gbps=50.0, op_us=2.0)
+    decode = Work(flops=2_000_000, bytes_read=4_000_000, ops=10)  # 0.02 ms vs 0.4 ms
+    assert roofline_s(decode, roofs) == pytest.approx(4e-4 + 2e-5)
+    assert bound_by(decode, roofs) == "memory"
+    encode = Work(flops=1_000_000_000, bytes_read=4_000_000)  # 10 ms vs 0.4 ms
+    assert roofline_s(encode, roofs) == pytest.approx(1e-2)
+    assert bound_by(encode, roofs) == "compute"
+    small = Work(flops=0, bytes_read=1000)  # fits the cache: 50 GB/s, not 10
+    assert roofline_s(small, roofs) == pytest.approx(1000 / 50e9)
+    assert roofline_s(decode, Roofs(gflops=100.0)) == pytest.approx(2e-5)
+
+
+def test_cache_level_is_the_largest_probe_still_twice_the_roof() -> None:
+    mib = 1 << 20
+    points = [(mib, 20.0), (2 * mib, 18.0), (4 * mib, 7.0), (8 * mib, 2.5), (16 * mib, 9.0)]
+    assert cache_level(points, roof_gbps=3.0) == (4 * mib, 18.0)
+    assert cache_level(points, roof_gbps=30.0) == (0, None)
+    assert parse_cache_size("4096K\n") == 4 << 20
+    assert parse_cache_size("300M") == 300 << 20
+    assert parse_cache_size("512") == 512
+
+
+def test_memory_roof_is_measured_and_its_spread_is_reported() -> None:
+    runs = [measure_memory_gbps(RuntimeConfig(), 64 << 20, trials=3) for _ in range(3)]
+    assert min(runs) > 0
+    spread = run_spread(runs)
+    print(f"memory roof {runs} GB/s, largest deviation from the median {spread:.1%}")
+    assert run_spread([9.0, 10.0, 11.0]) == pytest.approx(0.1)
+    assert run_spread([4.0, 4.0]) == 0.0
+    with pytest.raises(ValueError):
+        run_spread([])
+
+
+# ----------------------------------------------------------------------------- unit work
+
+
+def _embed_and_project() -> onnx.ModelProto:
+    """ids -> Gather(E, 100 x 8 float32) -> MatMul(int8 weight, dequantized) -> y."""
+    table = numpy_helper.from_array(np.ones((100, 8), np.float32), "E")
+    weight = numpy_helper.from_array(np.ones((8, 16), np.int8), "Wq")
+    scale = numpy_helper.from_array(np.array(0.5, np.float32), "s")
+    nodes = [
+        helper.make_node("Gather", ["E", "ids"], ["h"]),
+        helper.make_node("DequantizeLinear", ["Wq", "s"], ["W"]),
+        helper.make_node("MatMul", ["h", "W"], ["y"]),
+    ]
+    graph = helper.make_graph(
+        nodes,
+        "embed_project",
+        [helper.make_tensor_value_info("ids", TensorProto.INT64, ["batch", "seq"])],
+        [helper.make_tensor_value_info("y", TensorProto.FLOAT, ["batch", "seq", 16])],
+        [table, weight, scale],
+    )
+    return helper.make_model(graph, opset_imports=[helper.make_opsetid("", 17)])
+
+
+def test_units_read_weights_at_stored_precision_and_only_the_rows_they_gather() -> None:
+    analysis = analyse(_embed_and_project(), dims={"batch": 1, "seq": 3})
+    traffic = unit_traffic(analysis.index, analysis.frontier, analysis.table, analysis.units)
+    rows = 3 * 8 * 4  # three gathered rows of the float32 table, not its 3200 bytes
+    int8_weight_and_scale = 8 * 16 + 4  # not the 512 bytes of the dequantized float
+    assert sum(t.weight_bytes for t in traffic) == rows + int8_weight_and_scale
+    ids, y = 3 * 8, 3 * 16 * 4
+    boundary = sum(t.activation_bytes for t in traffic)
+    assert ids + y <= boundary <= ids + y + 2 * rows  # plus the hidden state between units
+    assert sum(t.ops for t in traffic) == 3  # Gather, MatMul and the recomputed dequantize
+
+
+# ----------------------------------------------------------------------------- the problem
+
+
+def _document(**device_roofs: object) -> dict[str, object]:
+    return {
+        "format": "fedshard.problem/2",
+        "units": [
+            {"name": "u", "weight_bytes": 1, "out_bytes": 1, "work": {"flops": 1, "bytes_read": 1}}
+        ],
+        "devices": [
+            {"name": "a", "type": "t", "memory_bytes": 10, "bandwidth_mbps": 1, **device_roofs}
+        ],
+    }
+
+
+def test_problem_2_needs_its_format_roofs_and_agreement_within_a_type() -> None:
+    assert PlanningProblem.from_obj(_document(gflops=1.0)).unit_seconds(0, "t") == 1e-9
+    old = dict(_document(gflops=1.0), format="fedshard.problem/1")
+    with pytest.raises(SchemaError, match="problem/2"):
+        PlanningProblem.from_obj(old)
+    with pytest.raises(SchemaError, match="neither compute_s nor work"):
+        PlanningProblem.from_obj(_document())
+    with pytest.raises(SchemaError, match="no gflops"):
+        PlanningProblem.from_obj(_document(memory_gbps=1.0))
+    twins = _document(gflops=1.0)
+    devices = twins["devices"]
+    assert isinstance(devices, list)
+    devices.append({**devices[0], "name": "b", "gflops": 2.0})
+    with pytest.raises(SchemaError, match="different roofs"):
+        PlanningProblem.from_obj(twins)
+
+
+def test_problem_1_files_are_still_read() -> None:
+    files = sorted(SHARED.glob("*.json"))
+    if not files:
+        pytest.skip("no shared PipeEdge problems on this machine")
+    for path in files[:3]:
+        problem = PlanningProblem.from_obj(json.loads(path.read_text()))
+        assert problem.format == "fedshard.problem/1"
+        assert plan(problem).stages
+
+
+def _decode_problem(slow_gbps: float) -> PlanningProblem:
+    """Six memory-bound decode units; one roomy fast device and two smaller slower ones."""
+    unit = {"weight_bytes": 50, "out_bytes": 8, "work": {"flops": 1000, "bytes_read": 50_000_000}}
+    devices = [
+        {"name": "big", "memory_bytes": 1000, "gflops": 100.0, "memory_gbps": 20.0},
+        {"name": "s1", "memory_bytes": 200, "gflops": 100.0, "memory_gbps": slow_gbps},
+        {"name": "s2", "memory_bytes": 200, "gflops": 100.0, "memory_gbps": slow_gbps},
+    ]
+    return PlanningProblem.from_obj(
+        {
+            "format": "fedshard.problem/2",
+            "units": [dict(unit, name=f"u{i}") for i in range(6)],
+            "devices": [dict(d, type=str(d["name"]), bandwidth_mbps=100.0) for d in devices],
+        }
+    )
+
+
+def _best_single(problem: PlanningProblem, objective: Objective) -> float:
+    n = len(problem.units)
+    scores = [evaluate(problem, objective, [(d.name, 0, n)]) for d in problem.devices]
+    fits = [s for s in scores if all(st.memory_bytes <= 1000 for st in s.stages)]
+    return min(s.bottleneck_s if objective is Objective.THROUGHPUT else s.latency_s for s in fits)
+
+
+@pytest.mark.parametrize("objective", list(Objective))
+def test_one_device_plan_is_chosen_when_it_is_the_best(objective: Objective) -> None:
+    problem = _decode_problem(slow_gbps=2.0)  # a slow device's two units take 50 ms
+    chosen = plan(problem, objective)
+    assert [(s.device, s.start, s.end) for s in chosen.stages] == [("big", 0, 6)]
+    assert chosen.bottleneck_s == _best_single(problem, Objective.THROUGHPUT)
+
+
+def test_sharding_is_chosen_only_when_it_beats_the_best_single_device() -> None:
+    problem = _decode_problem(slow_gbps=15.0)  # now the small devices take a real share
+    chosen = plan(problem, Objective.THROUGHPUT)
+    assert len(chosen.stages) > 1
+    assert chosen.bottleneck_s < _best_single(problem, Objective.THROUGHPUT)
+
+
+# ----------------------------------------------------------------------------- calibration
+
+
+def _live(name: str) -> LiveDevice:
+    return LiveDevice(
+        name=name,
+        budget_bytes=1,
+        committed_bytes=0,
+        gflops=100.0,
+        host="127.0.0.1",
+        control_port=1,
+        data_port=2,
+        memory_gbps=10.0,
+        cache_gbps=40.0,
+        op_us=1.0,
+    )
+
+
+def test_corrections_learn_measured_over_predicted_and_scale_every_roof(tmp_path: Path) -> None:
+    timing = StageTiming(tmp_path)
+    assert timing.factor("a") == 1.0
+    timing.record([StageTime("a", predicted_s=0.010, measured_s=0.020)], {})
+    assert timing.factor("a") == pytest.approx(2.0)
+    slowed = corrected(_live("a"), 2.0)
+    assert (slowed.gflops, slowed.memory_gbps, slowed.cache_gbps, slowed.op_us) == (
+        50.0,
+        5.0,
+        20.0,
+        2.0,
+    )
+    work = Work(flops=10**6, bytes_read=10**7, ops=5)
+    before = roofline_s(work, Roofs(gflops=100.0, memory_gbps=10.0, op_us=1.0))
+    after = roofline_s(work, Roofs(gflops=50.0, memory_gbps=5.0, op_us=2.0))
+    assert after == pytest.approx(2 * before)
+    # the next deploy was planned with the correction: 2 x uncorrected 10 ms predicted, and
+    # measured 18 ms; the ratios kept are against the uncorrected prediction (2.0 and 1.8)
+    timing.record([StageTime("a", predicted_s=0.020, measured_s=0.018)], {"a": 2.0})
+    assert timing.factor("a") == pytest.approx((2.0 * 1.8) ** 0.5)
+    assert StageTiming(tmp_path).factor("a") == timing.factor("a")  # persisted
+
+
+def test_corrections_are_clamped_and_ignore_timer_noise(tmp_path: Path) -> None:
+    timing = StageTiming(None)
+    timing.record([StageTime("a", predicted_s=1e-6, measured_s=1.0)], {})
+    assert timing.factor("a") == HIGHEST
+    timing.record([StageTime("b", predicted_s=0.01, measured_s=1e-7)], {})
+    assert timing.factor("b") == 1.0
+    assert timing.apply([_live("b")]) == [_live("b")]
