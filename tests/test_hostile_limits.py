@@ -41,9 +41,9 @@ from coordinator.errors import AgentError
 from coordinator.fleet.registry import DeviceRegistry
 from coordinator.transport import agent_client
 from coordinator.transport.agent_client import AgentAddress, AgentClient, fetch_offer
+from coordinator.transport.tls import client_context as coordinator_context
 from coordinator.trust.ca import CertificateAuthority
 from coordinator.trust.delivery import TrustService
-from coordinator.trust.identity import client_context as coordinator_context
 from coordinator.trust.identity import open_identity
 from coordinator.trust.pairing import Pairing
 from edge_agent.channel import FrameServer
