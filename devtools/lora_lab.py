@@ -103,12 +103,11 @@ def lora_setup(
 
 def fedavg(replies: Sequence[Sequence[np.ndarray]], weights: Sequence[float]) -> list[np.ndarray]:
     """Weighted mean of each array over the replies."""
-    total = float(sum(weights))
+    w = np.asarray(weights, np.float64) / float(sum(weights))
     return [
-        (
-            sum(w * np.asarray(r[k], np.float64) for r, w in zip(replies, weights, strict=True))
-            / total
-        ).astype(np.float32)
+        np.tensordot(w, np.stack([np.asarray(r[k], np.float64) for r in replies]), axes=1).astype(
+            np.float32
+        )
         for k in range(len(replies[0]))
     ]
 

@@ -131,9 +131,10 @@ def local_name(name: str, first_layer: int) -> str | None:
 
 def _tied_head(weight_map: Mapping[str, Sequence[WeightRef]]) -> dict[str, list[WeightRef]]:
     """A tied LM head has no ``lm_head.weight`` parameter: it reads the embedding's."""
-    if "lm_head.weight" in weight_map or "model.embed_tokens.weight" not in weight_map:
-        return dict(weight_map)
-    return {**weight_map, "lm_head.weight": list(weight_map["model.embed_tokens.weight"])}
+    out = {name: list(refs) for name, refs in weight_map.items()}
+    if "lm_head.weight" not in out and "model.embed_tokens.weight" in out:
+        out["lm_head.weight"] = out["model.embed_tokens.weight"]
+    return out
 
 
 def tail_initializers(plan: LoraPlan) -> set[str]:
@@ -171,7 +172,10 @@ def build_tail(plan: LoraPlan, initializers: Mapping[str, np.ndarray]) -> Decode
     tail.requires_grad_(False)
     targets = sorted({_tail_module(a, plan.first_layer) for a in plan.adapters})
     lora = LoraConfig(
-        r=plan.lora.rank, lora_alpha=plan.lora.alpha, lora_dropout=0.0, target_modules=targets
+        r=plan.lora.rank,
+        lora_alpha=plan.lora.alpha,  # type: ignore[arg-type]  # PEFT's annotation says int
+        lora_dropout=0.0,
+        target_modules=targets,
     )
     inject_adapter_in_model(lora, tail)
     return tail

@@ -161,7 +161,8 @@ def cached_prefix(
     ).hexdigest()
     path = cache_dir / f"lora-prefix-{key[:32]}.npy"
     if path.is_file():
-        return np.load(path, allow_pickle=False)
+        cached: np.ndarray = np.load(path, allow_pickle=False)
+        return cached
     hidden = prefix_hidden(blobs[: plan.trainable[0] + 1], tokens, plan.boundary)
     cache_dir.mkdir(parents=True, exist_ok=True)
     buf = io.BytesIO()
