@@ -56,6 +56,12 @@ def weight_map(
                 for init, array in by_shape.get(tuple(param.shape[::-1]), [])
                 if np.array_equal(array, param.T)
             ]
+        if not refs and param.ndim == 1:  # Gemma's RMSNorm scales by (1 + weight), folded
+            refs = [
+                WeightRef(initializer=init, offset=1.0)
+                for init, array in by_shape.get(tuple(param.shape), [])
+                if np.allclose(array, param + 1.0, rtol=0, atol=1e-6)
+            ]
         if not refs:
             raise GraphError(f"parameter {name} {param.shape} is in no initializer of the graph")
         out[name] = refs

@@ -55,6 +55,8 @@ class WeightRef(FrozenModel):
 
     initializer: str = Field(min_length=1, max_length=512)
     transpose: bool = False
+    offset: float = 0.0
+    """The initializer holds ``parameter + offset`` (Gemma's norms fold ``1 + weight``)."""
 
 
 class AdapterSpec(FrozenModel):

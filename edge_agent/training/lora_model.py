@@ -164,7 +164,8 @@ def build_tail(plan: LoraPlan, initializers: Mapping[str, np.ndarray]) -> Decode
         if ref is None:
             raise PlanMismatchError(f"no local segment holds {name}")
         array = initializers[ref.initializer]
-        state[local] = torch.from_numpy(np.array(array.T if ref.transpose else array, np.float32))
+        value = np.array(array.T if ref.transpose else array, np.float32) - ref.offset
+        state[local] = torch.from_numpy(value)
     missing = {n for n, _ in tail.named_parameters()} - set(state)
     if missing:
         raise PlanMismatchError(f"the weight map lacks {sorted(missing)[:5]}")
