@@ -105,7 +105,7 @@ def test_a_rogue_with_a_paired_name_and_a_fake_fingerprint_is_never_used(
     real = _announcement(name, device_id, nas.fingerprint, 9000)
     # the paired name and a copied device id, with a certificate fingerprint it made up
     rogue = _announcement(name, device_id, fake, 9100)
-    registry = coordinator.fleet.registry
+    registry = coordinator.registry
     with ZeroconfDiscovery(registry, "127.0.0.1"):
         order = [(_unique("rogue"), rogue), (_unique("real"), real)]
         for service, announcement in order if rogue_first else order[::-1]:
@@ -137,7 +137,7 @@ def test_a_rogue_copying_a_paired_fingerprint_can_hide_the_device_never_take_its
     nas = coordinator.pair(name)
     real = _announcement(name, _hex(16), nas.fingerprint, 9000)
     rogue = _announcement(name, _hex(16), nas.fingerprint, 9100)  # the public fingerprint
-    registry = coordinator.fleet.registry
+    registry = coordinator.registry
 
     def ports() -> list[int]:
         return [r.announcement.profile.control_port for r in coordinator.trust.trusted()]
@@ -165,7 +165,7 @@ def test_a_rogue_taking_over_the_instance_name_cannot_erase_the_paired_device(
     """mDNS does not stop a rogue from announcing the real agent's instance name."""
     coordinator = Coordinator(tmp_path)
     nas, fake = coordinator.pair("nas"), "e" * 64
-    registry = coordinator.fleet.registry
+    registry = coordinator.registry
     registry.announce(_announcement("nas", "a" * 16, nas.fingerprint, 9000), "127.0.0.1", "svc")
     registry.announce(_announcement("nas", "a" * 16, fake, 9100), "10.0.0.9", "svc")
     assert coordinator.trust.trusted() == []

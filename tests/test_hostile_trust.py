@@ -228,9 +228,9 @@ def test_an_agents_certificate_is_renewed_before_it_expires_and_keeps_serving(
 
     from coordinator.fleet.registry import DeviceRegistry
     from coordinator.transport.agent_client import AgentAddress, AgentClient
+    from coordinator.transport.tls import client_context
     from coordinator.trust import ca as ca_module
     from coordinator.trust.delivery import TrustService
-    from coordinator.transport.tls import client_context
     from coordinator.trust.identity import open_identity
     from protocols.profile import AgentState, Announcement, DeviceProfile
 

@@ -47,6 +47,28 @@ def apply_weights(
     ]
 
 
+def verify_signature(version_dir: Path, ca_cert_pem: bytes) -> None:
+    """Check ``manifest.json.sig`` against the CA's key; raise :class:`RolloutError` if it is
+    missing or does not verify (a version is verified like this before it is deployed)."""
+    from cryptography import x509
+    from cryptography.exceptions import InvalidSignature
+    from cryptography.hazmat.primitives import hashes
+    from cryptography.hazmat.primitives.asymmetric import ec
+
+    try:
+        manifest = (version_dir / MANIFEST_FILE).read_bytes()
+        signature = (version_dir / SIGNATURE_FILE).read_bytes()
+    except OSError as exc:
+        raise RolloutError(f"{version_dir}: unsigned or unreadable version: {exc}") from exc
+    key = x509.load_pem_x509_certificate(ca_cert_pem).public_key()
+    if not isinstance(key, ec.EllipticCurvePublicKey):
+        raise RolloutError("the CA key is not an EC key")
+    try:
+        key.verify(signature, manifest, ec.ECDSA(hashes.SHA256()))
+    except InvalidSignature as exc:
+        raise RolloutError(f"{version_dir}: the manifest signature does not verify") from exc
+
+
 def next_version_dir(root: Path) -> Path:
     """``root/vNNNN`` one past the highest existing version directory."""
     numbers = [int(m.group(1)) for p in root.glob("v*") if (m := _VERSION_DIR.match(p.name))]

@@ -36,6 +36,7 @@ from flwr.server.client_proxy import ClientProxy
 from flwr.server.strategy import DifferentialPrivacyClientSideFixedClipping, Strategy
 
 from coordinator.training.accounting import RoundAccountant
+from coordinator.training.errors import TrainingRunError
 from coordinator.training.records import RoundMetrics
 from coordinator.training.shardavg import ShardLayout, parse_shards, shardwise_rescale
 from protocols.training import (
@@ -70,6 +71,17 @@ def _mean_finite(values: list[float], weights: list[float]) -> float | None:
     if not pairs:
         return None
     return float(np.average([v for v, _ in pairs], weights=[w for _, w in pairs]))
+
+
+def failure_reasons(failures: list[tuple[ClientProxy, FitRes] | BaseException]) -> str:
+    """The round's client failures in one line (``none`` when there were none)."""
+    reasons = []
+    for failure in failures:
+        if isinstance(failure, BaseException):
+            reasons.append(f"{type(failure).__name__}: {failure}")
+        else:
+            reasons.append(f"node {failure[0].node_id}: {failure[1].status.message}")
+    return "; ".join(reasons)[:1000] or "none"
 
 
 class NoiseForActualClients(DifferentialPrivacyClientSideFixedClipping):
@@ -169,14 +181,15 @@ class ShardwiseStrategy(Strategy):
     ) -> tuple[Parameters | None, dict[str, Scalar]]:
         """Average (securely, noisily) over all clients, then rescale shard by shard."""
         if len(results) < self.min_clients:
-            log.error(
-                "round %d: %d result(s), %d needed; keeping the global model",
-                server_round,
-                len(results),
-                self.min_clients,
+            raise TrainingRunError(
+                f"round {server_round}: {len(results)} client(s) succeeded, {self.min_clients} "
+                f"needed; failures: {failure_reasons(failures)}"
             )
+<<<<<<< HEAD
             return None, {}
         results = capped_examples(results, self.max_examples)
+=======
+>>>>>>> lora
         averaged, _ = self.inner.aggregate_fit(server_round, results, failures)
         if averaged is None:
             return None, {}

@@ -29,6 +29,14 @@ from flwr.supercore.differential_privacy import KEY_CLIPPING_NORM
 from edge_agent.training.errors import PlanMismatchError
 from edge_agent.training.local import LocalSettings, train_locally
 from protocols.errors import SchemaError
+from protocols.lora import (
+    LORA_PLAN_KEY,
+    METRIC_EPSILON,
+    METRIC_HELD_OUT_LOSS,
+    METRIC_HELD_OUT_TOKENS,
+    METRIC_TRAINED_BYTES,
+    LoraPlan,
+)
 from protocols.training import (
     METRIC_ACCURACY,
     METRIC_EXAMPLES,
@@ -69,7 +77,9 @@ class ShardClient(NumPyClient):
     def fit(
         self, parameters: NDArrays, config: dict[str, Scalar]
     ) -> tuple[NDArrays, int, dict[str, Scalar]]:
-        """One round of local training on this device's data."""
+        """One round of local training on this device's data (LoRA when the plan says so)."""
+        if LORA_PLAN_KEY in config:
+            return self.fit_lora(parameters, config)
         try:
             plan = TrainPlan.from_json(str(config[TRAIN_PLAN_KEY]))
         except (KeyError, SchemaError) as exc:
@@ -95,6 +105,52 @@ class ShardClient(NumPyClient):
                 METRIC_UPLOAD_BYTES: float(sum(a.nbytes for a in result.arrays)),
             },
         )
+
+    def fit_lora(
+        self, parameters: NDArrays, config: dict[str, Scalar]
+    ) -> tuple[NDArrays, int, dict[str, Scalar]]:
+        """One LoRA round: only the adapters come back, with held-out loss and epsilon."""
+        from edge_agent.training.lora_train import train_lora
+
+        try:
+            plan = LoraPlan.from_json(str(config[LORA_PLAN_KEY]))
+        except SchemaError as exc:
+            raise PlanMismatchError(f"the fit config carries no valid LoRA plan: {exc}") from exc
+        server_round = int(config.get("round", 0))
+        seed = zlib.crc32(f"{self.node_id}/{server_round}".encode())
+        arrays = [np.asarray(a) for a in parameters]
+        result = train_lora(plan, arrays, self.settings, seed, server_round)
+        log.info(
+            "LoRA round %d on %d records: held-out loss %.4f -> %.4f, epsilon %s",
+            server_round, result.examples, result.held_out_before, result.held_out_after,
+            result.epsilon,
+        )  # fmt: skip
+        metrics: dict[str, Scalar] = {
+            METRIC_TRAINED_SHARDS: ",".join(str(i) for i in plan.trainable),
+            METRIC_EXAMPLES: result.examples,
+            METRIC_LOSS: result.train_loss,
+            METRIC_HELD_OUT_LOSS: result.held_out_before,
+            METRIC_HELD_OUT_TOKENS: result.held_out_tokens,
+            METRIC_TRAINED_BYTES: result.trained_shard_bytes,
+            METRIC_UPLOAD_BYTES: float(sum(a.nbytes for a in result.arrays)),
+            "peak-rss-bytes": result.peak_rss_bytes,
+        }
+        if result.epsilon is not None:
+            metrics[METRIC_EPSILON] = result.epsilon
+        weight = 1 if plan.dp is not None else result.examples
+        return result.arrays, weight, metrics
+
+    def evaluate(
+        self, parameters: NDArrays, config: dict[str, Scalar]
+    ) -> tuple[float, int, dict[str, Scalar]]:
+        """Held-out loss of the global adapters on this device's held-out records (LoRA only)."""
+        from edge_agent.training.lora_train import evaluate_lora
+
+        if LORA_PLAN_KEY not in config:
+            raise PlanMismatchError("evaluation needs a LoRA plan")
+        plan = LoraPlan.from_json(str(config[LORA_PLAN_KEY]))
+        loss, tokens = evaluate_lora(plan, [np.asarray(a) for a in parameters], self.settings)
+        return loss, tokens, {METRIC_HELD_OUT_TOKENS: tokens}
 
 
 def client_fn(context: Context) -> Client:

@@ -3,6 +3,9 @@
 AgentError
 └── TrainingError              federated fine-tuning on this device failed
     ├── TrainDataError         the training data directory is missing or malformed
+    │   ├── EmptyDataError     the directory holds no records (or none left to train on)
+    │   ├── MalformedRecordError   a record is not valid JSON of a known shape
+    │   └── OneClassDataError  every record (or label) is the same: nothing to learn from
     ├── UnsupportedOpError     a trainable segment uses an op the torch rebuild lacks
     ├── PlanMismatchError      the server's plan does not match the local segments
     └── SuperNodeError         the flower-supernode process could not start or died
@@ -19,6 +22,18 @@ class TrainingError(AgentError):
 
 class TrainDataError(TrainingError):
     """The training data directory is missing, unreadable or not ``x``/``y`` arrays."""
+
+
+class EmptyDataError(TrainDataError):
+    """The training data directory holds no records, or none outside the held-out share."""
+
+
+class MalformedRecordError(TrainDataError):
+    """A record is not valid JSON, or not a chat, text or pair record; names file and line."""
+
+
+class OneClassDataError(TrainDataError):
+    """Every record (or every label) is the same, so training has nothing to learn."""
 
 
 class UnsupportedOpError(TrainingError):

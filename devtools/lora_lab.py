@@ -1,0 +1,210 @@
+"""Federated LoRA lab: a decoder split by the planner, its LoRA plan, WordNet shares, and plain
+FedAvg rounds over the agents' real client code (no Flower processes). Tests and benches use it.
+
+    python -m devtools.lora_lab EXPORT_DIR WORK_DIR [--rounds 2] [--per-device 100]
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import shutil
+from collections.abc import Sequence
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+import onnx
+
+from partitioner.lora import (
+    adapter_specs,
+    initial_adapters,
+    layer_boundary,
+    torch_params,
+    weight_map,
+)
+from protocols.lora import LoraPlan, LoraSettings, RecordDp, SegmentRef
+from protocols.manifest import Manifest
+
+DOMAINS = (("noun.animal",), ("noun.food",), ("noun.plant",))
+"""One WordNet domain per device: non-IID shares."""
+DEVICES = {
+    "devices": [
+        {"name": n, "memory_bytes": 16_000_000, "gflops": 10, "bandwidth_mbps": 1000}
+        for n in ("a", "b", "c")
+    ]
+}
+
+
+@dataclass(frozen=True)
+class LoraSetup:
+    """A split version dir (with tokenizer), the full model's torch params and the plan."""
+
+    version_dir: Path
+    plan: LoraPlan
+    initial: list[np.ndarray]
+    model: Any
+
+
+def split_version(export_dir: Path, out_dir: Path) -> Path:
+    """``fedshard split`` the export onto :data:`DEVICES`; copy its tokenizer next to it."""
+    from partitioner.split import split_model
+    from protocols.devices import DeviceList
+
+    devices = DeviceList.model_validate(DEVICES)
+    split_model(export_dir / "model.onnx", devices, out_dir)
+    shutil.copy(export_dir / "tokenizer.json", out_dir / "tokenizer.json")
+    return out_dir
+
+
+def lora_setup(
+    export_dir: Path,
+    version_dir: Path,
+    model: Any,
+    first_layer: int,
+    *,
+    dp: RecordDp | None,
+    settings: LoraSettings | None = None,
+    run: str = "test-run",
+    **plan_fields: Any,
+) -> LoraSetup:
+    """The plan that adapts layers ``first_layer ..`` of the split ``version_dir``."""
+    settings = settings or LoraSettings(rank=4, alpha=8.0)
+    full = onnx.load(export_dir / "model.onnx")
+    params = torch_params(model)
+    wmap = weight_map(params, full)
+    boundary = layer_boundary(full, wmap, first_layer)
+    manifest = Manifest.from_json((version_dir / "manifest.json").read_bytes())
+    q_name = wmap[f"model.layers.{first_layer}.self_attn.q_proj.weight"][0].initializer
+    first_trainable = next(
+        e.index
+        for e in manifest.segments
+        if q_name in {t.name for t in onnx.load(version_dir / e.file).graph.initializer}
+    )
+    specs = adapter_specs({k: v.shape for k, v in params.items()}, first_layer, settings)
+    plan = LoraPlan(
+        run=run,
+        architecture=type(model).__name__,
+        config=model.config.to_json_string(),
+        first_layer=first_layer,
+        boundary=boundary,
+        segments=[SegmentRef(index=e.index, sha256=e.sha256) for e in manifest.segments],
+        trainable=list(range(first_trainable, len(manifest.segments))),
+        weight_map={k: list(v) for k, v in wmap.items()},
+        adapters=specs,
+        lora=settings,
+        dp=dp,
+        tokenizer_sha256=hashlib.sha256((version_dir / "tokenizer.json").read_bytes()).hexdigest(),
+        **plan_fields,
+    )
+    return LoraSetup(version_dir, plan, initial_adapters(specs, settings.rank, seed=0), model)
+
+
+def fedavg(replies: Sequence[Sequence[np.ndarray]], weights: Sequence[float]) -> list[np.ndarray]:
+    """Weighted mean of each array over the replies."""
+    w = np.asarray(weights, np.float64) / float(sum(weights))
+    return [
+        np.tensordot(w, np.stack([np.asarray(r[k], np.float64) for r in replies]), axes=1).astype(
+            np.float32
+        )
+        for k in range(len(replies[0]))
+    ]
+
+
+def plan_config(plan: LoraPlan, round_number: int) -> dict[str, Any]:
+    """The fit config a ServerApp sends for a LoRA round."""
+    from protocols.lora import LORA_PLAN_KEY
+
+    return {LORA_PLAN_KEY: plan.model_dump_json(), "round": round_number}
+
+
+def json_lines(path: Path) -> list[dict[str, Any]]:
+    """The records of a JSONL file."""
+    return [json.loads(line) for line in path.read_text().splitlines() if line.strip()]
+
+
+@dataclass
+class LabRun:
+    """What :func:`run_rounds` measured."""
+
+    setup: LoraSetup
+    data_dirs: list[Path]
+    baseline: list[tuple[float, int, dict[str, Any]]]
+    rounds: list[list[tuple[list[np.ndarray], int, dict[str, Any]]]]
+    final: list[tuple[float, int, dict[str, Any]]]
+    arrays: list[np.ndarray]
+    seconds_per_round: list[float]
+
+
+def token_mean(results: Sequence[tuple[float, int, dict[str, Any]]]) -> float:
+    """Token-weighted mean of the devices' held-out losses."""
+    tokens = sum(n for _, n, _ in results)
+    return sum(loss * n for loss, n, _ in results) / tokens
+
+
+def run_rounds(setup: LoraSetup, work_dir: Path, rounds: int, per_device: int) -> LabRun:
+    """One device per :data:`DOMAINS` entry, ``rounds`` FedAvg rounds of their real clients."""
+    import time
+
+    from devtools.wordnet import write_shares
+    from edge_agent.training.client_app import ShardClient
+    from edge_agent.training.local import LocalSettings
+
+    dirs = write_shares(work_dir / "data", DOMAINS, per_device=per_device)
+    clients = [
+        ShardClient(LocalSettings(setup.version_dir, d, work_dir / f"cache-{i}", 1 << 30), i)
+        for i, d in enumerate(dirs)
+    ]
+    arrays = setup.initial
+    baseline = [c.evaluate(arrays, plan_config(setup.plan, 0)) for c in clients]
+    replies_per_round, seconds = [], []
+    for r in range(1, rounds + 1):
+        start = time.monotonic()
+        replies = [c.fit(arrays, plan_config(setup.plan, r)) for c in clients]
+        seconds.append(time.monotonic() - start)
+        replies_per_round.append(replies)
+        arrays = fedavg([a for a, _, _ in replies], [w for _, w, _ in replies])
+    final = [c.evaluate(arrays, plan_config(setup.plan, 0)) for c in clients]
+    return LabRun(setup, dirs, baseline, replies_per_round, final, arrays, seconds)
+
+
+def main(argv: list[str] | None = None) -> int:
+    """Run the lab on an exported tiny decoder and print its measurements as JSON."""
+    import argparse
+
+    from partitioner.decoders import tiny
+
+    parser = argparse.ArgumentParser(prog="python -m devtools.lora_lab")
+    parser.add_argument("export_dir", type=Path)
+    parser.add_argument("work_dir", type=Path)
+    parser.add_argument("--model", choices=["tiny-llama", "tiny-gemma3"], default="tiny-llama")
+    parser.add_argument("--rounds", type=int, default=2)
+    parser.add_argument("--per-device", type=int, default=100)
+    parser.add_argument("--first-layer", type=int, default=2)
+    parser.add_argument("--noise-multiplier", type=float, default=1.0)
+    args = parser.parse_args(argv)
+    model, _ = tiny.llama() if args.model == "tiny-llama" else tiny.gemma3()
+    version = split_version(args.export_dir, args.work_dir / "v0001")
+    dp = RecordDp(noise_multiplier=args.noise_multiplier) if args.noise_multiplier else None
+    setup = lora_setup(
+        args.export_dir, version, model, args.first_layer, dp=dp,
+        max_tokens=24, batch_size=16, learning_rate=0.02, local_epochs=2,
+    )  # fmt: skip
+    lab = run_rounds(setup, args.work_dir, args.rounds, args.per_device)
+    last = lab.rounds[-1]
+    print(json.dumps({
+        "held_out_loss_before": token_mean(lab.baseline),
+        "held_out_loss_after": token_mean(lab.final),
+        "epsilon_per_device": [m.get("epsilon") for _, _, m in last],
+        "upload_bytes_per_device": [m["upload-bytes"] for _, _, m in last],
+        "trained_segment_bytes": [m["trained-shard-bytes"] for _, _, m in last],
+        "peak_rss_bytes": [m["peak-rss-bytes"] for _, _, m in last],
+        "seconds_per_round": lab.seconds_per_round,
+        "train_records": [m["examples"] for _, _, m in last],
+    }, indent=2))  # fmt: skip
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())

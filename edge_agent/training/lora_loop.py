@@ -1,0 +1,168 @@
+"""The training loop of a LoRA round: causal-LM loss, Adam on the adapters, DP-SGD via Opacus.
+
+Under DP, Opacus' ``PrivacyEngine.make_private`` wraps the tail (per-example gradients of the
+adapter layers, which are plain ``nn.Linear`` s), the optimizer (clip each example's gradient to
+``max_grad_norm``, add ``N(0, (noise_multiplier · max_grad_norm)^2)`` to the sum) and the data
+loader (Poisson sampling at rate ``batch_size / records``). Its RDP accountant's history is
+stored per run and round in the cache dir, so the epsilon reported after round ``r`` composes
+rounds ``1..r`` of this run on this device, whichever process ran them.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import warnings
+from dataclasses import dataclass
+from pathlib import Path
+from typing import TYPE_CHECKING
+
+import numpy as np
+import torch
+import torch.nn.functional as F
+
+from protocols.lora import LoraPlan
+
+if TYPE_CHECKING:
+    from edge_agent.training.lora_model import DecoderTail
+    from edge_agent.training.lora_train import Tokens
+
+log = logging.getLogger(__name__)
+IGNORE = -100
+
+
+@dataclass(frozen=True)
+class LoopResult:
+    """Mean training loss of the last epoch and the run's epsilon so far (None without DP)."""
+
+    loss: float
+    epsilon: float | None
+
+
+def _labels(tokens: Tokens) -> torch.Tensor:
+    """Next-token targets; pads and each row's last real token are ignored."""
+    ids = torch.from_numpy(tokens.ids)
+    labels = torch.full_like(ids, IGNORE)
+    labels[:, :-1] = ids[:, 1:]
+    width = ids.shape[1]
+    real = torch.arange(width)[None, :] < torch.from_numpy(tokens.lengths)[:, None] - 1
+    return torch.where(real, labels, torch.full_like(labels, IGNORE))
+
+
+def per_example_loss(logits: torch.Tensor, labels: torch.Tensor) -> torch.Tensor:
+    """Mean token cross-entropy of each example ``[batch]``."""
+    flat = F.cross_entropy(
+        logits.reshape(-1, logits.shape[-1]), labels.reshape(-1), ignore_index=IGNORE,
+        reduction="none",
+    ).reshape(labels.shape)  # fmt: skip
+    counts = (labels != IGNORE).sum(dim=1).clamp(min=1)
+    return flat.sum(dim=1) / counts
+
+
+def held_out_loss(
+    tail: DecoderTail, hidden: np.ndarray | None, tokens: Tokens | None
+) -> tuple[float, int]:
+    """(mean token loss, tokens) on held-out records; (NaN, 0) without any."""
+    if hidden is None or tokens is None:
+        return float("nan"), 0
+    labels = _labels(tokens)
+    positions = torch.arange(labels.shape[1])[None, :]
+    total, count = 0.0, 0
+    with torch.no_grad():
+        for start in range(0, len(labels), 32):
+            h = torch.from_numpy(hidden[start : start + 32])
+            logits = tail(h, positions.expand(len(h), -1))
+            lab = labels[start : start + 32]
+            loss = F.cross_entropy(
+                logits.reshape(-1, logits.shape[-1]), lab.reshape(-1), ignore_index=IGNORE,
+                reduction="sum",
+            )  # fmt: skip
+            total += float(loss)
+            count += int((lab != IGNORE).sum())
+    return total / max(count, 1), count
+
+
+def _history_path(cache_dir: Path, run: str) -> Path:
+    return cache_dir / f"dp-history-{run}.json"
+
+
+def _load_history(path: Path) -> dict[str, list[float]]:
+    if not path.is_file():
+        return {}
+    raw = json.loads(path.read_text())
+    return {str(k): [float(x) for x in v] for k, v in raw.items()}
+
+
+def run_epochs(
+    tail: DecoderTail,
+    plan: LoraPlan,
+    hidden: np.ndarray,
+    tokens: Tokens,
+    seed: int,
+    cache_dir: Path,
+    round_number: int,
+) -> LoopResult:
+    """Train the adapters for ``plan.local_epochs`` epochs (privately when ``plan.dp``)."""
+    from torch.utils.data import DataLoader, TensorDataset
+
+    torch.manual_seed(seed)
+    labels = _labels(tokens)
+    positions = torch.arange(labels.shape[1])[None, :].expand(len(labels), -1).contiguous()
+    data = TensorDataset(torch.from_numpy(hidden), positions, labels)
+    gen = torch.Generator().manual_seed(seed)
+    loader = DataLoader(data, batch_size=plan.batch_size, shuffle=True, generator=gen)
+    params = [p for p in tail.parameters() if p.requires_grad]
+    optimizer = torch.optim.Adam(params, lr=plan.learning_rate)
+    model: torch.nn.Module = tail
+    engine = None
+    if plan.dp is not None:
+        from opacus import PrivacyEngine
+
+        engine = PrivacyEngine(accountant="rdp", secure_mode=False)
+        with warnings.catch_warnings():
+            warnings.simplefilter("ignore")
+            model, optimizer, loader = engine.make_private(
+                module=tail,
+                optimizer=optimizer,
+                data_loader=loader,
+                noise_multiplier=plan.dp.noise_multiplier,
+                max_grad_norm=plan.dp.max_grad_norm,
+                poisson_sampling=True,
+            )
+    model.train()
+    loss_sum, seen = 0.0, 0
+    for _ in range(plan.local_epochs):
+        loss_sum, seen = 0.0, 0
+        for h, pos, lab in loader:
+            if len(h) == 0:
+                continue
+            losses = per_example_loss(model(h, pos), lab)
+            loss = losses.mean()
+            optimizer.zero_grad()
+            loss.backward()  # type: ignore[no-untyped-call]
+            optimizer.step()
+            loss_sum += float(losses.detach().sum())
+            seen += len(h)
+    model.eval()
+    epsilon = None
+    if engine is not None and plan.dp is not None:
+        epsilon = _compose(engine, plan, cache_dir, round_number)
+    return LoopResult(loss_sum / max(seen, 1), epsilon)
+
+
+def _compose(engine: object, plan: LoraPlan, cache_dir: Path, round_number: int) -> float:
+    """Store this round's accountant history; epsilon over every stored round of the run."""
+    from opacus.accountants import RDPAccountant
+
+    assert plan.dp is not None
+    accountant = engine.accountant  # type: ignore[attr-defined]
+    path = _history_path(cache_dir, plan.run)
+    history = _load_history(path)
+    steps = sum(int(s) for _, _, s in accountant.history)
+    noise, rate = accountant.history[0][0], accountant.history[0][1]
+    history[str(round_number)] = [float(noise), float(rate), float(steps)]
+    cache_dir.mkdir(parents=True, exist_ok=True)
+    path.write_text(json.dumps(history))
+    total = RDPAccountant()
+    total.history = [(n, q, int(s)) for n, q, s in history.values()]
+    return float(total.get_epsilon(delta=plan.dp.delta))

@@ -1,0 +1,133 @@
+"""``fedshard.loraplan/1``: federated LoRA fine-tuning of a served decoder's trainable segments.
+
+The ServerApp sends a :class:`LoraPlan` as JSON under the fit-config key :data:`LORA_PLAN_KEY`.
+The parameter arrays that travel are the adapters only, in :attr:`LoraPlan.adapters` order: for
+every adapted linear layer its ``A`` (``[rank, in]``) and then its ``B`` (``[out, rank]``), so
+``W' = W + (alpha / rank) · B · A`` in torch's ``[out, in]`` layout. The base weights never
+travel: every device reads them from its own copy of the segments.
+
+How a device finds them: :attr:`LoraPlan.weight_map` maps each torch parameter name of the
+transformers definition (``model.layers.3.self_attn.q_proj.weight``) to the ONNX initializers
+that hold it (:class:`WeightRef`: name, and whether the initializer is the transpose, as the
+exporter folds ``x @ W.T`` into a ``MatMul`` with a ``[in, out]`` constant). Several references
+are listed when the exporter shares one constant between equal weights (or ties the embedding
+to the head); a device takes the one its segments have.
+
+A device's text data (``fedshard agent --train-data DIR``): ``*.jsonl`` files with one record a
+line, ``{"messages": [{"role", "content"}, ...]}`` (chat) or ``{"text": "..."}``, and ``*.txt``
+files with one record a non-empty line. A record whose SHA-256 starts with a byte below
+:data:`HELD_OUT_BYTE` is held out: it is evaluated on, never trained on.
+"""
+
+from __future__ import annotations
+
+from typing import Final, Literal
+
+from pydantic import Field, NonNegativeInt, PositiveFloat, PositiveInt
+
+from protocols.base import FrozenModel
+
+LORA_PLAN_FORMAT: Final = "fedshard.loraplan/1"
+LORA_PLAN_KEY: Final = "fedshard-lora-plan"
+"""Fit-config key holding the :class:`LoraPlan` JSON."""
+METRIC_EPSILON: Final = "epsilon"
+"""Fit metric: the device's cumulative record-level epsilon for this run (RDP accountant)."""
+METRIC_HELD_OUT_LOSS: Final = "held-out-loss"
+"""Fit metric: mean token loss of the round's global model on the device's held-out records."""
+METRIC_HELD_OUT_TOKENS: Final = "held-out-tokens"
+METRIC_TRAINED_BYTES: Final = "trained-shard-bytes"
+"""Fit metric: bytes of the base weights of the segments the device adapted."""
+HELD_OUT_BYTE: Final = 26
+"""About 10 % of records (first SHA-256 byte < 26 of 256) are held out."""
+DEFAULT_TARGETS: Final = (
+    "q_proj",
+    "k_proj",
+    "v_proj",
+    "o_proj",
+    "gate_proj",
+    "up_proj",
+    "down_proj",
+)
+
+
+class WeightRef(FrozenModel):
+    """An ONNX initializer holding a torch parameter (or its transpose)."""
+
+    initializer: str = Field(min_length=1, max_length=512)
+    transpose: bool = False
+    offset: float = 0.0
+    """The initializer holds ``parameter + offset`` (Gemma's norms fold ``1 + weight``)."""
+
+
+class AdapterSpec(FrozenModel):
+    """One adapted linear layer: its torch module name and its shape ``[out, in]``."""
+
+    module: str = Field(min_length=1, max_length=512)
+    """e.g. ``model.layers.3.self_attn.q_proj`` (its weight is ``module + ".weight"``)."""
+    out_features: PositiveInt
+    in_features: PositiveInt
+
+
+class LoraSettings(FrozenModel):
+    """Rank, scaling and which linear layers get adapters."""
+
+    rank: PositiveInt = 8
+    alpha: PositiveFloat = 16.0
+    target_modules: list[str] = Field(default_factory=lambda: list(DEFAULT_TARGETS), min_length=1)
+
+    @property
+    def scale(self) -> float:
+        """``alpha / rank``: the factor of ``B · A`` in the merged weight."""
+        return self.alpha / self.rank
+
+
+class RecordDp(FrozenModel):
+    """Record-level DP-SGD on each device (Opacus: per-example clipping, Gaussian noise)."""
+
+    noise_multiplier: PositiveFloat = 1.0
+    max_grad_norm: PositiveFloat = 1.0
+    delta: PositiveFloat = 1e-5
+
+
+class SegmentRef(FrozenModel):
+    """A segment the plan relies on (hash-checked against the device's copy)."""
+
+    index: NonNegativeInt
+    sha256: str = Field(pattern=r"^[0-9a-f]{64}$")
+
+
+class LoraPlan(FrozenModel):
+    """What a round of federated LoRA trains and how."""
+
+    format: Literal["fedshard.loraplan/1"] = LORA_PLAN_FORMAT
+    run: str = Field(min_length=1, max_length=64, pattern=r"^[A-Za-z0-9._-]+$")
+    """Run key: the device's privacy accountant composes the rounds of one run."""
+    architecture: str = Field(min_length=1, max_length=128)
+    """transformers class, e.g. ``LlamaForCausalLM`` (only known ones are built)."""
+    config: str = Field(min_length=2, max_length=1 << 20)
+    """The model's transformers config as JSON (data, never code)."""
+    first_layer: NonNegativeInt
+    """The first decoder layer that runs in torch; the segments before it run in ONNX Runtime."""
+    boundary: str = Field(min_length=1, max_length=512)
+    """The residual-stream tensor that feeds ``first_layer`` (an output of a frozen segment)."""
+    segments: list[SegmentRef] = Field(min_length=1)
+    """Every segment of the version, in order."""
+    trainable: list[NonNegativeInt] = Field(min_length=1)
+    """The segments whose layers get adapters (a suffix of the chain)."""
+    weight_map: dict[str, list[WeightRef]]
+    adapters: list[AdapterSpec] = Field(min_length=1)
+    lora: LoraSettings = Field(default_factory=LoraSettings)
+    dp: RecordDp | None = None
+    max_tokens: PositiveInt = Field(default=48, le=4096)
+    """Records are cut to this many tokens."""
+    local_epochs: PositiveInt = 1
+    batch_size: PositiveInt = 16
+    """Expected batch size (Poisson sampling under DP)."""
+    learning_rate: PositiveFloat = 5e-3
+    tokenizer_sha256: str = Field(pattern=r"^[0-9a-f]{64}$")
+    """SHA-256 of ``tokenizer.json`` in the device's segments directory."""
+
+    @property
+    def num_arrays(self) -> int:
+        """How many arrays travel with each message (A and B per adapter)."""
+        return 2 * len(self.adapters)
