@@ -185,11 +185,7 @@ class ShardwiseStrategy(Strategy):
                 f"round {server_round}: {len(results)} client(s) succeeded, {self.min_clients} "
                 f"needed; failures: {failure_reasons(failures)}"
             )
-<<<<<<< HEAD
-            return None, {}
         results = capped_examples(results, self.max_examples)
-=======
->>>>>>> lora
         averaged, _ = self.inner.aggregate_fit(server_round, results, failures)
         if averaged is None:
             return None, {}

@@ -63,13 +63,26 @@ def load_target(path: Path) -> TrainingTargetSpec:
 class LivePublisher:
     """Rolls a trained version out to a served deployment through the deployer."""
 
-    def __init__(self, deployer: Deployer, store: DeploymentStore, test_file: Path) -> None:
+    def __init__(
+        self,
+        deployer: Deployer,
+        store: DeploymentStore,
+        test_file: Path,
+        ca_cert_pem: bytes | None = None,
+    ) -> None:
         self.deployer = deployer
         self.store = store
         self.test_file = test_file
+        self.ca_cert_pem = ca_cert_pem
+        """When set, a version's manifest signature must verify before it is deployed."""
 
     def __call__(self, model_id: str, version: Version) -> int:
-        """Deploy ``version`` beside the live one, health-check it, switch; the plan version."""
+        """Verify ``version``'s signature, deploy it beside the live one, health-check it,
+        switch; the plan version."""
+        from coordinator.training.rollout import verify_signature
+
+        if self.ca_cert_pem is not None:
+            verify_signature(version.path, self.ca_cert_pem)
         x, _ = load_arrays(self.test_file)
         samples = {version.manifest.model.inputs[0].name: x[:SAMPLE_ROWS]}
         objective = self.store.active(model_id).objective
@@ -141,7 +154,7 @@ def coordinator_runs(
         port = agents.config.superlink_port
         settings = RunnerSettings(superlink_port=port)
         federation = agent_federation(ca, port, agents.node_keys, agents.host)
-    publish = LivePublisher(deployer, store, target_file.parent / spec.test_file)
+    publish = LivePublisher(deployer, store, target_file.parent / spec.test_file, ca.cert_pem)
     runner = FlowerRunner(state_dir / "training", ca, target, settings, publish, federation)
     return TrainingRuns(runner)
 
