@@ -9,6 +9,7 @@ count at their stored size, scales and zero points included.
 
 from __future__ import annotations
 
+import itertools
 from pathlib import Path
 
 import numpy as np
@@ -29,14 +30,23 @@ QUANTIZED: tuple[Weights, ...] = ("fp16", "int8", "int4")
 _CONVERTED: dict[tuple[str, str], Path] = {}
 
 
-@pytest.fixture(scope="module")
-def exports(tiny_llama_dir: Path, tiny_gemma3_dir: Path) -> dict[str, Path]:
-    return {"tiny-llama": tiny_llama_dir, "tiny-gemma3": tiny_gemma3_dir}
+class Exports:
+    """The session's tiny decoder exports, exported only when a test asks for one."""
+
+    def __init__(self, request: pytest.FixtureRequest) -> None:
+        self.request = request
+
+    def __getitem__(self, name: str) -> Path:
+        path: Path = self.request.getfixturevalue(name.replace("-", "_") + "_dir")
+        return path
 
 
-def converted(
-    exports: dict[str, Path], name: str, weights: Weights, tmp: pytest.TempPathFactory
-) -> Path:
+@pytest.fixture
+def exports(request: pytest.FixtureRequest) -> Exports:
+    return Exports(request)
+
+
+def converted(exports: Exports, name: str, weights: Weights, tmp: pytest.TempPathFactory) -> Path:
     """``name``'s export in ``weights`` (converted once per module)."""
     if weights == "fp32":
         return exports[name]
@@ -46,6 +56,12 @@ def converted(
         quantize_decoder(exports[name], out, weights)
         _CONVERTED[key] = out
     return _CONVERTED[key]
+
+
+def _io(model: onnx.ModelProto) -> list[tuple[str, int]]:
+    return [
+        (v.name, v.type.tensor_type.elem_type) for v in [*model.graph.input, *model.graph.output]
+    ]
 
 
 def _info(export: Path) -> DecoderInfo:
@@ -67,17 +83,14 @@ def _prefill(info: DecoderInfo, ids: list[int]) -> dict[str, np.ndarray]:
 @pytest.mark.parametrize("weights", QUANTIZED)
 @pytest.mark.parametrize("name", ["tiny-llama", "tiny-gemma3"])
 def test_conversion_keeps_the_interface_and_stores_weights_smaller(
-    exports: dict[str, Path], name: str, weights: Weights, tmp_path_factory: pytest.TempPathFactory
+    exports: Exports, name: str, weights: Weights, tmp_path_factory: pytest.TempPathFactory
 ) -> None:
     source = load_model(exports[name] / MODEL_FILE)
     out = converted(exports, name, weights, tmp_path_factory)
     model = onnx.load(str(out / MODEL_FILE))
     assert model_weights(model) == weights
     assert (out / DECODER_FILE).read_text() == (exports[name] / DECODER_FILE).read_text()
-    io = lambda m: [
-        (v.name, v.type.tensor_type.elem_type) for v in [*m.graph.input, *m.graph.output]
-    ]  # noqa: E731
-    assert io(model) == io(source)  # KV cache and frames stay float32
+    assert _io(model) == _io(source)  # KV cache and frames stay float32
     ops = {n.op_type for n in model.graph.node}
     ratio = initializer_bytes(model) / initializer_bytes(source)
     if weights == "int4":
@@ -101,7 +114,7 @@ def test_conversion_keeps_the_interface_and_stores_weights_smaller(
 @pytest.mark.parametrize("weights", WEIGHTS)
 @pytest.mark.parametrize("name", ["tiny-llama", "tiny-gemma3"])
 def test_cut_at_every_unit_boundary_matches_the_whole_model(
-    exports: dict[str, Path],
+    exports: Exports,
     name: str,
     weights: Weights,
     tmp_path: Path,
@@ -115,7 +128,7 @@ def test_cut_at_every_unit_boundary_matches_the_whole_model(
     assert len(units.units) >= info.num_layers
     # every stored byte is some unit's or shared, counted at its stored size (scales and
     # zero points included); only small constants several units recompute count twice
-    stored = sum(u.weight_bytes for u in units.units) + sum(s.bytes for s in units.shared)
+    stored = sum(u.weight_bytes for u in units.units) + sum(s.nbytes for s in units.shared)
     if weights != "fp16":
         total = initializer_bytes(analysis.model)
         assert total <= stored <= total + (64 << 10)
@@ -131,7 +144,7 @@ def test_cut_at_every_unit_boundary_matches_the_whole_model(
 
 
 def test_fedshard_split_verifies_an_int4_decoder_over_three_devices(
-    exports: dict[str, Path], tmp_path: Path, tmp_path_factory: pytest.TempPathFactory
+    exports: Exports, tmp_path: Path, tmp_path_factory: pytest.TempPathFactory
 ) -> None:
     import argparse
     import json
@@ -238,11 +251,12 @@ def test_a_tied_int8_table_is_counted_once_in_every_stage_that_reads_it(tmp_path
         if analysis.index.initializers[s.name].data_type in (TensorProto.INT8, TensorProto.UINT8)
     ]
     assert tables, [s.name for s in units.shared]
-    table = max(tables, key=lambda s: s.bytes)
+    table = max(tables, key=lambda s: s.nbytes)
     stored = analysis.index.initializers[table.name]
-    assert table.bytes == int(np.prod(stored.dims))  # one byte a weight, not four
-    first, last = min(table.units), max(table.units)
-    assert first == 0 and last == len(units.units) - 1
+    assert table.nbytes == int(np.prod(stored.dims))  # one byte a weight, not four
+    readers = sorted(table.units)
+    assert readers[0] == 0 and readers[-1] >= len(units.units) - 2  # the embedding and the head
+    gap = next((a + 1, b) for a, b in itertools.pairwise(readers) if b > a + 1)
     devices = DeviceList.from_obj(
         {"devices": [{"name": "a", "memory_bytes": 1, "gflops": 1, "bandwidth_mbps": 1}]}
     )
@@ -253,8 +267,7 @@ def test_a_tied_int8_table_is_counted_once_in_every_stage_that_reads_it(tmp_path
         return sum(u.weight_bytes + u.workspace_bytes for u in units.units[start:end])
 
     whole = stage_memory(problem, 0, n)
-    head, tail = stage_memory(problem, 0, 1), stage_memory(problem, n - 1, n)
-    middle = stage_memory(problem, 1, n - 1)
-    assert whole >= table.bytes and head >= table.bytes and tail >= table.bytes
-    assert middle < table.bytes  # no middle stage holds the table
-    assert whole < without_table(0, n) + 2 * table.bytes  # once, not once per reader
+    head, tail = stage_memory(problem, 0, 1), stage_memory(problem, readers[-1], n)
+    assert whole >= table.nbytes and head >= table.nbytes and tail >= table.nbytes
+    assert stage_memory(problem, *gap) < table.nbytes  # a stage between them does not hold it
+    assert whole < without_table(0, n) + 2 * table.nbytes  # once, not once per reader
