@@ -24,7 +24,7 @@ from partitioner.split import analyse
 from partitioner.verify import HALF_TOLERANCE, default_tolerance, verify_chain
 from protocols.decoder import DECODER_FILE, MODEL_FILE, DecoderInfo
 
-pytestmark = pytest.mark.timeout(600)
+pytestmark = pytest.mark.timeout(900)
 
 QUANTIZED: tuple[Weights, ...] = ("fp16", "int8", "int4")
 _CONVERTED: dict[tuple[str, str], Path] = {}
