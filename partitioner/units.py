@@ -20,9 +20,10 @@ from collections import Counter, deque
 from collections.abc import Iterable, Mapping, Sequence
 from dataclasses import dataclass
 
-from partitioner.costs import ShapeTable, node_flops, tensor_proto_bytes
+from partitioner.costs import ShapeTable, node_flops
 from partitioner.frontier import Frontier
 from partitioner.graph import GraphIndex
+from partitioner.runtime_memory import resident_weight_bytes
 
 DEFAULT_MAX_UNITS = 128
 DEFAULT_MIN_UNITS = 8
@@ -41,7 +42,9 @@ class GraphUnit:
     end: int
     flops: int
     weight_bytes: int
-    """Bytes of the initializers only this unit reads (shared ones excluded)."""
+    """Resident bytes of the initializers only this unit reads (shared ones excluded): their
+    stored size, half-precision ones as float32 (see
+    :func:`~partitioner.runtime_memory.resident_weight_bytes`)."""
     out_bytes: int
     workspace_bytes: int
     initializers: frozenset[str]
@@ -214,7 +217,7 @@ def build_units(
     """Choose unit boundaries and cost every unit."""
     closures = StaticClosures(index)
     node_cost = [node_flops(n, index.node_inputs[i], table) for i, n in enumerate(index.nodes)]
-    weights = {name: tensor_proto_bytes(t) for name, t in index.initializers.items()}
+    weights = {name: resident_weight_bytes(t) for name, t in index.initializers.items()}
     total_flops = max(1, sum(node_cost[n] for n in frontier.order))
     total_weights = max(1, sum(weights.values()))
     costs = [

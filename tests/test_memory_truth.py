@@ -38,6 +38,7 @@ def deploy_in_this_process(split_dir: Path, index: int, warmup: Path, budget: in
     Returns JSON: the deploy report and ``serving_bytes``, the resident memory added once the
     requests are done (freed heap returned to the OS, as the agent does after warm-up).
     """
+    from coordinator.deploy_plan import forward_names
     from cryptography.hazmat.primitives.asymmetric import ed25519
 
     from edge_agent.config import RuntimeConfig
@@ -71,8 +72,9 @@ def deploy_in_this_process(split_dir: Path, index: int, warmup: Path, budget: in
         plan_version=1,
         segment=entry,
         chain=chain,
-        forward=list(entry.outputs),
+        forward=forward_names(manifest, index) if entry.state else list(entry.outputs),
         warmup_sha256=hashlib.sha256(frame).hexdigest(),
+        sessions=manifest.sessions if entry.state else None,
     )
     request = DeployRequest(
         manifest=signed,

@@ -1,0 +1,51 @@
+"""Integration: an int4 decoder deployed by ``fedshard deploy`` to real agents generates what
+the same int4 model does in one ONNX Runtime session.
+
+``tiny-llama`` is exported, stored in int4 by ONNX Runtime's quantizer
+(:func:`partitioner.decoders.precision.quantize_decoder`) and deployed on three paired agents
+under per-device caps that no single device can meet for the whole int4 model.
+"""
+
+from __future__ import annotations
+
+import json
+from collections.abc import Iterator
+from pathlib import Path
+
+import onnx
+import pytest
+from generation_lab import GenLab, decoder_lab, greedy_reference
+
+pytestmark = [pytest.mark.slow, pytest.mark.timeout(900)]
+
+MODEL_ID = "tiny-llama-int4"
+PROMPT = "The devices of a local network"
+CAP = "5MB"
+"""The int4 model with its runtime memory and KV cache needs about 8 MB: at least two stages."""
+
+
+@pytest.fixture(scope="module")
+def lab(tiny_llama_dir: Path, tmp_path_factory: pytest.TempPathFactory) -> Iterator[GenLab]:
+    from partitioner.decoders.precision import quantize_decoder
+
+    tmp = tmp_path_factory.mktemp("generation-int4")
+    export = tmp / "export"
+    quantize_decoder(tiny_llama_dir, export, "int4")
+    with decoder_lab(export, tmp, MODEL_ID, "512MiB", CAP) as started:
+        yield started
+
+
+def test_int4_greedy_generation_across_agents_matches_one_session(lab: GenLab) -> None:
+    manifest = json.loads(next(lab.coordinator.state_dir.rglob("manifest.json")).read_text())
+    assert len(manifest["segments"]) >= 2
+    ops = {"MatMulNBits", "GatherBlockQuantized"}
+    assert manifest["model"]["param_bytes"] < 4_000_000  # int4 bytes, not float32's 16 MB
+    want, count = greedy_reference(lab.export, PROMPT, 24)
+    with lab.coordinator.client() as api:
+        body = {"model": MODEL_ID, "prompt": PROMPT, "max_tokens": 24, "temperature": 0}
+        response = api.post("/v1/completions", json=body)
+    assert response.status_code == 200, response.text
+    assert response.json()["choices"][0]["text"] == want
+    assert response.json()["usage"]["completion_tokens"] == count
+    model = onnx.load(str(lab.export / "model.onnx"), load_external_data=False)
+    assert ops <= {n.op_type for n in model.graph.node}
