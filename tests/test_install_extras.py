@@ -12,7 +12,7 @@ from pathlib import Path
 import pytest
 
 REPO = Path(__file__).resolve().parent.parent
-OURS = {"protocols", "partitioner", "edge_agent", "coordinator", "devtools"}
+OURS = {"protocols", "partitioner", "edge_agent", "coordinator", "devtools", "hostkit", "fedshard"}
 
 
 def _imports(paths: list[Path]) -> set[str]:
