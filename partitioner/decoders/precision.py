@@ -1,0 +1,225 @@
+"""Weight precision of an exported decoder: fp32, fp16, int8 or int4, with ONNX Runtime's tools.
+
+No quantizer is written here; each precision is one of ONNX Runtime's own:
+
+- ``fp16``: :func:`onnxruntime.transformers.float16.convert_float_to_float16` with the graph's
+  inputs and outputs kept float32 (the KV cache and the frames between agents stay float32).
+- ``int8``: weight-only int8. Every ``MatMul`` with a constant weight becomes ``MatMulNBits``
+  (8 bits, blocks of :data:`BLOCK_SIZE` along K, with zero points) by
+  :class:`~onnxruntime.quantization.matmul_nbits_quantizer.MatMulNBitsQuantizer`; the word
+  embedding, which that quantizer cannot store in 8 bits, becomes an int8 ``Gather`` followed
+  by ``DequantizeLinear`` by :func:`onnxruntime.quantization.quantize_dynamic`.
+- ``int4``: :class:`~onnxruntime.quantization.matmul_nbits_quantizer.MatMulNBitsQuantizer`,
+  4 bits, blocks of :data:`BLOCK_SIZE`, with zero points: ``MatMul`` → ``MatMulNBits``, the
+  embedding ``Gather`` → ``GatherBlockQuantized``.
+
+:func:`quantize_model` is ``ModelProto`` in, ``ModelProto`` out; :func:`quantize_decoder` is
+the thin file layer over a ``fedshard.decoder/1`` directory (weights of models over 2 GB go to
+external data). The precision is recorded in the model's metadata under
+:data:`WEIGHTS_METADATA_KEY`.
+"""
+
+from __future__ import annotations
+
+import logging
+import shutil
+import tempfile
+import warnings
+from collections import Counter
+from collections.abc import Iterator
+from contextlib import contextmanager
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Literal, cast, get_args
+
+import onnx
+
+from partitioner.decoders.progress import Steps
+from partitioner.errors import GraphError
+from protocols.decoder import MODEL_FILE
+
+Weights = Literal["fp32", "fp16", "int8", "int4"]
+WEIGHTS: tuple[Weights, ...] = get_args(Weights)
+"""The precisions ``fedshard export --weights`` offers."""
+
+WEIGHTS_METADATA_KEY = "fedshard.weights"
+"""Metadata key naming the precision a decoder's weights were stored in."""
+
+BLOCK_SIZE = 32
+"""Weights per quantization block along the reduced axis (one scale and zero point each)."""
+
+QUANTIZED_OPS = frozenset(
+    {"MatMulNBits", "GatherBlockQuantized", "DequantizeLinear", "MatMulInteger", "Cast"}
+)
+"""Operators a quantized decoder gains; :class:`Report` counts them."""
+
+
+@dataclass(frozen=True)
+class Report:
+    """What one precision conversion produced."""
+
+    weights: Weights
+    source_bytes: int
+    """Stored bytes of the source's weights (initializers)."""
+    weight_bytes: int
+    """Stored bytes of the converted weights, scales and zero points included."""
+    operators: dict[str, int]
+    """How many nodes of each of :data:`QUANTIZED_OPS` the converted graph has."""
+
+    @property
+    def ratio(self) -> float:
+        """Converted size over source size."""
+        return self.weight_bytes / max(1, self.source_bytes)
+
+
+def parse_weights(value: str) -> Weights:
+    """``value`` as a :data:`Weights`; :class:`GraphError` naming the choices otherwise."""
+    if value not in WEIGHTS:
+        raise GraphError(f"unknown weight precision {value!r}; choose one of {', '.join(WEIGHTS)}")
+    return cast(Weights, value)
+
+
+def model_weights(model: onnx.ModelProto) -> Weights:
+    """The precision recorded in ``model``'s metadata (``fp32`` when none is)."""
+    for prop in model.metadata_props:
+        if prop.key == WEIGHTS_METADATA_KEY:
+            return parse_weights(prop.value)
+    return "fp32"
+
+
+def quantize_model(model: onnx.ModelProto, weights: Weights) -> onnx.ModelProto:
+    """``model`` (float32, weights loaded) with its weights stored in ``weights``.
+
+    The graph's inputs, outputs and metadata are kept; the result's metadata records the
+    precision. ``model`` itself may be modified.
+    """
+    weights = parse_weights(weights)
+    if model_weights(model) != "fp32":
+        raise GraphError(f"the model's weights are already {model_weights(model)}")
+    metadata = [(p.key, p.value) for p in model.metadata_props]
+    with _quiet_quantizer():
+        if weights == "fp16":
+            result = _fp16(model)
+        elif weights == "int8":
+            result = _embedding_int8(_nbits(model, 8, ("MatMul",)))
+        elif weights == "int4":
+            result = _nbits(model, 4, ("MatMul", "Gather"))
+        else:
+            result = model
+    del result.metadata_props[:]
+    for key, value in [*metadata, (WEIGHTS_METADATA_KEY, weights)]:
+        entry = result.metadata_props.add()
+        entry.key, entry.value = key, value
+    return result
+
+
+def report(source: onnx.ModelProto, converted: onnx.ModelProto) -> Report:
+    """Sizes and quantized operators of ``converted`` next to ``source``."""
+    from partitioner.modelio import initializer_bytes
+
+    ops = Counter(n.op_type for n in converted.graph.node if n.op_type in QUANTIZED_OPS)
+    return Report(
+        weights=model_weights(converted),
+        source_bytes=initializer_bytes(source),
+        weight_bytes=initializer_bytes(converted),
+        operators=dict(sorted(ops.items())),
+    )
+
+
+def quantize_decoder(
+    src_dir: Path, dst_dir: Path, weights: Weights, *, steps: Steps | None = None
+) -> Report:
+    """Write the decoder export in ``src_dir`` to ``dst_dir`` with its weights in ``weights``.
+
+    Every file but the model is copied (``decoder.json``, tokenizer files); the model is
+    loaded with its external data, converted by :func:`quantize_model` and saved (weights to
+    ``model.onnx.data`` when over 2 GB). ``dst_dir`` must differ from ``src_dir``.
+    """
+    from partitioner.modelio import save_model
+
+    weights = parse_weights(weights)
+    steps = steps or Steps()
+    src_model = src_dir / MODEL_FILE
+    if not src_model.is_file():
+        raise GraphError(f"{src_dir}: no {MODEL_FILE} (not a decoder export)")
+    if dst_dir.resolve() == src_dir.resolve():
+        raise GraphError("the quantized decoder must go to another directory than its source")
+    dst_dir.mkdir(parents=True, exist_ok=True)
+    for item in src_dir.iterdir():
+        if item.is_file() and not item.name.startswith(MODEL_FILE):
+            shutil.copy2(item, dst_dir / item.name)
+    with steps.step(f"loading {src_model}"):
+        model = onnx.load(str(src_model), load_external_data=True)
+    source = _shapes_only(model)
+    with steps.step(f"storing the weights in {weights}"):
+        converted = quantize_model(model, weights)
+    done = report(source, converted)
+    with steps.step(f"writing {dst_dir / MODEL_FILE}"):
+        save_model(converted, dst_dir / MODEL_FILE)
+    return done
+
+
+def _shapes_only(model: onnx.ModelProto) -> onnx.ModelProto:
+    """A model holding only ``model``'s initializer declarations (no data): enough for sizes."""
+    light = onnx.ModelProto()
+    for tensor in model.graph.initializer:
+        declared = light.graph.initializer.add()
+        declared.name, declared.data_type = tensor.name, tensor.data_type
+        declared.dims.extend(tensor.dims)
+    return light
+
+
+def _fp16(model: onnx.ModelProto) -> onnx.ModelProto:
+    from onnxruntime.transformers.float16 import convert_float_to_float16
+
+    converted: onnx.ModelProto = convert_float_to_float16(
+        model, keep_io_types=True, disable_shape_infer=True
+    )
+    return converted
+
+
+def _nbits(model: onnx.ModelProto, bits: int, ops: tuple[str, ...]) -> onnx.ModelProto:
+    from onnxruntime.quantization.matmul_nbits_quantizer import MatMulNBitsQuantizer
+
+    quantizer = MatMulNBitsQuantizer(
+        model,
+        bits=bits,
+        block_size=BLOCK_SIZE,
+        is_symmetric=False,
+        op_types_to_quantize=ops,
+        quant_axes=(("MatMul", 0), ("Gather", 1)),
+    )
+    quantizer.process()
+    result: onnx.ModelProto = quantizer.model.model
+    return result
+
+
+def _embedding_int8(model: onnx.ModelProto) -> onnx.ModelProto:
+    """Store the embedding tables read by ``Gather`` in int8 (``quantize_dynamic``)."""
+    from onnxruntime.quantization import QuantType, quantize_dynamic
+
+    with tempfile.TemporaryDirectory(prefix="fedshard-int8-") as tmp:
+        source, out = Path(tmp) / "source.onnx", Path(tmp) / MODEL_FILE
+        onnx.save_model(model, str(source), save_as_external_data=True)
+        quantize_dynamic(
+            source,
+            out,
+            op_types_to_quantize=["Gather"],
+            weight_type=QuantType.QInt8,
+            use_external_data_format=True,
+        )
+        return onnx.load(str(out), load_external_data=True)
+
+
+@contextmanager
+def _quiet_quantizer() -> Iterator[None]:
+    """ONNX Runtime's quantizers log a warning per skipped node and numpy warns on all-zero
+    blocks (they get scale 0 and stay zero); keep errors only while they run."""
+    previous = logging.root.manager.disable
+    logging.disable(logging.WARNING)
+    try:
+        with warnings.catch_warnings():
+            warnings.simplefilter("ignore", RuntimeWarning)
+            yield
+    finally:
+        logging.disable(previous)
