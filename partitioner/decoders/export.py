@@ -298,7 +298,7 @@ def _write(
     out_dir: Path,
     steps: Steps,
 ) -> DecoderExport:
-    from partitioner.modelio import initializer_bytes, save_model
+    from partitioner.modelio import initializer_bytes
     from partitioner.samples import SAMPLE_INPUTS_KEY, encode_samples
 
     inputs, _ = state_names(info)
@@ -309,13 +309,39 @@ def _write(
     out_dir.mkdir(parents=True, exist_ok=True)
     path = out_dir / MODEL_FILE
     with steps.step(f"writing {path}"):
-        save_model(model, path, source_dir=out_dir / TRACED_DIR)
+        _save_export(model, path, out_dir / TRACED_DIR)
         shutil.rmtree(out_dir / TRACED_DIR)
         (out_dir / DECODER_FILE).write_text(info.to_json() + "\n")
         source.tokenizer.save_pretrained(out_dir)
     with steps.step("checking ONNX Runtime against torch"):
         diff = _check(path, info, cases)
     return DecoderExport(out_dir, path, info, diff, initializer_bytes(model))
+
+
+def _save_export(model: Any, path: Path, traced: Path) -> None:
+    """Save the graph; its weights are inlined when small, else the exporter's data file is
+    moved next to it (no second copy of gigabytes) and its SHA-256 recorded, as
+    :func:`~partitioner.modelio.save_model` records it."""
+    import onnx
+
+    from partitioner.modelio import (
+        EXTERNAL_DATA_MARGIN_BYTES,
+        EXTERNAL_DATA_SHA256_KEY,
+        PROTOBUF_LIMIT_BYTES,
+        file_sha256,
+        initializer_bytes,
+        save_model,
+    )
+
+    data = traced / f"{MODEL_FILE}.data"
+    if initializer_bytes(model) <= PROTOBUF_LIMIT_BYTES - EXTERNAL_DATA_MARGIN_BYTES:
+        save_model(model, path, source_dir=traced)
+        return
+    target = path.with_name(data.name)
+    data.replace(target)
+    entry = model.metadata_props.add()
+    entry.key, entry.value = EXTERNAL_DATA_SHA256_KEY, file_sha256(target)
+    onnx.save_model(model, str(path))  # the graph only: its tensors point into the data file
 
 
 def _check(
