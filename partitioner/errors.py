@@ -3,6 +3,7 @@
 PartitionerError
 ├── InfeasiblePlanError   no arrangement of the devices holds the model
 ├── GraphError            the ONNX model cannot be loaded or analysed
+│   └── UncostableOperatorError  an operator the partitioner cannot size
 └── VerificationError     the chained segments do not reproduce the whole model
 """
 
@@ -43,3 +44,19 @@ class VerificationError(PartitionerError):
     def __init__(self, message: str, max_abs_diff: float) -> None:
         super().__init__(message)
         self.max_abs_diff = max_abs_diff
+
+
+class UncostableOperatorError(GraphError):
+    """A node's operator has no schema and no shape rule, so its tensors cannot be sized.
+
+    Planning on a guess could put a stage on a device it does not fit; the partitioner stops
+    instead, naming the operator (``domain``, ``op_type``) and the node (``node``).
+    """
+
+    def __init__(self, domain: str, op_type: str, node: str) -> None:
+        qualified = f"{domain}::{op_type}" if domain else op_type
+        super().__init__(
+            f"cannot cost operator {qualified} (node {node!r}): ONNX has no schema for it and "
+            "the partitioner has no shape rule, so its outputs cannot be sized"
+        )
+        self.domain, self.op_type, self.node = domain, op_type, node

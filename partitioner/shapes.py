@@ -22,8 +22,9 @@ import onnx.shape_inference
 from onnx import TensorProto, numpy_helper
 from onnx.reference import ReferenceEvaluator
 
+from partitioner.contrib_shapes import contrib_output_shapes, has_rule
 from partitioner.costs import ShapeTable, TensorShape, bind_input_shapes, tensor_proto_bytes
-from partitioner.errors import GraphError
+from partitioner.errors import GraphError, UncostableOperatorError
 from partitioner.graph import GraphIndex
 
 VALUE_LIMIT_ELEMENTS = 1 << 16
@@ -147,6 +148,7 @@ class _Propagator:
                 node.op_type, self.opsets.get(node.domain or "", 1), node.domain
             )
         except onnx.defs.SchemaError:
+            self._contrib(node, inputs)
             return
         types = {
             n: onnx.helper.make_tensor_type_proto(self.shapes[n].elem_type, self.shapes[n].dims)
@@ -164,7 +166,7 @@ class _Propagator:
                 opset_imports=list(self.model.opset_import),
                 ir_version=self.model.ir_version,
             )
-        except onnx.shape_inference.InferenceError:
+        except (onnx.shape_inference.InferenceError, onnx.checker.ValidationError):
             return
         for out, type_proto in found.items():
             tt = type_proto.tensor_type
@@ -172,6 +174,14 @@ class _Propagator:
                 dims = tt.shape.dim
                 if all(d.HasField("dim_value") for d in dims):
                     self.set(out, tt.elem_type, [d.dim_value for d in dims])
+
+    def _contrib(self, node: onnx.NodeProto, inputs: Sequence[str]) -> None:
+        """Outputs of an operator ONNX has no schema for, by :mod:`partitioner.contrib_shapes`."""
+        if not has_rule(node):
+            raise UncostableOperatorError(node.domain, node.op_type, node.name or node.output[0])
+        found = contrib_output_shapes(node, [self.shapes.get(n) for n in node.input])
+        for out, shape in zip([o for o in node.output if o], found or [], strict=False):
+            self.shapes[out] = shape
 
 
 def _elem(array: np.ndarray) -> int:

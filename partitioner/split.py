@@ -38,7 +38,7 @@ from partitioner.samples import Samples, check_samples, embedded_samples, load_n
 from partitioner.segment_files import WrittenSegment, cached_cuts, write_segments
 from partitioner.shapes import infer_shapes
 from partitioner.units import DEFAULT_MAX_UNITS, UnitPlan, build_units
-from partitioner.verify import DEFAULT_TOLERANCE, VerifyResult, verify_chain
+from partitioner.verify import VerifyResult, default_tolerance, verify_chain
 from protocols.constants import DEFAULT_QUEUE_DEPTH
 from protocols.devices import DeviceList
 from protocols.manifest import (
@@ -95,7 +95,9 @@ class SplitOptions:
     objective: Objective = Objective.THROUGHPUT
     queue_depth: int = DEFAULT_QUEUE_DEPTH
     verify: bool = False
-    tolerance: float = DEFAULT_TOLERANCE
+    tolerance: float | None = None
+    """For ``verify``: largest accepted difference; None: by the model's compute precision
+    (:func:`partitioner.verify.default_tolerance`)."""
     dims: Mapping[str, int] = field(default_factory=dict)
     samples_path: Path | None = None
     max_units: int = DEFAULT_MAX_UNITS
@@ -259,7 +261,10 @@ def split_model(
     result = None
     if opts.verify:
         result = verify_chain(
-            model_path, [w.files[0] for w in written], [analysis.samples], opts.tolerance
+            model_path,
+            [w.files[0] for w in written],
+            [analysis.samples],
+            default_tolerance(analysis.model) if opts.tolerance is None else opts.tolerance,
         )
     manifest = build_manifest(model_path, analysis, plan, written, opts.sessions, model_sha256)
     (out_dir / MANIFEST_NAME).write_text(manifest.to_json() + "\n")

@@ -8,10 +8,17 @@ from pathlib import Path
 from typing import Any
 
 import numpy as np
+import onnx
 
 from partitioner.errors import VerificationError
 
 DEFAULT_TOLERANCE = 1e-5
+"""Largest difference ``--verify`` accepts for a model that computes in float32."""
+HALF_TOLERANCE = 5e-2
+"""... and for one that computes in float16 or bfloat16: a few units in the last place at the
+magnitude of a decoder's logits (float16 has 10 mantissa bits; ONNX Runtime fuses a whole
+graph and its segments differently, so they round differently)."""
+_HALF_TYPES = frozenset({onnx.TensorProto.FLOAT16, onnx.TensorProto.BFLOAT16})
 
 Arrays = dict[str, np.ndarray]
 
@@ -23,6 +30,18 @@ class VerifyResult:
     max_abs_diff: float
     per_output: Mapping[str, float]
     tolerance: float
+
+
+def default_tolerance(model: onnx.ModelProto) -> float:
+    """:data:`HALF_TOLERANCE` when ``model`` stores weights or casts to a half-precision type,
+    :data:`DEFAULT_TOLERANCE` otherwise (int4/int8 weights compute in float32)."""
+    half = any(t.data_type in _HALF_TYPES for t in model.graph.initializer) or any(
+        a.name == "to" and a.i in _HALF_TYPES
+        for n in model.graph.node
+        if n.op_type == "Cast"
+        for a in n.attribute
+    )
+    return HALF_TOLERANCE if half else DEFAULT_TOLERANCE
 
 
 def _session(path: Path) -> Any:

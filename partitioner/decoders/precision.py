@@ -30,7 +30,7 @@ from collections.abc import Iterator
 from contextlib import contextmanager
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Literal, cast, get_args
+from typing import Literal, get_args
 
 import onnx
 
@@ -74,9 +74,10 @@ class Report:
 
 def parse_weights(value: str) -> Weights:
     """``value`` as a :data:`Weights`; :class:`GraphError` naming the choices otherwise."""
-    if value not in WEIGHTS:
-        raise GraphError(f"unknown weight precision {value!r}; choose one of {', '.join(WEIGHTS)}")
-    return cast(Weights, value)
+    for weights in WEIGHTS:
+        if value == weights:
+            return weights
+    raise GraphError(f"unknown weight precision {value!r}; choose one of {', '.join(WEIGHTS)}")
 
 
 def model_weights(model: onnx.ModelProto) -> Weights:
@@ -175,7 +176,46 @@ def _fp16(model: onnx.ModelProto) -> onnx.ModelProto:
     converted: onnx.ModelProto = convert_float_to_float16(
         model, keep_io_types=True, disable_shape_infer=True
     )
+    _casts_next_to_use(converted.graph)
     return converted
+
+
+def _casts_next_to_use(graph: onnx.GraphProto) -> None:
+    """Move each ``Cast`` of a graph input to just before its first reader, and each ``Cast``
+    to a graph output to just after the node making its input.
+
+    The converter puts the input casts first and the output casts last, so in file order
+    every layer's past key/value would be read at the start and its present made at the end:
+    a cut between layers would separate each layer's cache from its stage.
+    """
+    inputs = {i.name for i in graph.input}
+    outputs = {o.name for o in graph.output}
+
+    def io_cast(node: onnx.NodeProto) -> bool:
+        return node.op_type == "Cast" and (node.input[0] in inputs or node.output[0] in outputs)
+
+    before = {n.output[0]: n for n in graph.node if io_cast(n) and n.input[0] in inputs}
+    after: dict[str, list[onnx.NodeProto]] = {}
+    for node in graph.node:
+        if io_cast(node) and node.input[0] not in inputs:
+            after.setdefault(node.input[0], []).append(node)
+    ordered: list[onnx.NodeProto] = []
+
+    def emit(node: onnx.NodeProto) -> None:
+        for name in node.input:
+            if name in before:
+                ordered.append(before.pop(name))
+        ordered.append(node)
+        for out in node.output:
+            for cast in after.pop(out, []):
+                emit(cast)
+
+    for node in graph.node:
+        if not io_cast(node):
+            emit(node)
+    ordered.extend([*before.values(), *(c for cs in after.values() for c in cs)])
+    graph.ClearField("node")
+    graph.node.extend(ordered)
 
 
 def _nbits(model: onnx.ModelProto, bits: int, ops: tuple[str, ...]) -> onnx.ModelProto:
