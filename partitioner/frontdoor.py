@@ -26,7 +26,9 @@ from partitioner.decoders.sources import DECODER_NAMES
 from partitioner.errors import GraphError
 
 if TYPE_CHECKING:
+    from partitioner.decoders.precision import Report, Weights
     from partitioner.decoders.progress import Steps
+    from partitioner.decoders.quality import Quality
 
 DEFAULT_SENTENCES = (
     "The partitioner cuts one network across the devices of a local network.",
@@ -44,6 +46,10 @@ class ExportResult:
     max_abs_diff: float
     """Largest difference between ONNX Runtime and PyTorch on the embedded samples."""
     param_bytes: int
+    precision: Report | None = None
+    """Decoders stored in another precision than float32: sizes before and after."""
+    quality: Quality | None = None
+    """... and how they score against float32 on real text."""
 
 
 def offline() -> None:
@@ -159,23 +165,73 @@ def export_decoder(
     top_k: int = 64,
     cache_dir: Path | None = None,
     steps: Steps | None = None,
+    weights: Weights | None = None,
+    score: bool = True,
 ) -> ExportResult:
     """Export decoder ``name`` to the directory ``out_dir`` (``model.onnx``, ``decoder.json``,
     tokenizer files); ``result.path`` is the ``model.onnx`` file.
 
-    ``cache_dir`` keeps converted checkpoints between runs (default ``~/.cache/fedshard``;
-    the CLI passes ``$FEDSHARD_CACHE`` when set); ``steps`` reports the slow steps.
+    ``weights`` (default: the model's, :func:`partitioner.decoders.precision.default_weights`)
+    stores the weights in fp32, fp16, int8 or int4 with ONNX Runtime's tools: the float32
+    export is kept in ``cache_dir`` and converted, and unless ``score`` is false the result is
+    scored against it on real text (``result.quality``; also written to
+    ``out_dir/precision.json``). ``cache_dir`` keeps converted checkpoints and float32 exports
+    between runs (default ``~/.cache/fedshard``; the CLI passes ``$FEDSHARD_CACHE`` when set);
+    ``steps`` reports the slow steps.
     """
     from partitioner.decoders.cache import default_cache_dir
-    from partitioner.decoders.export import export_decoder as export_source
+    from partitioner.decoders.precision import default_weights
     from partitioner.decoders.progress import Steps
     from partitioner.decoders.sources import load_source
 
     steps = steps or Steps()
-    source = load_source(name, cache_dir or default_cache_dir(None), steps)
+    cache = cache_dir or default_cache_dir(None)
+    weights = weights or default_weights(name)
+    if weights != "fp32":
+        return _quantized_decoder(name, out_dir, top_k, cache, steps, weights, score)
+    from partitioner.decoders.export import export_decoder as export_source
+
+    source = load_source(name, cache, steps)
     done = export_source(source, out_dir, top_k=top_k, steps=steps, release_weights=True)
     outputs = ("top_logits", "top_ids", *(pair.present for pair in done.info.state))
     return ExportResult(done.model_path, outputs, done.max_abs_diff, done.param_bytes)
+
+
+def _quantized_decoder(
+    name: str, out_dir: Path, top_k: int, cache: Path, steps: Steps, weights: Weights, score: bool
+) -> ExportResult:
+    """The float32 export (cached), converted to ``weights`` in ``out_dir`` and scored."""
+    from partitioner.decoders.cache import cached_dir
+    from partitioner.decoders.precision import quantize_decoder
+    from partitioner.decoders.quality import QUALITY_TOKENS, compare_decoders, write_summary
+
+    def build(tmp: Path) -> None:
+        result = export_decoder(
+            name, tmp, top_k=top_k, cache_dir=cache, steps=steps, weights="fp32"
+        )
+        (tmp / _TORCH_DIFF_FILE).write_text(f"{result.max_abs_diff!r}\n")
+
+    fp32 = cached_dir(cache / "exports" / f"{name}-top{top_k}-fp32", build)
+    report = quantize_decoder(fp32, out_dir, weights, steps=steps)
+    quality = None
+    if score:
+        with steps.step(f"scoring {weights} against fp32 on {QUALITY_TOKENS} tokens of text"):
+            quality = compare_decoders(fp32, out_dir)
+        write_summary(out_dir, report, quality)
+    outputs = ("top_logits", "top_ids", *_state_outputs(out_dir))
+    diff = float((fp32 / _TORCH_DIFF_FILE).read_text())
+    return ExportResult(out_dir / "model.onnx", outputs, diff, report.weight_bytes, report, quality)
+
+
+_TORCH_DIFF_FILE = "torch-check.txt"
+"""In a cached float32 export: ONNX Runtime's max abs diff against torch when it was made."""
+
+
+def _state_outputs(out_dir: Path) -> list[str]:
+    from protocols.decoder import DECODER_FILE, DecoderInfo
+
+    info = DecoderInfo.from_json((out_dir / DECODER_FILE).read_text())
+    return [pair.present for pair in info.state]
 
 
 FRONT_DOORS: dict[str, Callable[..., ExportResult]] = {

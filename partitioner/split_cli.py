@@ -133,38 +133,9 @@ def register(subparsers: Any) -> None:
     )
     split.set_defaults(run=run_split)
 
-    export = subparsers.add_parser(
-        "export",
-        help="export a packaged model to ONNX",
-        description=(
-            "Export a packaged model (real weights) to ONNX with dynamic axes. minilm writes "
-            "OUT.onnx; the decoders (gemma3-270m, tiny-gemma3, tiny-llama) write the directory "
-            "OUT with model.onnx, decoder.json and the tokenizer files."
-        ),
-    )
-    from partitioner.frontdoor import FRONT_DOORS
+    from partitioner.export_cli import register_export
 
-    export.add_argument("name", choices=sorted(FRONT_DOORS), help="which model")
-    export.add_argument("out", type=Path, metavar="OUT", help="OUT.onnx (minilm) or OUT_DIR")
-    export.add_argument(
-        "--pooled", action="store_true", help="minilm: also output the sentence embedding"
-    )
-    export.add_argument(
-        "--top-k",
-        type=_positive_int,
-        default=64,
-        metavar="K",
-        help="decoders: next-token candidates the graph returns (64)",
-    )
-    export.add_argument(
-        "--cache-dir",
-        type=Path,
-        default=None,
-        metavar="DIR",
-        help="decoders: converted checkpoints kept between runs ($FEDSHARD_CACHE, else "
-        "~/.cache/fedshard)",
-    )
-    export.set_defaults(run=run_export)
+    register_export(subparsers)
 
 
 def _positive_int(text: str) -> int:
@@ -378,34 +349,3 @@ def _calibration_note(result: Any) -> str:
 
 def _layout(plan: Any) -> list[tuple[str, int, int]]:
     return [(s.device, s.start, s.end) for s in plan.stages]
-
-
-def run_export(args: argparse.Namespace) -> int:
-    """Handler of ``fedshard export``."""
-    import os
-
-    from rich.console import Console
-
-    from partitioner.decoders.cache import CACHE_ENV, default_cache_dir
-    from partitioner.decoders.progress import RichSteps
-    from partitioner.decoders.sources import DECODER_NAMES
-    from partitioner.errors import GraphError
-    from partitioner.frontdoor import FRONT_DOORS
-
-    console = Console()
-    options: dict[str, Any] = {"pooled": args.pooled}
-    if args.name in DECODER_NAMES:
-        cache_dir = args.cache_dir or default_cache_dir(os.environ.get(CACHE_ENV))
-        options = {"top_k": args.top_k, "cache_dir": cache_dir, "steps": RichSteps(console)}
-    try:
-        result = FRONT_DOORS[args.name](args.out, **options)
-    except (GraphError, OSError) as exc:
-        console.print(f"[red]error:[/] {exc}")
-        return EXIT_BAD_INPUT
-    outputs = list(result.outputs)
-    shown = ", ".join(outputs if len(outputs) <= 4 else [*outputs[:3], f"... ({len(outputs)})"])
-    console.print(
-        f"wrote {result.path} ({_size(result.param_bytes)} of weights, outputs "
-        f"{shown}); ONNX Runtime vs PyTorch max abs diff {result.max_abs_diff:.3g}"
-    )
-    return 0

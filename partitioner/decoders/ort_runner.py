@@ -88,6 +88,11 @@ class OrtDecoder:
 
     def step(self, ids: Sequence[int]) -> StepResult:
         """Append ``ids`` to the context and run them in one call."""
+        values = self.run_step(ids)
+        return StepResult(values[TOP_LOGITS][0], values[TOP_IDS][0])
+
+    def run_step(self, ids: Sequence[int]) -> dict[str, np.ndarray]:
+        """Like :meth:`step`, but every output of the graph by name."""
         if not ids:
             raise GraphError("a step needs at least one token")
         seen = self.context_length
@@ -102,7 +107,7 @@ class OrtDecoder:
         feeds.update(self.kv)
         values = dict(zip(self._outputs, self._session.run(self._outputs, feeds), strict=True))
         self._past = [values[pair.present] for pair in self.info.state]
-        return StepResult(values[TOP_LOGITS][0], values[TOP_IDS][0])
+        return values
 
     def greedy(
         self,

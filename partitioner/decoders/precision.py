@@ -48,6 +48,16 @@ WEIGHTS_METADATA_KEY = "fedshard.weights"
 BLOCK_SIZE = 32
 """Weights per quantization block along the reduced axis (one scale and zero point each)."""
 
+DEFAULT_WEIGHTS: dict[str, Weights] = {}
+"""Per decoder front door, the precision ``fedshard export`` stores it in without
+``--weights`` (chosen from the measured size and quality, see the README); float32 if absent."""
+
+
+def default_weights(name: str) -> Weights:
+    """The precision decoder ``name`` is exported in by default."""
+    return DEFAULT_WEIGHTS.get(name, "fp32")
+
+
 QUANTIZED_OPS = frozenset(
     {"MatMulNBits", "GatherBlockQuantized", "DequantizeLinear", "MatMulInteger", "Cast"}
 )
