@@ -223,7 +223,7 @@ def _quantized_decoder(
     return ExportResult(out_dir / "model.onnx", outputs, diff, report.weight_bytes, report, quality)
 
 
-_TORCH_DIFF_FILE = "torch-check.txt"
+_TORCH_DIFF_FILE = ".torch-check"
 """In a cached float32 export: ONNX Runtime's max abs diff against torch when it was made."""
 
 
