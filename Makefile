@@ -41,11 +41,8 @@ $(VENV)/.installed-bench: pyproject.toml | $(VENV)/.installed-dev
 	touch $@
 bench-setup: $(VENV)/.installed-bench
 
-# Qwen2.5-Coder-1.5B in int4 on four 512 MiB agents vs one ONNX Runtime session vs llama.cpp,
-# and its precision table (fp32, int8, int4).
+# Qwen2.5-Coder-1.5B in int4 on four 512 MiB agents vs one ONNX Runtime session vs llama.cpp.
 bench-qwen: $(VENV)/.installed-bench
-	$(BIN)/python bench/precision.py --model qwen2.5-coder-1.5b --weights fp32 int8 int4 \
-		--out bench/results/precision_qwen.md
 	$(BIN)/python bench/generate.py --model qwen2.5-coder-1.5b --weights int4 --agents 4 \
 		--memory 512MiB --no-caps --no-transformers --llama-cpp --tokens 32 --runs 1 \
 		--out bench/results/generate_qwen.md

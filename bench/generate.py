@@ -211,16 +211,17 @@ def fedshard_runs(
 
 
 def prepared_export(console: Console, name: str, weights: str) -> Path:
-    """The model's export in ``weights`` under the cache (exported, then quantized, once)."""
-    fp32 = export_decoder(console, name, CACHE / "exports" / name, CACHE)
+    """The model's export in ``weights`` under the cache (``fedshard export --weights``, once)."""
     if weights == "fp32":
-        return fp32
+        return export_decoder(console, name, CACHE / "exports" / name, CACHE)
     out = CACHE / "exports" / f"{name}-{weights}"
     if not (out / "decoder.json").is_file():
-        from partitioner.decoders.precision import parse_weights, quantize_decoder
+        from partitioner.decoders.precision import parse_weights
         from partitioner.decoders.progress import RichSteps
+        from partitioner.frontdoor import export_decoder as export_weights
 
-        quantize_decoder(fp32, out, parse_weights(weights), steps=RichSteps(console))
+        steps = RichSteps(console)
+        export_weights(name, out, cache_dir=CACHE, weights=parse_weights(weights), steps=steps)
     return out
 
 

