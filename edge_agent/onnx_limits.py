@@ -29,6 +29,8 @@ _ITEMSIZE: Mapping[int, int] = {
     1: 4, 2: 1, 3: 1, 4: 2, 5: 2, 6: 4, 7: 8, 8: 1, 9: 1, 10: 2,
     11: 8, 12: 4, 13: 8, 14: 8, 15: 16, 16: 2, 17: 1, 18: 1, 19: 1, 20: 1, 21: 1, 22: 1,
 }  # fmt: skip
+_SUB_BYTE_BITS: Mapping[int, int] = {21: 4, 22: 4, 23: 4, 25: 2, 26: 2}
+"""UINT4, INT4, FLOAT4E2M1, UINT2, INT2: packed several to a byte (int4 weights)."""
 _SHAPE_OPERAND = {"Expand": 1, "Reshape": 1, "ConstantOfShape": 0}
 
 Field = tuple[int, int, int | memoryview]
@@ -142,7 +144,10 @@ def _dim(data: int | memoryview) -> int | None:
 
 
 def _nbytes(dims: list[int], elem: int, default_itemsize: int = 4) -> int:
-    return math.prod(max(d, 0) for d in dims) * _ITEMSIZE.get(elem, default_itemsize)
+    elements = math.prod(max(d, 0) for d in dims)
+    if elem in _SUB_BYTE_BITS:
+        return (elements * _SUB_BYTE_BITS[elem] + 7) // 8
+    return elements * _ITEMSIZE.get(elem, default_itemsize)
 
 
 @dataclass

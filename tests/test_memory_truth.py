@@ -40,6 +40,7 @@ def deploy_in_this_process(split_dir: Path, index: int, warmup: Path, budget: in
     """
     from cryptography.hazmat.primitives.asymmetric import ed25519
 
+    from coordinator.deploy_plan import forward_names
     from edge_agent.config import RuntimeConfig
     from edge_agent.identity import Identity
     from edge_agent.runtime import prime, release_freed_heap, resident_bytes
@@ -71,8 +72,9 @@ def deploy_in_this_process(split_dir: Path, index: int, warmup: Path, budget: in
         plan_version=1,
         segment=entry,
         chain=chain,
-        forward=list(entry.outputs),
+        forward=forward_names(manifest, index) if entry.state else list(entry.outputs),
         warmup_sha256=hashlib.sha256(frame).hexdigest(),
+        sessions=manifest.sessions if entry.state else None,
     )
     request = DeployRequest(
         manifest=signed,

@@ -1,0 +1,260 @@
+"""Decoders stored in fp16, int8 and int4 by ONNX Runtime's own tools, through the partitioner.
+
+The tiny random decoders (Llama, Gemma 3) are converted by
+:func:`partitioner.decoders.precision.quantize_decoder`, cut at every unit boundary and chained
+in ONNX Runtime against the whole converted model (the same quantized graph on both sides, so
+they agree as closely as float32 does; float16 within a few units in the last place). Weights
+count at their stored size, scales and zero points included.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import numpy as np
+import onnx
+import pytest
+from onnx import TensorProto, helper
+
+from partitioner.decoders.precision import WEIGHTS, Weights, model_weights, quantize_decoder
+from partitioner.modelio import initializer_bytes, load_model
+from partitioner.segment_files import write_segments
+from partitioner.split import analyse
+from partitioner.verify import HALF_TOLERANCE, default_tolerance, verify_chain
+from protocols.decoder import DECODER_FILE, MODEL_FILE, DecoderInfo
+
+pytestmark = pytest.mark.timeout(600)
+
+QUANTIZED: tuple[Weights, ...] = ("fp16", "int8", "int4")
+_CONVERTED: dict[tuple[str, str], Path] = {}
+
+
+@pytest.fixture(scope="module")
+def exports(tiny_llama_dir: Path, tiny_gemma3_dir: Path) -> dict[str, Path]:
+    return {"tiny-llama": tiny_llama_dir, "tiny-gemma3": tiny_gemma3_dir}
+
+
+def converted(
+    exports: dict[str, Path], name: str, weights: Weights, tmp: pytest.TempPathFactory
+) -> Path:
+    """``name``'s export in ``weights`` (converted once per module)."""
+    if weights == "fp32":
+        return exports[name]
+    key = (name, weights)
+    if key not in _CONVERTED:
+        out = tmp.mktemp(f"{name}-{weights}")
+        quantize_decoder(exports[name], out, weights)
+        _CONVERTED[key] = out
+    return _CONVERTED[key]
+
+
+def _info(export: Path) -> DecoderInfo:
+    return DecoderInfo.from_json((export / DECODER_FILE).read_text())
+
+
+def _prefill(info: DecoderInfo, ids: list[int]) -> dict[str, np.ndarray]:
+    """A prefill of ``ids`` with an empty past (the other case a stage sees)."""
+    feeds = {
+        "input_ids": np.asarray([ids], np.int64),
+        "attention_mask": np.ones((1, len(ids)), np.int64),
+        "position_ids": np.arange(len(ids), dtype=np.int64)[None, :],
+    }
+    for pair in info.state:
+        feeds[pair.past] = np.zeros((1, info.num_kv_heads, 0, info.head_dim), np.float32)
+    return feeds
+
+
+@pytest.mark.parametrize("weights", QUANTIZED)
+@pytest.mark.parametrize("name", ["tiny-llama", "tiny-gemma3"])
+def test_conversion_keeps_the_interface_and_stores_weights_smaller(
+    exports: dict[str, Path], name: str, weights: Weights, tmp_path_factory: pytest.TempPathFactory
+) -> None:
+    source = load_model(exports[name] / MODEL_FILE)
+    out = converted(exports, name, weights, tmp_path_factory)
+    model = onnx.load(str(out / MODEL_FILE))
+    assert model_weights(model) == weights
+    assert (out / DECODER_FILE).read_text() == (exports[name] / DECODER_FILE).read_text()
+    io = lambda m: [
+        (v.name, v.type.tensor_type.elem_type) for v in [*m.graph.input, *m.graph.output]
+    ]  # noqa: E731
+    assert io(model) == io(source)  # KV cache and frames stay float32
+    ops = {n.op_type for n in model.graph.node}
+    ratio = initializer_bytes(model) / initializer_bytes(source)
+    if weights == "int4":
+        assert {"MatMulNBits", "GatherBlockQuantized"} <= ops and "MatMul" not in ops - {"MatMul"}
+        assert ratio < 0.2
+    elif weights == "int8":
+        bits = {
+            a.i
+            for n in model.graph.node
+            if n.op_type == "MatMulNBits"
+            for a in n.attribute
+            if a.name == "bits"
+        }
+        assert bits == {8} and "DequantizeLinear" in ops
+        assert ratio < 0.3
+    else:
+        assert any(t.data_type == TensorProto.FLOAT16 for t in model.graph.initializer)
+        assert 0.45 < ratio < 0.55
+
+
+@pytest.mark.parametrize("weights", WEIGHTS)
+@pytest.mark.parametrize("name", ["tiny-llama", "tiny-gemma3"])
+def test_cut_at_every_unit_boundary_matches_the_whole_model(
+    exports: dict[str, Path],
+    name: str,
+    weights: Weights,
+    tmp_path: Path,
+    tmp_path_factory: pytest.TempPathFactory,
+) -> None:
+    export = converted(exports, name, weights, tmp_path_factory)
+    model_path = export / MODEL_FILE
+    analysis = analyse(load_model(model_path), carry_io=False)
+    units = analysis.units
+    info = _info(export)
+    assert len(units.units) >= info.num_layers
+    # every stored byte is some unit's or shared, counted at its stored size (scales and
+    # zero points included); only small constants several units recompute count twice
+    stored = sum(u.weight_bytes for u in units.units) + sum(s.bytes for s in units.shared)
+    if weights != "fp16":
+        total = initializer_bytes(analysis.model)
+        assert total <= stored <= total + (64 << 10)
+    written = write_segments(analysis, units.boundaries, tmp_path, source_dir=export)
+    assert len(written) == len(units.units)
+    samples = [analysis.samples, _prefill(info, [5, 17, 99, 3, 42, 7])]
+    tolerance = default_tolerance(analysis.model)
+    assert tolerance == (HALF_TOLERANCE if weights == "fp16" else 1e-5)
+    result = verify_chain(model_path, [w.files[0] for w in written], samples, tolerance)
+    assert result.max_abs_diff <= tolerance
+    if weights in ("int8", "int4"):
+        assert result.max_abs_diff <= 1e-4  # same kernels on both sides
+
+
+def test_fedshard_split_verifies_an_int4_decoder_over_three_devices(
+    exports: dict[str, Path], tmp_path: Path, tmp_path_factory: pytest.TempPathFactory
+) -> None:
+    import argparse
+    import json
+
+    from partitioner import split_cli
+    from protocols.manifest import Manifest
+
+    export = converted(exports, "tiny-gemma3", "int4", tmp_path_factory)
+    weights = initializer_bytes(load_model(export / MODEL_FILE))
+    devices = tmp_path / "devices.json"
+    budget = weights // 2 + (24 << 20)
+    devices.write_text(
+        json.dumps(
+            {
+                "devices": [
+                    {"name": f"d{i}", "memory_bytes": budget, "gflops": 10, "bandwidth_mbps": 1e3}
+                    for i in range(3)
+                ]
+            }
+        )
+    )
+    parser = argparse.ArgumentParser()
+    split_cli.register(parser.add_subparsers())
+    out = tmp_path / "split"
+    args = parser.parse_args(
+        [
+            "split",
+            str(export / MODEL_FILE),
+            "--devices",
+            str(devices),
+            "--out",
+            str(out),
+            "--verify",
+        ]
+    )
+    assert args.run(args) == 0
+    manifest = Manifest.from_json((out / "manifest.json").read_text())
+    assert len(manifest.segments) >= 2
+    assert sum(s.param_bytes for s in manifest.segments) >= weights  # int4 bytes, not float32
+    assert all(s.param_bytes < weights for s in manifest.segments)
+
+
+def test_an_operator_without_schema_or_rule_is_named_not_guessed() -> None:
+    from partitioner.errors import UncostableOperatorError
+
+    f32 = TensorProto.FLOAT
+    nodes = [
+        helper.make_node("Relu", ["x"], ["a"], name="first"),
+        helper.make_node("Mystery", ["a"], ["b"], name="the_odd_one", domain="com.example"),
+        helper.make_node("Relu", ["b"], ["y"], name="last"),
+    ]
+    graph = helper.make_graph(
+        nodes,
+        "g",
+        [helper.make_tensor_value_info("x", f32, [2, 8])],
+        [helper.make_tensor_value_info("y", f32, [2, 8])],
+    )
+    model = helper.make_model(
+        graph, opset_imports=[helper.make_opsetid("", 20), helper.make_opsetid("com.example", 1)]
+    )
+    with pytest.raises(UncostableOperatorError) as caught:
+        analyse(model)
+    assert (caught.value.domain, caught.value.op_type, caught.value.node) == (
+        "com.example",
+        "Mystery",
+        "the_odd_one",
+    )
+    assert "com.example::Mystery" in str(caught.value) and "the_odd_one" in str(caught.value)
+
+
+def test_a_tied_int8_table_is_counted_once_in_every_stage_that_reads_it(tmp_path: Path) -> None:
+    """``quantize_static`` (QDQ) stores the tied table once, as int8 with a scale and zero
+    point; its ``DequantizeLinear`` is recomputed in the first and the last unit."""
+    from graph_helpers import token_decoder, token_decoder_feeds
+    from onnxruntime.quantization import CalibrationDataReader, QuantFormat, quantize_static
+
+    from partitioner.planning.semantics import stage_memory
+    from partitioner.problem_from_graph import build_problem
+    from partitioner.runtime_memory import GRAPH_ONLY
+    from protocols.devices import DeviceList
+
+    class Feeds(CalibrationDataReader):  # type: ignore[misc]
+        def __init__(self) -> None:
+            self.left = [token_decoder_feeds()]
+
+        def get_next(self) -> dict[str, np.ndarray] | None:
+            return self.left.pop() if self.left else None
+
+    source, out = tmp_path / "fp32.onnx", tmp_path / "int8.onnx"
+    onnx.save(token_decoder(), str(source))
+    quantize_static(
+        str(source),
+        str(out),
+        Feeds(),
+        quant_format=QuantFormat.QDQ,
+        op_types_to_quantize=["Gather", "MatMul", "Transpose"],
+    )
+    model = load_model(out)
+    analysis = analyse(model, samples=token_decoder_feeds())
+    units = analysis.units
+    tables = [
+        s
+        for s in units.shared
+        if analysis.index.initializers[s.name].data_type in (TensorProto.INT8, TensorProto.UINT8)
+    ]
+    assert tables, [s.name for s in units.shared]
+    table = max(tables, key=lambda s: s.bytes)
+    stored = analysis.index.initializers[table.name]
+    assert table.bytes == int(np.prod(stored.dims))  # one byte a weight, not four
+    first, last = min(table.units), max(table.units)
+    assert first == 0 and last == len(units.units) - 1
+    devices = DeviceList.from_obj(
+        {"devices": [{"name": "a", "memory_bytes": 1, "gflops": 1, "bandwidth_mbps": 1}]}
+    )
+    problem = build_problem(units, devices, runtime=GRAPH_ONLY)
+    n = len(units.units)
+
+    def without_table(start: int, end: int) -> int:
+        return sum(u.weight_bytes + u.workspace_bytes for u in units.units[start:end])
+
+    whole = stage_memory(problem, 0, n)
+    head, tail = stage_memory(problem, 0, 1), stage_memory(problem, n - 1, n)
+    middle = stage_memory(problem, 1, n - 1)
+    assert whole >= table.bytes and head >= table.bytes and tail >= table.bytes
+    assert middle < table.bytes  # no middle stage holds the table
+    assert whole < without_table(0, n) + 2 * table.bytes  # once, not once per reader
