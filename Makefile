@@ -5,7 +5,7 @@ VENV := .venv
 BIN := $(VENV)/bin
 export PIP_DISABLE_PIP_VERSION_CHECK := 1
 
-.PHONY: test demo lint typecheck contracts unit bench clean
+.PHONY: test demo lint typecheck contracts unit bench bench-setup bench-qwen clean
 
 $(BIN)/python:
 	$(PYTHON) -m venv $(VENV)
@@ -33,6 +33,19 @@ demo: $(VENV)/.installed-dev
 # in one run, then bench/results/REPORT.md from all their results (bench/report).
 bench: $(VENV)/.installed-dev
 	set -e; for script in bench/[!_]*.py; do echo "== $$script"; $(BIN)/python $$script; done
+	$(BIN)/python bench/report
+
+# The benchmarks' own dependencies (llama.cpp, built from source: a few minutes).
+$(VENV)/.installed-bench: pyproject.toml | $(VENV)/.installed-dev
+	$(BIN)/pip install --quiet -e ".[bench]"
+	touch $@
+bench-setup: $(VENV)/.installed-bench
+
+# Qwen2.5-Coder-1.5B in int4 on four 512 MiB agents vs one ONNX Runtime session vs llama.cpp.
+bench-qwen: $(VENV)/.installed-bench
+	$(BIN)/python bench/generate.py --model qwen2.5-coder-1.5b --weights int4 --agents 4 \
+		--memory 512MiB --no-caps --no-transformers --llama-cpp --tokens 32 --runs 1 \
+		--out bench/results/generate_qwen.md
 	$(BIN)/python bench/report
 
 clean:

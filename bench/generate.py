@@ -1,22 +1,30 @@
-"""Generation speed: three agents vs the whole model in one ONNX Runtime session vs transformers.
+"""Generation speed: agents vs the whole model in one ONNX Runtime session vs transformers
+vs llama.cpp.
 
 Same prompt (a chat message rendered with the model's own template), same number of new tokens,
 greedy, one intra-op thread everywhere (the agents' default), in one run:
 
-- fedshard: a coordinator and three agents on 127.0.0.1 (planning caps force three segments),
-  streamed ``/v1/chat/completions``: time to first token and decode tokens/s for one stream,
-  then 4 concurrent streams (total tokens/s);
+- fedshard: a coordinator and three (``--agents``) agents on 127.0.0.1 (planning caps, or the
+  agents' own ``--memory`` budgets with ``--no-caps``, force the split), streamed
+  ``/v1/chat/completions``: time to first token (the prefill) and decode tokens/s for one
+  stream, then 4 concurrent streams (total tokens/s); resident memory per device, predicted by
+  the plan and measured by the agent;
 - ONNX Runtime: the exported model in one session, its own KV cache (``OrtDecoder``);
-- transformers: ``generate`` on the same weights in torch;
-- speculative decoding (prompt lookup) against none, on the same three agents: a code-editing
-  prompt (the answer repeats the code) and free chat, one stream and four, with the acceptance
-  rate; the greedy text with and without speculation is asserted equal.
+- transformers: ``generate`` on the same float32 weights in torch (``--no-transformers`` skips);
+- llama.cpp (``--llama-cpp``): the model's own GGUF file in one process (llama-cpp-python,
+  ``make bench-setup``);
+- speculative decoding (prompt lookup) against none, on the same agents (exports with trailing
+  top-k outputs only): a code-editing prompt (the answer repeats the code) and free chat, one
+  stream and four, with the acceptance rate; the greedy text with and without speculation is
+  asserted equal.
 
     .venv/bin/python bench/generate.py [--model gemma3-270m] [--tokens 64] [--runs 2]
-        [--export DIR]
+    .venv/bin/python bench/generate.py --model qwen2.5-coder-1.5b --weights int4 --agents 4 \
+        --memory 512MiB --no-caps --no-transformers --llama-cpp --tokens 32 --runs 1 \
+        --out bench/results/generate_qwen.md
 
-Prints tables and writes bench/results/generate.md (+ generate.json). Targets: one stream at
-least 0.7x the single-session ONNX Runtime decode speed; 4 streams at least 1.8x one stream's
+Prints a table and writes bench/results/generate.md (+ generate.json). Targets: one stream at
+least 0.9x the single-session ONNX Runtime decode speed; 4 streams at least 1.8x one stream's
 total tokens/s; prompt lookup at least 1.5x on the editing prompt.
 """
 
@@ -68,6 +76,8 @@ EDIT_PROMPT = (
 PROMPTS = {"code editing": EDIT_PROMPT, "free chat": QUESTION}
 CACHE = REPO / ".cache" / "fedshard"
 RESULTS = REPO / "bench" / "results"
+TARGET_VS_ORT = 0.9
+TARGET_STREAMS = 1.8
 
 
 @dataclass(frozen=True)
@@ -232,12 +242,25 @@ def transformers_run(name: str, ids: list[int], tokens: int) -> Run:
     return Run(ttft, tokens, (tokens - 1) / max(wall - ttft, 1e-9), wall)
 
 
+@dataclass(frozen=True)
+class Fleet:
+    """The agents the model is deployed on."""
+
+    agents: int
+    memory: str
+    """Each agent's memory budget (``--memory``)."""
+    caps: bool
+    """Plan under :func:`decoder_caps` (else only under the agents' own budgets)."""
+
+
 def fedshard_runs(
-    console: Console, name: str, export: Path, ids: list[int], tokens: int, runs: int
-) -> tuple[list[Run], list[Run], float, Run, list[SpecRow]]:
-    """Deploy across three agents; one-stream runs without speculation, each followed by a run
+    console: Console, name: str, export: Path, ids: list[int], tokens: int, runs: int, fleet: Fleet
+) -> tuple[list[Run], list[Run], float, Run, list[dict[str, Any]], list[SpecRow]]:
+    """Deploy across the agents; one-stream runs without speculation, each followed by a run
     of the whole model in one ONNX Runtime session (so both see the same machine), then four
-    concurrent streams; then the speculative comparison (:func:`speculative_rows`)."""
+    concurrent streams; then the speculative comparison (:func:`speculative_rows`) when the
+    export has trailing top-k outputs. Also returns the deployment's placements (predicted
+    and measured memory per device)."""
     from partitioner.decoders.ort_runner import OrtDecoder
 
     decoder = OrtDecoder(export, threads=1)
@@ -247,14 +270,15 @@ def fedshard_runs(
         with demo_processes(work) as procs:
             coordinator = procs.start_coordinator(work / "coordinator", free_port())
             suffix = secrets.token_hex(2)
-            names = [f"gen{i}-{suffix}" for i in range(3)]
+            names = [f"gen{i}-{suffix}" for i in range(fleet.agents)]
             first = None
             for agent in names:
-                child = procs.start_agent(agent, "4GiB", work / agent, profile_from=first)
+                child = procs.start_agent(agent, fleet.memory, work / agent, profile_from=first)
                 first = first or child.state_dir / "profile.json"
             api = Api(coordinator.url, coordinator.token)
             pair_automatically(console, api, names, procs.check_alive)
-            deploy_decoder(console, api, export, model_id, decoder_caps(export, names))
+            caps = decoder_caps(export, names) if fleet.caps else {}
+            placements = deploy_decoder(console, api, export, model_id, caps)["segments"]
             api.call("PUT", f"/v1/deployments/{model_id}/speculative", {"speculative": "off"})
             stream_chat(api, model_id, 4)  # warm the connections
             ort_run(decoder, ids, 4)
@@ -264,48 +288,101 @@ def fedshard_runs(
                 single.append(stream_chat(api, model_id, tokens))
                 whole.append(ort_run(decoder, ids, tokens))
             total_tps, slowest = concurrent_streams(api, model_id, tokens, 4)
-            with console.status("speculative decoding: off vs prompt lookup"):
-                spec = speculative_rows(api, model_id, tokens, runs)
-    return single, whole, total_tps, slowest, spec
+            spec: list[SpecRow] = []
+            if decoder_info(export).trailing_positions is not None:
+                with console.status("speculative decoding: off vs prompt lookup"):
+                    spec = speculative_rows(api, model_id, tokens, runs)
+    return single, whole, total_tps, slowest, list(placements), spec
+
+
+def prepared_export(console: Console, name: str, weights: str) -> Path:
+    """The model's export in ``weights`` under the cache (``fedshard export --weights``, once)."""
+    if weights == "fp32":
+        return export_decoder(console, name, CACHE / "exports" / name, CACHE)
+    out = CACHE / "exports" / f"{name}-{weights}"
+    if not (out / "decoder.json").is_file():
+        from partitioner.decoders.precision import parse_weights
+        from partitioner.decoders.progress import RichSteps
+        from partitioner.frontdoor import export_decoder as export_weights
+
+        steps = RichSteps(console)
+        export_weights(name, out, cache_dir=CACHE, weights=parse_weights(weights), steps=steps)
+    return out
+
+
+def gguf_file(name: str) -> Path:
+    """The GGUF file the model's weights come from (assembled from its packages once)."""
+    from partitioner.decoders import qwen
+    from partitioner.decoders.progress import Steps
+
+    if name != qwen.NAME:
+        raise SystemExit(f"--llama-cpp: no GGUF file known for {name}")
+    return qwen.gguf_path(CACHE, Steps())
 
 
 def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--model", default="gemma3-270m")
+    parser.add_argument("--weights", default="fp32", help="fp32, fp16, int8 or int4")
     parser.add_argument("--tokens", type=int, default=64)
     parser.add_argument("--runs", type=int, default=2)
+    parser.add_argument("--agents", type=int, default=3)
+    parser.add_argument("--memory", default="4GiB", help="each agent's memory budget")
+    parser.add_argument("--no-caps", action="store_true", help="plan under the budgets only")
+    parser.add_argument("--no-transformers", action="store_true")
+    parser.add_argument("--llama-cpp", action="store_true", help="also llama.cpp on the GGUF")
     parser.add_argument("--out", type=Path, default=RESULTS / "generate.md")
     parser.add_argument("--export", type=Path, help="an export with trailing top-k outputs")
     args = parser.parse_args()
     os.environ.setdefault("HF_HUB_OFFLINE", "1")
     console = Console()
-    out = args.export or CACHE / "exports" / args.model
-    export = export_decoder(console, args.model, out, CACHE)
-    if decoder_info(export).trailing_positions is None:
-        raise SystemExit(f"{export} was exported before trailing top-k outputs: re-export it")
+    export = args.export or prepared_export(console, args.model, args.weights)
     ids = prompt_ids(export)
-    single, whole, total_tps, slowest, spec = fedshard_runs(
-        console, args.model, export, ids, args.tokens, args.runs
+    fleet = Fleet(args.agents, args.memory, not args.no_caps)
+    single, whole, total_tps, slowest, placements, spec = fedshard_runs(
+        console, args.model, export, ids, args.tokens, args.runs, fleet
     )
-    hf = transformers_run(args.model, ids, args.tokens)
     one = statistics.median(r.decode_tps for r in single)
     ort_tps = statistics.median(r.decode_tps for r in whole)
     ttft = statistics.median(r.ttft_s for r in single)
     one_total = statistics.median(r.tokens / r.wall_s for r in single)
+    agents = f"{len({p['device'] for p in placements})} agents"
     rows = [
-        ("fedshard, 3 agents, 1 stream", ttft, one, one_total),
-        ("fedshard, 3 agents, 4 streams", slowest.ttft_s, slowest.decode_tps, total_tps),
+        (f"fedshard, {agents}, 1 stream", ttft, one, one_total),
+        (f"fedshard, {agents}, 4 streams", slowest.ttft_s, slowest.decode_tps, total_tps),
         (
             "ONNX Runtime, whole model, 1 session",
             statistics.median(r.ttft_s for r in whole),
             ort_tps,
             statistics.median(r.tokens / r.wall_s for r in whole),
         ),
-        ("transformers generate", hf.ttft_s, hf.decode_tps, hf.tokens / hf.wall_s),
     ]
-    vs_ort = one / ort_tps
-    streams = total_tps / one_total
-    report(console, args, ids, rows, vs_ort, streams, spec)
+    if not args.no_transformers:
+        hf = transformers_run(args.model, ids, args.tokens)
+        rows.append(("transformers generate", hf.ttft_s, hf.decode_tps, hf.tokens / hf.wall_s))
+    notes: list[str] = []
+    ratios = {"vs_ort": one / ort_tps, "streams": total_tps / one_total}
+    if args.llama_cpp:
+        from _llama_cpp import llama_cpp_run
+
+        llama = llama_cpp_run(gguf_file(args.model), ids, args.tokens)
+        if isinstance(llama, str):
+            notes.append(f"llama.cpp did not run: {llama}")
+        else:
+            rows.append(
+                (
+                    "llama.cpp, GGUF, 1 process",
+                    llama.ttft_s,
+                    llama.decode_tps,
+                    llama.tokens / llama.wall_s,
+                )
+            )
+            ratios["vs_llama"] = one / llama.decode_tps
+            ratios["prefill_vs_llama"] = ttft / llama.ttft_s
+            notes.append(
+                f"llama.cpp process resident memory: {llama.resident_bytes / 2**20:.0f} MiB"
+            )
+    report(console, args, ids, rows, ratios, placements, notes, spec)
     return 0
 
 
@@ -314,56 +391,87 @@ def report(
     args: argparse.Namespace,
     ids: list[int],
     rows: list[tuple[str, float, float, float]],
-    vs_ort: float,
-    streams: float,
+    ratios: dict[str, float],
+    placements: list[dict[str, Any]],
+    notes: list[str],
     spec: list[SpecRow],
 ) -> None:
     """Print the tables and write the markdown and JSON results."""
-    table = Table(title=f"{args.model}: {len(ids)}-token prompt, {args.tokens} new tokens, greedy")
-    for column in ("engine", "time to first token", "decode tokens/s", "total tokens/s"):
+    title = f"{args.model} ({args.weights}): {len(ids)}-token prompt, {args.tokens} new tokens"
+    table = Table(title=f"{title}, greedy")
+    columns = ("engine", "time to first token (prefill)", "decode tokens/s", "total tokens/s")
+    for column in columns:
         table.add_column(column)
     for name, ttft, decode, total in rows:
         table.add_row(name, f"{ttft * 1e3:.0f} ms", f"{decode:.1f}", f"{total:.1f}")
     console.print(table)
+    command = " ".join(sys.argv[1:])
     lines = [
-        f"# Generation speed ({args.model})",
+        f"# Generation speed ({args.model}, {args.weights})",
         "",
-        f"`.venv/bin/python bench/generate.py --model {args.model} --tokens {args.tokens} "
-        f"--runs {args.runs}{f' --export {args.export}' if args.export else ''}` on "
-        f"{os.cpu_count()} cores (load average {os.getloadavg()[0]:.1f} at the end); one "
+        f"`.venv/bin/python bench/generate.py {command}` on {os.cpu_count()} cores; one "
         f"intra-op thread everywhere; {len(ids)}-token chat prompt, {args.tokens} new tokens, "
-        "greedy.",
+        f"greedy; agents of {args.memory} each.",
         "",
-        "| engine | time to first token | decode tokens/s | total tokens/s |",
+        "| engine | time to first token (prefill) | decode tokens/s | total tokens/s |",
         "|---|---|---|---|",
         *(f"| {n} | {t * 1e3:.0f} ms | {d:.1f} | {w:.1f} |" for n, t, d, w in rows),
         "",
-        f"- one stream vs one ONNX Runtime session (decode): **{vs_ort:.2f}x** (target >= 0.7x)",
-        f"- 4 streams vs one stream (total tokens/s): **{streams:.2f}x** (target >= 1.8x)",
+        "| stage | device | weights MiB | predicted resident MiB | measured resident MiB | "
+        "measured / predicted |",
+        "|---|---|---|---|---|---|",
+        *(_memory_row(p) for p in sorted(placements, key=lambda p: p["index"])),
         "",
-        *speculative_lines(console, spec),
+        f"- one stream vs one ONNX Runtime session (decode): **{ratios['vs_ort']:.2f}x** "
+        f"(target >= {TARGET_VS_ORT}x)",
+        f"- 4 streams vs one stream (total tokens/s): **{ratios['streams']:.2f}x** "
+        f"(target >= {TARGET_STREAMS}x)",
+        "",
+        *(speculative_lines(console, spec) if spec else []),
     ]
+    if "vs_llama" in ratios:
+        lines.append(
+            f"- one stream vs llama.cpp (decode): **{ratios['vs_llama']:.2f}x**; "
+            f"prefill time vs llama.cpp: **{ratios['prefill_vs_llama']:.2f}x**"
+        )
+    lines += [f"- {note}" for note in notes] + [""]
     args.out.parent.mkdir(parents=True, exist_ok=True)
     args.out.write_text("\n".join(lines))
-    speedups = spec_speedups(spec)
-    headlines = {
-        "headlines": [
-            {"name": "generation: 1 stream vs ORT session", "value": vs_ort, "target": 0.7},
-            {"name": "generation: 4 streams vs 1 stream", "value": streams, "target": 1.8},
-            {
-                "name": "generation: prompt lookup vs none, code editing, 1 stream",
-                "value": speedups[("code editing", "one")],
-                "target": 1.5,
-            },
-            *(
-                {"name": f"generation: prompt lookup vs none, {p}, {STREAMS[n]}", "value": v}
-                for (p, n), v in speedups.items()
-                if (p, n) != ("code editing", "one")
-            ),
-        ]
-    }
-    args.out.with_suffix(".json").write_text(json.dumps(headlines, indent=2) + "\n")
-    console.print(f"one stream / ORT: {vs_ort:.2f}x; 4 streams / one: {streams:.2f}x")
+    label = f"generation ({args.model}, {args.weights})"
+    headlines = [
+        {
+            "name": f"{label}: 1 stream vs ORT session",
+            "value": ratios["vs_ort"],
+            "target": TARGET_VS_ORT,
+        },
+        {
+            "name": f"{label}: 4 streams vs 1 stream",
+            "value": ratios["streams"],
+            "target": TARGET_STREAMS,
+        },
+    ]
+    if "vs_llama" in ratios:
+        headlines.append({"name": f"{label}: 1 stream vs llama.cpp", "value": ratios["vs_llama"]})
+    for (prompt, streams), value in spec_speedups(spec).items():
+        headline: dict[str, Any] = {
+            "name": f"{label}: prompt lookup vs none, {prompt}, {STREAMS[streams]}",
+            "value": value,
+        }
+        if (prompt, streams) == ("code editing", "one"):
+            headline["target"] = 1.5
+        headlines.append(headline)
+    args.out.with_suffix(".json").write_text(json.dumps({"headlines": headlines}, indent=2) + "\n")
+    console.print("\n".join(lines[-len(notes) - 4 :]))
+
+
+def _memory_row(p: dict[str, Any]) -> str:
+    mib = 2**20
+    ratio = p["measured_memory_bytes"] / max(1, p["predicted_memory_bytes"])
+    return (
+        f"| {p['index']} | {p['device']} | {p['param_bytes'] / mib:.0f} | "
+        f"{p['predicted_memory_bytes'] / mib:.0f} | {p['measured_memory_bytes'] / mib:.0f} | "
+        f"{ratio:.2f}x |"
+    )
 
 
 STREAMS = {"one": "1 stream", "four": "4 streams"}

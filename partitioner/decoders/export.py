@@ -10,6 +10,7 @@ embedded step and a prefill with an empty past.
 
 from __future__ import annotations
 
+import shutil
 from collections.abc import Sequence
 from dataclasses import dataclass
 from pathlib import Path
@@ -46,6 +47,8 @@ SAMPLE_PAST = 5
 """Tokens of context in the embedded sample step (a one-token step follows them)."""
 TRACE_STEP = 3
 """New tokens in the step the graph is traced with (after :data:`SAMPLE_PAST` past tokens)."""
+TRACED_DIR = "traced"
+"""Scratch sub-directory of the output for the exporter's own file (removed when done)."""
 
 
 @dataclass(frozen=True)
@@ -117,9 +120,20 @@ def empty_past(info: DecoderInfo) -> list[np.ndarray]:
 
 
 def export_decoder(
-    source: DecoderSource, out_dir: Path, *, top_k: int = DEFAULT_TOP_K, steps: Steps | None = None
+    source: DecoderSource,
+    out_dir: Path,
+    *,
+    top_k: int = DEFAULT_TOP_K,
+    steps: Steps | None = None,
+    release_weights: bool = False,
 ) -> DecoderExport:
-    """Write ``model.onnx``, ``decoder.json`` and the tokenizer files to ``out_dir``."""
+    """Write ``model.onnx``, ``decoder.json`` and the tokenizer files to ``out_dir``.
+
+    Weights past the protobuf limit go to ``model.onnx.data`` (streamed, never one message).
+    ``release_weights``: free the torch model's weights once the graph is written, before
+    ONNX Runtime loads it for the check (``source.model`` is unusable afterwards); this keeps
+    a 1.5B model's export within one float32 copy of its weights.
+    """
     import torch
 
     from partitioner.decoders.wrapper import decoder_module, use_grouped_attention
@@ -141,9 +155,13 @@ def export_decoder(
         with torch.no_grad():
             cases = _torch_cases(module, info, ids)
         with steps.step(f"exporting {source.name} to ONNX"):
-            model = _trace(module, info, cases["trace"][0])
+            program = _trace(module, info, cases["trace"][0])
+        model = _save_traced(program, info, out_dir, steps)
+        del program
     finally:
         source.model.set_attn_implementation(previous)
+    if release_weights:
+        source.model.to("meta")
     return _write(source, info, model, cases, out_dir, steps)
 
 
@@ -205,7 +223,19 @@ def _trace(module: Any, info: DecoderInfo, feeds: Sequence[np.ndarray]) -> Any:
         )
     if program is None:
         raise GraphError("torch.onnx.export returned no program")
-    model = program.model_proto
+    return program
+
+
+def _save_traced(program: Any, info: DecoderInfo, out_dir: Path, steps: Steps) -> Any:
+    """The traced graph as a ``ModelProto`` whose weights stay in a scratch data file
+    (``out_dir/traced``), with the batch read from ``input_ids`` and named dimensions."""
+    import onnx
+
+    traced = out_dir / TRACED_DIR / MODEL_FILE
+    traced.parent.mkdir(parents=True, exist_ok=True)
+    with steps.step("writing the traced graph and its weights"):
+        program.save(str(traced), external_data=True)
+    model = onnx.load(str(traced), load_external_data=False)
     _batch_from_input_ids(model, info)
     _name_dims(model, info)
     return model
@@ -275,7 +305,7 @@ def _write(
     out_dir: Path,
     steps: Steps,
 ) -> DecoderExport:
-    from partitioner.modelio import initializer_bytes, save_model
+    from partitioner.modelio import initializer_bytes
     from partitioner.samples import SAMPLE_INPUTS_KEY, encode_samples
 
     inputs, _ = state_names(info)
@@ -286,12 +316,39 @@ def _write(
     out_dir.mkdir(parents=True, exist_ok=True)
     path = out_dir / MODEL_FILE
     with steps.step(f"writing {path}"):
-        save_model(model, path)
+        _save_export(model, path, out_dir / TRACED_DIR)
+        shutil.rmtree(out_dir / TRACED_DIR)
         (out_dir / DECODER_FILE).write_text(info.to_json() + "\n")
         source.tokenizer.save_pretrained(out_dir)
     with steps.step("checking ONNX Runtime against torch"):
         diff = _check(path, info, cases)
     return DecoderExport(out_dir, path, info, diff, initializer_bytes(model))
+
+
+def _save_export(model: Any, path: Path, traced: Path) -> None:
+    """Save the graph; its weights are inlined when small, else the exporter's data file is
+    moved next to it (no second copy of gigabytes) and its SHA-256 recorded, as
+    :func:`~partitioner.modelio.save_model` records it."""
+    import onnx
+
+    from partitioner.modelio import (
+        EXTERNAL_DATA_MARGIN_BYTES,
+        EXTERNAL_DATA_SHA256_KEY,
+        PROTOBUF_LIMIT_BYTES,
+        file_sha256,
+        initializer_bytes,
+        save_model,
+    )
+
+    data = traced / f"{MODEL_FILE}.data"
+    if initializer_bytes(model) <= PROTOBUF_LIMIT_BYTES - EXTERNAL_DATA_MARGIN_BYTES:
+        save_model(model, path, source_dir=traced)
+        return
+    target = path.with_name(data.name)
+    data.replace(target)
+    entry = model.metadata_props.add()
+    entry.key, entry.value = EXTERNAL_DATA_SHA256_KEY, file_sha256(target)
+    onnx.save_model(model, str(path))  # the graph only: its tensors point into the data file
 
 
 def _check(

@@ -9,7 +9,7 @@ from typing import Any
 from partitioner.decoders.progress import Steps
 from partitioner.errors import GraphError
 
-DECODER_NAMES = ("gemma3-270m", "tiny-gemma3", "tiny-llama")
+DECODER_NAMES = ("gemma3-270m", "qwen2.5-coder-1.5b", "tiny-gemma3", "tiny-llama")
 
 
 @dataclass(frozen=True)
@@ -22,21 +22,25 @@ class DecoderSource:
     tokenizer: Any
     eos_token_ids: tuple[int, ...]
     mask_dict: bool
-    """The model takes ``{layer_type: 4D mask}`` (Gemma 3) rather than one 4D mask (Llama)."""
+    """The model takes ``{layer_type: 4D mask}`` (Gemma 3, Qwen 2) rather than one 4D mask
+    (Llama)."""
     sliding_window: int | None
     """Window of the sliding-attention layers, ``None`` when every layer attends fully."""
 
 
 def load_source(name: str, cache_dir: Path, steps: Steps) -> DecoderSource:
     """Load decoder ``name`` (one of :data:`DECODER_NAMES`); ``cache_dir`` holds converted
-    checkpoints (used by ``gemma3-270m`` only)."""
-    from partitioner.decoders import gemma, tiny
+    checkpoints (used by the real models only)."""
+    from partitioner.decoders import gemma, qwen, tiny
     from partitioner.frontdoor import offline
 
     offline()
     if name == "gemma3-270m":
         model, tok = gemma.load(cache_dir, steps)
         return _gemma_source(name, model, tok, tuple(gemma.eos_token_ids(tok)))
+    if name == qwen.NAME:
+        model, tok = qwen.load(cache_dir, steps)
+        return _gemma_source(name, model, tok, tuple(qwen.eos_token_ids(tok)))
     if name == "tiny-gemma3":
         model, tok = tiny.gemma3()
         return _gemma_source(name, model, tok, (int(tok.sep_token_id),))
@@ -47,6 +51,7 @@ def load_source(name: str, cache_dir: Path, steps: Steps) -> DecoderSource:
 
 
 def _gemma_source(name: str, model: Any, tok: Any, eos: tuple[int, ...]) -> DecoderSource:
+    """A model whose masks go by ``config.layer_types`` (Gemma 3, Qwen 2)."""
     config = model.config
     sliding = "sliding_attention" in config.layer_types
     window = int(config.sliding_window) if sliding else None
