@@ -148,7 +148,7 @@ def test_cut_at_every_unit_boundary_matches_the_whole_model(
     for feeds in samples:  # float16: near-tied candidates may swap places, nothing else moves
         whole, chained = run_model(model_path, feeds), run_chain(files, feeds)
         for output, want in whole.items():
-            if output != "top_ids":
+            if not output.endswith("top_ids"):  # top_ids, and the trailing positions' ids
                 np.testing.assert_allclose(chained[output], want, atol=tolerance, rtol=0)
         gap = whole["top_logits"][0, 0] - whole["top_logits"][0, 1]
         if gap > 2 * tolerance:
