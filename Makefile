@@ -5,7 +5,7 @@ VENV := .venv
 BIN := $(VENV)/bin
 export PIP_DISABLE_PIP_VERSION_CHECK := 1
 
-.PHONY: test demo lint typecheck contracts unit bench bench-setup bench-qwen clean
+.PHONY: test test-qwen demo lint typecheck contracts unit bench bench-setup bench-qwen clean
 
 $(BIN)/python:
 	$(PYTHON) -m venv $(VENV)
@@ -22,7 +22,12 @@ test: $(VENV)/.installed-dev
 	$(BIN)/ruff format --check .
 	$(BIN)/mypy
 	$(BIN)/lint-imports
-	$(BIN)/pytest -q
+	$(BIN)/pytest -q -m "not heavy"
+
+# The tests that need the real Qwen2.5-Coder-1.5B (first run: about 25 minutes to convert,
+# export and quantize it; cached in .cache/fedshard after), kept out of `make test` for CI's time.
+test-qwen: $(VENV)/.installed-dev
+	$(BIN)/pytest -q -m heavy
 
 # `make demo DEMO_ARGS="--exit --port 0"` for scripts (see `fedshard demo --help`).
 DEMO_ARGS ?=

@@ -14,7 +14,7 @@ from pathlib import Path
 import pytest
 from generation_lab import GenLab, decoder_lab, greedy_reference
 
-pytestmark = [pytest.mark.slow, pytest.mark.timeout(3600)]
+pytestmark = [pytest.mark.slow, pytest.mark.heavy, pytest.mark.timeout(3600)]
 
 MODEL_ID = "qwen2.5-coder-1.5b"
 AGENTS = 4
