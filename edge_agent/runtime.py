@@ -76,7 +76,7 @@ def resident_bytes() -> int:
 
 @functools.cache
 def _malloc_trim() -> Any:
-    """glibc's ``malloc_trim``, or None where the C library has none (macOS, musl)."""
+    """The C library's ``malloc_trim`` (glibc), or None where it has none (macOS, musl)."""
     if not sys.platform.startswith("linux"):
         return None
     try:

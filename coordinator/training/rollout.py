@@ -29,7 +29,9 @@ _VERSION_DIR = re.compile(r"^v(\d{4,})$")
 class Signer(Protocol):
     """What rollout needs from the CA: a signature over bytes."""
 
-    def sign(self, data: bytes) -> bytes: ...
+    def sign(self, data: bytes) -> bytes:
+        """Signature over ``data`` that :func:`verify_signature` checks with the CA certificate."""
+        ...
 
 
 def apply_weights(
