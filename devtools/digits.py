@@ -21,6 +21,7 @@ from pathlib import Path
 import numpy as np
 import onnx
 
+from coordinator.training.cli import LocalTask
 from coordinator.training.heldout import save_arrays
 from coordinator.training.segments import cut_chain, trainable_names
 from coordinator.training.version import MANIFEST_FILE, Version
@@ -243,6 +244,12 @@ def prepare_task(
         save_arrays(root / "clients" / str(i) / TRAIN_DATA_FILE, x, y)
         dirs.append(root / "clients" / str(i))
     return PreparedTask(version.path, root / TEST_FILE, dirs, root / MODEL_FILE)
+
+
+def reference_task(root: Path, num_clients: int) -> LocalTask:
+    """:func:`prepare_task` as ``fedshard train`` runs it without ``--version``."""
+    task = prepare_task(root, num_clients=num_clients)
+    return LocalTask(task.version_dir, root / TEST_FILE, task.client_dirs)
 
 
 REFERENCE_MODEL_ID = "digits-cnn"

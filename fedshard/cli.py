@@ -11,6 +11,8 @@ from __future__ import annotations
 import argparse
 import sys
 from collections.abc import Sequence
+from functools import partial
+from pathlib import Path
 
 import edge_agent.cli
 from coordinator import commands as coord_cli
@@ -20,12 +22,20 @@ from devtools.lab import cli as lab_cli
 from partitioner import plan_cli, split_cli
 from protocols.constants import SOFTWARE_VERSION
 
+
+def _digits_task(root: Path, num_clients: int) -> train_cli.LocalTask:
+    """The reference task of ``fedshard train`` (imported when used: it needs onnx and torch)."""
+    from devtools.digits import reference_task
+
+    return reference_task(root, num_clients)
+
+
 REGISTRATIONS = (
     plan_cli.register,
     split_cli.register,
     edge_agent.cli.register,
     lab_cli.register,
-    train_cli.register,
+    partial(train_cli.register, reference_task=_digits_task),
     demo_cli.register,
     coord_cli.register,
 )

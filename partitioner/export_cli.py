@@ -11,8 +11,8 @@ EXIT_BAD_INPUT = 1
 
 def register_export(subparsers: Any) -> None:
     """Add the ``export`` subcommand to an argparse subparsers object."""
-    from partitioner.decoders.precision import WEIGHTS
     from partitioner.decoders.sources import DECODER_NAMES
+    from partitioner.decoders.weights import WEIGHTS
     from partitioner.frontdoor import FRONT_DOORS
 
     export = subparsers.add_parser(

@@ -26,9 +26,10 @@ from partitioner.decoders.sources import DECODER_NAMES
 from partitioner.errors import GraphError
 
 if TYPE_CHECKING:
-    from partitioner.decoders.precision import Report, Weights
+    from partitioner.decoders.precision import Report
     from partitioner.decoders.progress import Steps
     from partitioner.decoders.quality import Quality
+    from partitioner.decoders.weights import Weights
 
 DEFAULT_SENTENCES = (
     "The partitioner cuts one network across the devices of a local network.",

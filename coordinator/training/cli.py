@@ -1,8 +1,9 @@
 """``fedshard train``: federated fine-tuning rounds with Flower, SecAgg+ and DP, then rollout.
 
-Without ``--version`` it runs the reference task: the digits CNN is built, pre-trained on half the
-classes, cut into segments, and ``--clients`` local agents (SuperNode processes on 127.0.0.1, one
-per non-IID data split) train it. With ``--version DIR`` it fine-tunes that version on the
+Without ``--version`` it runs the reference task the ``fedshard`` command hands it (the digits CNN
+of :mod:`devtools.digits`: built, pre-trained on half the classes, cut into segments), and
+``--clients`` local agents (SuperNode processes on 127.0.0.1, one per non-IID data split) train
+it. With ``--version DIR`` it fine-tunes that version on the
 agents paired with the coordinator of ``--state-dir``: the SuperLink it starts has node
 authentication on and admits exactly the node keys those agents sent when they paired (address
 and CA certificate are printed).
@@ -11,14 +12,28 @@ and CA certificate are printed).
 from __future__ import annotations
 
 import argparse
+from collections.abc import Callable
 from pathlib import Path
-from typing import Any
+from typing import Any, NamedTuple
 
 DEFAULT_STATE_DIR = Path.home() / ".fedshard" / "coordinator"
 
 
-def register(subparsers: Any) -> None:
-    """Add the ``train`` subcommand."""
+class LocalTask(NamedTuple):
+    """A training task prepared on this host: the version to train, test data, client data."""
+
+    version_dir: Path
+    test_file: Path
+    client_dirs: list[Path]
+
+
+ReferenceTask = Callable[[Path, int], LocalTask]
+"""Prepares the reference task in a work dir for a number of clients (configured by the
+``fedshard`` entry point, so this package never imports the task itself)."""
+
+
+def register(subparsers: Any, reference_task: ReferenceTask | None = None) -> None:
+    """Add the ``train`` subcommand; ``reference_task`` is what it trains without ``--version``."""
     p = subparsers.add_parser(
         "train",
         help="federated fine-tuning (Flower, SecAgg+, differential privacy)",
@@ -72,7 +87,7 @@ def register(subparsers: Any) -> None:
     )
     p.add_argument("--work-dir", type=Path, default=Path("fedshard-train"))
     p.add_argument("--timeout", type=float, default=1800.0, help="seconds before giving up")
-    p.set_defaults(run=handler)
+    p.set_defaults(run=handler, reference_task=reference_task)
 
 
 def handler(args: argparse.Namespace) -> int:
@@ -105,6 +120,8 @@ def _check(args: argparse.Namespace) -> str | None:
         return "SecAgg+ needs at least 3 clients (--clients), plain FedAvg at least 2"
     if (args.version is None) != (args.test_data is None):
         return "--version and --test-data go together"
+    if args.version is None and getattr(args, "reference_task", None) is None:
+        return "no reference task is configured here: give --version and --test-data"
     if args.budgets and len(args.budgets) != args.clients:
         return "--budgets needs one value per client"
     return None
@@ -127,11 +144,9 @@ def _train(args: argparse.Namespace, console: Any) -> int:
     work: Path = args.work_dir.resolve()
     demo = args.version is None
     if demo:
-        from devtools.digits import TEST_FILE, prepare_task
-
-        with console.status("building and pre-training the digits CNN (half of the classes)"):
-            task = prepare_task(work / "task", num_clients=args.clients)
-        version_dir, test_file = task.version_dir, work / "task" / TEST_FILE
+        with console.status("preparing the reference task (the digits CNN, pre-trained)"):
+            task = args.reference_task(work / "task", args.clients)
+        version_dir, test_file = task.version_dir, task.test_file
     else:
         version_dir, test_file = args.version.resolve(), args.test_data.resolve()
     parent = Version.load(version_dir)

@@ -30,17 +30,15 @@ from collections.abc import Iterator
 from contextlib import contextmanager
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Literal, get_args
 
 import onnx
 
 from partitioner.decoders.progress import Steps
+from partitioner.decoders.weights import WEIGHTS, Weights
 from partitioner.errors import GraphError
 from protocols.decoder import MODEL_FILE
 
-Weights = Literal["fp32", "fp16", "int8", "int4"]
-WEIGHTS: tuple[Weights, ...] = get_args(Weights)
-"""The precisions ``fedshard export --weights`` offers."""
+__all__ = ["WEIGHTS", "Weights", "default_weights", "parse_weights", "quantize_decoder"]
 
 WEIGHTS_METADATA_KEY = "fedshard.weights"
 """Metadata key naming the precision a decoder's weights were stored in."""
