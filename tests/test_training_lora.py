@@ -86,7 +86,7 @@ def test_merged_version_changes_one_segment_and_equals_the_adapted_model(
 ) -> None:
     import onnxruntime as ort
     import torch
-    from coordinator.ca import CertificateAuthority
+    from coordinator.trust.ca import CertificateAuthority
 
     from coordinator.training.errors import RolloutError
     from coordinator.training.lora_version import write_lora_version
