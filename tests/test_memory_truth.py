@@ -38,9 +38,9 @@ def deploy_in_this_process(split_dir: Path, index: int, warmup: Path, budget: in
     Returns JSON: the deploy report and ``serving_bytes``, the resident memory added once the
     requests are done (freed heap returned to the OS, as the agent does after warm-up).
     """
-    from coordinator.deploy.plan import forward_names
     from cryptography.hazmat.primitives.asymmetric import ed25519
 
+    from coordinator.deploy.plan import forward_names
     from edge_agent.config import RuntimeConfig
     from edge_agent.identity import Identity
     from edge_agent.runtime import prime, release_freed_heap, resident_bytes

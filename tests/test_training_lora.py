@@ -86,12 +86,12 @@ def test_merged_version_changes_one_segment_and_equals_the_adapted_model(
 ) -> None:
     import onnxruntime as ort
     import torch
-    from coordinator.trust.ca import CertificateAuthority
 
     from coordinator.training.errors import RolloutError
     from coordinator.training.lora_version import write_lora_version
     from coordinator.training.rollout import verify_signature
     from coordinator.training.version import SIGNATURE_FILE, Version
+    from coordinator.trust.ca import CertificateAuthority
     from partitioner.decoders.export import step_feeds
     from partitioner.lora import adapters_by_module
 
