@@ -108,7 +108,7 @@ def test_an_agent_refuses_a_rewind_past_what_its_session_held(lab: GenLab) -> No
             return plane.call(client.infer_async(step_inputs(position, ids), 60, step), 90)
 
         call(0, tokens, False)
-        with pytest.raises(ChainBrokenError, match="session_state: .*cannot be rewound"):
+        with pytest.raises(ChainBrokenError, match=r"session_state: .*cannot be rewound"):
             call(6, [10], True)
         again = call(3, tokens[3:], True)  # cut back to 3, then the same two tokens
         whole = call(0, tokens, True)  # cut back to nothing: a fresh prefill
