@@ -164,21 +164,29 @@ def accept_grant(
         cert = x509.load_pem_x509_certificate(grant.cert_pem.encode())
     except ValueError as exc:
         raise PairingError(f"the grant's certificates are not PEM: {exc}") from exc
-    key = load_private_key(identity.key_path.read_bytes())
-    if spki(cert.public_key()) != spki(key.public_key()):
-        raise PairingError("the certificate is for another key")
-    names = cert.subject.get_attributes_for_oid(NameOID.COMMON_NAME)
-    roles = cert.subject.get_attributes_for_oid(NameOID.ORGANIZATIONAL_UNIT_NAME)
-    if not names or names[0].value != identity.name or not roles or roles[0].value != ROLE_AGENT:
-        raise PairingError(f"the certificate does not name agent {identity.name!r}")
-    try:
-        cert.verify_directly_issued_by(ca)
-    except (ValueError, TypeError, InvalidSignature) as exc:
-        raise PairingError("the certificate was not issued by the CA in the grant") from exc
+    check_agent_certificate(identity, cert, ca, "the certificate", "the CA in the grant")
     files = TlsFiles(state_dir / CA_FILE, state_dir / CERT_FILE, state_dir / KEY_FILE)
     for path, text in ((files.ca, grant.ca_pem), (files.cert, grant.cert_pem)):
         write_atomic(path, text.encode())
     return files
+
+
+def check_agent_certificate(
+    identity: Identity, cert: x509.Certificate, ca: x509.Certificate, what: str, issuer: str
+) -> None:
+    """``cert`` must certify this agent's own key, with its name and the agent role, and be
+    issued by ``ca``; PairingError (its message starting with ``what``) otherwise."""
+    key = load_private_key(identity.key_path.read_bytes())
+    if spki(cert.public_key()) != spki(key.public_key()):
+        raise PairingError(f"{what} is for another key")
+    names = cert.subject.get_attributes_for_oid(NameOID.COMMON_NAME)
+    roles = cert.subject.get_attributes_for_oid(NameOID.ORGANIZATIONAL_UNIT_NAME)
+    if not names or names[0].value != identity.name or not roles or roles[0].value != ROLE_AGENT:
+        raise PairingError(f"{what} does not name agent {identity.name!r}")
+    try:
+        cert.verify_directly_issued_by(ca)
+    except (ValueError, TypeError, InvalidSignature) as exc:
+        raise PairingError(f"{what} was not issued by {issuer}") from exc
 
 
 def pairing_server_context(identity: Identity) -> ssl.SSLContext:
