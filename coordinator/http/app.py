@@ -9,7 +9,6 @@ never a stack trace.
 from __future__ import annotations
 
 import hmac
-import math
 from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
@@ -17,14 +16,12 @@ from typing import TYPE_CHECKING, Annotated, Any
 
 from fastapi import APIRouter, Depends, FastAPI, HTTPException, params, status
 from fastapi.security import HTTPAuthorizationCredentials, HTTPBearer
-from pydantic import BaseModel, ConfigDict
 
-from coordinator.errors import PairingError, RevokedError, TooManyAttemptsError, WrongCodeError
 from coordinator.fleet.registry import DeviceRegistry
 from coordinator.http.guard import ApiGuard
-from coordinator.trust.pairing import Pairing, PairingBook
+from coordinator.trust.pairing import Pairing
+from protocols.base import FrozenModel
 from protocols.constants import SOFTWARE_VERSION
-from protocols.profile import Announcement
 
 if TYPE_CHECKING:
     from coordinator.generation.backend import ModelLookup
@@ -61,25 +58,7 @@ class Services:
 _BEARER = HTTPBearer(auto_error=False)
 
 
-class ApiModel(BaseModel):
-    """Request and response bodies: frozen, unknown fields refused."""
-
-    model_config = ConfigDict(frozen=True, extra="forbid")
-
-
-class DeviceView(ApiModel):
-    """One device as the API shows it."""
-
-    name: str
-    fingerprint: str
-    host: str
-    online: bool
-    status: str
-    """``paired``, ``unpaired``, ``revoked`` or ``impostor``."""
-    announcement: Announcement
-
-
-class ErrorBody(ApiModel):
+class ErrorBody(FrozenModel):
     """Every error reply: a message (or, for a malformed request, the validation errors)."""
 
     detail: str | list[dict[str, Any]]
@@ -103,23 +82,11 @@ ERROR_RESPONSES: dict[int | str, dict[str, Any]] = {
 """Error statuses every ``/v1`` route may answer, documented in the OpenAPI schema."""
 
 
-class ApproveBody(ApiModel):
-    """``POST /v1/pairing/approve``."""
-
-    name: str
-    code: str
-
-
-class RevokeBody(ApiModel):
-    """``POST /v1/pairing/revoke``."""
-
-    name: str
-
-
 def create_app(services: Services) -> FastAPI:
     """The FastAPI application over ``services``."""
     from coordinator.console import install_console
     from coordinator.http.console import mount_console_api
+    from coordinator.http.devices import devices_router
     from coordinator.http.errors import install_error_handlers
     from coordinator.http.metrics import mount_metrics
     from coordinator.http.openai_serving import openai_serving_router
@@ -131,57 +98,7 @@ def create_app(services: Services) -> FastAPI:
     token = _token_dependency(services.token)
     v1 = APIRouter(prefix="/v1", dependencies=[token], responses=ERROR_RESPONSES)
 
-    @v1.get("/devices")
-    def list_devices() -> list[DeviceView]:
-        book = services.pairing.book()
-        return [
-            DeviceView(
-                name=r.name,
-                fingerprint=r.fingerprint,
-                host=r.host,
-                online=r.online,
-                status=device_status(book, r.name, r.fingerprint, r.impostor_of),
-                announcement=r.announcement,
-            )
-            for r in services.registry.devices(online_only=False)
-        ]
-
-    @v1.get("/pairing")
-    def pairing_book() -> PairingBook:
-        return services.pairing.book()
-
-    @v1.post("/pairing/approve")
-    def approve(body: ApproveBody) -> dict[str, str]:
-        try:
-            if services.trust is not None:
-                device = services.trust.approve(body.name, body.code)
-            else:
-                device = services.pairing.approve(body.name, body.code)
-        except TooManyAttemptsError as exc:
-            retry_after = {"Retry-After": str(max(1, math.ceil(exc.retry_after_s)))}
-            raise HTTPException(
-                status.HTTP_429_TOO_MANY_REQUESTS, str(exc), headers=retry_after
-            ) from exc
-        except WrongCodeError as exc:
-            raise HTTPException(status.HTTP_403_FORBIDDEN, str(exc)) from exc
-        except RevokedError as exc:
-            raise HTTPException(status.HTTP_403_FORBIDDEN, str(exc)) from exc
-        except PairingError as exc:
-            raise HTTPException(status.HTTP_404_NOT_FOUND, str(exc)) from exc
-        return {"name": device.name, "fingerprint": device.fingerprint}
-
-    @v1.post("/pairing/revoke")
-    def revoke(body: RevokeBody) -> dict[str, str | list[str]]:
-        told: list[str] = []
-        try:
-            if services.trust is not None:
-                told = services.trust.revoke(body.name)
-            else:
-                services.pairing.revoke(body.name)
-        except PairingError as exc:
-            raise HTTPException(status.HTTP_404_NOT_FOUND, str(exc)) from exc
-        return {"revoked": body.name, "agents_told": told}
-
+    v1.include_router(devices_router(services))
     metrics = mount_metrics(app, services, token)
     v1.include_router(openai_serving_router(services.serving, metrics))
     if services.serving is not None:
@@ -198,20 +115,6 @@ def create_app(services: Services) -> FastAPI:
     app.include_router(v1)
     install_console(app)
     return app
-
-
-def device_status(book: PairingBook, name: str, fingerprint: str, impostor_of: str | None) -> str:
-    """``revoked``, ``paired``, ``impostor`` or ``unpaired``."""
-    if fingerprint in book.revoked_fingerprints or name in book.revoked_names:
-        return "revoked"
-    if any(
-        d.name == name and fingerprint in (d.fingerprint, d.previous_fingerprint)
-        for d in book.paired
-    ):
-        return "paired"
-    if impostor_of is not None or any(d.name == name for d in book.paired):
-        return "impostor"
-    return "unpaired"
 
 
 def _token_dependency(token: str) -> params.Depends:

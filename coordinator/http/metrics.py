@@ -228,7 +228,7 @@ class RequestMeter:
 
 def mount_metrics(app: FastAPI, services: Services, token: params.Depends) -> CoordinatorMetrics:
     """``GET /metrics`` (behind ``token``, like every API route) and the request meter."""
-    from coordinator.http.app import device_status
+    from coordinator.http.devices import device_status
 
     metrics = CoordinatorMetrics()
 
