@@ -40,14 +40,18 @@ bench: $(VENV)/.installed-dev
 	set -e; for script in bench/[!_]*.py; do echo "== $$script"; $(BIN)/python $$script; done
 	$(BIN)/python bench/report
 
-# The benchmarks' own dependencies (llama.cpp, built from source: a few minutes).
-$(VENV)/.installed-bench: pyproject.toml | $(VENV)/.installed-dev
-	$(BIN)/pip install --quiet -e ".[bench]"
+# The benchmarks' own dependencies: llama.cpp's prebuilt CPU binary through node-llama-cpp
+# (npm; needs node and npm, about 85 MB; nothing is compiled), for bench/generate.py --llama-cpp.
+NODE_LLAMA_CPP := 3.22.1
+bench/.node/.installed: Makefile
+	mkdir -p bench/.node
+	cd bench/.node && npm install --no-audit --no-fund --omit=optional --ignore-scripts \
+		--no-save node-llama-cpp@$(NODE_LLAMA_CPP) @node-llama-cpp/linux-x64@$(NODE_LLAMA_CPP)
 	touch $@
-bench-setup: $(VENV)/.installed-bench
+bench-setup: $(VENV)/.installed-dev bench/.node/.installed
 
 # Qwen2.5-Coder-1.5B in int4 on four 512 MiB agents vs one ONNX Runtime session vs llama.cpp.
-bench-qwen: $(VENV)/.installed-bench
+bench-qwen: bench-setup
 	$(BIN)/python bench/generate.py --model qwen2.5-coder-1.5b --weights int4 --agents 4 \
 		--memory 512MiB --no-caps --no-transformers --llama-cpp --tokens 32 --runs 1 \
 		--out bench/results/generate_qwen.md
