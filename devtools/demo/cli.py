@@ -34,8 +34,11 @@ if TYPE_CHECKING:
 DEFAULT_PORT = 8470
 ROLES = ("nas", "laptop", "sbc", "desktop")
 GEMMA = "gemma3-270m"
-DECODERS = (GEMMA, "tiny-llama")
-"""Decoders the demo can serve (``tiny-llama`` is a small random model: fast, for scripts)."""
+QWEN = "qwen2.5-coder-1.5b"
+DECODERS = (GEMMA, QWEN, "tiny-llama")
+"""Decoders the demo can serve, each in its default precision (Gemma int8, Qwen int4:
+``fedshard export``'s defaults); ``tiny-llama`` is a small random model: fast, for scripts.
+Qwen's first export converts 1.5B parameters (about 25 minutes here)."""
 QUESTION = "What does a router do in a home network?"
 STOP = ("\nQuestion:",)
 """The packaged Gemma is the pretrained base model: it answers a question/answer prompt, then
@@ -264,12 +267,16 @@ def _decoder(
 ) -> Path:
     """Export (cached), deploy across the agents, print the plan and a chat answer; the export."""
     from devtools.demo.decoder import chat, decoder_caps, deploy_decoder, export_decoder
-    from devtools.demo.steps import budgets_table, plan_table
+    from devtools.demo.steps import AGENT_MEMORY, budgets_table, plan_table
+    from partitioner.decoders.precision import default_weights
+    from protocols.sizes import parse_size
 
     name = args.decoder
-    export = export_decoder(console, name, args.cache_dir / "exports" / name, args.cache_dir)
-    caps = decoder_caps(export, names)
-    console.print(budgets_table(name, export / "model.onnx", caps))
+    weights = default_weights(name)
+    out = args.cache_dir / "exports" / f"{name}-{weights}"
+    export = export_decoder(console, name, out, args.cache_dir, weights)
+    caps = decoder_caps(export, names, parse_size(AGENT_MEMORY))
+    console.print(budgets_table(f"{name} ({weights})", export / "model.onnx", caps, names))
     deploy_decoder(console, api, export, name, caps)
     console.print(plan_table(api, state_dir, name))
     with console.status(f"asking {name} through the agents (/v1/chat/completions)..."):

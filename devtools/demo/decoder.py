@@ -26,13 +26,19 @@ by both the first and the last stage, no two devices can hold the model; three c
 demo's four agents still serve it after losing one."""
 
 
-def export_decoder(console: Console, name: str, out: Path, cache_dir: Path) -> Path:
-    """``fedshard export NAME OUT`` unless ``OUT`` already holds the export; returns ``OUT``."""
+def export_decoder(
+    console: Console, name: str, out: Path, cache_dir: Path, weights: str = "fp32"
+) -> Path:
+    """``fedshard export NAME OUT --weights W`` unless ``OUT`` already holds the export;
+    returns ``OUT``."""
     if (out / DECODER_FILE).is_file() and (out / MODEL_FILE).is_file():
-        console.print(f"[green]{name}[/] already exported in {out}")
+        console.print(f"[green]{name}[/] ({weights}) already exported in {out}")
         return out
-    command = [*fedshard_command(), "export", name, str(out), "--cache-dir", str(cache_dir)]
-    console.print(f"exporting {name} (the first time converts the weights; cached after)")
+    command = [
+        *fedshard_command(), "export", name, str(out), "--cache-dir", str(cache_dir),
+        "--weights", weights,
+    ]  # fmt: skip
+    console.print(f"exporting {name} in {weights} (the first time converts the weights; cached)")
     started = time.monotonic()
     done = subprocess.run(command, stdin=subprocess.DEVNULL, check=False)
     if done.returncode != 0:
@@ -46,9 +52,12 @@ def decoder_info(export: Path) -> DecoderInfo:
     return DecoderInfo.from_json((export / DECODER_FILE).read_bytes())
 
 
-def decoder_caps(export: Path, names: Sequence[str]) -> dict[str, int]:
-    """Planning caps that no two of the devices can hold the model under (three can)."""
+def decoder_caps(export: Path, names: Sequence[str], budget_bytes: int) -> dict[str, int]:
+    """Planning caps under which no one device can hold the model (and, where its embedding
+    is tied, no two): none when the weights alone exceed every device's budget."""
     weights = (export / MODEL_FILE).stat().st_size
+    if weights > budget_bytes:
+        return {}
     return {name: int(CAP_SHARE * weights) for name in names}
 
 

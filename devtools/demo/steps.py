@@ -22,11 +22,12 @@ from rich.console import Console
 from rich.table import Table
 
 from protocols.pairing import CODE_FILE
+from protocols.sizes import parse_size
 
 MODEL_ID = "all-minilm-l6-v2"
 AGENT_MEMORY = "1GiB"
-"""Each agent's own budget. Gemma 3 270M (1,023 MiB of float32 weights, plus its KV cache and
-runtime) fits on none of them; MiniLM is held off a single device by the planning caps below."""
+"""Each agent's own budget. Qwen2.5-Coder-1.5B in int4 (1,086 MiB) fits on none of them; Gemma 3
+270M in int8 (418 MiB) and MiniLM (90 MB) would, so planning caps keep them off a single device."""
 MINILM_CAP_SHARE = 0.65
 """Each device's planning cap for MiniLM as a share of its weights: no single device can hold
 the model (nor, once activations are counted, any two), while any three of the four can, so
@@ -122,19 +123,26 @@ def minilm_caps(model: Path, names: Sequence[str]) -> dict[str, int]:
     return {name: int(MINILM_CAP_SHARE * model.stat().st_size) for name in names}
 
 
-def budgets_table(model_name: str, model: Path, caps: dict[str, int]) -> Table:
-    """The agents' budgets and one model's planning caps, with what losing one agent leaves."""
+def budgets_table(
+    model_name: str, model: Path, caps: dict[str, int], names: Sequence[str] = ()
+) -> Table:
+    """The agents' budgets and one model's planning caps, with what losing one agent leaves.
+
+    Without caps (the model's weights exceed every budget by themselves) the budgets are what
+    no agent can hold it under."""
     weights = model.stat().st_size
-    left = sum(caps.values()) - max(caps.values())
+    limits = caps or dict.fromkeys(names, parse_size(AGENT_MEMORY))
+    left = sum(limits.values()) - max(limits.values())
+    why = "under its planning cap" if caps else "in its memory budget"
     table = Table(
-        title=f"{len(caps)} agents on 127.0.0.1; {model_name}: {weights / 1e6:.0f} MB of weights",
-        caption=f"no agent can hold {model_name} alone; after losing any one agent the others "
-        f"still have {left / 1e6:.0f} MB of caps for it (a re-plan, not a 503)",
+        title=f"{len(limits)} agents on 127.0.0.1; {model_name}: {weights / 1e6:.0f} MB of weights",
+        caption=f"no agent can hold {model_name} alone {why}; after losing any one agent the "
+        f"others still have {left / 1e6:.0f} MB for it (a re-plan, not a 503)",
     )
     for column in ("device", "agent memory budget", "planning cap"):
         table.add_column(column, justify="right")
-    for name, cap in caps.items():
-        table.add_row(name, AGENT_MEMORY, f"{cap / 1e6:.0f} MB")
+    for name, limit in limits.items():
+        table.add_row(name, AGENT_MEMORY, f"{limit / 1e6:.0f} MB" if caps else "none")
     return table
 
 
