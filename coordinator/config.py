@@ -2,12 +2,13 @@
 
 from __future__ import annotations
 
-import re
 import secrets
 from dataclasses import dataclass
 from pathlib import Path
 
 from hostkit.files import write_atomic
+from protocols import sizes
+from protocols.errors import SchemaError
 
 TOKEN_FILE = "api_token"
 
@@ -61,13 +62,10 @@ def load_or_create_token(state_dir: Path) -> str:
     return token
 
 
-_UNITS = {"": 1, "b": 1, "kb": 1000, "kib": 1 << 10, "mb": 1000**2, "mib": 1 << 20}
-_UNITS |= {"gb": 1000**3, "gib": 1 << 30, "k": 1000, "m": 1000**2, "g": 1000**3}
-
-
 def parse_size(text: str) -> int:
-    """``64MiB``, ``1.5GB``, ``4096`` ... in bytes; raises ValueError."""
-    match = re.fullmatch(r"\s*(\d+(?:\.\d+)?)\s*([A-Za-z]*)\s*", text)
-    if match is None or match.group(2).lower() not in _UNITS:
-        raise ValueError(f"cannot read {text!r} as a size (try 64MiB or 1GB)")
-    return int(float(match.group(1)) * _UNITS[match.group(2).lower()])
+    """``64MiB``, ``1.5GB``, ``4096`` ... in bytes (:func:`protocols.sizes.parse_size`);
+    raises ValueError, as argparse types do."""
+    try:
+        return sizes.parse_size(text)
+    except SchemaError as exc:
+        raise ValueError(str(exc)) from exc
