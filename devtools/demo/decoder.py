@@ -29,14 +29,15 @@ demo's four agents still serve it after losing one."""
 def export_decoder(
     console: Console, name: str, out: Path, cache_dir: Path, weights: str = "fp32"
 ) -> Path:
-    """``fedshard export NAME OUT --weights W`` unless ``OUT`` already holds the export;
-    returns ``OUT``."""
+    """``fedshard export NAME OUT --weights W --no-score`` unless ``OUT`` already holds the
+    export; returns ``OUT``. (Scoring the precision against float32 is the export's own report,
+    see the README; the demo skips it.)"""
     if (out / DECODER_FILE).is_file() and (out / MODEL_FILE).is_file():
         console.print(f"[green]{name}[/] ({weights}) already exported in {out}")
         return out
     command = [
         *fedshard_command(), "export", name, str(out), "--cache-dir", str(cache_dir),
-        "--weights", weights,
+        "--weights", weights, "--no-score",
     ]  # fmt: skip
     console.print(f"exporting {name} in {weights} (the first time converts the weights; cached)")
     started = time.monotonic()
