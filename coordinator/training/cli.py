@@ -133,10 +133,9 @@ def _train(args: argparse.Namespace, console: Any) -> int:
     from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn
 
     from coordinator.training.driver import roll_out, run_training
-    from coordinator.training.flower import superlink
     from coordinator.training.local_agents import start_local_agents
     from coordinator.training.records import RoundMetrics, TrainingSettings
-    from coordinator.training.runner import paired_superlink
+    from coordinator.training.runner import authenticated_superlink, paired_superlink
     from coordinator.training.version import Version
     from coordinator.trust.ca import CertificateAuthority
     from coordinator.trust.pairing import Pairing
@@ -170,7 +169,9 @@ def _train(args: argparse.Namespace, console: Any) -> int:
     run_dir = work / "runs" / time_stamp()
     with ExitStack() as stack:
         if demo:
-            link = stack.enter_context(superlink(run_dir, ca, port=args.superlink_port))
+            link, node_keys = stack.enter_context(
+                authenticated_superlink(run_dir, ca, args.clients, args.superlink_port)
+            )
         else:
             keys = Pairing(args.state_dir, ca).node_keys()
             link = stack.enter_context(
@@ -183,7 +184,7 @@ def _train(args: argparse.Namespace, console: Any) -> int:
         if demo:
             budgets = args.budgets or [50_000] + [1 << 30] * (args.clients - 1)
             stack.enter_context(
-                start_local_agents(link, version_dir, task.client_dirs, budgets, run_dir)
+                start_local_agents(link, version_dir, task.client_dirs, budgets, run_dir, node_keys)
             )
         progress = stack.enter_context(
             Progress(

@@ -24,9 +24,12 @@ def start_local_agents(
     data_dirs: Sequence[Path],
     budgets: Sequence[int],
     work_dir: Path,
+    auth_keys: Sequence[Path] = (),
 ) -> Iterator[list[subprocess.Popen[bytes]]]:
-    """Start one SuperNode per data dir; stop them all on exit."""
+    """Start one SuperNode per data dir (the ``i``-th authenticated with ``auth_keys[i]``,
+    when given); stop them all on exit."""
     procs: list[subprocess.Popen[bytes]] = []
+    keys: list[Path | None] = list(auth_keys) or [None] * len(data_dirs)
     try:
         for i, (data_dir, budget) in enumerate(zip(data_dirs, budgets, strict=True)):
             node_dir = work_dir / f"agent-{i}"
@@ -48,6 +51,8 @@ def start_local_agents(
                 "--budget-bytes",
                 str(budget),
             ]
+            if keys[i] is not None:
+                cmd += ["--auth-private-key", str(keys[i])]
             try:
                 with (node_dir / "agent.log").open("wb") as log_file:
                     procs.append(

@@ -38,6 +38,9 @@ class RunReporter(Protocol):
     def rollout(self, rollout: RunRollout) -> None:
         """A new version was written (and rolled out, where a deployment is served)."""
 
+    def summary(self, final_loss: float | None, epsilon_per_device: list[float]) -> None:
+        """A LoRA run's final held-out loss and each device's epsilon."""
+
 
 class Runner(Protocol):
     """Does one run, blocking; raises an exception whose text says what went wrong."""
@@ -51,9 +54,14 @@ class Runner(Protocol):
 class _Run:
     """One run's state; every change goes through the manager's lock."""
 
-    def __init__(self, run_id: str, lock: threading.Lock) -> None:
+    def __init__(self, run_id: str, lock: threading.Lock, request: TrainingRunRequest) -> None:
         self._lock = lock
-        self.status = RunStatus(run_id=run_id, status="starting")
+        self.status = RunStatus(
+            run_id=run_id,
+            status="starting",
+            model_id=request.model,
+            method=request.resolved_method,
+        )
 
     def _update(self, **fields: object) -> None:
         with self._lock:
@@ -72,6 +80,9 @@ class _Run:
             done = [*self.status.rollouts, rollout]
             self.status = self.status.model_copy(update={"rollouts": done})
 
+    def summary(self, final_loss: float | None, epsilon_per_device: list[float]) -> None:
+        self._update(final_loss=final_loss, epsilon_per_device=list(epsilon_per_device))
+
     def end(self, state: RunState, error: str | None = None) -> None:
         self._update(status=state, error=error)
 
@@ -79,10 +90,13 @@ class _Run:
 class TrainingRuns:
     """Starts runs on a :class:`Runner`, keeps their status, and cleans up after them."""
 
-    def __init__(self, runner: Runner, ready: Callable[[], None] | None = None) -> None:
+    def __init__(
+        self, runner: Runner, ready: Callable[[TrainingRunRequest], None] | None = None
+    ) -> None:
         self._runner = runner
         self._ready = ready
-        """Raises when no run can start at all (no training target): checked by :meth:`start`."""
+        """Raises when the request cannot start (no training target, a model that is not
+        served or cannot be trained): checked by :meth:`start`, quickly, on the event loop."""
         self._lock = threading.Lock()
         self._runs: dict[str, _Run] = {}
         self._task: asyncio.Task[None] | None = None
@@ -91,13 +105,13 @@ class TrainingRuns:
     async def start(self, request: TrainingRunRequest) -> str:
         """Start a run in the background; raises RunConflictError while another is going."""
         if self._ready is not None:
-            self._ready()
+            self._ready(request)
         if self._task is not None and not self._task.done():
             raise RunConflictError("a training run is already going; wait for it to finish")
         if self._task is not None:
             await self._task  # finished: collect it
         run_id = uuid.uuid4().hex[:12]
-        run = _Run(run_id, self._lock)
+        run = _Run(run_id, self._lock, request)
         with self._lock:
             self._runs[run_id] = run
         self._stop = threading.Event()

@@ -255,6 +255,9 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--data-dir", type=Path, required=True)
     parser.add_argument("--work-dir", type=Path, required=True)
     parser.add_argument("--budget-bytes", type=int, default=1 << 30)
+    parser.add_argument(
+        "--auth-private-key", type=Path, help="node-authentication key (OpenSSH EC P-256)"
+    )
     args = parser.parse_args(argv)
     node = start_supernode(
         SuperNodeConfig(
@@ -264,6 +267,7 @@ def main(argv: list[str] | None = None) -> int:
             data_dir=args.data_dir,
             work_dir=args.work_dir,
             budget_bytes=args.budget_bytes,
+            auth_private_key=args.auth_private_key,
         )
     )
 
