@@ -179,8 +179,12 @@ class RunStatus(FrozenModel):
     """Held-out accuracy before the first round (once known)."""
     model_id: str | None = None
     method: TrainingMethod = "shards"
+    baseline_loss: float | None = None
+    """``lora``: token-weighted held-out loss of the served model on the devices, before."""
     final_loss: float | None = None
     """``lora``: token-weighted held-out loss of the final adapters on the devices."""
+    trained_shard_bytes: NonNegativeInt | None = None
+    """``lora``: bytes of the base weights of the segments the devices adapted."""
     epsilon_per_device: list[float] = Field(default_factory=list)
     """``lora``: each device's record-level epsilon for the run (RDP accountant)."""
     rollouts: list[RunRollout] = Field(default_factory=list)

@@ -6,6 +6,7 @@ agent would run them, so the coordinator never imports :mod:`edge_agent`.
 
 from __future__ import annotations
 
+import os
 import subprocess
 import sys
 from collections.abc import Iterator, Sequence
@@ -30,6 +31,8 @@ def start_local_agents(
     when given); stop them all on exit."""
     procs: list[subprocess.Popen[bytes]] = []
     keys: list[Path | None] = list(auth_keys) or [None] * len(data_dirs)
+    # each SuperNode gets its share of the cores, so that they do not oversubscribe them
+    threads = max(1, (os.cpu_count() or 1) // max(1, len(data_dirs)))
     try:
         for i, (data_dir, budget) in enumerate(zip(data_dirs, budgets, strict=True)):
             node_dir = work_dir / f"agent-{i}"
@@ -53,6 +56,7 @@ def start_local_agents(
             ]
             if keys[i] is not None:
                 cmd += ["--auth-private-key", str(keys[i])]
+            cmd += ["--threads", str(threads)]
             try:
                 with (node_dir / "agent.log").open("wb") as log_file:
                     procs.append(

@@ -32,7 +32,7 @@ from coordinator.training.flower import SuperLink, ensure_alive, start_run, writ
 from coordinator.training.lora_plan import LoraBase, LoraTuning, build_plan, lora_base
 from coordinator.training.lora_records import LoraRecord, LoraRunConfig
 from coordinator.training.lora_version import write_lora_version
-from coordinator.training.manager import RunReporter
+from coordinator.training.manager import LoraSummary, RunReporter
 from coordinator.training.rollout import next_version_dir
 from coordinator.training.server_app import load_weights
 from coordinator.training.version import MANIFEST_FILE, Version
@@ -236,7 +236,15 @@ class LoraRunner:
             record = follow(link, Path(cfg.record_file), rounds.update, self.timeout_s,
                             stop.is_set)  # fmt: skip
         rounds.update(record)
-        report.summary(record.final_loss, record.epsilon_per_device)
+        trained = max((r.trained_shard_bytes for r in record.rounds), default=None)
+        report.summary(
+            LoraSummary(
+                baseline_loss=record.baseline_loss,
+                final_loss=record.final_loss,
+                epsilon_per_device=record.epsilon_per_device,
+                trained_shard_bytes=None if trained is None else round(trained),
+            )
+        )
         self.roll_out(target, plan, base, record, Path(cfg.weights_file), report)
 
     def roll_out(

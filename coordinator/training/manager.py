@@ -14,6 +14,7 @@ import logging
 import threading
 import uuid
 from collections.abc import Callable
+from dataclasses import dataclass
 from typing import Protocol
 
 from coordinator.errors import CoordinatorError
@@ -24,6 +25,16 @@ log = logging.getLogger(__name__)
 
 CLOSE_TIMEOUT_S = 120.0
 """How long :meth:`TrainingRuns.close` waits for a stopped run to wind down."""
+
+
+@dataclass(frozen=True)
+class LoraSummary:
+    """What a finished LoRA run reports besides its rounds."""
+
+    baseline_loss: float | None
+    final_loss: float | None
+    epsilon_per_device: list[float]
+    trained_shard_bytes: int | None
 
 
 class RunReporter(Protocol):
@@ -38,8 +49,8 @@ class RunReporter(Protocol):
     def rollout(self, rollout: RunRollout) -> None:
         """A new version was written (and rolled out, where a deployment is served)."""
 
-    def summary(self, final_loss: float | None, epsilon_per_device: list[float]) -> None:
-        """A LoRA run's final held-out loss and each device's epsilon."""
+    def summary(self, summary: LoraSummary) -> None:
+        """A LoRA run's held-out losses, each device's epsilon, the trained weights' size."""
 
 
 class Runner(Protocol):
@@ -80,8 +91,13 @@ class _Run:
             done = [*self.status.rollouts, rollout]
             self.status = self.status.model_copy(update={"rollouts": done})
 
-    def summary(self, final_loss: float | None, epsilon_per_device: list[float]) -> None:
-        self._update(final_loss=final_loss, epsilon_per_device=list(epsilon_per_device))
+    def summary(self, summary: LoraSummary) -> None:
+        self._update(
+            baseline_loss=summary.baseline_loss,
+            final_loss=summary.final_loss,
+            epsilon_per_device=list(summary.epsilon_per_device),
+            trained_shard_bytes=summary.trained_shard_bytes,
+        )
 
     def end(self, state: RunState, error: str | None = None) -> None:
         self._update(status=state, error=error)
