@@ -12,6 +12,7 @@ and CA certificate are printed).
 from __future__ import annotations
 
 import argparse
+import os
 from collections.abc import Callable
 from pathlib import Path
 from typing import Any, NamedTuple
@@ -87,6 +88,13 @@ def register(subparsers: Any, reference_task: ReferenceTask | None = None) -> No
     )
     p.add_argument("--work-dir", type=Path, default=Path("fedshard-train"))
     p.add_argument("--timeout", type=float, default=1800.0, help="seconds before giving up")
+    served = p.add_argument_group("LoRA of a served decoder (through the coordinator's API)")
+    served.add_argument("--model", help="served model id: run a LoRA fine-tuning of it")
+    served.add_argument("--rank", type=int, default=8, help="LoRA rank (default 8)")
+    served.add_argument("--alpha", type=float, help="LoRA alpha (default twice the rank)")
+    served.add_argument("--first-layer", type=int, help="first adapted layer (default: middle)")
+    served.add_argument("--coordinator", default="http://127.0.0.1:8470", help="API URL")
+    served.add_argument("--token", default=os.environ.get("FEDSHARD_TOKEN"), help="API token")
     p.set_defaults(run=handler, reference_task=reference_task)
 
 
@@ -105,6 +113,10 @@ def handler(args: argparse.Namespace) -> int:
         console.print(f"[red]error:[/] {problem}")
         return 2
     try:
+        if args.model is not None:
+            from coordinator.training.cli_lora import train_served
+
+            return train_served(args, console)
         return _train(args, console)
     except CoordinatorError as exc:
         console.print(f"[red]error:[/] {exc}")
@@ -114,6 +126,8 @@ def handler(args: argparse.Namespace) -> int:
 def _check(args: argparse.Namespace) -> str | None:
     if args.rounds < 1:
         return "--rounds must be at least 1"
+    if args.model is not None:
+        return "--model runs on the coordinator's devices: no --version" if args.version else None
     if args.clip <= 0 or args.noise_multiplier < 0:
         return "--clip must be positive and --noise-multiplier not negative"
     if args.clients < 2 or (not args.no_secagg and args.clients < 3):
