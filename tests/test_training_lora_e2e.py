@@ -70,6 +70,7 @@ def run(lab: GenLab) -> dict[str, Any]:
         assert started.status_code == 200, started.text
         status = _wait(api, started.json()["run_id"], 1200)
     assert status["status"] == "finished", (status, lab.coordinator.log()[-4000:])
+    print("LoRA run:", json.dumps(status, indent=1))  # the README's numbers (pytest -s)
     return {"status": status, "before": before}
 
 
@@ -119,3 +120,26 @@ def test_rollback_returns_to_the_base(lab: GenLab, run: dict[str, Any]) -> None:
         back = api.post(f"/v1/deployments/{MODEL_ID}/rollback")
         assert back.status_code == 200, back.text
         assert _active(api)["plan_version"] == run["before"]["plan_version"]
+        again = api.post(f"/v1/deployments/{MODEL_ID}/rollback")  # and forward again
+        assert again.status_code == 200, again.text
+        assert _active(api)["plan_version"] == run["status"]["rollouts"][0]["plan_version"]
+
+
+def test_a_second_run_fine_tunes_the_fine_tuned_version(lab: GenLab, run: dict[str, Any]) -> None:
+    """Planned from the version the first run wrote (its own whole model and LoRA base), with
+    the SuperNodes reading the segments served now."""
+    with lab.coordinator.client(timeout=60) as api:
+        first = _active(api)
+        body = {"rounds": 1, "model": MODEL_ID, "secure_aggregation": False}
+        started = api.post("/v1/training/runs", json=body)
+        assert started.status_code == 200, started.text
+        status = _wait(api, started.json()["run_id"], 900)
+        assert status["status"] == "finished", (status, lab.coordinator.log()[-4000:])
+        print("second LoRA run:", json.dumps(status, indent=1))
+        assert status["baseline_loss"] == pytest.approx(run["status"]["final_loss"], rel=0.02)
+        [rollout] = status["rollouts"]
+        assert rollout["version"] == "v0002"
+        assert _active(api)["plan_version"] == rollout["plan_version"]
+        back = api.post(f"/v1/deployments/{MODEL_ID}/rollback")
+        assert back.status_code == 200, back.text
+        assert _active(api)["plan_version"] == first["plan_version"]
