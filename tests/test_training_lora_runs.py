@@ -223,3 +223,25 @@ def test_the_api_refuses_unknown_and_untrainable_models_with_typed_errors(tmp_pa
         run_id = ok.json()["run_id"]
         status = api.get(f"/v1/training/runs/{run_id}").json()
         assert status["method"] == "lora" and status["model_id"] == "tiny-llama"
+
+
+def test_the_lineage_sums_epsilon_over_the_runs_of_its_ancestry(tmp_path: Path) -> None:
+    from types import SimpleNamespace
+
+    from coordinator.training.lora_version import _total_epsilon
+    from coordinator.training.records import Lineage, TrainingSettings
+
+    parent: Any = SimpleNamespace(path=tmp_path)
+    assert _total_epsilon(parent, 3.0) == 3.0  # the base: no lineage
+    settings = TrainingSettings(
+        rounds=2, secagg=True, clipping_norm=1.0, noise_multiplier=1.0, delta=1e-5,
+        trainable_shards=[1], local_epochs=2, learning_rate=0.02, batch_size=16, min_clients=3,
+    )  # fmt: skip
+    lineage = Lineage(
+        parent_version="v1", parent_model_sha256=SHA, trained_segments=[1], rounds=2,
+        clients_per_round=[3, 3], epsilon=5.0, delta=1e-5, settings=settings, metrics=[],
+        epsilon_total=6.5,
+    )  # fmt: skip
+    (tmp_path / "lineage.json").write_text(lineage.to_json())
+    assert _total_epsilon(parent, 3.0) == pytest.approx(9.5)
+    assert _total_epsilon(parent, None) is None

@@ -267,6 +267,7 @@ class LoraRunner:
             parent, plan, arrays, out, rounds=len(record.rounds),
             clients_per_round=[r.clients for r in record.rounds],
             epsilon=max(eps) if eps else None, signer=self.ca,
+            epsilon_per_device=record.rounds[-1].epsilon if record.rounds else None,
         )  # fmt: skip
         write_whole_model(target.model_file, plan, base, arrays, out)
         plan_version = None
