@@ -88,6 +88,11 @@ def build_base(model_file: Path, cache_dir: Path) -> LoraBase:
         source = load_source(info.model, cache_dir, Steps())
         params = torch_params(source.model)
         wmap = weight_map(params, onnx.load(model_file))
+    except ImportError as exc:
+        raise LoraTargetError(
+            f"mapping {info.model} needs torch and transformers on the coordinator "
+            f"(install fedshard[coordinator,train]): {exc}"
+        ) from exc
     except (PartitionerError, OSError) as exc:
         raise LoraTargetError(f"cannot map {info.model} onto {model_file}: {exc}") from exc
     config = source.model.config
