@@ -138,7 +138,7 @@ class LoraFedAvg(FedAvg):
         self, server_round: int, results: list[tuple[ClientProxy, FitRes]], failures: Failures
     ) -> tuple[Parameters | None, dict[str, Scalar]]:
         """Average the adapters and record the round; no successful client fails the run."""
-        if not results or (len(results) < self.cfg.min_clients and self.cfg.secagg):
+        if not results:
             raise self.fail(
                 f"round {server_round}: {len(results)} client(s) succeeded; "
                 f"failures: {failure_reasons(failures)}"
