@@ -245,3 +245,20 @@ def test_the_lineage_sums_epsilon_over_the_runs_of_its_ancestry(tmp_path: Path) 
     (tmp_path / "lineage.json").write_text(lineage.to_json())
     assert _total_epsilon(parent, 3.0) == pytest.approx(9.5)
     assert _total_epsilon(parent, None) is None
+
+
+def test_fedshard_train_model_posts_a_valid_lora_request() -> None:
+    import argparse
+
+    from coordinator.training.cli import register
+    from coordinator.training.cli_lora import lora_body
+
+    parser = argparse.ArgumentParser()
+    register(parser.add_subparsers())
+    args = parser.parse_args(["train", "--model", "tiny-llama", "--rounds", "2", "--rank", "4"])
+    body = lora_body(args)
+    request = TrainingRunRequest.model_validate(body)
+    assert request.resolved_method == "lora" and request.model == "tiny-llama"
+    assert request.lora == LoraOptions(rank=4) and request.dp and request.secure_aggregation
+    off = lora_body(parser.parse_args(["train", "--model", "m", "--noise-multiplier", "0"]))
+    assert off["dp"] is False
