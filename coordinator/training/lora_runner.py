@@ -41,6 +41,7 @@ from hostkit.files import write_atomic
 from protocols.decoder import TOKENIZER_FILE
 from protocols.errors import SchemaError
 from protocols.lora import LoraPlan
+from protocols.manifest import Manifest
 from protocols.training import RunRollout, RunRound, TrainingRunRequest
 
 log = logging.getLogger(__name__)
@@ -76,8 +77,6 @@ def stage_segments(version_dir: Path, tokenizer_file: Path, out: Path) -> Path:
     (hard links where possible) and the tokenizer."""
     out.mkdir(parents=True, exist_ok=True)
     manifest = (version_dir / MANIFEST_FILE).read_bytes()
-    from protocols.manifest import Manifest
-
     for entry in Manifest.from_json(manifest).segments:
         _link_or_copy(version_dir / entry.file, out / entry.file)
     write_atomic(out / MANIFEST_FILE, manifest)
