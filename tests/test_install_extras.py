@@ -70,8 +70,10 @@ def _distributions(module: str) -> set[str]:
         (["coordinator"], [REPO / "coordinator" / "training" / "accounting.py"]),
         (
             ["coordinator", "train"],
-            sorted((REPO / "coordinator" / "training").glob("*.py"))
-            + [REPO / "partitioner" / "lora.py"],
+            [
+                *sorted((REPO / "coordinator" / "training").glob("*.py")),
+                REPO / "partitioner" / "lora.py",
+            ],
         ),
     ],
 )
