@@ -146,10 +146,10 @@ def local_federation(ca: CertificateAuthority, port: int = 0) -> Federation:
     @contextmanager
     def start(run_dir: Path, target: TrainingTarget) -> Iterator[SuperLink]:
         if not target.data_dirs:
-            with superlink(run_dir, ca, port=port) as link:
-                log.info("waiting for agents' SuperNodes on %s", link.address)
-                yield link
-                return
+            raise TrainingRunError(
+                "the training target lists no client_data and no agents train here: start the "
+                "coordinator with --superlink-port so that the paired agents' SuperNodes join"
+            )
         with ExitStack() as stack:
             link, keys = stack.enter_context(
                 authenticated_superlink(run_dir, ca, len(target.data_dirs), port)
