@@ -262,3 +262,34 @@ def test_fedshard_train_model_posts_a_valid_lora_request() -> None:
     assert request.lora == LoraOptions(rank=4) and request.dp and request.secure_aggregation
     off = lora_body(parser.parse_args(["train", "--model", "m", "--noise-multiplier", "0"]))
     assert off["dp"] is False
+
+
+def test_a_version_is_deployed_only_when_its_signature_verifies(tmp_path: Path) -> None:
+    from types import SimpleNamespace
+
+    from coordinator.training.errors import RolloutError
+    from coordinator.training.lora_target import DecoderPublisher
+
+    ca = CertificateAuthority.open(tmp_path / "ca")
+    other = CertificateAuthority.open(tmp_path / "other")
+    deployed: list[Path] = []
+
+    class Deployer:
+        def deploy_version(self, model_id: str, path: Path, samples: Any, objective: Any) -> Any:
+            deployed.append(path)
+            assert samples["input_ids"].shape[0] == 1
+            return SimpleNamespace(plan_version=7)
+
+    store: Any = SimpleNamespace(active=lambda model_id: SimpleNamespace(objective="throughput"))
+    publish = DecoderPublisher(Deployer(), store, ca.cert_pem)  # type: ignore[arg-type]
+    version: Any = SimpleNamespace(path=tmp_path / "v0002")
+    version.path.mkdir()
+    (version.path / "manifest.json").write_bytes(b"{}")
+    with pytest.raises(RolloutError, match="unsigned"):
+        publish("m", version)
+    (version.path / "manifest.json.sig").write_bytes(other.sign(b"{}"))
+    with pytest.raises(RolloutError, match="does not verify"):
+        publish("m", version)
+    assert deployed == []
+    (version.path / "manifest.json.sig").write_bytes(ca.sign(b"{}"))
+    assert publish("m", version) == 7 and deployed == [version.path]
