@@ -293,3 +293,21 @@ def test_a_version_is_deployed_only_when_its_signature_verifies(tmp_path: Path) 
     assert deployed == []
     (version.path / "manifest.json.sig").write_bytes(ca.sign(b"{}"))
     assert publish("m", version) == 7 and deployed == [version.path]
+
+
+def test_following_a_run_whose_round_failed_raises_its_reason(tmp_path: Path) -> None:
+    from types import SimpleNamespace
+
+    from coordinator.training.lora_runner import follow
+
+    link: Any = SimpleNamespace(process=SimpleNamespace(poll=lambda: None), log_path=tmp_path)
+    record = tmp_path / "record.json"
+    LoraRecord(error="round 1: 0 client(s) succeeded; failures: node 7: EmptyDataError").save(
+        record
+    )
+    seen: list[LoraRecord] = []
+    with pytest.raises(TrainingRunError, match="EmptyDataError"):
+        follow(link, record, seen.append, 30, lambda: False)
+    assert seen and seen[0].error is not None
+    LoraRecord(finished=True, final_loss=1.0).save(record)
+    assert follow(link, record, seen.append, 30, lambda: False).final_loss == 1.0
