@@ -182,7 +182,10 @@ FS.pages.training = {
       throw e;
     }
     FS.training.runs = list.runs;
-    const decoders = (await loadModels()).filter(m => m.active !== null && m.kind === "decoder");
+    let decoders = [];
+    try {
+      decoders = (await loadModels()).filter(m => m.active !== null && m.kind === "decoder");
+    } catch (e) { /* no served models to offer: the training target's task only */ }
     fillSelect($("train-model"), [{value: "", label: "training target (digits task)"},
       ...decoders.map(m => ({value: m.model_id, label: `${m.model_id} (LoRA)`}))], "");
     const options = [...list.runs].reverse().map(r => ({value: r.run_id,
