@@ -77,17 +77,60 @@ RunState = Literal["starting", "running", "finished", "failed"]
 MAX_API_ROUNDS: Final = 1000
 
 
+TrainingMethod = Literal["shards", "lora"]
+MAX_LORA_RANK: Final = 64
+
+
+class LoraOptions(FrozenModel):
+    """``"lora"`` of a run request: adapter rank and scaling, and which layers train.
+
+    ``first_layer`` (default: the second half of the decoder's layers) is the first decoder
+    layer that gets adapters; every layer from it on does, on ``target_modules`` (default:
+    the attention and MLP projections).
+    """
+
+    rank: PositiveInt = Field(default=8, le=MAX_LORA_RANK)
+    alpha: PositiveFloat | None = Field(default=None, le=1024)
+    """Default: twice the rank."""
+    first_layer: NonNegativeInt | None = None
+    target_modules: list[str] | None = Field(default=None, min_length=1, max_length=16)
+
+
 class TrainingRunRequest(FrozenModel):
     """``POST /v1/training/runs``: start a federated fine-tuning run.
 
-    ``rollout_every`` (optional): also roll a new version out after every that many rounds,
-    not only at the end of the run.
+    ``model`` names a served model to fine-tune (``method`` then defaults to ``lora``, which
+    is the only method for a served decoder); without it the run fine-tunes the configured
+    training target (``method`` ``shards``). ``rollout_every`` (optional, ``shards`` only):
+    also roll a new version out after every that many rounds, not only at the end of the run.
+    ``dp`` for ``lora`` is record-level DP-SGD on every device (Opacus).
     """
 
     rounds: PositiveInt = Field(le=MAX_API_ROUNDS)
     secure_aggregation: bool = True
     dp: bool = True
     rollout_every: PositiveInt | None = None
+    model: str | None = Field(default=None, min_length=1, max_length=128)
+    method: TrainingMethod | None = None
+    lora: LoraOptions | None = None
+
+    @model_validator(mode="after")
+    def _check_method(self) -> Self:
+        method = self.resolved_method
+        if method == "lora" and self.model is None:
+            raise ValueError("method lora needs the served model to fine-tune (model)")
+        if method == "shards" and (self.model is not None or self.lora is not None):
+            raise ValueError("a served model is fine-tuned with method lora")
+        if method == "lora" and self.rollout_every is not None:
+            raise ValueError("rollout_every is for method shards; a lora run rolls out at its end")
+        return self
+
+    @property
+    def resolved_method(self) -> TrainingMethod:
+        """``method``, or its default: ``lora`` for a served model, else ``shards``."""
+        if self.method is not None:
+            return self.method
+        return "lora" if self.model is not None or self.lora is not None else "shards"
 
 
 class TrainingRunCreated(FrozenModel):
@@ -101,9 +144,10 @@ class RunRound(FrozenModel):
 
     round: PositiveInt
     loss: float
-    """Held-out cross-entropy of the global model after the round."""
-    accuracy: float
-    """Held-out accuracy of the global model after the round."""
+    """Held-out cross-entropy of the global model after the round (``lora``: token-weighted
+    over the devices' held-out records, of the adapters the round started from)."""
+    accuracy: float | None
+    """Held-out accuracy of the global model after the round (``None`` for ``lora``)."""
     epsilon: float | None
     """Cumulative epsilon after the round (``None`` without differential privacy)."""
     clients: NonNegativeInt
@@ -133,6 +177,16 @@ class RunStatus(FrozenModel):
     rounds: list[RunRound] = Field(default_factory=list)
     baseline_accuracy: float | None = None
     """Held-out accuracy before the first round (once known)."""
+    model_id: str | None = None
+    method: TrainingMethod = "shards"
+    baseline_loss: float | None = None
+    """``lora``: token-weighted held-out loss of the served model on the devices, before."""
+    final_loss: float | None = None
+    """``lora``: token-weighted held-out loss of the final adapters on the devices."""
+    trained_shard_bytes: NonNegativeInt | None = None
+    """``lora``: bytes of the base weights of the segments the devices adapted."""
+    epsilon_per_device: list[float] = Field(default_factory=list)
+    """``lora``: each device's record-level epsilon for the run (RDP accountant)."""
     rollouts: list[RunRollout] = Field(default_factory=list)
 
 
@@ -148,24 +202,33 @@ TRAINING_TARGET_FORMAT: Final = "fedshard.training-target/1"
 class TrainingTargetSpec(FrozenModel):
     """``fedshard coordinator --training-target FILE``: what the coordinator's runs fine-tune.
 
-    Relative paths are relative to the file's directory. When a deployment serves ``model_id``,
-    a run trains its active version's segments and rolls new versions out to it; otherwise it
-    trains ``version_dir`` and only writes new version directories.
+    Relative paths are relative to the file's directory. ``method: shards`` runs: when a
+    deployment serves ``model_id``, a run trains its active version's segments and rolls new
+    versions out to it; otherwise it trains ``version_dir`` and only writes new version
+    directories (both need ``version_dir`` and ``test_file``). ``method: lora`` runs of a served
+    decoder train on local SuperNodes, one per ``text_client_data`` directory (``*.jsonl`` /
+    ``*.txt`` text records).
     """
 
     format: Literal["fedshard.training-target/1"] = TRAINING_TARGET_FORMAT
     model_id: str = Field(min_length=1, max_length=128)
-    version_dir: str = Field(min_length=1)
+    version_dir: str | None = Field(default=None, min_length=1)
     """The version to start from (``manifest.json`` plus segment files)."""
-    test_file: str = Field(min_length=1)
+    test_file: str | None = Field(default=None, min_length=1)
     """Held-out ``.npz`` (x, y) that stays on the coordinator."""
     client_data: list[str] = Field(default_factory=list)
     """Data directories of local SuperNodes, one each (empty: the agents bring their own)."""
     budgets: list[PositiveInt] = Field(default_factory=list)
     """Training-memory budget of each local SuperNode, in bytes."""
+    text_client_data: list[str] = Field(default_factory=list)
+    """Text data directories of the local SuperNodes of LoRA runs, one each."""
 
     @model_validator(mode="after")
     def _one_budget_per_client(self) -> Self:
         if len(self.budgets) != len(self.client_data):
             raise ValueError("budgets and client_data must have the same length")
+        if (self.version_dir is None) != (self.test_file is None):
+            raise ValueError("version_dir and test_file go together")
+        if self.version_dir is None and not self.text_client_data:
+            raise ValueError("a target needs version_dir and test_file, or text_client_data")
         return self

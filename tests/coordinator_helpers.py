@@ -60,8 +60,10 @@ def free_port() -> int:
         return port
 
 
-def start_coordinator(tmp: Path, training: bool = False) -> CoordinatorProc:
-    """Start ``fedshard coordinator`` and wait until its API answers.
+def start_coordinator(
+    tmp: Path, training: bool = False, extra: list[str] | None = None
+) -> CoordinatorProc:
+    """Start ``fedshard coordinator`` (with ``extra`` arguments) and wait until its API answers.
 
     With ``training``, the reference digits task is prepared as its training target first.
     """
@@ -74,6 +76,7 @@ def start_coordinator(tmp: Path, training: bool = False) -> CoordinatorProc:
         from devtools.digits import write_reference_target
 
         command += ["--training-target", str(write_reference_target(state))]
+    command += extra or []
     env = {**os.environ, "COLUMNS": "400"}
     with open(log_path, "wb") as log_file:
         proc = subprocess.Popen(

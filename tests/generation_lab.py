@@ -35,12 +35,18 @@ class GenLab:
 
 @contextlib.contextmanager
 def decoder_lab(
-    export: Path, tmp: Path, model_id: str, memory: str, cap: str | None, agents: int = 3
+    export: Path,
+    tmp: Path,
+    model_id: str,
+    memory: str,
+    cap: str | None,
+    agents: int = 3,
+    coordinator_args: list[str] | None = None,
 ) -> Iterator[GenLab]:
     """Start ``agents`` agents of ``memory`` each, pair them, ``fedshard deploy`` the export
     (under the planning ``cap`` per device, when given); stop everything."""
     suffix = secrets.token_hex(3)
-    coordinator = start_coordinator(tmp)
+    coordinator = start_coordinator(tmp, extra=coordinator_args)
     try:
         names = [f"g{i}-{suffix}" for i in range(agents)]
         with unpaired_agents(tmp, names, memory) as procs:

@@ -68,6 +68,13 @@ def _distributions(module: str) -> set[str]:
     [
         (["agent", "train"], sorted((REPO / "edge_agent" / "training").glob("*.py"))),
         (["coordinator"], [REPO / "coordinator" / "training" / "accounting.py"]),
+        (
+            ["coordinator", "train"],
+            [
+                *sorted((REPO / "coordinator" / "training").glob("*.py")),
+                REPO / "partitioner" / "lora.py",
+            ],
+        ),
     ],
 )
 def test_extras_cover_the_imports(extras: list[str], files: list[Path]) -> None:

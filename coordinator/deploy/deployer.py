@@ -157,30 +157,18 @@ class Deployer:
         """Roll out an already-cut version (``manifest.json`` plus segment files, e.g. one that
         federated fine-tuning wrote) on the devices its manifest names, without re-planning:
         loaded beside the live version, health-checked on ``samples``, then switched to."""
-        from partitioner.errors import PartitionerError
-        from partitioner.verify import run_chain
-
         with self._lock:
             live = self._live_devices()
             plan_version = self._store.reserve_plan_version()
             out = self.segment_dir(model_id, plan_version)
             shutil.copytree(version_dir, out)
-            try:
-                manifest = Manifest.from_json((out / "manifest.json").read_bytes())
-                known = run_chain([out / s.file for s in manifest.segments], samples)
-            except (SchemaError, OSError, PartitionerError) as exc:
-                raise DeployError(f"cannot read version {version_dir}: {exc}") from exc
-            missing = sorted({s.device for s in manifest.segments} - {d.name for d in live})
+            split = _version_outcome(version_dir, out, samples)
+            missing = sorted({s.device for s in split.manifest.segments} - {d.name for d in live})
             if missing:
                 raise DeployError(f"devices of {version_dir.name} are not online: {missing}")
-            split = SplitOutcome(
-                manifest,
-                out,
-                dict(samples),
-                [{n: known[n] for n in s.inputs} for s in manifest.segments],
-                {o.name: known[o.name] for o in manifest.model.outputs},
-            )
-            command = DeployCommand(version_dir, model_id, objective)
+            # a version that carries its whole model (a merged LoRA run) re-plans from it
+            whole = version_dir / "model.onnx"
+            command = DeployCommand(whole if whole.is_file() else version_dir, model_id, objective)
             return self._install(command, plan_version, split, live)
 
     def _install(
@@ -311,6 +299,35 @@ class Deployer:
                 log.warning(
                     "could not unload plan %d from %s: %s", plan_version, address.device, exc
                 )
+
+
+def _version_outcome(version_dir: Path, out: Path, samples: Arrays) -> SplitOutcome:
+    """Run a cut version (copied to ``out``) here on ``samples``: warm-ups and the expected
+    answer. For a decoder (``sessions`` in the manifest) ``samples`` needs only ``input_ids``:
+    the health check is a one-shot prefill, as for :func:`split_and_run`."""
+    from coordinator.generation.feeds import health_feeds, state_names
+    from partitioner.errors import PartitionerError
+    from partitioner.verify import run_chain
+
+    try:
+        manifest = Manifest.from_json((out / "manifest.json").read_bytes())
+        files = [out / s.file for s in manifest.segments]
+        wire = dict(samples)
+        if manifest.sessions is not None:
+            wire, local = health_feeds(manifest, samples)
+            known = run_chain(files, local)
+        else:
+            known = run_chain(files, wire)
+    except (SchemaError, OSError, PartitionerError, KeyError) as exc:
+        raise DeployError(f"cannot read version {version_dir}: {exc}") from exc
+    state = state_names(manifest)
+    return SplitOutcome(
+        manifest,
+        out,
+        wire,
+        [{n: known[n] for n in s.inputs} for s in manifest.segments],
+        {o.name: known[o.name] for o in manifest.model.outputs if o.name not in state},
+    )
 
 
 def split_and_run(

@@ -52,6 +52,7 @@ from coordinator.errors import (
     WrongCodeError,
 )
 from coordinator.training.errors import (
+    LoraTargetError,
     NoTrainingTargetError,
     RunConflictError,
     TrainingError,
@@ -93,6 +94,7 @@ CATALOGUE: Final[tuple[tuple[type[CoordinatorError], HttpError], ...]] = (
     (RunConflictError, HttpError(409, INVALID, "training_run_conflict")),
     (UnknownRunError, HttpError(404, INVALID, "training_run_not_found")),
     (NoTrainingTargetError, HttpError(409, INVALID, "no_training_target")),
+    (LoraTargetError, HttpError(400, INVALID, "model_not_trainable", "model")),
     (TrainingError, HttpError(500, SERVER, "training_failed")),
     (CoordinatorError, HttpError(500, SERVER)),
 )

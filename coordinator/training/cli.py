@@ -12,6 +12,7 @@ and CA certificate are printed).
 from __future__ import annotations
 
 import argparse
+import os
 from collections.abc import Callable
 from pathlib import Path
 from typing import Any, NamedTuple
@@ -87,6 +88,13 @@ def register(subparsers: Any, reference_task: ReferenceTask | None = None) -> No
     )
     p.add_argument("--work-dir", type=Path, default=Path("fedshard-train"))
     p.add_argument("--timeout", type=float, default=1800.0, help="seconds before giving up")
+    served = p.add_argument_group("LoRA of a served decoder (through the coordinator's API)")
+    served.add_argument("--model", help="served model id: run a LoRA fine-tuning of it")
+    served.add_argument("--rank", type=int, default=8, help="LoRA rank (default 8)")
+    served.add_argument("--alpha", type=float, help="LoRA alpha (default twice the rank)")
+    served.add_argument("--first-layer", type=int, help="first adapted layer (default: middle)")
+    served.add_argument("--coordinator", default="http://127.0.0.1:8470", help="API URL")
+    served.add_argument("--token", default=os.environ.get("FEDSHARD_TOKEN"), help="API token")
     p.set_defaults(run=handler, reference_task=reference_task)
 
 
@@ -105,6 +113,10 @@ def handler(args: argparse.Namespace) -> int:
         console.print(f"[red]error:[/] {problem}")
         return 2
     try:
+        if args.model is not None:
+            from coordinator.training.cli_lora import train_served
+
+            return train_served(args, console)
         return _train(args, console)
     except CoordinatorError as exc:
         console.print(f"[red]error:[/] {exc}")
@@ -114,6 +126,8 @@ def handler(args: argparse.Namespace) -> int:
 def _check(args: argparse.Namespace) -> str | None:
     if args.rounds < 1:
         return "--rounds must be at least 1"
+    if args.model is not None:
+        return "--model runs on the coordinator's devices: no --version" if args.version else None
     if args.clip <= 0 or args.noise_multiplier < 0:
         return "--clip must be positive and --noise-multiplier not negative"
     if args.clients < 2 or (not args.no_secagg and args.clients < 3):
@@ -133,10 +147,9 @@ def _train(args: argparse.Namespace, console: Any) -> int:
     from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn
 
     from coordinator.training.driver import roll_out, run_training
-    from coordinator.training.flower import superlink
     from coordinator.training.local_agents import start_local_agents
     from coordinator.training.records import RoundMetrics, TrainingSettings
-    from coordinator.training.runner import paired_superlink
+    from coordinator.training.runner import authenticated_superlink, paired_superlink
     from coordinator.training.version import Version
     from coordinator.trust.ca import CertificateAuthority
     from coordinator.trust.pairing import Pairing
@@ -170,7 +183,9 @@ def _train(args: argparse.Namespace, console: Any) -> int:
     run_dir = work / "runs" / time_stamp()
     with ExitStack() as stack:
         if demo:
-            link = stack.enter_context(superlink(run_dir, ca, port=args.superlink_port))
+            link, node_keys = stack.enter_context(
+                authenticated_superlink(run_dir, ca, args.clients, args.superlink_port)
+            )
         else:
             keys = Pairing(args.state_dir, ca).node_keys()
             link = stack.enter_context(
@@ -183,7 +198,7 @@ def _train(args: argparse.Namespace, console: Any) -> int:
         if demo:
             budgets = args.budgets or [50_000] + [1 << 30] * (args.clients - 1)
             stack.enter_context(
-                start_local_agents(link, version_dir, task.client_dirs, budgets, run_dir)
+                start_local_agents(link, version_dir, task.client_dirs, budgets, run_dir, node_keys)
             )
         progress = stack.enter_context(
             Progress(

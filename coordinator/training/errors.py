@@ -8,7 +8,8 @@ CoordinatorError
     ├── RolloutError         a new version cannot be written
     ├── RunConflictError     a training run is already going (one at a time)
     ├── UnknownRunError      no training run has that id
-    └── NoTrainingTargetError  no training target is configured (409)
+    ├── NoTrainingTargetError  no training target is configured (409)
+    └── LoraTargetError      the named model cannot be fine-tuned with LoRA (400)
 """
 
 from __future__ import annotations
@@ -46,3 +47,8 @@ class UnknownRunError(TrainingError):
 
 class NoTrainingTargetError(TrainingError):
     """No training target is configured: the coordinator has nothing to fine-tune."""
+
+
+class LoraTargetError(TrainingError):
+    """The named served model cannot be fine-tuned with LoRA (not a fedshard decoder export,
+    a layer it does not have, an unknown target module)."""

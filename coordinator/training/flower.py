@@ -97,8 +97,11 @@ def issue_superlink_tls(ca: CertificateAuthority, out_dir: Path, host: str = HOS
     return files
 
 
-def write_app(app_dir: Path, secagg: bool) -> Path:
-    """Write the ``flwr run`` app: pyproject plus shims importing the installed apps."""
+def write_app(
+    app_dir: Path, secagg: bool, server_module: str = "coordinator.training.server_app"
+) -> Path:
+    """Write the ``flwr run`` app: pyproject plus shims importing the installed apps
+    (``server_module``'s ``app`` as the ServerApp)."""
     client = "secagg_app" if secagg else "plain_app"
     pyproject = f"""[build-system]
 requires = ["hatchling"]
@@ -128,7 +131,7 @@ run-file = ""
     pkg = app_dir / APP_PACKAGE
     write_atomic(pkg / "__init__.py", b'"""fedshard training app shim."""\n')
     write_atomic(
-        pkg / "server.py", b"from coordinator.training.server_app import app\n\n__all__ = ['app']\n"
+        pkg / "server.py", f"from {server_module} import app\n\n__all__ = ['app']\n".encode()
     )
     write_atomic(
         pkg / "client.py",
@@ -239,6 +242,24 @@ def superlink(
         yield SuperLink(port, flwr_home, tls, proc, log_path, host)
     finally:
         stop_tree(proc)
+
+
+def make_node_key(directory: Path) -> tuple[Path, Path]:
+    """A fresh node-authentication key pair (EC P-256, OpenSSH format) for a local SuperNode:
+    (private key path, mode 0600; public key path)."""
+    key = ec.generate_private_key(ec.SECP256R1())
+    private, public = directory / "node_auth_key", directory / "node_auth_key.pub"
+    pem = key.private_bytes(
+        serialization.Encoding.PEM,
+        serialization.PrivateFormat.OpenSSH,
+        serialization.NoEncryption(),
+    )
+    write_atomic(private, pem, mode=0o600)
+    text = key.public_key().public_bytes(
+        serialization.Encoding.OpenSSH, serialization.PublicFormat.OpenSSH
+    )
+    write_atomic(public, text + b"\n")
+    return private, public
 
 
 def register_supernode(link: SuperLink, public_key: Path, timeout_s: float = 60.0) -> None:

@@ -6,6 +6,7 @@ agent would run them, so the coordinator never imports :mod:`edge_agent`.
 
 from __future__ import annotations
 
+import os
 import subprocess
 import sys
 from collections.abc import Iterator, Sequence
@@ -24,9 +25,14 @@ def start_local_agents(
     data_dirs: Sequence[Path],
     budgets: Sequence[int],
     work_dir: Path,
+    auth_keys: Sequence[Path] = (),
 ) -> Iterator[list[subprocess.Popen[bytes]]]:
-    """Start one SuperNode per data dir; stop them all on exit."""
+    """Start one SuperNode per data dir (the ``i``-th authenticated with ``auth_keys[i]``,
+    when given); stop them all on exit."""
     procs: list[subprocess.Popen[bytes]] = []
+    keys: list[Path | None] = list(auth_keys) or [None] * len(data_dirs)
+    # each SuperNode gets its share of the cores, so that they do not oversubscribe them
+    threads = max(1, (os.cpu_count() or 1) // max(1, len(data_dirs)))
     try:
         for i, (data_dir, budget) in enumerate(zip(data_dirs, budgets, strict=True)):
             node_dir = work_dir / f"agent-{i}"
@@ -48,6 +54,9 @@ def start_local_agents(
                 "--budget-bytes",
                 str(budget),
             ]
+            if keys[i] is not None:
+                cmd += ["--auth-private-key", str(keys[i])]
+            cmd += ["--threads", str(threads)]
             try:
                 with (node_dir / "agent.log").open("wb") as log_file:
                     procs.append(

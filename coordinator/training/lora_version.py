@@ -15,8 +15,9 @@ import numpy as np
 
 from coordinator.training.records import Lineage, TrainingSettings
 from coordinator.training.rollout import Signer, write_version
-from coordinator.training.version import Version
+from coordinator.training.version import LINEAGE_FILE, Version
 from partitioner.lora import adapters_by_module, merged_initializers
+from protocols.errors import SchemaError
 from protocols.lora import LoraPlan
 
 
@@ -45,8 +46,10 @@ def write_lora_version(
     clients_per_round: list[int],
     epsilon: float | None,
     signer: Signer | None = None,
+    epsilon_per_device: dict[str, float] | None = None,
 ) -> Version:
-    """Write ``out_dir``: ``parent`` with the run's adapters merged, its lineage, its signature."""
+    """Write ``out_dir``: ``parent`` with the run's adapters merged, its lineage (with epsilon
+    summed over the runs of the parent's lineage), its signature."""
     weights = lora_weights(parent, plan, arrays)
     dp = plan.dp
     settings = TrainingSettings(
@@ -71,5 +74,19 @@ def write_lora_version(
         delta=dp.delta if dp and epsilon is not None else None,
         settings=settings,
         metrics=[],
+        epsilon_per_device=epsilon_per_device or {},
+        epsilon_total=_total_epsilon(parent, epsilon),
     )
     return write_version(parent, weights, lineage, out_dir, signer)
+
+
+def _total_epsilon(parent: Version, epsilon: float | None) -> float | None:
+    """This run's epsilon plus the parent's lineage total (a version no run wrote adds 0)."""
+    if epsilon is None:
+        return None
+    try:
+        prior = Lineage.from_json((parent.path / LINEAGE_FILE).read_bytes())
+    except (OSError, SchemaError):
+        return epsilon
+    before = prior.epsilon_total if prior.epsilon_total is not None else prior.epsilon
+    return epsilon + (before or 0.0)

@@ -14,6 +14,7 @@ import logging
 import threading
 import uuid
 from collections.abc import Callable
+from dataclasses import dataclass
 from typing import Protocol
 
 from coordinator.errors import CoordinatorError
@@ -24,6 +25,16 @@ log = logging.getLogger(__name__)
 
 CLOSE_TIMEOUT_S = 120.0
 """How long :meth:`TrainingRuns.close` waits for a stopped run to wind down."""
+
+
+@dataclass(frozen=True)
+class LoraSummary:
+    """What a finished LoRA run reports besides its rounds."""
+
+    baseline_loss: float | None
+    final_loss: float | None
+    epsilon_per_device: list[float]
+    trained_shard_bytes: int | None
 
 
 class RunReporter(Protocol):
@@ -38,6 +49,9 @@ class RunReporter(Protocol):
     def rollout(self, rollout: RunRollout) -> None:
         """A new version was written (and rolled out, where a deployment is served)."""
 
+    def summary(self, summary: LoraSummary) -> None:
+        """A LoRA run's held-out losses, each device's epsilon, the trained weights' size."""
+
 
 class Runner(Protocol):
     """Does one run, blocking; raises an exception whose text says what went wrong."""
@@ -51,9 +65,14 @@ class Runner(Protocol):
 class _Run:
     """One run's state; every change goes through the manager's lock."""
 
-    def __init__(self, run_id: str, lock: threading.Lock) -> None:
+    def __init__(self, run_id: str, lock: threading.Lock, request: TrainingRunRequest) -> None:
         self._lock = lock
-        self.status = RunStatus(run_id=run_id, status="starting")
+        self.status = RunStatus(
+            run_id=run_id,
+            status="starting",
+            model_id=request.model,
+            method=request.resolved_method,
+        )
 
     def _update(self, **fields: object) -> None:
         with self._lock:
@@ -72,6 +91,14 @@ class _Run:
             done = [*self.status.rollouts, rollout]
             self.status = self.status.model_copy(update={"rollouts": done})
 
+    def summary(self, summary: LoraSummary) -> None:
+        self._update(
+            baseline_loss=summary.baseline_loss,
+            final_loss=summary.final_loss,
+            epsilon_per_device=list(summary.epsilon_per_device),
+            trained_shard_bytes=summary.trained_shard_bytes,
+        )
+
     def end(self, state: RunState, error: str | None = None) -> None:
         self._update(status=state, error=error)
 
@@ -79,10 +106,13 @@ class _Run:
 class TrainingRuns:
     """Starts runs on a :class:`Runner`, keeps their status, and cleans up after them."""
 
-    def __init__(self, runner: Runner, ready: Callable[[], None] | None = None) -> None:
+    def __init__(
+        self, runner: Runner, ready: Callable[[TrainingRunRequest], None] | None = None
+    ) -> None:
         self._runner = runner
         self._ready = ready
-        """Raises when no run can start at all (no training target): checked by :meth:`start`."""
+        """Raises when the request cannot start (no training target, a model that is not
+        served or cannot be trained): checked by :meth:`start`, quickly, on the event loop."""
         self._lock = threading.Lock()
         self._runs: dict[str, _Run] = {}
         self._task: asyncio.Task[None] | None = None
@@ -91,13 +121,13 @@ class TrainingRuns:
     async def start(self, request: TrainingRunRequest) -> str:
         """Start a run in the background; raises RunConflictError while another is going."""
         if self._ready is not None:
-            self._ready()
+            self._ready(request)
         if self._task is not None and not self._task.done():
             raise RunConflictError("a training run is already going; wait for it to finish")
         if self._task is not None:
             await self._task  # finished: collect it
         run_id = uuid.uuid4().hex[:12]
-        run = _Run(run_id, self._lock)
+        run = _Run(run_id, self._lock, request)
         with self._lock:
             self._runs[run_id] = run
         self._stop = threading.Event()

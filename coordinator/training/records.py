@@ -81,3 +81,8 @@ class Lineage(FrozenModel):
     delta: float | None
     settings: TrainingSettings
     metrics: list[RoundMetrics]
+    epsilon_per_device: dict[str, NonNegativeFloat] = Field(default_factory=dict)
+    """LoRA runs: each device's record-level epsilon in this run (by SuperNode)."""
+    epsilon_total: NonNegativeFloat | None = None
+    """LoRA runs: epsilon summed over this run and every run of its ancestry (sequential
+    composition; each device's own total is at most this)."""

@@ -13,14 +13,20 @@ from __future__ import annotations
 import logging
 import threading
 from collections.abc import Callable, Iterator, Mapping
-from contextlib import AbstractContextManager, contextmanager
+from contextlib import AbstractContextManager, ExitStack, contextmanager
 from dataclasses import dataclass
 from pathlib import Path
 
 from coordinator.errors import CoordinatorError
 from coordinator.training.driver import run_training, write_trained_version
 from coordinator.training.errors import RolloutError, TrainingRunError
-from coordinator.training.flower import HOST, SuperLink, register_supernode, superlink
+from coordinator.training.flower import (
+    HOST,
+    SuperLink,
+    make_node_key,
+    register_supernode,
+    superlink,
+)
 from coordinator.training.local_agents import start_local_agents
 from coordinator.training.manager import RunReporter
 from coordinator.training.records import RoundMetrics, TrainingRecord, TrainingSettings
@@ -118,20 +124,42 @@ def run_round(metrics: RoundMetrics) -> RunRound:
     )
 
 
+@contextmanager
+def authenticated_superlink(
+    run_dir: Path, ca: CertificateAuthority, nodes: int, port: int = 0
+) -> Iterator[tuple[SuperLink, list[Path]]]:
+    """A SuperLink with node authentication and ``nodes`` fresh node keys registered with it:
+    (the SuperLink, the private key files for the local SuperNodes, one each)."""
+    with superlink(run_dir, ca, node_auth=True, port=port) as link:
+        keys = []
+        for i in range(nodes):
+            private, public = make_node_key(run_dir / f"agent-{i}" / "node-key")
+            register_supernode(link, public)
+            keys.append(private)
+        yield link, keys
+
+
 def local_federation(ca: CertificateAuthority, port: int = 0) -> Federation:
-    """A SuperLink on 127.0.0.1, plus one local SuperNode per data dir of the target."""
+    """A SuperLink on 127.0.0.1 with node authentication, plus one local SuperNode per data dir
+    of the target, each with its own registered key."""
 
     @contextmanager
     def start(run_dir: Path, target: TrainingTarget) -> Iterator[SuperLink]:
-        with superlink(run_dir, ca, port=port) as link:
-            if not target.data_dirs:
-                log.info("waiting for agents' SuperNodes on %s", link.address)
-                yield link
-                return
-            with start_local_agents(
-                link, target.version_dir, target.data_dirs, target.budgets, run_dir
-            ):
-                yield link
+        if not target.data_dirs:
+            raise TrainingRunError(
+                "the training target lists no client_data and no agents train here: start the "
+                "coordinator with --superlink-port so that the paired agents' SuperNodes join"
+            )
+        with ExitStack() as stack:
+            link, keys = stack.enter_context(
+                authenticated_superlink(run_dir, ca, len(target.data_dirs), port)
+            )
+            stack.enter_context(
+                start_local_agents(
+                    link, target.version_dir, target.data_dirs, target.budgets, run_dir, keys
+                )
+            )
+            yield link
 
     return start
 

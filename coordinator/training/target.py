@@ -16,6 +16,7 @@ new version directories.
 from __future__ import annotations
 
 import logging
+import os
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass, replace
 from pathlib import Path
@@ -27,8 +28,15 @@ from coordinator.config import AgentTrainingConfig
 from coordinator.deploy.deployer import Deployer
 from coordinator.deploy.store import DeploymentStore
 from coordinator.errors import NotServableError, UnknownModelError
-from coordinator.training.errors import NoTrainingTargetError, TrainingError
+from coordinator.training.errors import LoraTargetError, NoTrainingTargetError, TrainingError
 from coordinator.training.heldout import load_arrays
+from coordinator.training.lora_runner import LoraRunner, LoraTarget
+from coordinator.training.lora_target import (
+    DecoderPublisher,
+    MethodRunner,
+    local_lora_federation,
+    served_lora_target,
+)
 from coordinator.training.manager import RunReporter, TrainingRuns
 from coordinator.training.runner import (
     FlowerRunner,
@@ -95,6 +103,10 @@ def configured_target(
 ) -> TrainingTarget:
     """The target file's task, on the served deployment's active version when it is served."""
     spec, root = load_target(spec_file), spec_file.parent
+    if spec.version_dir is None or spec.test_file is None:
+        raise NoTrainingTargetError(
+            f"{spec_file} names no version_dir and test_file: only method lora runs here"
+        )
     version_dir = root / spec.version_dir
     model_id: str | None = spec.model_id
     try:
@@ -139,6 +151,7 @@ def coordinator_runs(
     store: DeploymentStore,
     target_file: Path | None,
     agents: PairedAgents | None = None,
+    model_cache: Path | None = None,
 ) -> TrainingRuns:
     """The training-run manager the coordinator's API serves (refusing runs without a target)."""
     if target_file is None:
@@ -154,12 +167,48 @@ def coordinator_runs(
         port = agents.config.superlink_port
         settings = RunnerSettings(superlink_port=port)
         federation = agent_federation(ca, port, agents.node_keys, agents.host)
-    publish = LivePublisher(deployer, store, target_file.parent / spec.test_file, ca.cert_pem)
+    test_file = target_file.parent / spec.test_file if spec.test_file else Path("-")
+    publish = LivePublisher(deployer, store, test_file, ca.cert_pem)
     runner = FlowerRunner(state_dir / "training", ca, target, settings, publish, federation)
-    return TrainingRuns(runner)
+    lora = lora_runner(state_dir, ca, deployer, store, spec, target_file.parent, model_cache)
+
+    def ready(request: TrainingRunRequest) -> None:
+        if request.resolved_method == "lora":
+            if agents is not None:
+                raise LoraTargetError("LoRA runs on paired agents' SuperNodes are not wired yet")
+            lora.resolve(str(request.model))
+
+    return TrainingRuns(MethodRunner(runner, lora), ready=ready)
 
 
-def _no_target() -> None:
+def lora_runner(
+    state_dir: Path,
+    ca: CertificateAuthority,
+    deployer: Deployer,
+    store: DeploymentStore,
+    spec: TrainingTargetSpec,
+    root: Path,
+    model_cache: Path | None,
+) -> LoraRunner:
+    """The runner of ``method: lora`` requests (see :mod:`coordinator.training.lora_target`)."""
+    from partitioner.decoders.cache import default_cache_dir
+
+    data = tuple(root / d for d in spec.text_client_data)
+
+    def resolve(model_id: str) -> LoraTarget:
+        return served_lora_target(model_id, state_dir, deployer, store, data, ())
+
+    return LoraRunner(
+        state_dir / "training",
+        ca,
+        resolve,
+        local_lora_federation(ca),
+        DecoderPublisher(deployer, store, ca.cert_pem),
+        model_cache or default_cache_dir(os.environ.get("FEDSHARD_CACHE")),
+    )
+
+
+def _no_target(request: TrainingRunRequest | None = None) -> None:
     raise NoTrainingTargetError(NO_TARGET)
 
 

@@ -65,6 +65,9 @@ class SuperNodeConfig:
     """Runtime API port on 127.0.0.1 (0: pick a free one)."""
     auth_private_key: Path | None = None
     """Node-authentication key registered with the SuperLink (OpenSSH EC key), if enabled."""
+    threads: int | None = None
+    """CPU threads of the training processes (``OMP_NUM_THREADS``); None: all cores. Several
+    SuperNodes on one machine each get a share, so that they do not oversubscribe the cores."""
 
 
 @dataclass
@@ -137,6 +140,8 @@ def start_supernode(config: SuperNodeConfig) -> SuperNodeProcess:
         FLWR_SUPEREXEC_TASK_POLL_INTERVAL=SUPEREXEC_POLL_S,
         PATH=os.pathsep.join([str(Path(sys.executable).parent), env.get("PATH", "")]),
     )
+    if config.threads is not None:
+        env["OMP_NUM_THREADS"] = env["MKL_NUM_THREADS"] = str(config.threads)
     log_path = config.work_dir / "supernode.log"
     try:
         with log_path.open("ab") as log_file:
@@ -255,6 +260,10 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--data-dir", type=Path, required=True)
     parser.add_argument("--work-dir", type=Path, required=True)
     parser.add_argument("--budget-bytes", type=int, default=1 << 30)
+    parser.add_argument(
+        "--auth-private-key", type=Path, help="node-authentication key (OpenSSH EC P-256)"
+    )
+    parser.add_argument("--threads", type=int, help="CPU threads of the training processes")
     args = parser.parse_args(argv)
     node = start_supernode(
         SuperNodeConfig(
@@ -264,6 +273,8 @@ def main(argv: list[str] | None = None) -> int:
             data_dir=args.data_dir,
             work_dir=args.work_dir,
             budget_bytes=args.budget_bytes,
+            auth_private_key=args.auth_private_key,
+            threads=args.threads,
         )
     )
 

@@ -182,6 +182,12 @@ FS.pages.training = {
       throw e;
     }
     FS.training.runs = list.runs;
+    let decoders = [];
+    try {
+      decoders = (await loadModels()).filter(m => m.active !== null && m.kind === "decoder");
+    } catch (e) { /* no served models to offer: the training target's task only */ }
+    fillSelect($("train-model"), [{value: "", label: "training target (digits task)"},
+      ...decoders.map(m => ({value: m.model_id, label: `${m.model_id} (LoRA)`}))], "");
     const options = [...list.runs].reverse().map(r => ({value: r.run_id,
       label: `${r.run_id} (${r.status}, ${r.rounds.length} round(s))`}));
     fillSelect($("train-run"), options, "no run yet");
@@ -195,6 +201,7 @@ FS.pages.training = {
       event.preventDefault();
       const body = {rounds: Number($("train-rounds").value), secure_aggregation:
         $("train-secagg").checked, dp: $("train-dp").checked};
+      if ($("train-model").value) Object.assign(body, {model: $("train-model").value, method: "lora"});
       guarded("train-status", "Starting…", async () => {
         const created = await api("POST", "/v1/training/runs", body);
         await FS.pages.training.refresh();
@@ -217,19 +224,22 @@ function renderRun(run) {
   const rounds = run.rounds;
   const last = rounds[rounds.length - 1];
   $("train-summary").innerHTML = `Run <strong>${esc(run.run_id)}</strong>: ${esc(run.status)},
-    ${rounds.length} round(s) done${last ? `, accuracy ${(last.accuracy * 100).toFixed(1)} %` : ""}.
+    ${run.model_id ? `LoRA of ${esc(run.model_id)}, ` : ""}${rounds.length} round(s) done${
+      last && last.accuracy !== null ? `, accuracy ${(last.accuracy * 100).toFixed(1)} %` : ""}${
+      run.final_loss != null ? `, held-out loss ${run.baseline_loss.toFixed(3)} → ${run.final_loss.toFixed(3)}` : ""}.
     ${run.error ? `<span class="error-text">${esc(run.error)}</span>` : ""}`;
   const by = f => rounds.map(r => [r.round, f(r)]);
   Charts.line($("train-loss"), [{name: "loss", points: by(r => r.loss)}], {empty: "waiting for round 1"});
-  Charts.line($("train-accuracy"), [{name: "accuracy", points: by(r => r.accuracy)}],
-    {yMin: 0, yMax: 1, empty: "waiting for round 1"});
+  const accuracy = by(r => r.accuracy).filter(p => p[1] !== null);
+  Charts.line($("train-accuracy"), [{name: "accuracy", points: accuracy}],
+    {yMin: 0, yMax: 1, empty: run.method === "lora" ? "a LoRA run reports loss" : "waiting for round 1"});
   const dp = rounds.some(r => r.epsilon !== null);
   Charts.line($("train-epsilon"), [{name: "epsilon", points: by(r => r.epsilon)}],
     {empty: dp || !rounds.length ? "waiting for round 1" : "no differential privacy in this run"});
   Charts.bars($("train-clients"), rounds.map(r => ({label: String(r.round), value: r.clients})));
   Charts.bars($("train-bytes"), rounds.map(r => ({label: String(r.round), value: r.bytes_uploaded / MB})));
   $("train-rounds-table").tBodies[0].innerHTML = rounds.map(r => `<tr><td>${r.round}</td>
-    <td>${r.loss.toFixed(4)}</td><td>${(r.accuracy * 100).toFixed(1)} %</td>
+    <td>${r.loss.toFixed(4)}</td><td>${r.accuracy === null ? "–" : (r.accuracy * 100).toFixed(1) + " %"}</td>
     <td>${r.epsilon === null ? "–" : r.epsilon.toFixed(2)}</td><td>${r.clients}</td>
     <td>${mb(r.bytes_uploaded)}</td><td>${r.seconds.toFixed(1)} s</td></tr>`).join("");
 }

@@ -1,0 +1,86 @@
+"""``fedshard train --model ID``: a LoRA run of a served decoder, through the coordinator's API.
+
+It posts ``{"model": ID, "method": "lora", ...}`` to ``POST /v1/training/runs`` of the running
+coordinator (``--coordinator URL``, ``--token`` or ``$FEDSHARD_TOKEN``), then follows the run and
+prints every round (held-out loss, epsilon, clients, upload) and the version it rolled out.
+"""
+
+from __future__ import annotations
+
+import argparse
+import time
+from typing import Any
+
+POLL_S = 2.0
+
+
+def lora_body(args: argparse.Namespace) -> dict[str, Any]:
+    """The request body of ``fedshard train --model``."""
+    lora: dict[str, Any] = {"rank": args.rank}
+    if args.alpha is not None:
+        lora["alpha"] = args.alpha
+    if args.first_layer is not None:
+        lora["first_layer"] = args.first_layer
+    return {
+        "rounds": args.rounds,
+        "model": args.model,
+        "method": "lora",
+        "secure_aggregation": not args.no_secagg,
+        "dp": args.noise_multiplier > 0,
+        "lora": lora,
+    }
+
+
+def train_served(args: argparse.Namespace, console: Any) -> int:
+    """Start the run and follow it to its end; the exit code."""
+    import httpx
+
+    headers = {"Authorization": f"Bearer {args.token}"} if args.token else {}
+    base = args.coordinator.rstrip("/")
+    try:
+        with httpx.Client(base_url=base, headers=headers, timeout=60, trust_env=False) as api:
+            started = api.post("/v1/training/runs", json=lora_body(args))
+            if started.status_code != 200:
+                console.print(f"[red]error ({started.status_code}):[/] {_detail(started)}")
+                return 1
+            run_id = started.json()["run_id"]
+            console.print(f"LoRA run [bold]{run_id}[/] of {args.model} started")
+            return _follow(api, run_id, console, time.monotonic() + args.timeout)
+    except httpx.HTTPError as exc:
+        console.print(f"[red]error:[/] cannot reach the coordinator at {base}: {exc}")
+        return 1
+
+
+def _follow(api: Any, run_id: str, console: Any, deadline: float) -> int:
+    shown = 0
+    while time.monotonic() < deadline:
+        status = api.get(f"/v1/training/runs/{run_id}").json()
+        for r in status["rounds"][shown:]:
+            eps = f", ε {r['epsilon']:.2f}" if r["epsilon"] is not None else ""
+            console.print(
+                f"round {r['round']}: held-out loss {r['loss']:.4f}{eps}, {r['clients']} clients, "
+                f"{r['bytes_uploaded']} B uploaded, {r['seconds']:.0f} s"
+            )
+        shown = len(status["rounds"])
+        if status["status"] == "failed":
+            console.print(f"[red]run failed:[/] {status['error']}")
+            return 1
+        if status["status"] == "finished":
+            console.print(
+                f"held-out loss {status['baseline_loss']:.4f} -> {status['final_loss']:.4f}; "
+                f"ε per device {status['epsilon_per_device']}"
+            )
+            for r in status["rollouts"]:
+                served = f"{r['model_id']} now serves {r['version']} (plan v{r['plan_version']})"
+                console.print(f"[green]{served}[/]")
+            return 0
+        time.sleep(POLL_S)
+    console.print(f"[red]error:[/] run {run_id} did not end in time")
+    return 1
+
+
+def _detail(response: Any) -> str:
+    try:
+        return str(response.json().get("detail"))
+    except ValueError:
+        return str(response.text)

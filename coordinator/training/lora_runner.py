@@ -1,0 +1,287 @@
+"""A federated LoRA run of a served decoder, end to end on the coordinator side.
+
+1. Plan: the served version's segments and the decoder's :class:`~.lora_plan.LoraBase` give
+   the :class:`~protocols.lora.LoraPlan` (:func:`~.lora_plan.build_plan`).
+2. Federation: a SuperLink with SuperNode authentication (and the local SuperNodes of the
+   target, each with its own registered key); ``flwr run`` of
+   :mod:`coordinator.training.lora_server_app`, whose record is followed round by round.
+3. A run that ends without an aggregate (or with an error) fails with the reason; nothing is
+   written or rolled out.
+4. The final adapters are merged (:func:`~.lora_version.write_lora_version`) into a new signed
+   version, which also carries the whole merged model (so a failover can re-plan it), its
+   ``decoder.json``, tokenizer and :data:`~.lora_plan.LORA_BASE_FILE`; the publisher verifies
+   the signature and rolls it out live.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+import shutil
+import threading
+import time
+from collections.abc import Callable
+from contextlib import AbstractContextManager
+from dataclasses import dataclass
+from pathlib import Path
+
+from coordinator.errors import CoordinatorError
+from coordinator.training.driver import secagg_parameters
+from coordinator.training.errors import RolloutError, TrainingRunError
+from coordinator.training.flower import SuperLink, ensure_alive, start_run, write_app
+from coordinator.training.lora_plan import LoraBase, LoraTuning, build_plan, lora_base
+from coordinator.training.lora_records import LoraRecord, LoraRunConfig
+from coordinator.training.lora_version import write_lora_version
+from coordinator.training.manager import LoraSummary, RunReporter
+from coordinator.training.rollout import next_version_dir
+from coordinator.training.server_app import load_weights
+from coordinator.training.version import MANIFEST_FILE, Version
+from coordinator.trust.ca import CertificateAuthority
+from hostkit.files import write_atomic
+from protocols.decoder import TOKENIZER_FILE
+from protocols.errors import SchemaError
+from protocols.lora import LoraPlan
+from protocols.manifest import Manifest
+from protocols.training import RunRollout, RunRound, TrainingRunRequest
+
+log = logging.getLogger(__name__)
+
+LORA_SERVER_MODULE = "coordinator.training.lora_server_app"
+POLL_S = 1.0
+
+
+@dataclass(frozen=True)
+class LoraTarget:
+    """The served decoder a LoRA run fine-tunes, and where its results go."""
+
+    model_id: str
+    version_dir: Path
+    """The served version's segments (``manifest.json`` plus segment files)."""
+    model_file: Path
+    """The whole model the served version was cut from (``decoder.json`` beside it)."""
+    tokenizer_file: Path
+    versions_root: Path
+    population: int
+    data_dirs: tuple[Path, ...] = ()
+    """Local SuperNodes to start, one per text data dir (empty: agents connect their own)."""
+    budgets: tuple[int, ...] = ()
+
+
+LoraFederation = Callable[[Path, Path, LoraTarget], AbstractContextManager[SuperLink]]
+"""Starts the SuperLink (and SuperNodes on the staged segments dir) of a run; stops them."""
+Publish = Callable[[str, Version], int]
+
+
+def stage_segments(version_dir: Path, tokenizer_file: Path, out: Path) -> Path:
+    """The segments dir the run's SuperNodes read: the served version's manifest and segments
+    (hard links where possible) and the tokenizer."""
+    out.mkdir(parents=True, exist_ok=True)
+    manifest = (version_dir / MANIFEST_FILE).read_bytes()
+    for entry in Manifest.from_json(manifest).segments:
+        _link_or_copy(version_dir / entry.file, out / entry.file)
+    write_atomic(out / MANIFEST_FILE, manifest)
+    _link_or_copy(tokenizer_file, out / TOKENIZER_FILE)
+    return out
+
+
+def _link_or_copy(src: Path, dst: Path) -> None:
+    dst.unlink(missing_ok=True)
+    try:
+        os.link(src, dst)
+    except OSError:
+        shutil.copyfile(src, dst)
+
+
+def follow(
+    link: SuperLink,
+    record_path: Path,
+    on_update: Callable[[LoraRecord], None],
+    timeout_s: float,
+    should_stop: Callable[[], bool],
+) -> LoraRecord:
+    """Poll the ServerApp's record until it is finished; raise with the reason otherwise."""
+    deadline = time.monotonic() + timeout_s
+    while True:
+        ensure_alive(link.process, "flower-superlink", link.log_path)
+        record = _read(record_path)
+        if record is not None:
+            on_update(record)
+            if record.error is not None:
+                raise TrainingRunError(record.error)
+            if record.finished:
+                return record
+        if should_stop():
+            raise TrainingRunError("the run was stopped")
+        if time.monotonic() > deadline:
+            raise TrainingRunError(f"the run did not finish within {timeout_s:.0f} s")
+        time.sleep(POLL_S)
+
+
+def _read(path: Path) -> LoraRecord | None:
+    try:
+        return LoraRecord.from_json(path.read_bytes())
+    except FileNotFoundError:
+        return None
+    except (OSError, SchemaError) as exc:
+        raise TrainingRunError(f"unreadable LoRA record {path}: {exc}") from exc
+
+
+def run_round(record: LoraRecord, k: int) -> RunRound:
+    """Round ``k`` (0-based) as the API shows it: the held-out loss after it (the next round's
+    starting loss, or the final evaluation after the last), summed upload, largest epsilon."""
+    r = record.rounds[k]
+    after = record.rounds[k + 1].held_out_loss if k + 1 < len(record.rounds) else None
+    loss = after if after is not None else record.final_loss
+    return RunRound(
+        round=r.round,
+        loss=float(loss if loss is not None else r.held_out_loss or 0.0),
+        accuracy=None,
+        epsilon=max(r.epsilon.values()) if r.epsilon else None,
+        clients=r.clients,
+        bytes_uploaded=round(r.upload_bytes_per_client * r.clients),
+        seconds=r.seconds,
+    )
+
+
+def start_lora_run(
+    link: SuperLink, run_dir: Path, plan: LoraPlan, request: TrainingRunRequest, population: int,
+    stage_timeout_s: float,
+) -> LoraRunConfig:  # fmt: skip
+    """Write the plan and run file, ``flwr run`` the LoRA ServerApp; the run file's config."""
+    shares, threshold = secagg_parameters(population)
+    plan_file = run_dir / "plan.json"
+    write_atomic(plan_file, plan.to_json().encode())
+    cfg = LoraRunConfig(
+        plan_file=str(plan_file.resolve()),
+        record_file=str((run_dir / "record.json").resolve()),
+        weights_file=str((run_dir / "adapters.npz").resolve()),
+        rounds=request.rounds,
+        secagg=request.secure_aggregation,
+        num_shares=shares,
+        reconstruction_threshold=threshold,
+        stage_timeout_s=stage_timeout_s,
+        min_clients=population,
+    )
+    run_file = run_dir / "run.json"
+    write_atomic(run_file, cfg.to_json().encode())
+    Path(cfg.record_file).unlink(missing_ok=True)
+    app = write_app(run_dir / "app", request.secure_aggregation, LORA_SERVER_MODULE)
+    run_id = start_run(link, app, run_file.resolve())
+    log.info("LoRA run %d started (%d adapters)", run_id, len(plan.adapters))
+    return cfg
+
+
+class _RoundReports:
+    """Reports each round once its after-loss is known (the next round's, or the final one)."""
+
+    def __init__(self, report: RunReporter) -> None:
+        self.report = report
+        self.sent = 0
+
+    def update(self, record: LoraRecord) -> None:
+        ready = len(record.rounds) if record.finished else len(record.rounds) - 1
+        for k in range(self.sent, max(ready, 0)):
+            self.report.round(run_round(record, k))
+        self.sent = max(self.sent, ready)
+
+
+class LoraRunner:
+    """Runs a ``method: lora`` :class:`TrainingRunRequest` (see the module doc)."""
+
+    def __init__(
+        self,
+        work_dir: Path,
+        ca: CertificateAuthority,
+        resolve: Callable[[str], LoraTarget],
+        federation: LoraFederation,
+        publish: Publish | None,
+        model_cache: Path,
+        tuning: LoraTuning | None = None,
+        timeout_s: float = 3600.0,
+        stage_timeout_s: float = 600.0,
+    ) -> None:
+        self.work_dir = work_dir
+        self.ca = ca
+        self.resolve = resolve
+        self.federation = federation
+        self.publish = publish
+        self.model_cache = model_cache
+        self.tuning = tuning or LoraTuning()
+        self.timeout_s = timeout_s
+        self.stage_timeout_s = stage_timeout_s
+
+    def run(
+        self, run_id: str, request: TrainingRunRequest, report: RunReporter, stop: threading.Event
+    ) -> None:
+        """One run, blocking."""
+        if request.model is None:
+            raise TrainingRunError("a LoRA run needs a served model")
+        target = self.resolve(request.model)
+        if request.secure_aggregation and target.population < 3:
+            raise TrainingRunError("secure aggregation needs at least 3 clients")
+        base = lora_base(target.model_file, self.work_dir / "lora-base", self.model_cache)
+        plan = build_plan(
+            run_id, target.version_dir, target.tokenizer_file, base, request.lora, request.dp,
+            self.tuning,
+        )  # fmt: skip
+        run_dir = self.work_dir / "runs" / run_id
+        segments = stage_segments(target.version_dir, target.tokenizer_file, run_dir / "segments")
+        rounds = _RoundReports(report)
+        with self.federation(run_dir, segments, target) as link:
+            report.running(None)
+            cfg = start_lora_run(
+                link, run_dir, plan, request, target.population, self.stage_timeout_s
+            )
+            record = follow(link, Path(cfg.record_file), rounds.update, self.timeout_s,
+                            stop.is_set)  # fmt: skip
+        rounds.update(record)
+        trained = max((r.trained_shard_bytes for r in record.rounds), default=None)
+        report.summary(
+            LoraSummary(
+                baseline_loss=record.baseline_loss,
+                final_loss=record.final_loss,
+                epsilon_per_device=record.epsilon_per_device,
+                trained_shard_bytes=None if trained is None else round(trained),
+            )
+        )
+        self.roll_out(target, plan, base, record, Path(cfg.weights_file), report)
+
+    def roll_out(
+        self,
+        target: LoraTarget,
+        plan: LoraPlan,
+        base: LoraBase,
+        record: LoraRecord,
+        weights_file: Path,
+        report: RunReporter,
+    ) -> None:
+        """Merge, sign, and roll the new version out (see the module doc)."""
+        from coordinator.training.lora_whole import write_whole_model
+
+        parent = Version.load(target.version_dir)
+        out = next_version_dir(target.versions_root)
+        eps = record.epsilon_per_device
+        arrays = load_weights(weights_file)
+        version = write_lora_version(
+            parent, plan, arrays, out, rounds=len(record.rounds),
+            clients_per_round=[r.clients for r in record.rounds],
+            epsilon=max(eps) if eps else None, signer=self.ca,
+            epsilon_per_device=record.rounds[-1].epsilon if record.rounds else None,
+        )  # fmt: skip
+        write_whole_model(target.model_file, plan, base, arrays, out)
+        plan_version = None
+        if self.publish is not None:
+            try:
+                plan_version = self.publish(target.model_id, version)
+            except CoordinatorError as exc:
+                raise RolloutError(
+                    f"rolling {version.name} out to {target.model_id} failed: {exc}"
+                ) from exc
+        report.rollout(
+            RunRollout(
+                round=len(record.rounds),
+                version=version.name,
+                model_id=target.model_id,
+                plan_version=plan_version,
+            )
+        )

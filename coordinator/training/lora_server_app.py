@@ -1,0 +1,220 @@
+"""The Flower ServerApp of federated LoRA: FedAvg over the adapters, under SecAgg+.
+
+``flwr run`` starts it in the SuperLink's ``flwr-serverapp`` process; its run-config key
+``run-file`` names a :class:`~coordinator.training.lora_records.LoraRunConfig`. Every fit
+instruction carries the :class:`~protocols.lora.LoraPlan` (``fedshard-lora-plan``); the arrays
+that travel are the adapters only. Record-level DP is the clients' (Opacus DP-SGD, each device's
+RDP accountant): the server adds no noise, and under SecAgg+ sees only the sum. Every round's
+record carries each device's epsilon, the held-out loss of the adapters the round started from
+and the upload size; after the last round the clients evaluate the final adapters.
+
+A round that no client finished (or whose secure aggregation did not complete) ends the run
+with the reason in the record; nothing is saved, so nothing can be rolled out.
+"""
+
+from __future__ import annotations
+
+import logging
+import time
+from pathlib import Path
+
+import numpy as np
+from flwr.app import Context
+from flwr.common import (
+    EvaluateIns,
+    EvaluateRes,
+    FitIns,
+    FitRes,
+    Parameters,
+    Scalar,
+    ndarrays_to_parameters,
+    parameters_to_ndarrays,
+)
+from flwr.server import LegacyContext, ServerConfig
+from flwr.server.client_manager import ClientManager
+from flwr.server.client_proxy import ClientProxy
+from flwr.server.strategy import FedAvg
+from flwr.server.workflow import DefaultWorkflow, SecAggPlusWorkflow
+from flwr.serverapp import Grid, ServerApp
+
+from coordinator.training.errors import TrainingRunError
+from coordinator.training.lora_records import LoraRecord, LoraRound, LoraRunConfig, token_weighted
+from coordinator.training.server_app import RUN_FILE_KEY, save_weights
+from coordinator.training.strategy import failure_reasons
+from partitioner.lora import initial_adapters
+from protocols.lora import (
+    LORA_PLAN_KEY,
+    METRIC_EPSILON,
+    METRIC_HELD_OUT_LOSS,
+    METRIC_HELD_OUT_TOKENS,
+    METRIC_TRAINED_BYTES,
+    LoraPlan,
+)
+from protocols.training import METRIC_LOSS, METRIC_UPLOAD_BYTES
+
+log = logging.getLogger(__name__)
+
+Failures = list[tuple[ClientProxy, FitRes] | BaseException]
+
+
+def round_of(
+    server_round: int, results: list[tuple[ClientProxy, FitRes]], failures: int, seconds: float
+) -> LoraRound:
+    """The recorded round from the clients' fit metrics."""
+    metrics = [(str(proxy.node_id), res.metrics) for proxy, res in results]
+    held, tokens = token_weighted(
+        [
+            (float(m[METRIC_HELD_OUT_LOSS]), int(m[METRIC_HELD_OUT_TOKENS]))
+            for _, m in metrics
+            if METRIC_HELD_OUT_LOSS in m and METRIC_HELD_OUT_TOKENS in m
+        ]
+    )
+    train = [float(m[METRIC_LOSS]) for _, m in metrics if METRIC_LOSS in m]
+    uploads = [float(m.get(METRIC_UPLOAD_BYTES, 0.0)) for _, m in metrics]
+    return LoraRound(
+        round=server_round,
+        clients=len(results),
+        failures=failures,
+        held_out_loss=held,
+        held_out_tokens=tokens,
+        train_loss=float(np.mean(train)) if train else None,
+        epsilon={n: float(m[METRIC_EPSILON]) for n, m in metrics if METRIC_EPSILON in m},
+        upload_bytes_per_client=float(np.mean(uploads)) if uploads else 0.0,
+        trained_shard_bytes=max((float(m.get(METRIC_TRAINED_BYTES, 0.0)) for _, m in metrics)),
+        seconds=seconds,
+    )
+
+
+class LoraFedAvg(FedAvg):
+    """FedAvg over the adapters that records every round and fails the run on an empty one."""
+
+    def __init__(self, plan: LoraPlan, cfg: LoraRunConfig, record_path: Path | None) -> None:
+        plan_json = plan.model_dump_json()
+        initial = initial_adapters(plan.adapters, plan.lora.rank, cfg.seed)
+        super().__init__(
+            fraction_fit=1.0,
+            fraction_evaluate=1.0,
+            min_fit_clients=cfg.min_clients,
+            min_available_clients=cfg.min_clients,
+            min_evaluate_clients=1,
+            initial_parameters=ndarrays_to_parameters(initial),
+            on_fit_config_fn=lambda rnd: {LORA_PLAN_KEY: plan_json, "round": rnd},
+            on_evaluate_config_fn=lambda rnd: {LORA_PLAN_KEY: plan_json, "round": rnd},
+            accept_failures=True,
+        )
+        self.cfg = cfg
+        self.record = LoraRecord()
+        self.record_path = record_path
+        self.started = time.monotonic()
+        self.latest: list[np.ndarray] = initial
+        self._save()
+
+    def _save(self) -> None:
+        if self.record_path is not None:
+            self.record.save(self.record_path)
+
+    def fail(self, reason: str) -> TrainingRunError:
+        """Record ``reason`` as the run's error; the exception to raise."""
+        self.record = self.record.model_copy(update={"error": reason})
+        self._save()
+        return TrainingRunError(reason)
+
+    def check_recorded(self, server_round: int) -> None:
+        """Raise unless round ``server_round`` was aggregated (SecAgg+ may end a round early)."""
+        if server_round > 0 and len(self.record.rounds) < server_round:
+            raise self.fail(
+                f"round {server_round} produced no aggregate (too few clients finished it)"
+            )
+
+    def configure_fit(
+        self, server_round: int, parameters: Parameters, client_manager: ClientManager
+    ) -> list[tuple[ClientProxy, FitIns]]:
+        """Refuse to go on after a round that ended without an aggregate."""
+        self.check_recorded(server_round - 1)
+        self.started = time.monotonic()
+        return super().configure_fit(server_round, parameters, client_manager)
+
+    def aggregate_fit(
+        self, server_round: int, results: list[tuple[ClientProxy, FitRes]], failures: Failures
+    ) -> tuple[Parameters | None, dict[str, Scalar]]:
+        """Average the adapters and record the round; no successful client fails the run."""
+        if not results:
+            raise self.fail(
+                f"round {server_round}: {len(results)} client(s) succeeded; "
+                f"failures: {failure_reasons(failures)}"
+            )
+        params, metrics = super().aggregate_fit(server_round, results, failures)
+        if params is None:
+            raise self.fail(f"round {server_round}: no aggregate")
+        self.latest = parameters_to_ndarrays(params)
+        seconds = time.monotonic() - self.started
+        done = round_of(server_round, results, len(failures), seconds)
+        self.record = self.record.model_copy(update={"rounds": [*self.record.rounds, done]})
+        self._save()
+        log.info("round %d: held-out loss %s, epsilon %s", server_round, done.held_out_loss,
+                 done.epsilon)  # fmt: skip
+        return params, metrics
+
+    def configure_evaluate(
+        self, server_round: int, parameters: Parameters, client_manager: ClientManager
+    ) -> list[tuple[ClientProxy, EvaluateIns]]:
+        """Only the final adapters are evaluated (every round's fit reports the loss before)."""
+        if server_round < self.cfg.rounds:
+            return []
+        return super().configure_evaluate(server_round, parameters, client_manager)
+
+    def aggregate_evaluate(
+        self,
+        server_round: int,
+        results: list[tuple[ClientProxy, EvaluateRes]],
+        failures: list[tuple[ClientProxy, EvaluateRes] | BaseException],
+    ) -> tuple[float | None, dict[str, Scalar]]:
+        """Record the final adapters' token-weighted held-out loss."""
+        loss, tokens = token_weighted([(r.loss, r.num_examples) for _, r in results])
+        self.record = self.record.model_copy(update={"final_loss": loss, "final_tokens": tokens})
+        self._save()
+        return loss, {}
+
+    def evaluate(
+        self, server_round: int, parameters: Parameters
+    ) -> tuple[float, dict[str, Scalar]] | None:
+        """No server-side evaluation: the held-out text stays on the devices."""
+        return None
+
+
+def workflow_for(cfg: LoraRunConfig) -> DefaultWorkflow:
+    """The legacy workflow, with SecAgg+ over the fit replies when the run asks for it."""
+    if not cfg.secagg:
+        return DefaultWorkflow()
+    return DefaultWorkflow(
+        fit_workflow=SecAggPlusWorkflow(
+            num_shares=cfg.num_shares,
+            reconstruction_threshold=cfg.reconstruction_threshold,
+            max_weight=1000.0,
+            timeout=cfg.stage_timeout_s,
+        )
+    )
+
+
+app = ServerApp()
+
+
+@app.main()
+def main(grid: Grid, context: Context) -> None:
+    """Run the configured rounds, then save the final adapters (``.npz``)."""
+    cfg = LoraRunConfig.from_json(Path(str(context.run_config[RUN_FILE_KEY])).read_bytes())
+    plan = LoraPlan.from_json(Path(cfg.plan_file).read_bytes())
+    strategy = LoraFedAvg(plan, cfg, Path(cfg.record_file))
+    legacy = LegacyContext(
+        context=context, config=ServerConfig(num_rounds=cfg.rounds), strategy=strategy
+    )
+    try:
+        workflow_for(cfg)(grid, legacy)
+        strategy.check_recorded(cfg.rounds)
+    except TrainingRunError:
+        raise
+    except Exception as exc:
+        raise strategy.fail(f"the run failed: {type(exc).__name__}: {exc}") from exc
+    save_weights(Path(cfg.weights_file), strategy.latest)
+    strategy.record = strategy.record.model_copy(update={"finished": True})
+    strategy._save()

@@ -1,0 +1,127 @@
+"""LoRA runs of the coordinator's served decoders: which version, which devices, and rollout.
+
+``POST /v1/training/runs {"model": ID, "method": "lora"}`` fine-tunes the active version of
+served model ``ID`` (a decoder exported by ``fedshard export``). Its devices are the local
+SuperNodes of the training target's ``text_client_data`` (one per directory of text records);
+each SuperNode has its own node key, registered with the run's SuperLink, which admits no other
+node. The new version is verified (its manifest signature, against fedshard's CA) and rolled out
+live through the deployer; ``rollback`` returns to the version it was trained from.
+"""
+
+from __future__ import annotations
+
+import logging
+import threading
+from collections.abc import Iterator
+from contextlib import ExitStack, contextmanager
+from pathlib import Path
+
+from coordinator.deploy.deployer import Deployer
+from coordinator.deploy.store import DeploymentStore
+from coordinator.training.errors import LoraTargetError
+from coordinator.training.flower import SuperLink
+from coordinator.training.lora_runner import LoraFederation, LoraTarget
+from coordinator.training.manager import Runner, RunReporter
+from coordinator.training.version import Version
+from coordinator.trust.ca import CertificateAuthority
+from protocols.decoder import INPUT_IDS, MODEL_FILE, TOKENIZER_FILE
+from protocols.training import TrainingRunRequest
+
+log = logging.getLogger(__name__)
+
+HEALTH_PROMPT = (2, 3, 5, 7, 11, 13)
+"""Token ids of the prefill a rolled-out decoder version is health-checked with."""
+
+
+def served_lora_target(
+    model_id: str,
+    state_dir: Path,
+    deployer: Deployer,
+    store: DeploymentStore,
+    data_dirs: tuple[Path, ...],
+    budgets: tuple[int, ...],
+) -> LoraTarget:
+    """The active version of served decoder ``model_id``; UnknownModelError (404) when it is
+    not served, LoraTargetError (400) when it is no decoder or no device holds text."""
+    active = store.active(model_id)
+    version_dir = deployer.segment_dir(model_id, active.plan_version)
+    source = Path(active.source)
+    model_file = source / MODEL_FILE if source.is_dir() else source
+    if not model_file.is_file():
+        raise LoraTargetError(f"{model_id}: its model file {model_file} is gone")
+    record = store.model(model_id)
+    tok_dir = Path(record.tokenizer_dir) if record.tokenizer_dir else model_file.parent
+    if not data_dirs:
+        raise LoraTargetError(
+            "no device holds text records: list text_client_data in the training target"
+        )
+    return LoraTarget(
+        model_id=model_id,
+        version_dir=version_dir,
+        model_file=model_file,
+        tokenizer_file=tok_dir / TOKENIZER_FILE,
+        versions_root=state_dir / "training" / "versions" / model_id,
+        population=len(data_dirs),
+        data_dirs=data_dirs,
+        budgets=budgets or tuple(1 << 30 for _ in data_dirs),
+    )
+
+
+class DecoderPublisher:
+    """Rolls a LoRA version out to its served decoder: signature verified, then deployed."""
+
+    def __init__(self, deployer: Deployer, store: DeploymentStore, ca_cert_pem: bytes) -> None:
+        self.deployer = deployer
+        self.store = store
+        self.ca_cert_pem = ca_cert_pem
+
+    def __call__(self, model_id: str, version: Version) -> int:
+        """Verify, deploy beside the live version, health-check, switch; the plan version."""
+        import numpy as np
+
+        from coordinator.training.rollout import verify_signature
+
+        verify_signature(version.path, self.ca_cert_pem)
+        samples = {INPUT_IDS: np.asarray([HEALTH_PROMPT], dtype=np.int64)}
+        objective = self.store.active(model_id).objective
+        record = self.deployer.deploy_version(model_id, version.path, samples, objective)
+        return record.plan_version
+
+
+def local_lora_federation(ca: CertificateAuthority) -> LoraFederation:
+    """A SuperLink with node authentication and one authenticated local SuperNode per text
+    data dir of the target."""
+    from coordinator.training.local_agents import start_local_agents
+    from coordinator.training.runner import authenticated_superlink
+
+    @contextmanager
+    def start(run_dir: Path, segments: Path, target: LoraTarget) -> Iterator[SuperLink]:
+        with ExitStack() as stack:
+            link, keys = stack.enter_context(
+                authenticated_superlink(run_dir, ca, len(target.data_dirs))
+            )
+            stack.enter_context(
+                start_local_agents(link, segments, target.data_dirs, target.budgets, run_dir, keys)
+            )
+            yield link
+
+    return start
+
+
+class MethodRunner:
+    """Sends ``lora`` requests to one runner and everything else to another."""
+
+    def __init__(self, shards: Runner, lora: Runner | None) -> None:
+        self.shards = shards
+        self.lora = lora
+
+    def run(
+        self, run_id: str, request: TrainingRunRequest, report: RunReporter, stop: threading.Event
+    ) -> None:
+        """Run ``request`` on the runner of its method."""
+        if request.resolved_method != "lora":
+            self.shards.run(run_id, request, report, stop)
+            return
+        if self.lora is None:
+            raise LoraTargetError("this coordinator runs no LoRA fine-tuning")
+        self.lora.run(run_id, request, report, stop)
