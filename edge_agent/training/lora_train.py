@@ -245,25 +245,27 @@ def evaluate_lora(
     plan: LoraPlan, arrays: list[np.ndarray], settings: LocalSettings
 ) -> tuple[float, int]:
     """(mean token loss, tokens) of the model with ``arrays`` on this device's held-out records."""
-    from edge_agent.training.lora_loop import held_out_loss
+    from edge_agent.training.lora_loop import held_out_loss, train_threads
 
-    ready = prepare(plan, arrays, settings)
-    held = ready.held_out
-    return held_out_loss(ready.tail, *(held if held is not None else (None, None)))
+    with train_threads():
+        ready = prepare(plan, arrays, settings)
+        held = ready.held_out
+        return held_out_loss(ready.tail, *(held if held is not None else (None, None)))
 
 
 def train_lora(
     plan: LoraPlan, arrays: list[np.ndarray], settings: LocalSettings, seed: int, round_number: int
 ) -> LoraResult:
     """One round on this device; returns the adapters after local training (see module doc)."""
-    from edge_agent.training.lora_loop import held_out_loss, run_epochs
+    from edge_agent.training.lora_loop import held_out_loss, run_epochs, train_threads
     from edge_agent.training.lora_model import get_adapters
 
-    ready = prepare(plan, arrays, settings)
-    held = ready.held_out if ready.held_out is not None else (None, None)
-    before = held_out_loss(ready.tail, *held)
-    loop = run_epochs(ready.tail, plan, *ready.train, seed, settings.cache_dir, round_number)
-    after = held_out_loss(ready.tail, *held)
+    with train_threads():
+        ready = prepare(plan, arrays, settings)
+        held = ready.held_out if ready.held_out is not None else (None, None)
+        before = held_out_loss(ready.tail, *held)
+        loop = run_epochs(ready.tail, plan, *ready.train, seed, settings.cache_dir, round_number)
+        after = held_out_loss(ready.tail, *held)
     return LoraResult(
         arrays=get_adapters(ready.pairs),
         examples=ready.examples,
