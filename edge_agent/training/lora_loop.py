@@ -166,11 +166,11 @@ def run_epochs(
     model.eval()
     epsilon = None
     if engine is not None and plan.dp is not None:
-        epsilon = _compose(engine, plan, cache_dir, round_number)
+        epsilon = compose_epsilon(engine, plan, cache_dir, round_number)
     return LoopResult(loss_sum / max(seen, 1), epsilon)
 
 
-def _compose(engine: object, plan: LoraPlan, cache_dir: Path, round_number: int) -> float:
+def compose_epsilon(engine: object, plan: LoraPlan, cache_dir: Path, round_number: int) -> float:
     """Store this round's accountant history; epsilon over every stored round of the run."""
     from opacus.accountants import RDPAccountant
 
