@@ -205,10 +205,12 @@ def run_rounds(
     *,
     domains: Sequence[Sequence[str]] = DOMAINS,
     seed: int = 0,
+    pooled: bool = False,
 ) -> LabRun:
     """One device per ``domains`` entry (its first ``per_device`` synsets of each domain),
     ``rounds`` FedAvg rounds of their real clients. ``seed`` picks the round-one adapters and
-    the clients' shuffles and noise."""
+    the clients' shuffles and noise; ``pooled`` puts every share's records on one client (the
+    centralized baseline: the same records, train and held out, as the federated run's)."""
     import time
 
     from devtools.wordnet import write_shares
@@ -217,6 +219,8 @@ def run_rounds(
 
     pairs = setup.plan.objective == "contrastive"
     dirs = write_shares(work_dir / "data", domains, per_device=per_device, pairs=pairs)
+    if pooled:
+        dirs = [_pool(dirs, work_dir / "data" / "pooled")]
     clients = [
         ShardClient(
             LocalSettings(setup.version_dir, d, work_dir / f"cache-{i}", 1 << 30), 1000 * seed + i
@@ -236,6 +240,13 @@ def run_rounds(
         arrays = fedavg([a for a, _, _ in replies], [w for _, w, _ in replies])
     final = [c.evaluate(arrays, plan_config(setup.plan, 0)) for c in clients]
     return LabRun(setup, dirs, baseline, replies_per_round, final, arrays, seconds)
+
+
+def _pool(dirs: Sequence[Path], out: Path) -> Path:
+    out.mkdir(parents=True, exist_ok=True)
+    text = "".join((d / "wordnet.jsonl").read_text(encoding="utf-8") for d in dirs)
+    (out / "wordnet.jsonl").write_text(text, encoding="utf-8")
+    return out
 
 
 def main(argv: list[str] | None = None) -> int:

@@ -94,12 +94,13 @@ def test_opacus_sums_the_anchor_and_positive_passes_into_one_gradient_per_pair()
     am, pm = torch.ones(5, 4, dtype=torch.int64), torch.ones(5, 6, dtype=torch.int64)
     pm[:, 4:] = 0
     losses = ranking_losses(embed(model, a, am), embed(model, p, pm), 20.0)
-    losses.mean().backward()
+    losses.mean().backward()  # type: ignore[no-untyped-call]
     trained = [q for q in tail.parameters() if q.requires_grad]
     assert trained
     for q in trained:
-        assert q.grad_sample.shape[0] == 5, "one per-sample gradient per pair, not per pass"
-        torch.testing.assert_close(q.grad_sample.mean(dim=0), q.grad, atol=1e-6, rtol=1e-4)
+        per_pair = q.grad_sample  # type: ignore[attr-defined]
+        assert per_pair.shape[0] == 5, "one per-sample gradient per pair, not per pass"
+        torch.testing.assert_close(per_pair.mean(dim=0), q.grad, atol=1e-6, rtol=1e-4)
 
 
 def test_wordnet_pairs_leave_the_quoted_examples_out_of_the_positive() -> None:

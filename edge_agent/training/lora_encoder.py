@@ -50,7 +50,8 @@ class EncoderTail(nn.Module):
         self.first_layer = first_layer
         with torch.device("meta"):
             self.layers = nn.ModuleList(
-                BertLayer(config, layer_idx=i) for i in range(first_layer, config.num_hidden_layers)
+                BertLayer(config, layer_idx=i)  # type: ignore[no-untyped-call]
+                for i in range(first_layer, config.num_hidden_layers)
             )
 
     def forward(self, hidden: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:

@@ -50,7 +50,8 @@ def encode(texts: tuple[str, ...], tokenizer_path: Path, max_tokens: int) -> Any
 
 def _mask(tokens: Any) -> np.ndarray:
     width = tokens.ids.shape[1]
-    return (np.arange(width)[None, :] < tokens.lengths[:, None]).astype(np.int64)
+    mask: np.ndarray = (np.arange(width)[None, :] < tokens.lengths[:, None]).astype(np.int64)
+    return mask
 
 
 @dataclass
