@@ -101,7 +101,8 @@ def run_mode(name: str, args: argparse.Namespace, seed: int, work: Path) -> LabR
     )
     setup = lora_setup(
         export_dir(args.model), version, model, args.first_layer, dp=dp, run=f"bench-{seed}",
-        max_tokens=24, batch_size=16, learning_rate=0.02, local_epochs=args.local_epochs,
+        max_tokens=24, batch_size=args.batch_size, learning_rate=0.02,
+        local_epochs=args.local_epochs,
     )  # fmt: skip
     return run_rounds(
         setup, work, args.rounds, args.per_device, seed=seed, pooled=name == "centralized"
@@ -194,6 +195,7 @@ def report(args: argparse.Namespace, modes: list[ModeRuns], console: Console) ->
     command = (
         f"`.venv/bin/python bench/federated.py --rounds {args.rounds} --seeds {args.seeds} "
         f"--per-device {args.per_device} --local-epochs {args.local_epochs} "
+        f"--batch-size {args.batch_size} "
         f"--noise-multiplier {args.noise_multiplier}`"
     )
     lines = [
@@ -202,8 +204,9 @@ def report(args: argparse.Namespace, modes: list[ModeRuns], console: Console) ->
         f"{command} — {args.model} exported and split by the planner, layers "
         f"{args.first_layer}.. adapted (rank 4, alpha 8), three devices with one WordNet domain "
         f"each ({', '.join(d for s in DOMAINS for d in s)}; first {args.per_device} synsets "
-        f"each, chat records), {args.local_epochs} local epochs per round, Adam lr 0.02, batch "
-        f"16, 24 tokens. DP: Opacus σ = {args.noise_multiplier}, C = {args.clip}, δ = 1e-5. "
+        f"each, chat records), {args.local_epochs} local epoch(s) per round, Adam lr 0.02, "
+        f"batch {args.batch_size}, 24 tokens. DP: Opacus σ = {args.noise_multiplier}, "
+        f"C = {args.clip}, δ = 1e-5. "
         "The devices' real client code, FedAvg in-process (devtools.lora_lab); seeds change the "
         "round-one adapters and the clients' shuffles and noise.",
         "",
@@ -289,9 +292,10 @@ def main() -> None:
     parser.add_argument("--model", choices=["tiny-llama"], default="tiny-llama")
     parser.add_argument("--rounds", type=int, default=3)
     parser.add_argument("--seeds", type=int, default=3)
-    parser.add_argument("--per-device", type=int, default=60)
+    parser.add_argument("--per-device", type=int, default=40)
     parser.add_argument("--first-layer", type=int, default=2)
     parser.add_argument("--local-epochs", type=int, default=1)
+    parser.add_argument("--batch-size", type=int, default=8)
     parser.add_argument("--noise-multiplier", type=float, default=1.0)
     parser.add_argument("--clip", type=float, default=1.0)
     args = parser.parse_args()

@@ -24,7 +24,6 @@ from protocols.lora import (
     METRIC_EPSILON,
     METRIC_RECALL_AT_1,
     METRIC_TRAINED_BYTES,
-    LoraSettings,
     RecordDp,
 )
 
@@ -42,8 +41,7 @@ def lab(minilm_onnx: Path, tmp_path_factory: pytest.TempPathFactory) -> LabRun:
     setup = encoder_setup(
         minilm_onnx, version, minilm_model(), FIRST_LAYER,
         dp=RecordDp(noise_multiplier=1.0, max_grad_norm=1.0, delta=1e-5),
-        settings=LoraSettings(rank=4, alpha=8.0, target_modules=["query", "value"]),
-        max_tokens=32, batch_size=32, learning_rate=0.01, local_epochs=2,
+        max_tokens=32, batch_size=16, learning_rate=0.01, local_epochs=2,
     )  # fmt: skip
     return run_rounds(setup, root, ROUNDS, PER_DEVICE)
 
