@@ -1,5 +1,6 @@
-"""Federated LoRA lab: a decoder split by the planner, its LoRA plan, WordNet shares, and plain
-FedAvg rounds over the agents' real client code (no Flower processes). Tests and benches use it.
+"""Federated LoRA lab: a decoder (or MiniLM) split by the planner, its LoRA plan, WordNet shares,
+and plain FedAvg rounds over the agents' real client code (no Flower processes). Tests and
+benches use it.
 
     python -m devtools.lora_lab EXPORT_DIR WORK_DIR [--rounds 2] [--per-device 100]
 """
@@ -18,13 +19,14 @@ import numpy as np
 import onnx
 
 from partitioner.lora import (
+    Q_PROJECTIONS,
     adapter_specs,
     initial_adapters,
     layer_boundary,
     torch_params,
     weight_map,
 )
-from protocols.lora import LoraPlan, LoraSettings, RecordDp, SegmentRef
+from protocols.lora import ENCODER_TARGETS, LoraPlan, LoraSettings, RecordDp, SegmentRef
 from protocols.manifest import Manifest
 
 DOMAINS = (("noun.animal",), ("noun.food",), ("noun.plant",))
@@ -35,6 +37,13 @@ DEVICES = {
         for n in ("a", "b", "c")
     ]
 }
+ENCODER_DEVICES = {
+    "devices": [
+        {"name": n, "memory_bytes": m, "gflops": 10, "bandwidth_mbps": 1000}
+        for n, m in (("a", 70_000_000), ("b", 30_000_000), ("c", 30_000_000))
+    ]
+}
+"""MiniLM's 90 MB on three agents (its 46 MB word embeddings need the big one)."""
 
 
 @dataclass(frozen=True)
@@ -49,13 +58,46 @@ class LoraSetup:
 
 def split_version(export_dir: Path, out_dir: Path) -> Path:
     """``fedshard split`` the export onto :data:`DEVICES`; copy its tokenizer next to it."""
+    return _split(export_dir / "model.onnx", export_dir / "tokenizer.json", DEVICES, out_dir)
+
+
+def split_encoder(onnx_path: Path, out_dir: Path) -> Path:
+    """``fedshard split`` exported MiniLM onto :data:`ENCODER_DEVICES`, with its tokenizer."""
+    from partitioner.frontdoor import minilm_dir
+
+    tokenizer = minilm_dir() / "tokenizer.json"
+    return _split(onnx_path, tokenizer, ENCODER_DEVICES, out_dir)
+
+
+def _split(onnx_path: Path, tokenizer: Path, devices: dict[str, Any], out_dir: Path) -> Path:
     from partitioner.split import split_model
     from protocols.devices import DeviceList
 
-    devices = DeviceList.model_validate(DEVICES)
-    split_model(export_dir / "model.onnx", devices, out_dir)
-    shutil.copy(export_dir / "tokenizer.json", out_dir / "tokenizer.json")
+    split_model(onnx_path, DeviceList.model_validate(devices), out_dir)
+    shutil.copy(tokenizer, out_dir / "tokenizer.json")
     return out_dir
+
+
+def minilm_model() -> Any:
+    """all-MiniLM-L6-v2 as transformers' ``BertModel`` (the package's weights, offline)."""
+    from transformers import AutoModel
+
+    from partitioner.frontdoor import minilm_dir, offline
+
+    offline()
+    return AutoModel.from_pretrained(minilm_dir()).eval()
+
+
+def encoder_setup(
+    onnx_path: Path, version_dir: Path, model: Any, first_layer: int, *, dp: RecordDp | None,
+    settings: LoraSettings | None = None, run: str = "test-run", **plan_fields: Any,
+) -> LoraSetup:  # fmt: skip
+    """The contrastive plan that adapts BERT layers ``first_layer ..`` of ``version_dir``."""
+    settings = settings or LoraSettings(rank=4, alpha=8.0, target_modules=list(ENCODER_TARGETS))
+    return _setup(
+        onnx_path, version_dir, model, first_layer, dp=dp, settings=settings, run=run,
+        objective="contrastive", **plan_fields,
+    )  # fmt: skip
 
 
 def lora_setup(
@@ -71,12 +113,24 @@ def lora_setup(
 ) -> LoraSetup:
     """The plan that adapts layers ``first_layer ..`` of the split ``version_dir``."""
     settings = settings or LoraSettings(rank=4, alpha=8.0)
-    full = onnx.load(export_dir / "model.onnx")
-    params = torch_params(model)
+    return _setup(
+        export_dir / "model.onnx", version_dir, model, first_layer, dp=dp, settings=settings,
+        run=run, **plan_fields,
+    )  # fmt: skip
+
+
+def _setup(
+    onnx_path: Path, version_dir: Path, model: Any, first_layer: int, *, dp: RecordDp | None,
+    settings: LoraSettings, run: str, **plan_fields: Any,
+) -> LoraSetup:  # fmt: skip
+    full = onnx.load(onnx_path)
+    params = {k: v for k, v in torch_params(model).items() if not k.startswith("pooler.")}
     wmap = weight_map(params, full)
     boundary = layer_boundary(full, wmap, first_layer)
     manifest = Manifest.from_json((version_dir / "manifest.json").read_bytes())
-    q_name = wmap[f"model.layers.{first_layer}.self_attn.q_proj.weight"][0].initializer
+    keys = {q.format(i=first_layer) for q in Q_PROJECTIONS}
+    q_key = next(k for k in wmap if any(k.endswith(q) for q in keys))
+    q_name = wmap[q_key][0].initializer
     first_trainable = next(
         e.index
         for e in manifest.segments
@@ -143,20 +197,39 @@ def token_mean(results: Sequence[tuple[float, int, dict[str, Any]]]) -> float:
     return sum(loss * n for loss, n, _ in results) / tokens
 
 
-def run_rounds(setup: LoraSetup, work_dir: Path, rounds: int, per_device: int) -> LabRun:
-    """One device per :data:`DOMAINS` entry, ``rounds`` FedAvg rounds of their real clients."""
+def run_rounds(
+    setup: LoraSetup,
+    work_dir: Path,
+    rounds: int,
+    per_device: int,
+    *,
+    domains: Sequence[Sequence[str]] = DOMAINS,
+    seed: int = 0,
+    pooled: bool = False,
+) -> LabRun:
+    """One device per ``domains`` entry (its first ``per_device`` synsets of each domain),
+    ``rounds`` FedAvg rounds of their real clients. ``seed`` picks the round-one adapters and
+    the clients' shuffles and noise; ``pooled`` puts every share's records on one client (the
+    centralized baseline: the same records, train and held out, as the federated run's)."""
     import time
 
     from devtools.wordnet import write_shares
     from edge_agent.training.client_app import ShardClient
     from edge_agent.training.local import LocalSettings
 
-    dirs = write_shares(work_dir / "data", DOMAINS, per_device=per_device)
+    pairs = setup.plan.objective == "contrastive"
+    dirs = write_shares(work_dir / "data", domains, per_device=per_device, pairs=pairs)
+    if pooled:
+        dirs = [_pool(dirs, work_dir / "data" / "pooled")]
     clients = [
-        ShardClient(LocalSettings(setup.version_dir, d, work_dir / f"cache-{i}", 1 << 30), i)
+        ShardClient(
+            LocalSettings(setup.version_dir, d, work_dir / f"cache-{i}", 1 << 30), 1000 * seed + i
+        )
         for i, d in enumerate(dirs)
     ]
     arrays = setup.initial
+    if seed:
+        arrays = initial_adapters(setup.plan.adapters, setup.plan.lora.rank, seed=seed)
     baseline = [c.evaluate(arrays, plan_config(setup.plan, 0)) for c in clients]
     replies_per_round, seconds = [], []
     for r in range(1, rounds + 1):
@@ -167,6 +240,13 @@ def run_rounds(setup: LoraSetup, work_dir: Path, rounds: int, per_device: int) -
         arrays = fedavg([a for a, _, _ in replies], [w for _, w, _ in replies])
     final = [c.evaluate(arrays, plan_config(setup.plan, 0)) for c in clients]
     return LabRun(setup, dirs, baseline, replies_per_round, final, arrays, seconds)
+
+
+def _pool(dirs: Sequence[Path], out: Path) -> Path:
+    out.mkdir(parents=True, exist_ok=True)
+    text = "".join((d / "wordnet.jsonl").read_text(encoding="utf-8") for d in dirs)
+    (out / "wordnet.jsonl").write_text(text, encoding="utf-8")
+    return out
 
 
 def main(argv: list[str] | None = None) -> int:

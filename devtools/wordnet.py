@@ -121,9 +121,15 @@ def chat_record(g: Gloss) -> dict[str, object]:
     }
 
 
+def definition(gloss: str) -> str:
+    """A gloss without its quoted example sentences (``def; "example"; "example"``)."""
+    return gloss.split('; "')[0].split(' "')[0].strip().rstrip(";").strip() or gloss
+
+
 def pair_record(g: Gloss) -> dict[str, object]:
-    """An encoder pair: the lemmas and their gloss."""
-    return {"anchor": ", ".join(g.lemmas), "positive": g.gloss}
+    """An encoder pair: the synset's lemmas and its definition (the quoted examples, which
+    repeat the lemma and would make the match a string search, are left out)."""
+    return {"anchor": ", ".join(g.lemmas), "positive": definition(g.gloss)}
 
 
 def write_shares(

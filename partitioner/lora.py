@@ -76,16 +76,32 @@ def torch_params(model: Any) -> dict[str, np.ndarray]:
     }
 
 
+LAYER_LISTS = ("layers", "layer")
+"""Module lists of the transformer layers (decoders: ``model.layers``, BERT: ``encoder.layer``)."""
+Q_PROJECTIONS = (
+    "layers.{i}.self_attn.q_proj.weight",
+    "encoder.layer.{i}.attention.self.query.weight",
+)
+"""Where layer ``i``'s query projection lives (decoders, BERT)."""
+
+
+def _layer_of(parts: Sequence[str]) -> int | None:
+    for name in LAYER_LISTS:
+        if name in parts[:-1]:
+            return int(parts[parts.index(name) + 1])
+    return None
+
+
 def adapter_specs(
     named_shapes: Mapping[str, Sequence[int]], first_layer: int, settings: LoraSettings
 ) -> list[AdapterSpec]:
-    """The adapted linear layers of decoder layers ``>= first_layer``, in parameter order."""
+    """The adapted linear layers of transformer layers ``>= first_layer``, in parameter order."""
     specs = []
     for name, shape in named_shapes.items():
         parts = name.split(".")
-        if len(shape) != 2 or parts[-1] != "weight" or "layers" not in parts:
+        layer = _layer_of(parts)
+        if len(shape) != 2 or parts[-1] != "weight" or layer is None:
             continue
-        layer = int(parts[parts.index("layers") + 1])
         if layer >= first_layer and parts[-2] in settings.target_modules:
             specs.append(
                 AdapterSpec(
@@ -104,8 +120,9 @@ def _ref_in(refs: Sequence[WeightRef], names: set[str]) -> WeightRef | None:
 def layer_boundary(
     model: onnx.ModelProto, wmap: Mapping[str, Sequence[WeightRef]], layer: int
 ) -> str:
-    """The residual-stream tensor feeding decoder layer ``layer`` (see the module doc)."""
-    key = next((k for k in wmap if k.endswith(f"layers.{layer}.self_attn.q_proj.weight")), None)
+    """The residual-stream tensor feeding transformer layer ``layer`` (see the module doc)."""
+    suffixes = tuple(q.format(i=layer) for q in Q_PROJECTIONS)
+    key = next((k for k in wmap if k.endswith(suffixes)), None)
     if key is None:
         raise GraphError(f"no q_proj weight of layer {layer} in the weight map")
     inferred = onnx.shape_inference.infer_shapes(model)

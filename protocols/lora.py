@@ -1,4 +1,8 @@
-"""``fedshard.loraplan/1``: federated LoRA fine-tuning of a served decoder's trainable segments.
+"""``fedshard.loraplan/1``: federated LoRA fine-tuning of a served model's trainable segments.
+
+:attr:`LoraPlan.objective` says what is trained: ``causal-lm`` (a decoder, on text and chat
+records) or ``contrastive`` (an encoder such as all-MiniLM-L6-v2, on ``{"anchor", "positive"}``
+pairs, with in-batch negatives on the served model's mean-pooled sentence embedding).
 
 The ServerApp sends a :class:`LoraPlan` as JSON under the fit-config key :data:`LORA_PLAN_KEY`.
 The parameter arrays that travel are the adapters only, in :attr:`LoraPlan.adapters` order: for
@@ -35,6 +39,10 @@ METRIC_EPSILON: Final = "epsilon"
 METRIC_HELD_OUT_LOSS: Final = "held-out-loss"
 """Fit metric: mean token loss of the round's global model on the device's held-out records."""
 METRIC_HELD_OUT_TOKENS: Final = "held-out-tokens"
+"""Fit metric: held-out tokens (decoders) or held-out pairs (encoders) behind the loss."""
+METRIC_RECALL_AT_1: Final = "held-out-recall-at-1"
+"""Fit/evaluate metric of encoders: share of held-out anchors whose nearest positive (cosine,
+over the device's whole held-out set) is their own."""
 METRIC_TRAINED_BYTES: Final = "trained-shard-bytes"
 """Fit metric: bytes of the base weights of the segments the device adapted."""
 HELD_OUT_BYTE: Final = 26
@@ -48,6 +56,9 @@ DEFAULT_TARGETS: Final = (
     "up_proj",
     "down_proj",
 )
+ENCODER_TARGETS: Final = ("query", "key", "value", "dense")
+"""BERT's attention projections and every dense layer (attention output, intermediate, output)."""
+Objective = Literal["causal-lm", "contrastive"]
 
 
 class WeightRef(FrozenModel):
@@ -124,6 +135,10 @@ class LoraPlan(FrozenModel):
     batch_size: PositiveInt = 16
     """Expected batch size (Poisson sampling under DP)."""
     learning_rate: PositiveFloat = 5e-3
+    objective: Objective = "causal-lm"
+    """``causal-lm`` for decoders, ``contrastive`` (in-batch negatives) for encoders."""
+    contrastive_scale: PositiveFloat = 20.0
+    """Contrastive objective: cosine similarities are multiplied by this before the softmax."""
     tokenizer_sha256: str = Field(pattern=r"^[0-9a-f]{64}$")
     """SHA-256 of ``tokenizer.json`` in the device's segments directory."""
 

@@ -137,6 +137,7 @@ class ShardClient(NumPyClient):
         }
         if result.epsilon is not None:
             metrics[METRIC_EPSILON] = result.epsilon
+        metrics.update(result.extra)  # an encoder's held-out recall@1
         weight = 1 if plan.dp is not None else result.examples
         return result.arrays, weight, metrics
 
@@ -144,13 +145,14 @@ class ShardClient(NumPyClient):
         self, parameters: NDArrays, config: dict[str, Scalar]
     ) -> tuple[float, int, dict[str, Scalar]]:
         """Held-out loss of the global adapters on this device's held-out records (LoRA only)."""
-        from edge_agent.training.lora_train import evaluate_lora
+        from edge_agent.training.lora_train import evaluate_lora_metrics
 
         if LORA_PLAN_KEY not in config:
             raise PlanMismatchError("evaluation needs a LoRA plan")
         plan = LoraPlan.from_json(str(config[LORA_PLAN_KEY]))
-        loss, tokens = evaluate_lora(plan, [np.asarray(a) for a in parameters], self.settings)
-        return loss, tokens, {METRIC_HELD_OUT_TOKENS: tokens}
+        arrays = [np.asarray(a) for a in parameters]
+        loss, tokens, extra = evaluate_lora_metrics(plan, arrays, self.settings)
+        return loss, tokens, {METRIC_HELD_OUT_TOKENS: tokens, **extra}
 
 
 def client_fn(context: Context) -> Client:

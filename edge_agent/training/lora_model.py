@@ -12,7 +12,7 @@ architectures are built, from transformers' installed modules.
 from __future__ import annotations
 
 import json
-from collections.abc import Mapping, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any
 
@@ -137,27 +137,45 @@ def _tied_head(weight_map: Mapping[str, Sequence[WeightRef]]) -> dict[str, list[
     return out
 
 
+def _namer(plan: LoraPlan) -> Callable[[str, int], str | None]:
+    """The full-model -> tail parameter naming of the plan's architecture."""
+    from edge_agent.training.lora_encoder import ENCODERS, encoder_local_name
+
+    return encoder_local_name if plan.architecture in ENCODERS else local_name
+
+
 def tail_initializers(plan: LoraPlan) -> set[str]:
     """Every initializer name that may hold a weight of the tail."""
+    namer = _namer(plan)
     return {
         ref.initializer
         for name, refs in _tied_head(plan.weight_map).items()
-        if local_name(name, plan.first_layer) is not None
+        if namer(name, plan.first_layer) is not None
         for ref in refs
     }
 
 
-def build_tail(plan: LoraPlan, initializers: Mapping[str, np.ndarray]) -> DecoderTail:
-    """The frozen tail with its weights from ``initializers`` and LoRA adapters injected."""
-    from peft import LoraConfig, inject_adapter_in_model
+def _modules(plan: LoraPlan) -> nn.Module:
+    """The tail's modules on ``meta``: an encoder's BERT layers or a decoder's layers + head."""
+    from edge_agent.training.lora_encoder import ENCODERS, build_encoder_tail
 
+    if plan.architecture in ENCODERS:
+        return build_encoder_tail(plan.architecture, plan.config, plan.first_layer)
     classes = _classes(plan.architecture)
     config = classes[0].from_dict(json.loads(plan.config))
     config._attn_implementation = "eager"
-    tail = DecoderTail(config, plan.first_layer, classes)
+    return DecoderTail(config, plan.first_layer, classes)
+
+
+def build_tail(plan: LoraPlan, initializers: Mapping[str, np.ndarray]) -> Any:
+    """The frozen tail with its weights from ``initializers`` and LoRA adapters injected."""
+    from peft import LoraConfig, inject_adapter_in_model
+
+    tail = _modules(plan)
+    namer = _namer(plan)
     state: dict[str, torch.Tensor] = {}
     for name, refs in _tied_head(plan.weight_map).items():
-        local = local_name(name, plan.first_layer)
+        local = namer(name, plan.first_layer)
         if local is None:
             continue
         ref = next((r for r in refs if r.initializer in initializers), None)
@@ -171,7 +189,7 @@ def build_tail(plan: LoraPlan, initializers: Mapping[str, np.ndarray]) -> Decode
         raise PlanMismatchError(f"the weight map lacks {sorted(missing)[:5]}")
     tail.load_state_dict(state, strict=False, assign=True)
     tail.requires_grad_(False)
-    targets = sorted({_tail_module(a, plan.first_layer) for a in plan.adapters})
+    targets = sorted({_tail_module(a, plan) for a in plan.adapters})
     lora = LoraConfig(
         r=plan.lora.rank,
         lora_alpha=plan.lora.alpha,  # type: ignore[arg-type]  # PEFT's annotation says int
@@ -182,8 +200,8 @@ def build_tail(plan: LoraPlan, initializers: Mapping[str, np.ndarray]) -> Decode
     return tail
 
 
-def _tail_module(spec: AdapterSpec, first_layer: int) -> str:
-    local = local_name(f"{spec.module}.weight", first_layer)
+def _tail_module(spec: AdapterSpec, plan: LoraPlan) -> str:
+    local = _namer(plan)(f"{spec.module}.weight", plan.first_layer)
     if local is None:
         raise PlanMismatchError(f"adapter {spec.module} is not in the trainable layers")
     return local.removesuffix(".weight")
@@ -197,12 +215,12 @@ class AdapterPair:
     b: nn.Linear
 
 
-def adapter_pairs(tail: DecoderTail, plan: LoraPlan) -> list[AdapterPair]:
+def adapter_pairs(tail: nn.Module, plan: LoraPlan) -> list[AdapterPair]:
     """The adapters in plan order."""
     modules = dict(tail.named_modules())
     pairs = []
     for spec in plan.adapters:
-        wrapped = modules.get(_tail_module(spec, plan.first_layer))
+        wrapped = modules.get(_tail_module(spec, plan))
         if wrapped is None or not hasattr(wrapped, "lora_A"):
             raise PlanMismatchError(f"{spec.module} got no adapter")
         pairs.append(AdapterPair(wrapped.lora_A[ADAPTER], wrapped.lora_B[ADAPTER]))

@@ -20,7 +20,7 @@ import io
 import json
 import logging
 import resource
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
@@ -55,6 +55,8 @@ class LoraResult:
     epsilon: float | None
     trained_shard_bytes: int
     peak_rss_bytes: int
+    extra: dict[str, float] = field(default_factory=dict)
+    """Objective-specific metrics (an encoder's held-out recall@1 before training)."""
 
 
 @dataclass(frozen=True)
@@ -70,6 +72,7 @@ def tokenize(texts: tuple[str, ...], tokenizer_path: Path, max_tokens: int) -> T
     from tokenizers import Tokenizer
 
     tok = Tokenizer.from_file(str(tokenizer_path))
+    tok.no_padding()  # a tokenizer.json may pad to a fixed length (MiniLM's pads to 128)
     encoded = [tok.encode(t).ids[:max_tokens] for t in texts]
     width = max(len(e) for e in encoded)
     ids = np.zeros((len(encoded), width), dtype=np.int64)
@@ -118,9 +121,13 @@ def _with_output(blob: bytes, name: str) -> tuple[bytes, bool]:
     return model.SerializeToString(), True
 
 
-def prefix_hidden(blobs: list[bytes], tokens: Tokens, boundary: str) -> np.ndarray:
+def prefix_hidden(
+    blobs: list[bytes], tokens: Tokens, boundary: str, bidirectional: bool = False
+) -> np.ndarray:
     """The residual stream at ``boundary`` for every row: the segments up to the one that makes
-    it run in ONNX Runtime, one at a time (``boundary`` may be inside a segment)."""
+    it run in ONNX Runtime, one at a time (``boundary`` may be inside a segment). An encoder
+    (``bidirectional``) gets the real attention mask and zero ``token_type_ids``; a causal
+    decoder's right pads are never seen by a real token, so its mask is all ones."""
     import onnxruntime as ort
 
     options = ort.SessionOptions()
@@ -130,8 +137,16 @@ def prefix_hidden(blobs: list[bytes], tokens: Tokens, boundary: str) -> np.ndarr
     for s in range(0, rows, PREFIX_BATCH):
         ids = tokens.ids[s : s + PREFIX_BATCH]
         positions = np.broadcast_to(np.arange(width, dtype=np.int64), ids.shape).copy()
+        mask = np.ones_like(ids)
+        if bidirectional:
+            mask = (positions < tokens.lengths[s : s + PREFIX_BATCH, None]).astype(np.int64)
         envs.append(
-            {"input_ids": ids, "attention_mask": np.ones_like(ids), "position_ids": positions}
+            {
+                "input_ids": ids,
+                "attention_mask": mask,
+                "position_ids": positions,
+                "token_type_ids": np.zeros_like(ids),
+            }
         )
     for original in blobs:  # one segment resident at a time
         blob, makes_it = _with_output(original, boundary)
@@ -155,15 +170,17 @@ def cached_prefix(
     plan: LoraPlan, blobs: list[bytes], tokens: Tokens, data_sha: str, cache_dir: Path
 ) -> np.ndarray:
     """:func:`prefix_hidden`, cached by the frozen segments' hashes, boundary and data."""
-    frozen = [s.sha256 for s in plan.segments if s.index < plan.trainable[0]]
+    frozen = [s.sha256 for s in plan.segments if s.index <= plan.trainable[0]]
     key = hashlib.sha256(
-        json.dumps([frozen, plan.boundary, data_sha, tokens.ids.shape]).encode()
+        json.dumps([frozen, plan.boundary, data_sha, tokens.ids.shape, plan.max_tokens]).encode()
     ).hexdigest()
     path = cache_dir / f"lora-prefix-{key[:32]}.npy"
     if path.is_file():
         cached: np.ndarray = np.load(path, allow_pickle=False)
         return cached
-    hidden = prefix_hidden(blobs[: plan.trainable[0] + 1], tokens, plan.boundary)
+    hidden = prefix_hidden(
+        blobs[: plan.trainable[0] + 1], tokens, plan.boundary, plan.objective == "contrastive"
+    )
     cache_dir.mkdir(parents=True, exist_ok=True)
     buf = io.BytesIO()
     np.save(buf, hidden, allow_pickle=False)
@@ -245,25 +262,39 @@ def evaluate_lora(
     plan: LoraPlan, arrays: list[np.ndarray], settings: LocalSettings
 ) -> tuple[float, int]:
     """(mean token loss, tokens) of the model with ``arrays`` on this device's held-out records."""
-    from edge_agent.training.lora_loop import held_out_loss
+    from edge_agent.training.lora_loop import held_out_loss, train_threads
 
-    ready = prepare(plan, arrays, settings)
-    held = ready.held_out
-    return held_out_loss(ready.tail, *(held if held is not None else (None, None)))
+    if plan.objective == "contrastive":
+        from edge_agent.training.lora_pairs import evaluate_pairs
+
+        with train_threads():
+            loss, count, _ = evaluate_pairs(plan, arrays, settings)
+            return loss, count
+    with train_threads():
+        ready = prepare(plan, arrays, settings)
+        held = ready.held_out
+        return held_out_loss(ready.tail, *(held if held is not None else (None, None)))
 
 
 def train_lora(
     plan: LoraPlan, arrays: list[np.ndarray], settings: LocalSettings, seed: int, round_number: int
 ) -> LoraResult:
     """One round on this device; returns the adapters after local training (see module doc)."""
-    from edge_agent.training.lora_loop import held_out_loss, run_epochs
+    from edge_agent.training.lora_loop import held_out_loss, run_epochs, train_threads
     from edge_agent.training.lora_model import get_adapters
 
-    ready = prepare(plan, arrays, settings)
-    held = ready.held_out if ready.held_out is not None else (None, None)
-    before = held_out_loss(ready.tail, *held)
-    loop = run_epochs(ready.tail, plan, *ready.train, seed, settings.cache_dir, round_number)
-    after = held_out_loss(ready.tail, *held)
+    if plan.objective == "contrastive":
+        from edge_agent.training.lora_pairs import train_pairs
+
+        with train_threads():
+            result: LoraResult = train_pairs(plan, arrays, settings, seed, round_number)
+            return result
+    with train_threads():
+        ready = prepare(plan, arrays, settings)
+        held = ready.held_out if ready.held_out is not None else (None, None)
+        before = held_out_loss(ready.tail, *held)
+        loop = run_epochs(ready.tail, plan, *ready.train, seed, settings.cache_dir, round_number)
+        after = held_out_loss(ready.tail, *held)
     return LoraResult(
         arrays=get_adapters(ready.pairs),
         examples=ready.examples,
@@ -275,3 +306,16 @@ def train_lora(
         trained_shard_bytes=ready.trained_shard_bytes,
         peak_rss_bytes=peak_rss_bytes(),
     )
+
+
+def evaluate_lora_metrics(
+    plan: LoraPlan, arrays: list[np.ndarray], settings: LocalSettings
+) -> tuple[float, int, dict[str, float]]:
+    """:func:`evaluate_lora` with the objective's extra metrics (an encoder's recall@1)."""
+    if plan.objective != "contrastive":
+        return (*evaluate_lora(plan, arrays, settings), {})
+    from edge_agent.training.lora_loop import train_threads
+    from edge_agent.training.lora_pairs import evaluate_pairs
+
+    with train_threads():
+        return evaluate_pairs(plan, arrays, settings)

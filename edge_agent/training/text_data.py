@@ -40,6 +40,7 @@ class PairRecords:
 
     train: tuple[tuple[str, str], ...]
     held_out: tuple[tuple[str, str], ...]
+    sha256: str
 
 
 def is_held_out(text: str) -> bool:
@@ -138,4 +139,5 @@ def load_pairs(data_dir: Path) -> PairRecords:
     held = tuple(p for p in pairs if is_held_out(p[0]))
     if not train:
         raise EmptyDataError(f"{data_dir}: every pair is held out; add pairs")
-    return PairRecords(train, held)
+    digest = hashlib.sha256(json.dumps(pairs).encode()).hexdigest()
+    return PairRecords(train, held, digest)

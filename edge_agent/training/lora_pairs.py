@@ -1,0 +1,205 @@
+"""One round of federated LoRA for an encoder: text pairs, contrastive loss, DP-SGD via Opacus.
+
+The steps are the decoder's (:mod:`.lora_train`): the version's ``tokenizer.json`` (hash-checked)
+encodes anchors and positives, without its fixed padding and truncated to ``max_tokens`` with the
+closing ``[SEP]`` kept; the frozen segments run in ONNX Runtime, one at a time, up to the plan's
+boundary (with the real attention mask: BERT attends both ways, so pads must be masked), and
+their output is cached on disk; the tail (:mod:`.lora_encoder`) trains only its adapters.
+
+Privacy: under ``plan.dp`` Opacus clips each *pair*'s gradient (its anchor pass and its positive
+pass sum into one per-sample gradient) and adds Gaussian noise; the RDP accountant composes the
+run's rounds as for decoders. With in-batch negatives a pair also appears as a negative in the
+other pairs' losses, which that per-pair clipping does not bound, so for the contrastive
+objective the reported epsilon is the accountant's figure for the clipped per-pair gradients,
+not a formal record-level guarantee (the causal-LM objective's is one).
+"""
+
+from __future__ import annotations
+
+import warnings
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+import torch
+
+from edge_agent.training.errors import PlanMismatchError
+from edge_agent.training.local import LocalSettings
+from edge_agent.training.lora_encoder import ENCODERS, PairBatch
+from edge_agent.training.text_data import load_pairs
+from protocols.lora import METRIC_RECALL_AT_1, LoraPlan
+
+
+def encode(texts: tuple[str, ...], tokenizer_path: Path, max_tokens: int) -> Any:
+    """Token ids of ``texts`` (no padding; truncated to ``max_tokens`` with special tokens)."""
+    from tokenizers import Tokenizer
+
+    from edge_agent.training.lora_train import Tokens
+
+    tok = Tokenizer.from_file(str(tokenizer_path))
+    tok.no_padding()
+    tok.enable_truncation(max_tokens)
+    encoded = [tok.encode(t).ids for t in texts]
+    width = max(len(e) for e in encoded)
+    ids = np.zeros((len(encoded), width), dtype=np.int64)
+    for row, e in enumerate(encoded):
+        ids[row, : len(e)] = e
+    return Tokens(ids, np.array([len(e) for e in encoded], dtype=np.int64))
+
+
+def _mask(tokens: Any) -> np.ndarray:
+    width = tokens.ids.shape[1]
+    mask: np.ndarray = (np.arange(width)[None, :] < tokens.lengths[:, None]).astype(np.int64)
+    return mask
+
+
+@dataclass
+class PreparedPairs:
+    """A device's contrastive round, ready to train."""
+
+    tail: Any
+    pairs: list[Any]
+    train: PairBatch
+    held_out: PairBatch | None
+    examples: int
+    trained_shard_bytes: int
+
+
+def _batch(
+    plan: LoraPlan, blobs: list[bytes], pairs: Any, key: str, settings: LocalSettings
+) -> PairBatch:
+    from edge_agent.training.lora_train import TOKENIZER_FILE, cached_prefix
+
+    tok_path = settings.segments_dir / TOKENIZER_FILE
+    sides = []
+    for side, texts in (
+        ("anchor", tuple(a for a, _ in pairs)),
+        ("positive", tuple(p for _, p in pairs)),
+    ):
+        tokens = encode(texts, tok_path, plan.max_tokens)
+        hidden = cached_prefix(plan, blobs, tokens, f"{key}/{side}", settings.cache_dir)
+        sides.append((hidden, _mask(tokens)))
+    return PairBatch(sides[0][0], sides[0][1], sides[1][0], sides[1][1])
+
+
+def prepare_pairs(
+    plan: LoraPlan, arrays: list[np.ndarray], settings: LocalSettings
+) -> PreparedPairs:
+    """Read the pairs, run (or reuse) the frozen prefix on both sides, build the tail."""
+    from edge_agent.training.lora_model import (
+        adapter_pairs,
+        build_tail,
+        set_adapters,
+        tail_initializers,
+    )
+    from edge_agent.training.lora_train import load_version, trainable_initializers
+
+    if plan.architecture not in ENCODERS or plan.objective != "contrastive":
+        raise PlanMismatchError(f"{plan.architecture} with {plan.objective!r} is no encoder plan")
+    records = load_pairs(settings.data_dir)
+    _, blobs = load_version(plan, settings.segments_dir)
+    train = _batch(plan, blobs, records.train, records.sha256 + "/train", settings)
+    held = None
+    if len(records.held_out) >= 2:
+        held = _batch(plan, blobs, records.held_out, records.sha256 + "/held", settings)
+    weights, trained_bytes = trainable_initializers(plan, blobs, tail_initializers(plan))
+    del blobs
+    tail = build_tail(plan, weights)
+    pairs = adapter_pairs(tail, plan)
+    set_adapters(pairs, arrays)
+    return PreparedPairs(tail, pairs, train, held, len(records.train), trained_bytes)
+
+
+def run_contrastive_epochs(
+    tail: Any, plan: LoraPlan, data: PairBatch, seed: int, cache_dir: Path, round_number: int
+) -> Any:
+    """Train the adapters for ``plan.local_epochs`` epochs (in-batch negatives; DP by plan)."""
+    from torch.utils.data import DataLoader, TensorDataset
+
+    from edge_agent.training.lora_encoder import embed, ranking_losses
+    from edge_agent.training.lora_loop import LoopResult, compose_epsilon
+
+    torch.manual_seed(seed)
+    tensors = [
+        torch.from_numpy(x)
+        for x in (data.anchor, data.anchor_mask, data.positive, data.positive_mask)
+    ]
+    gen = torch.Generator().manual_seed(seed)
+    loader = DataLoader(
+        TensorDataset(*tensors), batch_size=plan.batch_size, shuffle=True, generator=gen
+    )
+    optimizer = torch.optim.Adam(
+        [p for p in tail.parameters() if p.requires_grad], lr=plan.learning_rate
+    )
+    model: torch.nn.Module = tail
+    tail.train()
+    engine = None
+    if plan.dp is not None:
+        from opacus import PrivacyEngine
+
+        engine = PrivacyEngine(accountant="rdp", secure_mode=False)
+        with warnings.catch_warnings():
+            warnings.simplefilter("ignore")
+            model, optimizer, loader = engine.make_private(
+                module=tail, optimizer=optimizer, data_loader=loader,
+                noise_multiplier=plan.dp.noise_multiplier, max_grad_norm=plan.dp.max_grad_norm,
+                poisson_sampling=True,
+            )  # fmt: skip
+    loss_sum, seen = 0.0, 0
+    for _ in range(plan.local_epochs):
+        loss_sum, seen = 0.0, 0
+        for a, am, p, pm in loader:
+            if len(a) < 2:  # in-batch negatives need another pair
+                continue
+            losses = ranking_losses(
+                embed(model, a, am), embed(model, p, pm), plan.contrastive_scale
+            )
+            optimizer.zero_grad()
+            losses.mean().backward()  # type: ignore[no-untyped-call]
+            optimizer.step()
+            loss_sum += float(losses.detach().sum())
+            seen += len(a)
+    tail.eval()
+    epsilon = compose_epsilon(engine, plan, cache_dir, round_number) if engine is not None else None
+    return LoopResult(loss_sum / max(seen, 1), epsilon)
+
+
+def evaluate_pairs(
+    plan: LoraPlan, arrays: list[np.ndarray], settings: LocalSettings
+) -> tuple[float, int, dict[str, float]]:
+    """(held-out ranking loss, held-out pairs, {recall@1}) of the model with ``arrays``."""
+    from edge_agent.training.lora_encoder import held_out_ranking
+
+    ready = prepare_pairs(plan, arrays, settings)
+    loss, recall, count = held_out_ranking(ready.tail, ready.held_out, plan.contrastive_scale)
+    return loss, count, {METRIC_RECALL_AT_1: recall}
+
+
+def train_pairs(
+    plan: LoraPlan, arrays: list[np.ndarray], settings: LocalSettings, seed: int, round_number: int
+) -> Any:
+    """One contrastive round on this device; a :class:`~.lora_train.LoraResult`."""
+    from edge_agent.training.lora_encoder import held_out_ranking
+    from edge_agent.training.lora_model import get_adapters
+    from edge_agent.training.lora_train import LoraResult, peak_rss_bytes
+
+    ready = prepare_pairs(plan, arrays, settings)
+    scale = plan.contrastive_scale
+    before = held_out_ranking(ready.tail, ready.held_out, scale)
+    loop = run_contrastive_epochs(
+        ready.tail, plan, ready.train, seed, settings.cache_dir, round_number
+    )
+    after = held_out_ranking(ready.tail, ready.held_out, scale)
+    return LoraResult(
+        arrays=get_adapters(ready.pairs),
+        examples=ready.examples,
+        train_loss=loop.loss,
+        held_out_before=before[0],
+        held_out_after=after[0],
+        held_out_tokens=before[2],
+        epsilon=loop.epsilon,
+        trained_shard_bytes=ready.trained_shard_bytes,
+        peak_rss_bytes=peak_rss_bytes(),
+        extra={METRIC_RECALL_AT_1: before[1]},
+    )
