@@ -23,7 +23,7 @@ from collections.abc import Callable, Mapping
 from dataclasses import dataclass
 
 from edge_agent.channel import FrameChannel
-from edge_agent.checks import Array, check_tensors
+from edge_agent.checks import Array, check_planned, check_tensors
 from edge_agent.compute import StageRunner, Work, take_batch
 from edge_agent.errors import (
     AgentError,
@@ -214,12 +214,13 @@ class Pipeline:
             return
         try:
             feeds, carried = check_tensors(deployed.frame_inputs, tensors, deployed.passthrough)
+            dims = check_planned(deployed.manifest.limits, deployed.frame_inputs, feeds)
         except RequestError as exc:
             self._count_error(exc)
             await self._fail(deployed, header, exc, origin)
             return
         await self._compute_q.put(
-            Work(deployed, header, feeds, carried, time.perf_counter(), origin)
+            Work(deployed, header, feeds, carried, time.perf_counter(), origin, dims)
         )
         self._metrics.queue_depth.labels("compute").set(self._compute_q.qsize())
 

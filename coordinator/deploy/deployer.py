@@ -20,6 +20,7 @@ from typing import Any
 
 import numpy as np
 
+from coordinator.deploy.limits import planned_limits, planning_dims
 from coordinator.deploy.plan import LiveDevice, deploy_bodies, device_list, max_abs_diff
 from coordinator.deploy.stage_timing import (
     CALIBRATION_RUNS,
@@ -32,7 +33,7 @@ from coordinator.errors import AgentError, CoordinatorError, DeployError
 from coordinator.fleet.registry import DeviceRecord
 from coordinator.transport.agent_client import AgentAddress, AgentClient
 from partitioner.baselines import Baseline
-from protocols.deploy import DeployReport, Hop
+from protocols.deploy import DeployReport, Hop, ShapeLimits
 from protocols.errors import SchemaError
 from protocols.links import Link as DeviceLink
 from protocols.links import RequesterLink
@@ -78,6 +79,8 @@ class SplitOutcome:
     samples: Arrays
     warmups: list[Arrays]
     expected: Arrays
+    limits: ShapeLimits | None = None
+    """The planned shapes every stage enforces (see :mod:`coordinator.deploy.limits`)."""
 
 
 class Deployer:
@@ -179,9 +182,17 @@ class Deployer:
                 dict(samples),
                 [{n: known[n] for n in s.inputs} for s in manifest.segments],
                 {o.name: known[o.name] for o in manifest.model.outputs},
+                self._kept_limits(model_id),
             )
             command = DeployCommand(version_dir, model_id, objective)
             return self._install(command, plan_version, split, live)
+
+    def _kept_limits(self, model_id: str) -> ShapeLimits | None:
+        """A new version of a model (fine-tuned segments) keeps the live version's limits."""
+        try:
+            return self._store.active(model_id).limits
+        except CoordinatorError:
+            return None
 
     def _install(
         self,
@@ -208,6 +219,7 @@ class Deployer:
             f"{command.model_id}@{plan_version}",
             plan_version,
             self._sign,
+            split.limits,
         )
         addresses = [_address(by_name[s.device]) for s in split.manifest.segments]
         reports = self._push(addresses, bodies, plan_version)
@@ -229,6 +241,7 @@ class Deployer:
             health_max_abs_diff=diff,
             memory_caps=dict(command.memory_caps),
             trigger=command.trigger,
+            limits=split.limits,
         )
         retired = self._store.activate(version, command.tokenizer_dir)
         for old in retired:
@@ -334,6 +347,7 @@ def split_and_run(
             segment_cache=segment_cache,
             calibrate=calibrates_at_deploy(command.model_path),
             calibration_runs=CALIBRATION_RUNS,
+            dims=planning_dims(command.tokenizer_dir),
         )
         result = split_model(command.model_path, devices, out, options, planner=planner)
         samples = dict(result.analysis.samples)
@@ -347,7 +361,14 @@ def split_and_run(
         known = run_chain([w.files[0] for w in result.segments], local)
     state = state_names(manifest)
     expected = {o.name: known[o.name] for o in manifest.model.outputs if o.name not in state}
-    return SplitOutcome(manifest, out, samples, warmups, expected)
+    limits = planned_limits(manifest, _input_binding(manifest, result.analysis.table.dims))
+    return SplitOutcome(manifest, out, samples, warmups, expected, limits)
+
+
+def _input_binding(manifest: Manifest, binding: Mapping[str, int]) -> dict[str, int]:
+    """The sizes the model inputs' symbolic dimensions were planned at."""
+    symbols = {d for i in manifest.model.inputs for d in i.shape if isinstance(d, str)}
+    return {name: int(size) for name, size in binding.items() if name in symbols}
 
 
 def baseline_planner(baseline: Baseline) -> Callable[[PlanningProblem, Objective], Plan]:

@@ -1,0 +1,102 @@
+"""Planned shapes: what a deployment's memory is planned for becomes a limit on every request.
+
+Each stage's activation workspace, and the ONNX Runtime arena that keeps its peak, grows with
+the batch and sequence sizes it runs. So a deployment is planned (costed by the partitioner) at
+its *serving* shapes, the signed manifest of every stage carries them as
+:class:`~protocols.deploy.ShapeLimits` (each agent refuses a larger frame with the wire code
+``shape_limit``), and the coordinator cuts larger requests into runs that fit:
+
+- a model with ``batch`` and ``sequence`` inputs (a text encoder): the sequence is limited to
+  the longest input its tokenizer keeps (or the planned sequence), and one run carries at most
+  :data:`~coordinator.serving.microbatch.MICRO_BATCH_TOKENS` padded tokens (batch x sequence);
+  it is planned at ``batch = tokens / sequence`` x ``sequence``, the largest attention
+  workspace within those limits;
+- a decoder: a step carries at most :data:`PREFILL_CHUNK` tokens (long prompts are prefilled in
+  chunks, see :mod:`coordinator.serving.decoder`), and the context at most the planned one; it
+  is planned at such a step at the end of the context;
+- any other model: every symbolic dimension at most its size in the samples it was planned on.
+"""
+
+from __future__ import annotations
+
+import json
+from collections.abc import Mapping, Sequence
+from pathlib import Path
+from typing import Any
+
+from protocols.decoder import DECODER_FILE
+from protocols.deploy import ShapeLimits
+from protocols.manifest import DEFAULT_SESSIONS, Manifest, TensorInfo
+
+BATCH = "batch"
+SEQUENCE = "sequence"
+TOTAL_SEQUENCE = "total_sequence"
+PAST_SEQUENCE = "past_sequence"
+MICRO_BATCH_TOKENS = 512
+"""Most padded tokens (inputs x longest) one run through the stages may carry. Three MiniLM
+agents after 64 inputs of 256 tokens: +2 to +29 MB resident at 512, 305-345 MB at 2,048, and
+1.4-1.5 GB as one batch."""
+DEFAULT_MAX_TOKENS = 256
+"""Longest text input of a tokenizer without ``sentence_bert_config.json``."""
+PREFILL_CHUNK = 64
+"""Most new tokens one decoder step carries: longer prompts are prefilled in chunks."""
+
+
+def planning_dims(tokenizer_dir: str | None, tokens: int = MICRO_BATCH_TOKENS) -> dict[str, int]:
+    """The binding to plan a model at: a text encoder at ``tokens // sequence`` x ``sequence``,
+    where the sequence is the longest input its tokenizer keeps (at most ``tokens``); a decoder
+    (``decoder.json`` next to its tokenizer) at a :data:`PREFILL_CHUNK`-token step at the end of
+    the planned context; empty (the samples' shapes) for any other model."""
+    if tokenizer_dir is None:
+        return {}
+    directory = Path(tokenizer_dir)
+    if (directory / DECODER_FILE).is_file():
+        context = DEFAULT_SESSIONS.max_context
+        return {
+            SEQUENCE: PREFILL_CHUNK,
+            TOTAL_SEQUENCE: context,
+            PAST_SEQUENCE: context - PREFILL_CHUNK,
+        }
+    if not (directory / "tokenizer.json").is_file():
+        return {}
+    sequence = min(tokenizer_max_tokens(directory), tokens)
+    return {BATCH: max(1, tokens // sequence), SEQUENCE: sequence}
+
+
+def tokenizer_max_tokens(directory: Path) -> int:
+    """The longest input a text encoder keeps (``sentence_bert_config.json``'s
+    ``max_seq_length``, else :data:`DEFAULT_MAX_TOKENS`); texts are truncated to it."""
+    config = directory / "sentence_bert_config.json"
+    if config.is_file():
+        return int(json.loads(config.read_text()).get("max_seq_length", DEFAULT_MAX_TOKENS))
+    return DEFAULT_MAX_TOKENS
+
+
+def sample_dims(inputs: Sequence[TensorInfo], samples: Mapping[str, Any]) -> dict[str, int]:
+    """The size each symbolic dimension of the model inputs has in ``samples``."""
+    sizes: dict[str, int] = {}
+    for info in inputs:
+        array = samples.get(info.name)
+        if array is None:
+            continue
+        for want, size in zip(info.shape, array.shape, strict=False):
+            if isinstance(want, str):
+                sizes[want] = max(sizes.get(want, 0), int(size))
+    return sizes
+
+
+def planned_limits(manifest: Manifest, binding: Mapping[str, int]) -> ShapeLimits | None:
+    """The limits every stage enforces, from the binding the deployment was planned at."""
+    if manifest.sessions is not None:
+        return ShapeLimits(
+            dims={SEQUENCE: PREFILL_CHUNK, TOTAL_SEQUENCE: manifest.sessions.max_context},
+            product_dims=[BATCH, SEQUENCE],
+            product=PREFILL_CHUNK,
+        )
+    dims = {name: size for name, size in binding.items() if size > 0}
+    if not dims:
+        return None
+    if BATCH in dims and SEQUENCE in dims:
+        tokens = dims.pop(BATCH) * dims[SEQUENCE]
+        return ShapeLimits(dims=dims, product_dims=[BATCH, SEQUENCE], product=tokens)
+    return ShapeLimits(dims=dims)
