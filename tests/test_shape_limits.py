@@ -14,7 +14,7 @@ import numpy as np
 import pytest
 
 from coordinator import errors as coord
-from coordinator.deploy.limits import PREFILL_CHUNK, planned_limits, planning_dims
+from coordinator.deploy.limits import PREFILL_CHUNK, planned_limits, planning_ladder
 from coordinator.http.errors import CATALOGUE
 from coordinator.serving.decoder import ChainDecoderBackend, prefill_chunk
 from coordinator.serving.microbatch import join_runs, row_runs
@@ -115,12 +115,23 @@ def test_planned_limits_follow_the_planning_binding(tmp_path: Path) -> None:
     limits = planned_limits(encoder, {"batch": 2, "sequence": 256})  # type: ignore[arg-type]
     assert limits == ENCODER
     assert planned_limits(encoder, {"batch": 8}) == ShapeLimits(dims={"batch": 8})  # type: ignore[arg-type]
-    decoder = SimpleNamespace(sessions=SessionLimits(max_sessions=2, max_context=300))
-    limits = planned_limits(decoder, {})  # type: ignore[arg-type]
+    decoder: Any = SimpleNamespace(sessions=SessionLimits(max_sessions=2, max_context=300))
+    limits = planned_limits(decoder, {})
     assert limits is not None and limits.dims == {"sequence": 64, "total_sequence": 300}
+    assert planning_ladder(None) == [{}]
+    (tmp_path / "tokenizer.json").write_text("{}")
+    ladder = planning_ladder(str(tmp_path))  # 256 tokens kept without sentence_bert_config
+    assert ladder[:3] == [
+        {"batch": 2, "sequence": 256},
+        {"batch": 1, "sequence": 256},
+        {"batch": 1, "sequence": 128},
+    ]
+    assert ladder[-1] == {"batch": 1, "sequence": 32}
     (tmp_path / "decoder.json").write_text("{}")
-    assert planning_dims(str(tmp_path))["sequence"] == PREFILL_CHUNK
-    assert planning_dims(None) == {}
+    chunks = [rung["sequence"] for rung in planning_ladder(str(tmp_path))]
+    assert chunks == [PREFILL_CHUNK, 32, 16, 8]
+    limits = planned_limits(decoder, {"sequence": 16})
+    assert limits is not None and limits.product == 16
 
 
 class _Chain(ChainDecoderBackend):

@@ -20,7 +20,7 @@ from typing import Any
 
 import numpy as np
 
-from coordinator.deploy.limits import planned_limits, planning_dims
+from coordinator.deploy.limits import planned_limits, planning_ladder
 from coordinator.deploy.plan import LiveDevice, deploy_bodies, device_list, max_abs_diff
 from coordinator.deploy.stage_timing import (
     CALIBRATION_RUNS,
@@ -337,19 +337,10 @@ def split_and_run(
     """
     from coordinator.generation.feeds import health_feeds, state_names
     from partitioner.errors import PartitionerError
-    from partitioner.split import SplitOptions, split_model
     from partitioner.verify import run_chain
 
-    planner = None if command.baseline is None else baseline_planner(command.baseline)
     try:
-        options = SplitOptions(
-            command.objective,
-            segment_cache=segment_cache,
-            calibrate=calibrates_at_deploy(command.model_path),
-            calibration_runs=CALIBRATION_RUNS,
-            dims=planning_dims(command.tokenizer_dir),
-        )
-        result = split_model(command.model_path, devices, out, options, planner=planner)
+        result = _split_at_largest_shapes(command, devices, out, segment_cache)
         samples = dict(result.analysis.samples)
         known = run_chain([w.files[0] for w in result.segments], samples)
     except (PartitionerError, OSError) as exc:
@@ -363,6 +354,35 @@ def split_and_run(
     expected = {o.name: known[o.name] for o in manifest.model.outputs if o.name not in state}
     limits = planned_limits(manifest, _input_binding(manifest, result.analysis.table.dims))
     return SplitOutcome(manifest, out, samples, warmups, expected, limits)
+
+
+def _split_at_largest_shapes(
+    command: DeployCommand, devices: Any, out: Path, segment_cache: Path | None
+) -> Any:
+    """Plan and cut at the largest serving shapes the devices can hold (see
+    :func:`coordinator.deploy.limits.planning_ladder`): they become the deployment's limits."""
+    from partitioner.errors import InfeasiblePlanError
+    from partitioner.split import SplitOptions, split_model
+
+    planner = None if command.baseline is None else baseline_planner(command.baseline)
+    ladder = planning_ladder(command.tokenizer_dir)
+    for rung, dims in enumerate(ladder, start=1):
+        options = SplitOptions(
+            command.objective,
+            segment_cache=segment_cache,
+            calibrate=calibrates_at_deploy(command.model_path),
+            calibration_runs=CALIBRATION_RUNS,
+            dims=dims,
+        )
+        try:
+            return split_model(command.model_path, devices, out, options, planner=planner)
+        except InfeasiblePlanError as exc:
+            if rung == len(ladder):
+                raise
+            log.info(
+                "%s does not fit at %s (%s); planning smaller runs", command.model_id, dims, exc
+            )
+    raise AssertionError("unreachable")  # the ladder has at least one rung
 
 
 def _input_binding(manifest: Manifest, binding: Mapping[str, int]) -> dict[str, int]:

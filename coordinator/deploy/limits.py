@@ -10,7 +10,8 @@ its *serving* shapes, the signed manifest of every stage carries them as
   the longest input its tokenizer keeps (or the planned sequence), and one run carries at most
   :data:`~coordinator.serving.microbatch.MICRO_BATCH_TOKENS` padded tokens (batch x sequence);
   it is planned at ``batch = tokens / sequence`` x ``sequence``, the largest attention
-  workspace within those limits;
+  workspace within those limits, or, when the devices cannot hold that, at half the tokens
+  and so on (:func:`planning_ladder`): the plan decides the shapes the devices can afford;
 - a decoder: a step carries at most :data:`PREFILL_CHUNK` tokens (long prompts are prefilled in
   chunks, see :mod:`coordinator.serving.decoder`), and the context at most the planned one; it
   is planned at such a step at the end of the context;
@@ -38,29 +39,47 @@ agents after 64 inputs of 256 tokens: +2 to +29 MB resident at 512, 305-345 MB a
 1.4-1.5 GB as one batch."""
 DEFAULT_MAX_TOKENS = 256
 """Longest text input of a tokenizer without ``sentence_bert_config.json``."""
+MIN_TOKENS = 32
+"""The smallest encoder run the deployer plans for before it gives up on a device set."""
+MIN_CHUNK = 8
+"""The smallest decoder step it plans for: a speculative pass verifies up to 8 tokens at once."""
 PREFILL_CHUNK = 64
 """Most new tokens one decoder step carries: longer prompts are prefilled in chunks."""
 
 
-def planning_dims(tokenizer_dir: str | None, tokens: int = MICRO_BATCH_TOKENS) -> dict[str, int]:
-    """The binding to plan a model at: a text encoder at ``tokens // sequence`` x ``sequence``,
-    where the sequence is the longest input its tokenizer keeps (at most ``tokens``); a decoder
-    (``decoder.json`` next to its tokenizer) at a :data:`PREFILL_CHUNK`-token step at the end of
-    the planned context; empty (the samples' shapes) for any other model."""
+def planning_ladder(
+    tokenizer_dir: str | None, tokens: int = MICRO_BATCH_TOKENS
+) -> list[dict[str, int]]:
+    """The bindings to plan a model at, largest first (the deployer takes the first that fits).
+
+    A text encoder: ``tokens // sequence`` x ``sequence`` with the sequence the longest input
+    its tokenizer keeps (at most ``tokens``), then halved tokens and sequences down to
+    :data:`MIN_TOKENS`. A decoder (``decoder.json`` next to its tokenizer): a step of
+    :data:`PREFILL_CHUNK` tokens at the end of the planned context, then halved chunks down to
+    :data:`MIN_CHUNK`. Any other model: its samples' shapes (one empty binding).
+    """
     if tokenizer_dir is None:
-        return {}
+        return [{}]
     directory = Path(tokenizer_dir)
     if (directory / DECODER_FILE).is_file():
         context = DEFAULT_SESSIONS.max_context
-        return {
-            SEQUENCE: PREFILL_CHUNK,
-            TOTAL_SEQUENCE: context,
-            PAST_SEQUENCE: context - PREFILL_CHUNK,
-        }
+        chunks = _halvings(PREFILL_CHUNK, MIN_CHUNK)
+        return [{SEQUENCE: c, TOTAL_SEQUENCE: context, PAST_SEQUENCE: context - c} for c in chunks]
     if not (directory / "tokenizer.json").is_file():
-        return {}
-    sequence = min(tokenizer_max_tokens(directory), tokens)
-    return {BATCH: max(1, tokens // sequence), SEQUENCE: sequence}
+        return [{}]
+    longest = tokenizer_max_tokens(directory)
+    ladder = []
+    for budget in _halvings(tokens, MIN_TOKENS):
+        sequence = min(longest, budget)
+        ladder.append({BATCH: max(1, budget // sequence), SEQUENCE: sequence})
+    return ladder
+
+
+def _halvings(start: int, stop: int) -> list[int]:
+    values = [start]
+    while values[-1] // 2 >= stop:
+        values.append(values[-1] // 2)
+    return values
 
 
 def tokenizer_max_tokens(directory: Path) -> int:
@@ -88,10 +107,11 @@ def sample_dims(inputs: Sequence[TensorInfo], samples: Mapping[str, Any]) -> dic
 def planned_limits(manifest: Manifest, binding: Mapping[str, int]) -> ShapeLimits | None:
     """The limits every stage enforces, from the binding the deployment was planned at."""
     if manifest.sessions is not None:
+        chunk = binding.get(SEQUENCE, PREFILL_CHUNK)
         return ShapeLimits(
-            dims={SEQUENCE: PREFILL_CHUNK, TOTAL_SEQUENCE: manifest.sessions.max_context},
+            dims={SEQUENCE: chunk, TOTAL_SEQUENCE: manifest.sessions.max_context},
             product_dims=[BATCH, SEQUENCE],
-            product=PREFILL_CHUNK,
+            product=chunk,
         )
     dims = {name: size for name, size in binding.items() if size > 0}
     if not dims:
