@@ -14,7 +14,7 @@ import numpy as np
 import pytest
 
 from coordinator import errors as coord
-from coordinator.deploy.limits import PREFILL_CHUNK, planned_limits, planning_ladder
+from coordinator.deploy.limits import PREFILL_CHUNK, at_binding, planned_limits, planning_ladder
 from coordinator.http.errors import CATALOGUE
 from coordinator.serving.decoder import ChainDecoderBackend, prefill_chunk
 from coordinator.serving.microbatch import join_runs, row_runs
@@ -128,10 +128,16 @@ def test_planned_limits_follow_the_planning_binding(tmp_path: Path) -> None:
     ]
     assert ladder[-1] == {"batch": 1, "sequence": 32}
     (tmp_path / "decoder.json").write_text("{}")
-    chunks = [rung["sequence"] for rung in planning_ladder(str(tmp_path))]
-    assert chunks == [PREFILL_CHUNK, 32, 16, 8]
-    limits = planned_limits(decoder, {"sequence": 16})
-    assert limits is not None and limits.product == 16
+    assert planning_ladder(str(tmp_path)) == [{}]  # the decode step, as the planner optimises
+    limits = planned_limits(decoder, {"sequence": 1})
+    assert limits is not None and limits.product == PREFILL_CHUNK
+
+
+def test_warm_ups_run_at_the_planned_binding() -> None:
+    samples = _feeds(3, 16)
+    resized = at_binding(INPUTS, samples, {"batch": 2, "sequence": 256})
+    assert resized is not None and resized["input_ids"].shape == (2, 256)
+    assert at_binding(INPUTS, samples, {"batch": 3, "sequence": 16}) is None
 
 
 class _Chain(ChainDecoderBackend):

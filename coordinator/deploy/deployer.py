@@ -20,7 +20,7 @@ from typing import Any
 
 import numpy as np
 
-from coordinator.deploy.limits import planned_limits, planning_ladder
+from coordinator.deploy.limits import at_binding, planned_limits, planning_ladder
 from coordinator.deploy.plan import LiveDevice, deploy_bodies, device_list, max_abs_diff
 from coordinator.deploy.stage_timing import (
     CALIBRATION_RUNS,
@@ -346,13 +346,23 @@ def split_and_run(
     except (PartitionerError, OSError) as exc:
         raise DeployError(f"cannot plan or split {command.model_path.name}: {exc}") from exc
     manifest = result.manifest
-    warmups = [{n: known[n] for n in s.inputs} for s in manifest.segments]
+    binding = _input_binding(manifest, result.analysis.table.dims)
+    serving = at_binding(manifest.model.inputs, samples, binding) if not manifest.sessions else None
+    try:
+        warm = (
+            known if serving is None else run_chain([w.files[0] for w in result.segments], serving)
+        )
+    except PartitionerError as exc:
+        raise DeployError(
+            f"cannot run {command.model_path.name} at its planned shapes: {exc}"
+        ) from exc
+    warmups = [{n: warm[n] for n in s.inputs} for s in manifest.segments]
     if manifest.sessions is not None:  # a decoder: the health check is a one-shot prefill
         samples, local = health_feeds(manifest, samples)
         known = run_chain([w.files[0] for w in result.segments], local)
     state = state_names(manifest)
     expected = {o.name: known[o.name] for o in manifest.model.outputs if o.name not in state}
-    limits = planned_limits(manifest, _input_binding(manifest, result.analysis.table.dims))
+    limits = planned_limits(manifest, binding)
     return SplitOutcome(manifest, out, samples, warmups, expected, limits)
 
 

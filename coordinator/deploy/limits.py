@@ -13,8 +13,9 @@ its *serving* shapes, the signed manifest of every stage carries them as
   workspace within those limits, or, when the devices cannot hold that, at half the tokens
   and so on (:func:`planning_ladder`): the plan decides the shapes the devices can afford;
 - a decoder: a step carries at most :data:`PREFILL_CHUNK` tokens (long prompts are prefilled in
-  chunks, see :mod:`coordinator.serving.decoder`), and the context at most the planned one; it
-  is planned at such a step at the end of the context;
+  chunks, see :mod:`coordinator.serving.decoder`), and the context at most the planned one. Its
+  plan (compute and memory) stays at the decode step, the phase the planner optimises, so a
+  prefill chunk's workspace is bounded by this limit but not reserved by the plan;
 - any other model: every symbolic dimension at most its size in the samples it was planned on.
 """
 
@@ -27,12 +28,11 @@ from typing import Any
 
 from protocols.decoder import DECODER_FILE
 from protocols.deploy import ShapeLimits
-from protocols.manifest import DEFAULT_SESSIONS, Manifest, TensorInfo
+from protocols.manifest import Manifest, TensorInfo
 
 BATCH = "batch"
 SEQUENCE = "sequence"
 TOTAL_SEQUENCE = "total_sequence"
-PAST_SEQUENCE = "past_sequence"
 MICRO_BATCH_TOKENS = 512
 """Most padded tokens (inputs x longest) one run through the stages may carry. Three MiniLM
 agents after 64 inputs of 256 tokens: +2 to +29 MB resident at 512, 305-345 MB at 2,048, and
@@ -41,8 +41,6 @@ DEFAULT_MAX_TOKENS = 256
 """Longest text input of a tokenizer without ``sentence_bert_config.json``."""
 MIN_TOKENS = 32
 """The smallest encoder run the deployer plans for before it gives up on a device set."""
-MIN_CHUNK = 8
-"""The smallest decoder step it plans for: a speculative pass verifies up to 8 tokens at once."""
 PREFILL_CHUNK = 64
 """Most new tokens one decoder step carries: longer prompts are prefilled in chunks."""
 
@@ -54,17 +52,14 @@ def planning_ladder(
 
     A text encoder: ``tokens // sequence`` x ``sequence`` with the sequence the longest input
     its tokenizer keeps (at most ``tokens``), then halved tokens and sequences down to
-    :data:`MIN_TOKENS`. A decoder (``decoder.json`` next to its tokenizer): a step of
-    :data:`PREFILL_CHUNK` tokens at the end of the planned context, then halved chunks down to
-    :data:`MIN_CHUNK`. Any other model: its samples' shapes (one empty binding).
+    :data:`MIN_TOKENS`. A decoder (``decoder.json`` next to its tokenizer) and any other model:
+    its samples' shapes (one empty binding).
     """
     if tokenizer_dir is None:
         return [{}]
     directory = Path(tokenizer_dir)
     if (directory / DECODER_FILE).is_file():
-        context = DEFAULT_SESSIONS.max_context
-        chunks = _halvings(PREFILL_CHUNK, MIN_CHUNK)
-        return [{SEQUENCE: c, TOTAL_SEQUENCE: context, PAST_SEQUENCE: context - c} for c in chunks]
+        return [{}]  # planned at the decode step; see the module docstring
     if not (directory / "tokenizer.json").is_file():
         return [{}]
     longest = tokenizer_max_tokens(directory)
@@ -107,7 +102,7 @@ def sample_dims(inputs: Sequence[TensorInfo], samples: Mapping[str, Any]) -> dic
 def planned_limits(manifest: Manifest, binding: Mapping[str, int]) -> ShapeLimits | None:
     """The limits every stage enforces, from the binding the deployment was planned at."""
     if manifest.sessions is not None:
-        chunk = binding.get(SEQUENCE, PREFILL_CHUNK)
+        chunk = max(binding.get(SEQUENCE, 1), PREFILL_CHUNK)
         return ShapeLimits(
             dims={SEQUENCE: chunk, TOTAL_SEQUENCE: manifest.sessions.max_context},
             product_dims=[BATCH, SEQUENCE],
@@ -120,3 +115,22 @@ def planned_limits(manifest: Manifest, binding: Mapping[str, int]) -> ShapeLimit
         tokens = dims.pop(BATCH) * dims[SEQUENCE]
         return ShapeLimits(dims=dims, product_dims=[BATCH, SEQUENCE], product=tokens)
     return ShapeLimits(dims=dims)
+
+
+def at_binding(
+    inputs: Sequence[TensorInfo], samples: Mapping[str, Any], binding: Mapping[str, int]
+) -> dict[str, Any] | None:
+    """The samples resized (values repeated) to the planned binding, to warm the stages up at
+    the shapes their memory and time were planned for; None when they already have them."""
+    import numpy as np
+
+    resized: dict[str, Any] = {}
+    for info in inputs:
+        array = samples[info.name]
+        shape = tuple(
+            binding.get(want, size) if isinstance(want, str) else size
+            for want, size in zip(info.shape, array.shape, strict=True)
+        )
+        resized[info.name] = np.resize(array, shape) if shape != array.shape else array
+    same = all(resized[i.name] is samples[i.name] for i in inputs)
+    return None if same else resized
