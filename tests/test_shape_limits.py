@@ -165,3 +165,12 @@ def test_a_long_prompt_is_prefilled_in_planned_chunks() -> None:
     whole = _Chain(None)
     asyncio.run(whole.step("s", 0, list(range(150))))
     assert whole.sent == [(0, 150, False)]
+
+
+def test_embeddings_longer_than_planned_are_refused_before_they_travel() -> None:
+    from coordinator.serving.embeddings import _check_planned
+
+    _check_planned([10, 64], ShapeLimits(dims={"sequence": 64}))
+    _check_planned([500], None)
+    with pytest.raises(coord.ShapeLimitError, match="input 1 has 65 tokens"):
+        _check_planned([10, 65], ShapeLimits(dims={"sequence": 64}))

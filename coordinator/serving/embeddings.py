@@ -27,9 +27,10 @@ import numpy as np
 
 from coordinator.deploy.limits import MICRO_BATCH_TOKENS, tokenizer_max_tokens
 from coordinator.deploy.store import DeploymentStore, VersionRecord
-from coordinator.errors import DimensionsError, NotServableError, RequestError
+from coordinator.errors import DimensionsError, NotServableError, RequestError, ShapeLimitError
 from coordinator.serving.microbatch import micro_batches
 from coordinator.serving.router import Router
+from protocols.deploy import ShapeLimits
 
 MAX_INPUTS = 256
 Input = str | Sequence[int]
@@ -157,8 +158,10 @@ class Embedder:
             raise RequestError(f"model {model_id!r} is not a text encoder (no tokenizer)")
         encoder = self._encoder(record.tokenizer_dir)
         limits = self._store.active(model_id).limits
+        lengths = encoder.lengths(inputs)
+        _check_planned(lengths, limits)
         budget = limits.product if limits is not None and limits.product else MICRO_BATCH_TOKENS
-        parts = micro_batches(encoder.lengths(inputs), budget)
+        parts = micro_batches(lengths, budget)
         for _ in range(SAME_VERSION_TRIES):
             runs = [self._run(model_id, encoder, inputs[part]) for part in parts]
             if len({run[0].plan_version for run in runs}) == 1:
@@ -195,6 +198,17 @@ def check_dimensions(model_id: str, native: int, requested: int | None) -> None:
             f"be shortened (Matryoshka), so dimensions must be {native} or left out, "
             f"not {requested}"
         )
+
+
+def _check_planned(lengths: Sequence[int], limits: ShapeLimits | None) -> None:
+    """Refuse an input longer than the deployment was planned for (its devices' memory)."""
+    longest = None if limits is None else limits.dims.get("sequence")
+    for i, length in enumerate(lengths):
+        if longest is not None and length > longest:
+            raise ShapeLimitError(
+                f"input {i} has {length} tokens; this deployment was planned for inputs of at "
+                f"most {longest} tokens (what its devices' memory holds)"
+            )
 
 
 def _check_inputs(inputs: Sequence[Input]) -> None:
