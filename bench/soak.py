@@ -281,7 +281,7 @@ def report(outcome: dict[str, Any], args: argparse.Namespace) -> None:
     lines = [
         "# Soak under hostility",
         "",
-        stamp(),
+        *stamp(REPO),
         "",
         f"`.venv/bin/python bench/soak.py --embeddings {args.embeddings} --generations "
         f"{args.generations} --tokens {args.tokens} --clients {args.clients} --decoder "

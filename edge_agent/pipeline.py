@@ -169,33 +169,51 @@ class Pipeline:
             )
             return
         manifest = deployed.manifest
-        index, chain = manifest.segment.index, manifest.chain
+        chain = manifest.chain
         if header.segment_index == len(chain) and manifest.is_last and not manifest.is_first:
             await self._answer_frame(channel, header, chain)
             return
+        admitted = await self._admit(channel, header, deployed)
+        if admitted is not None:
+            await self._accept(deployed, *admitted, tensors)
+
+    async def _admit(
+        self, channel: FrameChannel, header: FrameHeader, deployed: Deployed
+    ) -> tuple[FrameHeader, FrameChannel | None] | None:
+        """The request's header as this stage runs it (routed on the first stage) and the
+        requester's connection (first stage only); None when it was refused."""
+        index, chain = deployed.manifest.segment.index, deployed.manifest.chain
         if header.segment_index != index:
             await self._refuse(
                 channel,
                 header,
                 NoSegmentError(f"this agent runs segment {index}, not {header.segment_index}"),
             )
-            return
-        origin: FrameChannel | None = None
+            return None
         if index > 0:
             check_peer(channel.peer, name=chain[index - 1].device, roles={ROLE_AGENT})
-        elif header.kind is not FrameKind.DATA or ORIGIN_SEPARATOR in header.request_id:
+            return header, None
+        if header.kind is not FrameKind.DATA or ORIGIN_SEPARATOR in header.request_id:
             await self._refuse(
                 channel,
                 header,
                 RequestError(f"requesters may not send errors or {ORIGIN_SEPARATOR!r}"),
             )
-            return
-        else:
-            routed = f"{channel.peer.name}{ORIGIN_SEPARATOR}{header.request_id}"
-            if len(routed) > 128:
-                await self._refuse(channel, header, RequestError("request id is too long"))
-                return
-            header, origin = header.model_copy(update={"request_id": routed}), channel
+            return None
+        routed = f"{channel.peer.name}{ORIGIN_SEPARATOR}{header.request_id}"
+        if len(routed) > 128:
+            await self._refuse(channel, header, RequestError("request id is too long"))
+            return None
+        return header.model_copy(update={"request_id": routed}), channel
+
+    async def _accept(
+        self,
+        deployed: Deployed,
+        header: FrameHeader,
+        origin: FrameChannel | None,
+        tensors: Mapping[str, Array],
+    ) -> None:
+        """Check an admitted request and queue it for compute (or pass its error on)."""
         if header.failed:
             await self._send_q.put(_Outgoing(deployed, header, {}, None))
             return
