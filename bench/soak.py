@@ -261,12 +261,17 @@ def soak(
         for future in futures:
             future.result()
     wall = time.monotonic() - started
+    ours = {a.name for a in lab.agents}
+    with coordinator.client() as api:
+        statuses = [
+            (d["name"], d["fingerprint"][:12], d["status"], d["online"])
+            for d in api.get("/v1/devices").json()
+            if d["name"] in ours or d["name"].startswith("copy-")
+        ]
+        failover = api.get("/v1/failover").json()
     stop.set()
     for thread in hostile:
         thread.join(60)
-    with coordinator.client() as api:
-        statuses = {d["name"]: (d["status"], d["online"]) for d in api.get("/v1/devices").json()}
-        failover = api.get("/v1/failover").json()
     return {"clients": clients, "seen": seen, "memory": memory, "events": events, "wall": wall,
             "victim": victim, "statuses": statuses, "failover": failover,
             "agents": [a.name for a in lab.agents]}  # fmt: skip
@@ -314,11 +319,11 @@ def report(outcome: dict[str, Any], args: argparse.Namespace) -> None:
             for name in sorted(memory.samples)
         ],
         "",
-        "Device list at the end (name: status, online):",
+        "Device list at the end, while the rogue still announces (name, fingerprint, status):",
         "",
         *[
-            f"- `{n}`: {s}, {'online' if o else 'offline'}"
-            for n, (s, o) in sorted(outcome["statuses"].items())
+            f"- `{n}` `{fp}...`: {s}, {'online' if o else 'offline'}"
+            for n, fp, s, o in sorted(outcome["statuses"])
         ],
         "",
     ]
