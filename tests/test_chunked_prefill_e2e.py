@@ -11,9 +11,10 @@ from __future__ import annotations
 from pathlib import Path
 
 import pytest
-from generation_lab import decoder_lab, greedy_reference
+from generation_lab import decoder_lab
 
 from coordinator.deploy.limits import PREFILL_CHUNK
+from devtools.reference import greedy_reference
 
 pytestmark = [pytest.mark.slow, pytest.mark.timeout(900)]
 MODEL_ID = "tiny-llama-chunked"
