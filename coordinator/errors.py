@@ -13,7 +13,8 @@ CoordinatorError
 ├── RequestError            an inference request is malformed (4xx)
 │   ├── UnknownModelError   no deployment has that model id (404)
 │   ├── ContextLengthError  prompt plus requested tokens exceed the model's context (400)
-│   └── DimensionsError     embeddings ``dimensions`` the model cannot give (400)
+│   ├── DimensionsError     embeddings ``dimensions`` the model cannot give (400)
+│   └── ShapeLimitError     larger than the planned shapes and cannot be cut into runs (413)
 └── NotServableError        the model cannot be served right now (503)
     ├── ChainBrokenError    a stage lost its link or its session state: retry on a new chain
     ├── CapacityError       no room for a new generation session now (429, Retry-After)
@@ -99,6 +100,11 @@ class ContextLengthError(RequestError):
         self.max_context = max_context
         self.prompt_tokens = prompt_tokens
         self.max_tokens = max_tokens
+
+
+class ShapeLimitError(RequestError):
+    """A request is larger than the shapes its deployment was planned for (and cannot be cut
+    into runs that fit: a sequence longer than planned, outputs without a batch axis)."""
 
 
 class DimensionsError(RequestError):

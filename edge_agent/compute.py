@@ -12,7 +12,7 @@ import asyncio
 from collections import deque
 from collections.abc import Sequence
 from concurrent.futures import ThreadPoolExecutor
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 from edge_agent.batching import MAX_BATCH, signature, split, stack
 from edge_agent.channel import FrameChannel
@@ -35,6 +35,8 @@ class Work:
     enqueued: float
     origin: FrameChannel | None
     """The requester's connection, on the first stage."""
+    dims: dict[str, int] = field(default_factory=dict)
+    """The sizes of its symbolic dimensions (checked against the planned shapes)."""
 
     @property
     def batchable(self) -> bool:
@@ -50,21 +52,36 @@ async def take_batch(queue: asyncio.Queue[Work], held: deque[Work]) -> list[Work
     if not first.batchable:
         return batch
     shape = signature(first.feeds)
+    rows = dict(first.dims)
     while len(batch) < MAX_BATCH:
         try:
             following = queue.get_nowait()
         except asyncio.QueueEmpty:
             break
-        if (
-            following.batchable
-            and following.deployed is first.deployed
-            and signature(following.feeds) == shape
-        ):
+        joined = _joined(first, rows, following)
+        if following.batchable and signature(following.feeds) == shape and joined is not None:
             batch.append(following)
+            rows = joined
         else:
             held.append(following)
             break
     return batch
+
+
+def _joined(first: Work, rows: dict[str, int], following: Work) -> dict[str, int] | None:
+    """The symbol sizes of the batch with ``following`` stacked on, if that fits the planned
+    shapes (a batch of planned-size requests would otherwise run past the planned workspace)."""
+    deployed = first.deployed
+    if following.deployed is not deployed:
+        return None
+    axis = deployed.batch_symbol
+    if axis is None:
+        return dict(rows)
+    joined = {**rows, axis: rows.get(axis, 0) + following.dims.get(axis, 0)}
+    limits = deployed.manifest.limits
+    if limits is not None and limits.violation(joined) is not None:
+        return None
+    return joined
 
 
 class StageRunner:

@@ -157,13 +157,10 @@ class ControlServer:
         parts = lines[0].split(" ")
         if len(parts) != 3 or not parts[2].startswith("HTTP/1."):
             raise HttpError(400, "malformed request line")
-        headers = {}
-        for line in lines[1:]:
-            if line:
-                name, sep, value = line.partition(":")
-                if not sep:
-                    raise HttpError(400, "malformed header line")
-                headers[name.strip().lower()] = value.strip()
+        return parts[0], parts[1], self._body_length(_headers(lines[1:]))
+
+    def _body_length(self, headers: dict[str, str]) -> int:
+        """The declared body length, refused when chunked, malformed or over the limit."""
         if "transfer-encoding" in headers:
             raise HttpError(411, "chunked bodies are not accepted; send Content-Length")
         length_text = headers.get("content-length", "0")
@@ -172,7 +169,19 @@ class ControlServer:
         length = int(length_text)
         if length > self._max_body:
             raise HttpError(413, f"body of {length} bytes is over the {self._max_body}-byte limit")
-        return parts[0], parts[1], length
+        return length
+
+
+def _headers(lines: list[str]) -> dict[str, str]:
+    """Header lines by lower-case name."""
+    headers = {}
+    for line in lines:
+        if line:
+            name, sep, value = line.partition(":")
+            if not sep:
+                raise HttpError(400, "malformed header line")
+            headers[name.strip().lower()] = value.strip()
+    return headers
 
 
 async def _read_body(reader: asyncio.StreamReader, length: int) -> bytes:

@@ -20,6 +20,7 @@ everything the agent itself refuses raises one of these::
     │   ├── SessionStateError  a step for an unknown session or the wrong position (replay)
     │   │   └── SessionRewindError a rewind to a position the session never held
     │   ├── ContextLengthError a session would grow past the planned context length
+    │   ├── ShapeLimitError    a tensor is larger than the shapes the deployment was planned for
     │   └── RemoteRequestError a requester got an error frame back from the chain
     ├── LinkError              the next agent of the chain cannot be reached
     └── PairingError           a pairing grant does not fit this agent   -> HTTP 409
@@ -109,6 +110,10 @@ class SessionRewindError(SessionStateError):
 
 class ContextLengthError(RequestError):
     """A session would hold more tokens than the deployment was planned for."""
+
+
+class ShapeLimitError(RequestError):
+    """A frame's batch or sequence is larger than the deployment was planned for."""
 
 
 class LinkError(AgentError):

@@ -191,16 +191,21 @@ def _node(data: memoryview, graph: _Graph) -> None:
         elif number == 5:
             attributes.append(value)
     if op == "Constant":
-        for attribute in attributes:
-            for n, _, t in _fields(attribute):
-                if n == 5 and isinstance(t, memoryview):  # AttributeProto.t
-                    tensor = _tensor(t)
-                    graph.tensors.append(tensor)
-                    if outputs:
-                        graph.constants[outputs[0]] = tensor
+        _constant(attributes, outputs, graph)
     operand = _SHAPE_OPERAND.get(op)
     if operand is not None and operand < len(inputs):
         graph.shape_operands.append((op, inputs[operand]))
+
+
+def _constant(attributes: list[memoryview], outputs: list[str], graph: _Graph) -> None:
+    """Record a ``Constant`` node's tensor value (and its output name)."""
+    for attribute in attributes:
+        for n, _, t in _fields(attribute):
+            if n == 5 and isinstance(t, memoryview):  # AttributeProto.t
+                tensor = _tensor(t)
+                graph.tensors.append(tensor)
+                if outputs:
+                    graph.constants[outputs[0]] = tensor
 
 
 def check_declared_sizes(

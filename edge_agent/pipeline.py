@@ -23,7 +23,7 @@ from collections.abc import Callable, Mapping
 from dataclasses import dataclass
 
 from edge_agent.channel import FrameChannel
-from edge_agent.checks import Array, check_tensors
+from edge_agent.checks import Array, check_planned, check_tensors
 from edge_agent.compute import StageRunner, Work, take_batch
 from edge_agent.errors import (
     AgentError,
@@ -169,33 +169,51 @@ class Pipeline:
             )
             return
         manifest = deployed.manifest
-        index, chain = manifest.segment.index, manifest.chain
+        chain = manifest.chain
         if header.segment_index == len(chain) and manifest.is_last and not manifest.is_first:
             await self._answer_frame(channel, header, chain)
             return
+        admitted = await self._admit(channel, header, deployed)
+        if admitted is not None:
+            await self._accept(deployed, *admitted, tensors)
+
+    async def _admit(
+        self, channel: FrameChannel, header: FrameHeader, deployed: Deployed
+    ) -> tuple[FrameHeader, FrameChannel | None] | None:
+        """The request's header as this stage runs it (routed on the first stage) and the
+        requester's connection (first stage only); None when it was refused."""
+        index, chain = deployed.manifest.segment.index, deployed.manifest.chain
         if header.segment_index != index:
             await self._refuse(
                 channel,
                 header,
                 NoSegmentError(f"this agent runs segment {index}, not {header.segment_index}"),
             )
-            return
-        origin: FrameChannel | None = None
+            return None
         if index > 0:
             check_peer(channel.peer, name=chain[index - 1].device, roles={ROLE_AGENT})
-        elif header.kind is not FrameKind.DATA or ORIGIN_SEPARATOR in header.request_id:
+            return header, None
+        if header.kind is not FrameKind.DATA or ORIGIN_SEPARATOR in header.request_id:
             await self._refuse(
                 channel,
                 header,
                 RequestError(f"requesters may not send errors or {ORIGIN_SEPARATOR!r}"),
             )
-            return
-        else:
-            routed = f"{channel.peer.name}{ORIGIN_SEPARATOR}{header.request_id}"
-            if len(routed) > 128:
-                await self._refuse(channel, header, RequestError("request id is too long"))
-                return
-            header, origin = header.model_copy(update={"request_id": routed}), channel
+            return None
+        routed = f"{channel.peer.name}{ORIGIN_SEPARATOR}{header.request_id}"
+        if len(routed) > 128:
+            await self._refuse(channel, header, RequestError("request id is too long"))
+            return None
+        return header.model_copy(update={"request_id": routed}), channel
+
+    async def _accept(
+        self,
+        deployed: Deployed,
+        header: FrameHeader,
+        origin: FrameChannel | None,
+        tensors: Mapping[str, Array],
+    ) -> None:
+        """Check an admitted request and queue it for compute (or pass its error on)."""
         if header.failed:
             await self._send_q.put(_Outgoing(deployed, header, {}, None))
             return
@@ -214,12 +232,13 @@ class Pipeline:
             return
         try:
             feeds, carried = check_tensors(deployed.frame_inputs, tensors, deployed.passthrough)
+            dims = check_planned(deployed.manifest.limits, deployed.frame_inputs, feeds)
         except RequestError as exc:
             self._count_error(exc)
             await self._fail(deployed, header, exc, origin)
             return
         await self._compute_q.put(
-            Work(deployed, header, feeds, carried, time.perf_counter(), origin)
+            Work(deployed, header, feeds, carried, time.perf_counter(), origin, dims)
         )
         self._metrics.queue_depth.labels("compute").set(self._compute_q.qsize())
 

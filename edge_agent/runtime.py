@@ -19,6 +19,14 @@ What a loaded segment really costs in resident memory, and the choices made here
   really uses on every request. With it off, glibc keeps the same freed activations anyway
   (78-87 MB for segment 0 after 20 runs) unless every large allocation is forced to ``mmap``,
   which made runs 40% slower (14 -> 20 ms).
+- **What bounds the arena while serving** is the deployment's planned shapes: every frame is
+  checked against the signed manifest's limits (:func:`edge_agent.checks.check_planned`) and
+  the stage's batching never stacks past them, so the arena holds at most the workspace of the
+  largest allowed run. Measured on the whole MiniLM after runs at 2 x 256, 4 x 128, 64 x 8 and
+  1 x 200 tokens: arena on +46 MiB; arena off +150 MiB (glibc keeps the freed activations of
+  mixed shapes, +4.7 MiB after ``malloc_trim``); a process-wide arena registered with a
+  ``max_mem`` (``session.use_env_allocators``) did not cap what it held (30 MiB: still +46 MiB;
+  60 MiB: a run failed), so it is not used.
 - **Pre-packing** stays **on**: disabling it (``session.disable_prepacking``) saves nothing once
   the freed originals are trimmed, and made runs 10-30% slower (14 -> 15-19 ms).
 - **Loading from a path, not bytes**: ORT's Python session keeps a reference to model bytes for

@@ -58,6 +58,8 @@ class Deployed:
     """Per-session state (a decoder's KV cache), when the segment keeps any."""
     batchable: bool = False
     """Queued requests may run together (see :mod:`edge_agent.batching`)."""
+    batch_symbol: str | None = None
+    """The name of the shared first axis requests are stacked along, when batchable."""
 
     @property
     def frame_inputs(self) -> tuple[InputSpec, ...]:
@@ -172,8 +174,8 @@ class SegmentStore:
                 warmup_first_s=first,
                 warmup_s=median,
             )
-            batchable = table is None and session.batch_axis() is not None
-            deployed = Deployed(manifest, session, report, table, batchable)
+            axis = session.batch_axis() if table is None else None
+            deployed = Deployed(manifest, session, report, table, axis is not None, axis)
             self._segments[manifest.plan_version] = deployed
         log.info(
             "loaded segment %d of plan %d: %d bytes resident (predicted %d; %s while loading), "

@@ -20,6 +20,7 @@ from edge_agent.errors import (
     RequestError,
     SessionLimitError,
     SessionStateError,
+    ShapeLimitError,
 )
 from protocols.errors import FrameError, FrameTooLargeError, TensorSpecError, WireErrorCode
 from protocols.frames import FrameHeader, FrameKind
@@ -33,6 +34,7 @@ CODES: Final[tuple[tuple[type[Exception], WireErrorCode], ...]] = (
     (SessionLimitError, WireErrorCode.SESSION_LIMIT),
     (SessionStateError, WireErrorCode.SESSION_STATE),
     (ContextLengthError, WireErrorCode.CONTEXT_LENGTH),
+    (ShapeLimitError, WireErrorCode.SHAPE_LIMIT),
     (RequestError, WireErrorCode.REFUSED),
     (TensorSpecError, WireErrorCode.TENSOR_SPEC),
     (FrameTooLargeError, WireErrorCode.FRAME_TOO_LARGE),

@@ -58,7 +58,9 @@ Link probes
 from __future__ import annotations
 
 import json
+import math
 import struct
+from collections.abc import Mapping
 from typing import Final, Literal, Self
 
 from pydantic import Field, NonNegativeFloat, NonNegativeInt, PositiveInt, model_validator
@@ -102,6 +104,40 @@ class Hop(FrozenModel):
     data_port: int = Field(ge=1, le=65535)
 
 
+class ShapeLimits(FrozenModel):
+    """The shapes a deployment was planned for, which every stage enforces on every frame.
+
+    Activation workspace (and ONNX Runtime's arena, which keeps its peak) grows with these
+    sizes, so a frame larger than planned would take the agent past its memory budget. A
+    frame is refused with :attr:`~protocols.errors.WireErrorCode.SHAPE_LIMIT` when one of its
+    tensors has a dimension named in ``dims`` larger than its limit, or when the product of
+    the sizes of the ``product_dims`` it carries (batch x sequence: padded tokens) is larger
+    than ``product``. The coordinator cuts larger requests into runs that fit.
+    """
+
+    dims: dict[str, PositiveInt] = Field(default_factory=dict, max_length=64)
+    """Largest size of each named (symbolic) dimension."""
+    product_dims: list[str] = Field(default_factory=list, max_length=8)
+    product: PositiveInt | None = None
+    """Largest product of the sizes of ``product_dims`` in one frame (None: no such limit)."""
+
+    def violation(self, sizes: Mapping[str, int]) -> str | None:
+        """Why symbolic dimension ``sizes`` (name to size, of one frame) break the limits."""
+        for name, size in sizes.items():
+            limit = self.dims.get(name)
+            if limit is not None and size > limit:
+                return f"dimension {name!r} is {size}, the deployment was planned for {limit}"
+        if self.product is not None:
+            present = [name for name in self.product_dims if name in sizes]
+            total = math.prod(sizes[name] for name in present)
+            if present and total > self.product:
+                return (
+                    f"{' x '.join(present)} is {total}, the deployment was planned "
+                    f"for {self.product}"
+                )
+        return None
+
+
 class DeployManifest(FrozenModel):
     """Everything the coordinator signs for one agent: its segment and its place in the chain."""
 
@@ -124,6 +160,8 @@ class DeployManifest(FrozenModel):
     sessions: SessionLimits | None = None
     """Set on every stage of a model with per-session state (a decoder), whether or not this
     segment keeps some (``segment.state``); required when it does."""
+    limits: ShapeLimits | None = None
+    """The planned shapes every frame must fit (None: only the frame size limit applies)."""
 
     @model_validator(mode="after")
     def _check_chain(self) -> Self:

@@ -48,6 +48,8 @@ class WireErrorCode(StrEnum):
     """A step for an unknown session, or at the wrong position."""
     CONTEXT_LENGTH = "context_length"
     """A session would grow past the planned context length."""
+    SHAPE_LIMIT = "shape_limit"
+    """A tensor is larger than the shapes the deployment was planned for (batch, sequence)."""
     LINK_DOWN = "link_down"
     """A stage could not reach the next agent of the chain."""
     INTERNAL = "internal"

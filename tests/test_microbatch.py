@@ -8,9 +8,10 @@ from typing import Any
 import numpy as np
 import pytest
 
+from coordinator.deploy.limits import MICRO_BATCH_TOKENS
 from coordinator.errors import NotServableError
 from coordinator.serving.embeddings import HIDDEN, Embedder
-from coordinator.serving.microbatch import MICRO_BATCH_TOKENS, micro_batches
+from coordinator.serving.microbatch import micro_batches
 
 
 def test_micro_batches_keep_order_and_fit_the_budget() -> None:
@@ -40,6 +41,14 @@ class _Store:
 
     def model(self, model_id: str) -> _Record:
         return _Record(self.directory)
+
+    def active(self, model_id: str) -> _Active:
+        return _Active()
+
+
+@dataclass
+class _Active:
+    limits: None = None
 
 
 class _Router:

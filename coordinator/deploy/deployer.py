@@ -14,12 +14,13 @@ import shutil
 import threading
 from collections.abc import Callable, Mapping, Sequence
 from concurrent.futures import ThreadPoolExecutor
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from pathlib import Path
 from typing import Any
 
 import numpy as np
 
+from coordinator.deploy.limits import at_binding, planned_limits, planning_ladder
 from coordinator.deploy.plan import LiveDevice, deploy_bodies, device_list, max_abs_diff
 from coordinator.deploy.stage_timing import (
     CALIBRATION_RUNS,
@@ -32,7 +33,7 @@ from coordinator.errors import AgentError, CoordinatorError, DeployError
 from coordinator.fleet.registry import DeviceRecord
 from coordinator.transport.agent_client import AgentAddress, AgentClient
 from partitioner.baselines import Baseline
-from protocols.deploy import DeployReport, Hop
+from protocols.deploy import DeployReport, Hop, ShapeLimits
 from protocols.errors import SchemaError
 from protocols.links import Link as DeviceLink
 from protocols.links import RequesterLink
@@ -78,6 +79,8 @@ class SplitOutcome:
     samples: Arrays
     warmups: list[Arrays]
     expected: Arrays
+    limits: ShapeLimits | None = None
+    """The planned shapes every stage enforces (see :mod:`coordinator.deploy.limits`)."""
 
 
 class Deployer:
@@ -166,10 +169,18 @@ class Deployer:
             missing = sorted({s.device for s in split.manifest.segments} - {d.name for d in live})
             if missing:
                 raise DeployError(f"devices of {version_dir.name} are not online: {missing}")
+            split = replace(split, limits=self._kept_limits(model_id))
             # a version that carries its whole model (a merged LoRA run) re-plans from it
             whole = version_dir / "model.onnx"
             command = DeployCommand(whole if whole.is_file() else version_dir, model_id, objective)
             return self._install(command, plan_version, split, live)
+
+    def _kept_limits(self, model_id: str) -> ShapeLimits | None:
+        """A new version of a model (fine-tuned segments) keeps the live version's limits."""
+        try:
+            return self._store.active(model_id).limits
+        except CoordinatorError:
+            return None
 
     def _install(
         self,
@@ -196,6 +207,7 @@ class Deployer:
             f"{command.model_id}@{plan_version}",
             plan_version,
             self._sign,
+            split.limits,
         )
         addresses = [_address(by_name[s.device]) for s in split.manifest.segments]
         reports = self._push(addresses, bodies, plan_version)
@@ -217,6 +229,7 @@ class Deployer:
             health_max_abs_diff=diff,
             memory_caps=dict(command.memory_caps),
             trigger=command.trigger,
+            limits=split.limits,
         )
         retired = self._store.activate(version, command.tokenizer_dir)
         for old in retired:
@@ -341,30 +354,68 @@ def split_and_run(
     """
     from coordinator.generation.feeds import health_feeds, state_names
     from partitioner.errors import PartitionerError
-    from partitioner.split import SplitOptions, split_model
     from partitioner.verify import run_chain
 
-    planner = None if command.baseline is None else baseline_planner(command.baseline)
     try:
-        options = SplitOptions(
-            command.objective,
-            segment_cache=segment_cache,
-            calibrate=calibrates_at_deploy(command.model_path),
-            calibration_runs=CALIBRATION_RUNS,
-        )
-        result = split_model(command.model_path, devices, out, options, planner=planner)
+        result = _split_at_largest_shapes(command, devices, out, segment_cache)
         samples = dict(result.analysis.samples)
         known = run_chain([w.files[0] for w in result.segments], samples)
     except (PartitionerError, OSError) as exc:
         raise DeployError(f"cannot plan or split {command.model_path.name}: {exc}") from exc
     manifest = result.manifest
-    warmups = [{n: known[n] for n in s.inputs} for s in manifest.segments]
+    binding = _input_binding(manifest, result.analysis.table.dims)
+    serving = at_binding(manifest.model.inputs, samples, binding) if not manifest.sessions else None
+    try:
+        warm = (
+            known if serving is None else run_chain([w.files[0] for w in result.segments], serving)
+        )
+    except PartitionerError as exc:
+        raise DeployError(
+            f"cannot run {command.model_path.name} at its planned shapes: {exc}"
+        ) from exc
+    warmups = [{n: warm[n] for n in s.inputs} for s in manifest.segments]
     if manifest.sessions is not None:  # a decoder: the health check is a one-shot prefill
         samples, local = health_feeds(manifest, samples)
         known = run_chain([w.files[0] for w in result.segments], local)
     state = state_names(manifest)
     expected = {o.name: known[o.name] for o in manifest.model.outputs if o.name not in state}
-    return SplitOutcome(manifest, out, samples, warmups, expected)
+    limits = planned_limits(manifest, binding)
+    return SplitOutcome(manifest, out, samples, warmups, expected, limits)
+
+
+def _split_at_largest_shapes(
+    command: DeployCommand, devices: Any, out: Path, segment_cache: Path | None
+) -> Any:
+    """Plan and cut at the largest serving shapes the devices can hold (see
+    :func:`coordinator.deploy.limits.planning_ladder`): they become the deployment's limits."""
+    from partitioner.errors import InfeasiblePlanError
+    from partitioner.split import SplitOptions, split_model
+
+    planner = None if command.baseline is None else baseline_planner(command.baseline)
+    ladder = planning_ladder(command.tokenizer_dir)
+    for rung, dims in enumerate(ladder, start=1):
+        options = SplitOptions(
+            command.objective,
+            segment_cache=segment_cache,
+            calibrate=calibrates_at_deploy(command.model_path),
+            calibration_runs=CALIBRATION_RUNS,
+            dims=dims,
+        )
+        try:
+            return split_model(command.model_path, devices, out, options, planner=planner)
+        except InfeasiblePlanError as exc:
+            if rung == len(ladder):
+                raise
+            log.info(
+                "%s does not fit at %s (%s); planning smaller runs", command.model_id, dims, exc
+            )
+    raise AssertionError("unreachable")  # the ladder has at least one rung
+
+
+def _input_binding(manifest: Manifest, binding: Mapping[str, int]) -> dict[str, int]:
+    """The sizes the model inputs' symbolic dimensions were planned at."""
+    symbols = {d for i in manifest.model.inputs for d in i.shape if isinstance(d, str)}
+    return {name: int(size) for name, size in binding.items() if name in symbols}
 
 
 def baseline_planner(baseline: Baseline) -> Callable[[PlanningProblem, Objective], Plan]:

@@ -20,6 +20,7 @@ from protocols.deploy import (
     DeployManifest,
     DeployRequest,
     Hop,
+    ShapeLimits,
     encode_deploy_body,
     signing_bytes,
 )
@@ -123,6 +124,7 @@ def deploy_bodies(
     deployment: str,
     plan_version: int,
     sign: Signer,
+    limits: ShapeLimits | None = None,
 ) -> list[bytes]:
     """One signed ``POST /v1/deploy`` body per segment, each with its own warm-up frame."""
     bodies = []
@@ -136,6 +138,7 @@ def deploy_bodies(
             forward=forward_names(manifest, seg.index),
             warmup_sha256=hashlib.sha256(frame).hexdigest(),
             sessions=manifest.sessions,
+            limits=limits,
         )
         request = DeployRequest(
             manifest=signed,

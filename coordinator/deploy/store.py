@@ -19,6 +19,7 @@ from coordinator.errors import NotServableError, RollbackError, StateError, Unkn
 from coordinator.generation.speculative import Speculative
 from hostkit.files import write_atomic
 from protocols.base import FrozenModel
+from protocols.deploy import ShapeLimits
 from protocols.errors import SchemaError
 from protocols.manifest import TensorInfo
 from protocols.plan import Objective
@@ -68,6 +69,8 @@ class VersionRecord(FrozenModel):
     trigger: str = "operator"
     """Why it was deployed: ``operator``, ``failover: ...`` (a device was lost) or
     ``expand: ...`` (a lost device came back)."""
+    limits: ShapeLimits | None = None
+    """The planned shapes its stages enforce; requests are cut into runs that fit them."""
 
 
 class ModelRecord(FrozenModel):

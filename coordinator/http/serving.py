@@ -113,7 +113,13 @@ def model_id_of(path: Path) -> str:
 def serving_router(serving: Serving) -> APIRouter:
     """The serving routes (mounted under the token-protected ``/v1``)."""
     api = APIRouter()
+    _deployment_routes(api, serving)
+    _fleet_routes(api, serving)
+    _inference_routes(api, serving)
+    return api
 
+
+def _deployment_routes(api: APIRouter, serving: Serving) -> None:
     @api.get("/deployments")
     def list_deployments() -> list[ModelRecord]:
         return serving.store.book().models
@@ -143,6 +149,8 @@ def serving_router(serving: Serving) -> APIRouter:
     async def rollback(model_id: str) -> VersionRecord:
         return await run_in_threadpool(serving.deployer.rollback, model_id)
 
+
+def _fleet_routes(api: APIRouter, serving: Serving) -> None:
     @api.get("/links")
     def links() -> list[DeviceLink]:
         return serving.links.links()
@@ -166,6 +174,8 @@ def serving_router(serving: Serving) -> APIRouter:
         events = [e.model_dump() for e in serving.failover.events()]
         return {"enabled": True, "models": conditions, "events": events}
 
+
+def _inference_routes(api: APIRouter, serving: Serving) -> None:
     @api.post("/infer")
     async def infer(request: Request) -> dict[str, Any]:
         model_id, tensors = await _infer_request(request)
@@ -177,8 +187,6 @@ def serving_router(serving: Serving) -> APIRouter:
             "plan_version": version.plan_version,
             "outputs": {name: _tensor_json(array) for name, array in outputs.items()},
         }
-
-    return api
 
 
 async def _infer_request(request: Request) -> tuple[str, dict[str, Any]]:

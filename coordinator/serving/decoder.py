@@ -110,10 +110,9 @@ class ChainDecoderBackend:
         deadline = time.monotonic() + self._recovery_s
         version, client = await asyncio.to_thread(self._client_of, deadline)
         wire, held_on = self._wire.setdefault(session, (session, version.plan_version))
-        tensors = step_inputs(position, token_ids)
         if held_on == version.plan_version:
             try:
-                out = await self._call(client, tensors, SessionStep(wire, position, rewind=rewind))
+                out = await self._steps(client, version, wire, position, token_ids, rewind)
             except (AgentError, NotServableError) as exc:
                 if isinstance(exc, CapacityError) or (position == 0 and not _lost(exc)):
                     raise
@@ -136,7 +135,7 @@ class ChainDecoderBackend:
             version, client = await asyncio.to_thread(self._client_of, deadline)
             wire = f"{session}~{secrets.token_hex(4)}"
             try:
-                out = await self._call(client, step_inputs(0, tokens), SessionStep(wire, 0))
+                out = await self._steps(client, version, wire, 0, tokens, rewind=False)
             except (AgentError, NotServableError) as exc:
                 if isinstance(exc, CapacityError) or time.monotonic() > deadline:
                     raise
@@ -144,6 +143,26 @@ class ChainDecoderBackend:
                 continue
             self._wire[session] = (wire, version.plan_version)
             return out
+
+    async def _steps(
+        self,
+        client: ChainClient,
+        version: VersionRecord,
+        wire: str,
+        position: int,
+        token_ids: Sequence[int],
+        rewind: bool,
+    ) -> Arrays:
+        """Append ``token_ids`` at ``position`` in steps of at most the planned tokens per step
+        (chunked prefill: every stage's workspace stays at the planned shapes); the last
+        step's outputs."""
+        chunk = prefill_chunk(version)
+        out: Arrays = {}
+        for start in range(0, len(token_ids), chunk):
+            at = position + start
+            step = SessionStep(wire, at, rewind=rewind and start == 0)
+            out = await self._call(client, step_inputs(at, token_ids[start : start + chunk]), step)
+        return out
 
     async def end(self, session: str) -> None:
         """Free ``session``'s cache on every stage that holds it."""
@@ -159,6 +178,14 @@ class ChainDecoderBackend:
     async def _call(self, client: ChainClient, tensors: Arrays, session: SessionStep) -> Arrays:
         future = self._plane.submit(client.infer_async(tensors, self._timeout, session))
         return await asyncio.wrap_future(future)
+
+
+def prefill_chunk(version: VersionRecord) -> int:
+    """The most new tokens one step of ``version`` may carry (its planned ``sequence``)."""
+    limits = version.limits
+    if limits is None:
+        return 1 << 30
+    return max(1, min(limits.dims.get("sequence", 1 << 30), limits.product or 1 << 30))
 
 
 def _lost(error: CoordinatorError) -> bool:

@@ -18,7 +18,6 @@ and any other value is refused with the size it has.
 
 from __future__ import annotations
 
-import json
 import threading
 from collections.abc import Sequence
 from pathlib import Path
@@ -26,16 +25,17 @@ from typing import Any
 
 import numpy as np
 
+from coordinator.deploy.limits import MICRO_BATCH_TOKENS, tokenizer_max_tokens
 from coordinator.deploy.store import DeploymentStore, VersionRecord
-from coordinator.errors import DimensionsError, NotServableError, RequestError
+from coordinator.errors import DimensionsError, NotServableError, RequestError, ShapeLimitError
 from coordinator.serving.microbatch import micro_batches
 from coordinator.serving.router import Router
+from protocols.deploy import ShapeLimits
 
 MAX_INPUTS = 256
 Input = str | Sequence[int]
 """One input: a text, or token ids of the model's tokenizer."""
 MAX_CHARS = 100_000
-DEFAULT_MAX_TOKENS = 256
 SAME_VERSION_TRIES = 3
 HIDDEN = "last_hidden_state"
 POOLED = "sentence_embedding"
@@ -64,10 +64,7 @@ class TextEncoder:
         if not path.is_file():
             raise NotServableError(f"no tokenizer at {path}")
         self._tokenizer = Tokenizer.from_file(str(path))
-        max_tokens = DEFAULT_MAX_TOKENS
-        config = directory / "sentence_bert_config.json"
-        if config.is_file():
-            max_tokens = int(json.loads(config.read_text()).get("max_seq_length", max_tokens))
+        max_tokens = tokenizer_max_tokens(directory)
         self._tokenizer.enable_truncation(max_length=max_tokens)
         padding = self._tokenizer.padding or {}
         self._tokenizer.enable_padding(
@@ -76,6 +73,11 @@ class TextEncoder:
 
         self._max_tokens = max_tokens
         self._pad_id = int(padding.get("pad_id", 0))
+
+    @property
+    def max_tokens(self) -> int:
+        """The longest input this tokenizer keeps (texts are truncated to it)."""
+        return self._max_tokens
 
     def encode(self, texts: Sequence[str]) -> tuple[dict[str, np.ndarray[Any, Any]], int]:
         """BERT inputs for a batch, and the number of real (unpadded) tokens."""
@@ -155,7 +157,11 @@ class Embedder:
         if record.tokenizer_dir is None:
             raise RequestError(f"model {model_id!r} is not a text encoder (no tokenizer)")
         encoder = self._encoder(record.tokenizer_dir)
-        parts = micro_batches(encoder.lengths(inputs))
+        limits = self._store.active(model_id).limits
+        lengths = encoder.lengths(inputs)
+        _check_planned(lengths, limits)
+        budget = limits.product if limits is not None and limits.product else MICRO_BATCH_TOKENS
+        parts = micro_batches(lengths, budget)
         for _ in range(SAME_VERSION_TRIES):
             runs = [self._run(model_id, encoder, inputs[part]) for part in parts]
             if len({run[0].plan_version for run in runs}) == 1:
@@ -192,6 +198,17 @@ def check_dimensions(model_id: str, native: int, requested: int | None) -> None:
             f"be shortened (Matryoshka), so dimensions must be {native} or left out, "
             f"not {requested}"
         )
+
+
+def _check_planned(lengths: Sequence[int], limits: ShapeLimits | None) -> None:
+    """Refuse an input longer than the deployment was planned for (its devices' memory)."""
+    longest = None if limits is None else limits.dims.get("sequence")
+    for i, length in enumerate(lengths):
+        if longest is not None and length > longest:
+            raise ShapeLimitError(
+                f"input {i} has {length} tokens; this deployment was planned for inputs of at "
+                f"most {longest} tokens (what its devices' memory holds)"
+            )
 
 
 def _check_inputs(inputs: Sequence[Input]) -> None:

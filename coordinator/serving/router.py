@@ -27,6 +27,7 @@ import numpy as np
 
 from coordinator.deploy.store import DeploymentStore, VersionRecord
 from coordinator.errors import AgentError, CoordinatorError, NotServableError, RequestError
+from coordinator.serving.microbatch import join_runs, row_runs
 from coordinator.transport.dataplane import ChainClient, DataPlane
 from protocols.deploy import Hop
 from protocols.frames import DTYPES
@@ -37,6 +38,7 @@ REQUEST_TIMEOUT_S = 60.0
 RECOVERY_WAIT_S = 60.0
 """How long one request may wait, in all, for a re-plan after its chain failed."""
 MAX_ATTEMPTS = 3
+SAME_VERSION_TRIES = 3
 """Sends of one request: the first, and retries after chain failures."""
 
 Arrays = dict[str, np.ndarray[Any, Any]]
@@ -109,7 +111,23 @@ class Router:
                 "deploy it again"
             )
         feeds = check_inputs(version.inputs, tensors)
-        return self.serve(model_id, feeds)
+        runs = row_runs(version.limits, version.inputs, feeds)
+        if len(runs) == 1:
+            return self.serve(model_id, feeds)
+        return self._serve_runs(model_id, feeds, runs, version.outputs)
+
+    def _serve_runs(
+        self, model_id: str, feeds: Arrays, runs: list[slice], outputs: list[TensorInfo]
+    ) -> tuple[VersionRecord, Arrays]:
+        """A request larger than the planned shapes, as consecutive runs that fit, all
+        answered by one plan version (else sent again, like embeddings' micro-batches)."""
+        if any(not o.shape or o.shape[0] != "batch" for o in outputs):
+            join_runs([{}, {}], outputs)  # raises ShapeLimitError: nothing to join along
+        for _ in range(SAME_VERSION_TRIES):
+            answers = [self.serve(model_id, {n: a[run] for n, a in feeds.items()}) for run in runs]
+            if len({version.plan_version for version, _ in answers}) == 1:
+                return answers[0][0], join_runs([out for _, out in answers], outputs)
+        raise NotServableError(f"model {model_id!r} changed version during every try")
 
     def serve(self, model_id: str, feeds: Arrays) -> tuple[VersionRecord, Arrays]:
         """Send checked inputs to the live version; after a chain failure, report it to the

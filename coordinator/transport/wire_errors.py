@@ -17,6 +17,7 @@ from coordinator.errors import (
     CoordinatorError,
     NotServableError,
     RequestError,
+    ShapeLimitError,
 )
 from protocols.errors import WireErrorCode
 from protocols.frames import FrameHeader
@@ -41,6 +42,7 @@ REMOTE: Final[Mapping[WireErrorCode, Callable[[str], CoordinatorError]]] = {
     WireErrorCode.EXECUTION_FAILED: RequestError,
     WireErrorCode.TENSOR_SPEC: RequestError,
     WireErrorCode.CONTEXT_LENGTH: RequestError,
+    WireErrorCode.SHAPE_LIMIT: ShapeLimitError,
     WireErrorCode.SESSION_LIMIT: _capacity,
     WireErrorCode.LINK_DOWN: _broken,
     WireErrorCode.SESSION_STATE: _broken,

@@ -1,0 +1,136 @@
+"""Planned shapes: what a deployment's memory is planned for becomes a limit on every request.
+
+Each stage's activation workspace, and the ONNX Runtime arena that keeps its peak, grows with
+the batch and sequence sizes it runs. So a deployment is planned (costed by the partitioner) at
+its *serving* shapes, the signed manifest of every stage carries them as
+:class:`~protocols.deploy.ShapeLimits` (each agent refuses a larger frame with the wire code
+``shape_limit``), and the coordinator cuts larger requests into runs that fit:
+
+- a model with ``batch`` and ``sequence`` inputs (a text encoder): the sequence is limited to
+  the longest input its tokenizer keeps (or the planned sequence), and one run carries at most
+  :data:`~coordinator.serving.microbatch.MICRO_BATCH_TOKENS` padded tokens (batch x sequence);
+  it is planned at ``batch = tokens / sequence`` x ``sequence``, the largest attention
+  workspace within those limits, or, when the devices cannot hold that, at half the tokens
+  and so on (:func:`planning_ladder`): the plan decides the shapes the devices can afford;
+- a decoder: a step carries at most :data:`PREFILL_CHUNK` tokens (long prompts are prefilled in
+  chunks, see :mod:`coordinator.serving.decoder`), and the context at most the planned one. Its
+  plan (compute and memory) stays at the decode step, the phase the planner optimises, so a
+  prefill chunk's workspace is bounded by this limit but not reserved by the plan;
+- any other model: every symbolic dimension at most its size in the samples it was planned on.
+"""
+
+from __future__ import annotations
+
+import json
+from collections.abc import Mapping, Sequence
+from pathlib import Path
+from typing import Any
+
+from protocols.decoder import DECODER_FILE
+from protocols.deploy import ShapeLimits
+from protocols.manifest import Manifest, TensorInfo
+
+BATCH = "batch"
+SEQUENCE = "sequence"
+TOTAL_SEQUENCE = "total_sequence"
+MICRO_BATCH_TOKENS = 512
+"""Most padded tokens (inputs x longest) one run through the stages may carry. Three MiniLM
+agents after 64 inputs of 256 tokens: +2 to +29 MB resident at 512, 305-345 MB at 2,048, and
+1.4-1.5 GB as one batch."""
+DEFAULT_MAX_TOKENS = 256
+"""Longest text input of a tokenizer without ``sentence_bert_config.json``."""
+MIN_TOKENS = 32
+"""The smallest encoder run the deployer plans for before it gives up on a device set."""
+PREFILL_CHUNK = 64
+"""Most new tokens one decoder step carries: longer prompts are prefilled in chunks."""
+
+
+def planning_ladder(
+    tokenizer_dir: str | None, tokens: int = MICRO_BATCH_TOKENS
+) -> list[dict[str, int]]:
+    """The bindings to plan a model at, largest first (the deployer takes the first that fits).
+
+    A text encoder: ``tokens // sequence`` x ``sequence`` with the sequence the longest input
+    its tokenizer keeps (at most ``tokens``), then halved tokens and sequences down to
+    :data:`MIN_TOKENS`. A decoder (``decoder.json`` next to its tokenizer) and any other model:
+    its samples' shapes (one empty binding).
+    """
+    if tokenizer_dir is None:
+        return [{}]
+    directory = Path(tokenizer_dir)
+    if (directory / DECODER_FILE).is_file():
+        return [{}]  # planned at the decode step; see the module docstring
+    if not (directory / "tokenizer.json").is_file():
+        return [{}]
+    longest = tokenizer_max_tokens(directory)
+    ladder = []
+    for budget in _halvings(tokens, MIN_TOKENS):
+        sequence = min(longest, budget)
+        ladder.append({BATCH: max(1, budget // sequence), SEQUENCE: sequence})
+    return ladder
+
+
+def _halvings(start: int, stop: int) -> list[int]:
+    values = [start]
+    while values[-1] // 2 >= stop:
+        values.append(values[-1] // 2)
+    return values
+
+
+def tokenizer_max_tokens(directory: Path) -> int:
+    """The longest input a text encoder keeps (``sentence_bert_config.json``'s
+    ``max_seq_length``, else :data:`DEFAULT_MAX_TOKENS`); texts are truncated to it."""
+    config = directory / "sentence_bert_config.json"
+    if config.is_file():
+        return int(json.loads(config.read_text()).get("max_seq_length", DEFAULT_MAX_TOKENS))
+    return DEFAULT_MAX_TOKENS
+
+
+def sample_dims(inputs: Sequence[TensorInfo], samples: Mapping[str, Any]) -> dict[str, int]:
+    """The size each symbolic dimension of the model inputs has in ``samples``."""
+    sizes: dict[str, int] = {}
+    for info in inputs:
+        array = samples.get(info.name)
+        if array is None:
+            continue
+        for want, size in zip(info.shape, array.shape, strict=False):
+            if isinstance(want, str):
+                sizes[want] = max(sizes.get(want, 0), int(size))
+    return sizes
+
+
+def planned_limits(manifest: Manifest, binding: Mapping[str, int]) -> ShapeLimits | None:
+    """The limits every stage enforces, from the binding the deployment was planned at."""
+    if manifest.sessions is not None:
+        chunk = max(binding.get(SEQUENCE, 1), PREFILL_CHUNK)
+        return ShapeLimits(
+            dims={SEQUENCE: chunk, TOTAL_SEQUENCE: manifest.sessions.max_context},
+            product_dims=[BATCH, SEQUENCE],
+            product=chunk,
+        )
+    dims = {name: size for name, size in binding.items() if size > 0}
+    if not dims:
+        return None
+    if BATCH in dims and SEQUENCE in dims:
+        tokens = dims.pop(BATCH) * dims[SEQUENCE]
+        return ShapeLimits(dims=dims, product_dims=[BATCH, SEQUENCE], product=tokens)
+    return ShapeLimits(dims=dims)
+
+
+def at_binding(
+    inputs: Sequence[TensorInfo], samples: Mapping[str, Any], binding: Mapping[str, int]
+) -> dict[str, Any] | None:
+    """The samples resized (values repeated) to the planned binding, to warm the stages up at
+    the shapes their memory and time were planned for; None when they already have them."""
+    import numpy as np
+
+    resized: dict[str, Any] = {}
+    for info in inputs:
+        array = samples[info.name]
+        shape = tuple(
+            binding.get(want, size) if isinstance(want, str) else size
+            for want, size in zip(info.shape, array.shape, strict=True)
+        )
+        resized[info.name] = np.resize(array, shape) if shape != array.shape else array
+    same = all(resized[i.name] is samples[i.name] for i in inputs)
+    return None if same else resized
