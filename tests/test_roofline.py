@@ -44,10 +44,12 @@ def test_roofline_takes_the_larger_roof_plus_operator_cost() -> None:
     assert roofline_s(decode, Roofs(gflops=100.0)) == pytest.approx(2e-5)
 
 
-def test_cache_level_is_the_largest_probe_still_twice_the_roof() -> None:
+def test_cache_level_is_the_largest_probe_still_faster_than_the_roof() -> None:
     mib = 1 << 20
-    points = [(mib, 20.0), (2 * mib, 18.0), (4 * mib, 7.0), (8 * mib, 2.5), (16 * mib, 9.0)]
-    assert cache_level(points, roof_gbps=3.0) == (4 * mib, 18.0)
+    # measured here: one slow probe (2 MiB) inside the cache is noise, not its edge
+    points = [(mib, 23.8), (2 * mib, 11.5), (4 * mib, 16.5), (8 * mib, 19.1), (16 * mib, 19.3)]
+    points += [(32 * mib, 10.2), (64 * mib, 9.4)]
+    assert cache_level(points, roof_gbps=9.3) == (16 * mib, pytest.approx(19.2))
     assert cache_level(points, roof_gbps=30.0) == (0, None)
     assert parse_cache_size("4096K\n") == 4 << 20
     assert parse_cache_size("300M") == 300 << 20

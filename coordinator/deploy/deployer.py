@@ -263,6 +263,8 @@ class Deployer:
                 cache_bytes=s.cache_bytes or 0,
                 cache_gbps=s.cache_gbps,
                 op_us=s.op_us or 0.0,
+                call_us=s.call_us or 0.0,
+                topk_ns=s.topk_ns or 0.0,
                 host=r.host,
                 control_port=r.announcement.profile.control_port,
                 data_port=r.announcement.profile.data_port,
@@ -332,7 +334,7 @@ def split_and_run(
         options = SplitOptions(
             command.objective,
             segment_cache=segment_cache,
-            calibrate=calibrates_at_deploy(command.model_path),
+            calibrate=calibrates_at_deploy(command.model_path, devices),
             calibration_runs=CALIBRATION_RUNS,
         )
         result = split_model(command.model_path, devices, out, options, planner=planner)
