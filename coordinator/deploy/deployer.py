@@ -399,6 +399,7 @@ def _placements(
             param_bytes=seg.param_bytes,
             predicted_memory_bytes=seg.predicted_memory_bytes,
             predicted_compute_s=seg.predicted_compute_s,
+            predicted_prefill_s=seg.predicted_prefill_s,
             measured_memory_bytes=report.measured_memory_bytes,
             warmup_s=report.warmup_s,
             load_s=report.load_s,
