@@ -49,7 +49,8 @@ def test_cache_level_is_the_largest_probe_still_faster_than_the_roof() -> None:
     # measured here: one slow probe (2 MiB) inside the cache is noise, not its edge
     points = [(mib, 23.8), (2 * mib, 11.5), (4 * mib, 16.5), (8 * mib, 19.1), (16 * mib, 19.3)]
     points += [(32 * mib, 10.2), (64 * mib, 9.4)]
-    assert cache_level(points, roof_gbps=9.3) == (16 * mib, pytest.approx(19.2))
+    size, gbps = cache_level(points, roof_gbps=9.3)
+    assert size == 16 * mib and gbps == pytest.approx(19.2)
     assert cache_level(points, roof_gbps=30.0) == (0, None)
     assert parse_cache_size("4096K\n") == 4 << 20
     assert parse_cache_size("300M") == 300 << 20
