@@ -17,7 +17,15 @@ from onnx import TensorProto, helper, numpy_helper
 from coordinator.deploy.plan import LiveDevice
 from coordinator.deploy.stage_timing import HIGHEST, StageTime, StageTiming, corrected
 from edge_agent.config import RuntimeConfig
-from edge_agent.membench import cache_level, measure_memory_gbps, parse_cache_size, run_spread
+from edge_agent.membench import (
+    cache_level,
+    measure_call_us,
+    measure_memory_gbps,
+    measure_op_us,
+    measure_topk_ns,
+    parse_cache_size,
+    run_spread,
+)
 from partitioner.planner import evaluate, plan
 from partitioner.roofline import bound_by, unit_traffic
 from partitioner.split import analyse
@@ -66,6 +74,19 @@ def test_memory_roof_is_measured_and_its_spread_is_reported() -> None:
     assert run_spread([4.0, 4.0]) == 0.0
     with pytest.raises(ValueError):
         run_spread([])
+
+
+def test_fixed_costs_are_measured_in_onnx_runtime() -> None:
+    runtime = RuntimeConfig()
+    call_us, op_us, topk_ns = (
+        measure_call_us(runtime),
+        measure_op_us(runtime),
+        measure_topk_ns(runtime),
+    )
+    print(f"call {call_us:.1f} us, operator {op_us:.2f} us, TopK {topk_ns:.2f} ns an element")
+    assert call_us > 0 and op_us > 0 and topk_ns > 0
+    roofs = Roofs(gflops=100.0, op_us=1.0, call_us=10.0, topk_ns=3.0)
+    assert roofline_s(Work(flops=0, bytes_read=0, topk_elements=1000), roofs) == pytest.approx(3e-6)
 
 
 # ----------------------------------------------------------------------------- unit work
