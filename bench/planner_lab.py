@@ -99,7 +99,13 @@ def main() -> int:
             paper = {s: paper_plan(analysis, devices, s, single) for s in STRATEGIES}
             outcomes = [
                 measure(
-                    cluster, s, model, text, alone if s == "single" else caps, args, analysis,
+                    cluster,
+                    s,
+                    model,
+                    text,
+                    alone if s == "single" else caps,
+                    args,
+                    analysis,
                     devices,
                 )
                 for s in STRATEGIES
