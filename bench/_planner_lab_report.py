@@ -19,7 +19,9 @@ from protocols.devices import DeviceList
 from protocols.plan import Plan
 
 REPO = Path(__file__).resolve().parents[1]
-STRATEGIES = ("optimal", "even", "exo", "latency-optimal")
+STRATEGIES = ("optimal", "even", "exo", "latency-optimal", "single")
+"""``single``: the coordinator's plan with every device but the best single one capped to 0
+(the best device alone: the never-slower reference)."""
 """The coordinator's plan (throughput objective), the two baselines, and its latency plan."""
 TOKENS = 128
 MB = 1000**2
@@ -234,10 +236,12 @@ def report(
         "(tbf); h1 and h2 are unshaped. Planning caps: " + memory + ". all-MiniLM-L6-v2 with "
         f"its sample inputs set to the bench's request (1 x {TOKENS} tokens), so the "
         "coordinator plans for that traffic. The coordinator measured the links once "
-        f"({link_text}), then deployed the same model four ways through `POST "
+        f"({link_text}), then deployed the same model five ways through `POST "
         "/v1/deployments`: its own plan (throughput objective, the default), an even split and "
-        "exo's memory-weighted split (the `baseline` field), and its plan for the latency "
-        "objective. A client inside h0 sends `/v1/embeddings` requests of that one text: "
+        "exo's memory-weighted split (the `baseline` field), its plan for the latency "
+        "objective, and its plan with every device but the best single one capped to 0 (that "
+        "device alone, the never-slower reference). A client inside h0 sends "
+        "`/v1/embeddings` requests of that one text: "
         f"{args.latency_runs} one at a time (latency), then {args.requests} with "
         f"{args.in_flight} in flight (throughput). Per-stage times are the agents' own "
         "(`GET /v1/metrics`: mean compute and send time per request in each phase). "
@@ -274,6 +278,7 @@ def report(
         f"even / optimal measured throughput ×{by['even'].pipelined.throughput / opt:.2f}, "
         f"exo / optimal ×{by['exo'].pipelined.throughput / opt:.2f}.",
         "",
+        *never_slower(by),
     ]
     out = REPO / "bench" / "results" / "planner_lab.md"
     out.parent.mkdir(parents=True, exist_ok=True)
@@ -289,6 +294,22 @@ def report(
     out.write_text("\n".join(lines))
     print("\n".join(lines))
     write_headlines("planner_lab", headlines(outcomes, by))
+
+
+def never_slower(by: dict[str, Outcome]) -> list[str]:
+    """The chosen plan against the best single device alone, measured in the same run."""
+    single = by.get("single")
+    if single is None:
+        return []
+    opt = by["optimal"]
+    throughput = opt.pipelined.throughput / single.pipelined.throughput
+    latency = median_ms(single.sequential) / median_ms(opt.sequential)
+    return [
+        f"Never slower than the best single device ({_arrangement(single.predicted)} alone, "
+        f"deployed and measured in this run): optimal / single measured throughput "
+        f"×{throughput:.2f}, single / optimal latency ×{latency:.2f} (target ≥ 0.95).",
+        "",
+    ]
 
 
 def headlines(outcomes: list[Outcome], by: dict[str, Outcome]) -> list[Headline]:
@@ -324,6 +345,15 @@ def headlines(outcomes: list[Outcome], by: dict[str, Outcome]) -> list[Headline]
                 "lab: predicted/measured latency, latency-optimal plan",
                 fast.predicted.latency_s * 1e3 / median_ms(fast.sequential),
                 "x",
+            )
+        )
+    if "single" in by:
+        rows.append(
+            Headline(
+                "lab: optimal/best single device measured throughput",
+                opt.pipelined.throughput / by["single"].pipelined.throughput,
+                "x",
+                ">= 0.95",
             )
         )
     errors = sum(len(o.sequential.errors) + len(o.pipelined.errors) for o in outcomes)

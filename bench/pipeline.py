@@ -92,6 +92,8 @@ def roofline_split(model: Path, out: Path, profile: ComputeProfile) -> Manifest:
         "cache_bytes": profile.cache_bytes or 0,
         "cache_gbps": profile.cache_gbps,
         "op_us": profile.op_us or 0.0,
+        "call_us": profile.call_us or 0.0,
+        "topk_ns": profile.topk_ns or 0.0,
     }
     # MINILM_DEVICES' budgets plus 1 MB each for the workspace at 128 tokens
     spec = {

@@ -94,9 +94,21 @@ def main() -> int:
             links = cluster.api.post("/v1/links/measure", None, timeout=120)
             requester = cluster.api.get("/v1/links/requester")
             devices = lab_devices(cluster, caps, links, requester)
-            paper = {s: paper_plan(analysis, devices, s) for s in STRATEGIES}
+            single = best_single(analysis, devices)
+            alone = {name: cap if name == single else 0 for name, cap in caps.items()}
+            paper = {s: paper_plan(analysis, devices, s, single) for s in STRATEGIES}
             outcomes = [
-                measure(cluster, s, model, text, caps, args, analysis, devices) for s in STRATEGIES
+                measure(
+                    cluster,
+                    s,
+                    model,
+                    text,
+                    alone if s == "single" else caps,
+                    args,
+                    analysis,
+                    devices,
+                )
+                for s in STRATEGIES
             ]
     wall = time.monotonic() - started
     report(args, links, devices, paper, outcomes, wall)
@@ -157,13 +169,16 @@ def lab_devices(
 ) -> DeviceList:
     """What the coordinator's planner sees: capped memory, announced GFLOP/s, measured links
     between the agents and from the coordinator to each, devices in the coordinator's order."""
-    found = {d["name"]: d for d in cluster.api.get("/v1/devices")}
+    found = {d["name"]: d["announcement"]["profile"] for d in cluster.api.get("/v1/devices")}
+    roofs = ("memory_gbps", "cache_bytes", "cache_gbps", "op_us", "call_us", "topk_ns")
     devices = [
         {
             "name": name,
-            "memory_bytes": min(caps[name], found[name]["announcement"]["profile"]["memory_bytes"]),
-            "gflops": found[name]["announcement"]["profile"]["gflops"],
+            "memory_bytes": min(caps[name], found[name]["memory_bytes"]),
+            "gflops": found[name]["gflops"],
             "bandwidth_mbps": 1000.0,
+            # the roofs the coordinator plans with (announced), so paper plans are its plans
+            **{k: found[name][k] for k in roofs if found[name].get(k) is not None},
         }
         for name in found
         if name in caps
@@ -181,11 +196,42 @@ def problem_of(analysis: Analysis, devices: DeviceList) -> Any:
     return planning_problem(analysis, devices, SplitOptions(), MODEL_ID)
 
 
-def paper_plan(analysis: Analysis, devices: DeviceList, strategy: str) -> Plan:
+def best_single(analysis: Analysis, devices: DeviceList) -> str:
+    """The device that alone serves the model best on paper (throughput), among those whose
+    planning cap holds it."""
+    from partitioner.errors import InfeasiblePlanError
+    from partitioner.planner import plan
+
+    best: tuple[float, str] | None = None
+    for device in devices.devices:
+        alone = _only(devices, device.name)
+        try:
+            chosen = plan(problem_of(analysis, alone), Objective.THROUGHPUT)
+        except InfeasiblePlanError:
+            continue
+        if best is None or chosen.bottleneck_s < best[0]:
+            best = (chosen.bottleneck_s, device.name)
+    if best is None:
+        raise RuntimeError("no single device's cap holds the model: raise one cap (--caps)")
+    return best[1]
+
+
+def _only(devices: DeviceList, name: str) -> DeviceList:
+    """``devices`` with every other device's memory set to 0."""
+    kept = [
+        d if d.name == name else d.model_copy(update={"memory_bytes": 0}) for d in devices.devices
+    ]
+    return devices.model_copy(update={"devices": kept})
+
+
+def paper_plan(analysis: Analysis, devices: DeviceList, strategy: str, single: str) -> Plan:
     """What ``strategy`` gives on paper with the lab's devices and measured links."""
     from partitioner.baselines import Baseline, run_baseline
     from partitioner.planner import plan
 
+    if strategy == "single":
+        devices = _only(devices, single)
+        strategy = "optimal"
     problem = problem_of(analysis, devices)
     if strategy in OBJECTIVES:
         return plan(problem, OBJECTIVES[strategy])
@@ -217,7 +263,7 @@ def measure(
     body: dict[str, Any] = {"model_path": str(model), "model_id": MODEL_ID, "memory_caps": caps}
     objective = OBJECTIVES.get(strategy, Objective.THROUGHPUT)
     body["objective"] = objective.value
-    if strategy not in OBJECTIVES:
+    if strategy not in (*OBJECTIVES, "single"):
         body["baseline"] = strategy
     start = time.monotonic()
     record = cluster.api.post("/v1/deployments", body, timeout=900)

@@ -248,15 +248,21 @@ def _print_version(console: Console, version: dict[str, Any]) -> None:
         "measured MB",
         "predicted ms",
         "warm-up ms",
+        "pred./meas.",
+        "prefill ms",
     ):
         table.add_column(column, justify="right")
     for p in version["segments"]:
+        prefill = p.get("predicted_prefill_s")
+        measured = p["warmup_s"]
         table.add_row(
             str(p["index"]),
             p["device"],
             f"{p['predicted_memory_bytes'] / 1e6:.1f}",
             f"{p['measured_memory_bytes'] / 1e6:.1f}",
             f"{p['predicted_compute_s'] * 1e3:.2f}",
-            f"{p['warmup_s'] * 1e3:.2f}",
+            f"{measured * 1e3:.2f}",
+            f"{p['predicted_compute_s'] / measured:.2f}" if measured > 0 else "-",
+            "-" if prefill is None else f"{prefill * 1e3:.2f}",
         )
     console.print(table)

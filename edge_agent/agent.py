@@ -177,6 +177,8 @@ class Agent:
             cache_bytes=self.profile.cache_bytes,
             cache_gbps=self.profile.cache_gbps,
             op_us=self.profile.op_us,
+            call_us=self.profile.call_us,
+            topk_ns=self.profile.topk_ns,
             control_port=self._ports[0],
             data_port=self._ports[1],
             cert_fingerprint=self.identity.cert_fingerprint,
@@ -324,6 +326,8 @@ class Agent:
             cache_bytes=self.profile.cache_bytes,
             cache_gbps=self.profile.cache_gbps,
             op_us=self.profile.op_us,
+            call_us=self.profile.call_us,
+            topk_ns=self.profile.topk_ns,
             paired=self.identity.paired,
             segments=[
                 LoadedSegment(

@@ -12,9 +12,8 @@ on the ``onnx`` package).
 - **Memory bandwidth**: a ``ReduceSum`` over a float32 buffer larger than the caches (twice the
   largest cache the OS reports, see :func:`stream_bytes`), which reads every byte once; GB/s is
   the best of the trials (wall time: a streaming read waits on memory, not on the core).
-- **Operator cost**: a chain of :data:`OPS` ``Add`` operators on a 64-element vector; the best
-  trial's time per operator is the fixed cost every kernel launch pays (it dominates small
-  segments).
+- **Operator, call and selection costs**: see :mod:`edge_agent.membench` (the fixed costs of
+  a kernel launch, of a segment run and of a ``TopK`` element, which dominate small segments).
 """
 
 from __future__ import annotations
@@ -23,6 +22,7 @@ import datetime as dt
 import logging
 import platform
 import time
+from collections.abc import Sequence
 from pathlib import Path
 
 import numpy as np
@@ -64,6 +64,10 @@ class ComputeProfile(BaseModel):
     """Streaming-read bandwidth of a buffer of ``cache_bytes``."""
     op_us: NonNegativeFloat | None = None
     """Fixed cost of one operator, microseconds."""
+    call_us: NonNegativeFloat | None = None
+    """Fixed cost of one segment run (``session.run`` of one input and output), microseconds."""
+    topk_ns: NonNegativeFloat | None = None
+    """Cost of a ``TopK`` per element it selects from, nanoseconds."""
     intra_op_threads: PositiveInt
     inter_op_threads: PositiveInt
     onnxruntime_version: str
@@ -88,17 +92,20 @@ def matmul_model_bytes(n: int = MATRIX, count: int = MATMULS) -> bytes:
 def model_bytes(
     nodes: list[bytes],
     name: str,
-    inputs: list[tuple[str, list[int]]],
-    outputs: list[tuple[str, list[int]]],
+    inputs: Sequence[tuple[str, Sequence[int | str]]],
+    outputs: Sequence[tuple[str, Sequence[int | str]]],
+    types: dict[str, int] | None = None,
 ) -> bytes:
-    """A serialized opset-17 ONNX model of ``nodes`` (from :func:`node_bytes`) with float32
-    ``inputs`` and ``outputs`` of the given shapes."""
+    """A serialized opset-17 ONNX model of ``nodes`` (from :func:`node_bytes`) with
+    ``inputs`` and ``outputs`` of the given shapes (a string is a symbolic dimension), float32
+    unless ``types`` gives a ``TensorProto`` element type by name."""
+    kinds = types or {}
     graph = b"".join(
         [
             *(_field(1, node) for node in nodes),
             _field(2, name.encode()),
-            *(_field(11, _value_info(n, shape)) for n, shape in inputs),
-            *(_field(12, _value_info(n, shape)) for n, shape in outputs),
+            *(_field(11, _value_info(n, shape, kinds.get(n, _FLOAT))) for n, shape in inputs),
+            *(_field(12, _value_info(n, shape, kinds.get(n, _FLOAT))) for n, shape in outputs),
         ]
     )
     opset = _field(1, b"") + _varint_field(2, 17)
@@ -177,6 +184,8 @@ def load_or_measure(
             if (
                 cached.memory_gbps is not None
                 and cached.op_us is not None
+                and cached.call_us is not None
+                and cached.topk_ns is not None
                 and cached.intra_op_threads == runtime.intra_op_threads
                 and cached.inter_op_threads == runtime.inter_op_threads
                 and cached.onnxruntime_version == ort.__version__
@@ -226,7 +235,10 @@ def node_bytes(op: str, inputs: list[str], outputs: list[str], name: str) -> byt
     )
 
 
-def _value_info(name: str, shape: list[int]) -> bytes:
-    dims = b"".join(_field(1, _varint_field(1, d)) for d in shape)
-    tensor_type = _varint_field(1, _FLOAT) + _field(2, dims)
+def _value_info(name: str, shape: Sequence[int | str], elem_type: int = _FLOAT) -> bytes:
+    dims = b"".join(
+        _field(1, _field(2, d.encode()) if isinstance(d, str) else _varint_field(1, d))
+        for d in shape
+    )
+    tensor_type = _varint_field(1, elem_type) + _field(2, dims)
     return _field(1, name.encode()) + _field(2, _field(1, tensor_type))

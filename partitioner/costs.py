@@ -149,10 +149,14 @@ _CONV_W = {"Conv": 1, "ConvInteger": 1, "QLinearConv": 3, "FusedConv": 1, "NhwcC
 _RNN = frozenset({"LSTM", "GRU", "RNN"})
 
 
+_GATHERS = frozenset({"Gather", "GatherElements", "GatherND", "GatherBlockQuantized"})
+
+
 def node_flops(node: onnx.NodeProto, inputs: Sequence[str], table: ShapeTable) -> int:
     """Estimated floating-point operations of one node at the table's binding.
 
-    Matrix products and convolutions count two per multiply-add; everything else one per
+    Matrix products and convolutions count two per multiply-add; gathers one per element
+    they output (a row looked up is not a pass over the table); everything else one per
     element of its largest input or output.
     """
     outs = [o for o in node.output if o]
@@ -179,6 +183,8 @@ def node_flops(node: onnx.NodeProto, inputs: Sequence[str], table: ShapeTable) -
         x = table.dims_of(inputs[0])
         steps = math.prod(x[:2]) if len(x) >= 2 else 1
         return 2 * steps * (table.elements(inputs[1]) + table.elements(inputs[2]))
+    if op in _GATHERS:
+        return out_elems
     largest_in = max((table.elements(i) for i in inputs), default=0)
     return max(out_elems, largest_in)
 

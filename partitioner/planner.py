@@ -188,9 +188,8 @@ def _requester_transfers(
 
 def _least_compute(tables: Tables, fleet: Fleet) -> FloatArray:
     """``(n,)``: each unit's least compute over the fleet's device types."""
-    index = np.arange(tables.n)
     types = sorted({cls.type for cls in fleet.classes})
-    per_type = np.array([tables.compute[kind][index, index + 1] for kind in types])
+    per_type = np.array([tables.unit_compute[kind] for kind in types])
     least: FloatArray = per_type.min(axis=0)
     return least
 
@@ -209,10 +208,9 @@ def _capacity(tables: Tables, fleet: Fleet) -> FloatArray:
     most ``B`` seconds there covers at most ``rho * B`` of least compute.
     """
     least = _least_compute(tables, fleet)
-    index = np.arange(tables.n)
     rho = []
     for cls in fleet.classes:
-        compute = tables.compute[cls.type][index, index + 1]
+        compute = tables.unit_compute[cls.type]
         ratios = least[compute > 0] / compute[compute > 0]
         rho.append(min(1.0, float(ratios.max())) if ratios.size else 1.0)
     free = fleet.sizes[None, :] - fleet.counts

@@ -134,6 +134,8 @@ def _roofs(device: DeviceSpec) -> dict[str, object]:
         "cache_bytes": device.cache_bytes,
         "cache_gbps": device.cache_gbps,
         "op_us": device.op_us,
+        "call_us": device.call_us,
+        "topk_ns": device.topk_ns,
     }
 
 

@@ -42,6 +42,8 @@ class UnitTraffic:
     ops: int
     """Operators the unit runs: its main nodes and the static ones it recomputes (shape
     arithmetic runs on every request when shapes are dynamic)."""
+    topk_elements: int = 0
+    """Elements its ``TopK`` nodes select from (a decoder's trailing candidates)."""
 
     @property
     def total(self) -> int:
@@ -63,7 +65,12 @@ def unit_traffic(
         weights += sum(table.nbytes(out) for out in gathered.values())
         activations = _boundary_bytes(index, nodes, table, sizes) + unit.out_bytes
         ops = len(nodes) + len(closures.of(nodes))
-        out.append(UnitTraffic(weights, activations, ops))
+        selected = sum(
+            table.elements(index.node_inputs[n][0])
+            for n in nodes
+            if index.nodes[n].op_type == "TopK" and index.node_inputs[n]
+        )
+        out.append(UnitTraffic(weights, activations, ops, selected))
     return out
 
 
@@ -109,18 +116,23 @@ def unit_work(
     """Each unit's :class:`~protocols.problem.Work` at ``table``'s binding."""
     traffic = unit_traffic(index, frontier, table, units)
     return [
-        Work(flops=unit.flops, bytes_read=moved.total, ops=moved.ops)
+        Work(
+            flops=unit.flops,
+            bytes_read=moved.total,
+            ops=moved.ops,
+            topk_elements=moved.topk_elements,
+        )
         for unit, moved in zip(units.units, traffic, strict=True)
     ]
 
 
 def stage_seconds(work: Sequence[Work], roofs: Roofs) -> float:
     """Seconds of a stage made of ``work``'s units under ``roofs``, added left to right as
-    the planner adds them."""
+    the planner adds them, then one segment run's cost."""
     total = 0.0
     for item in work:
         total += roofline_s(item, roofs)
-    return total
+    return total + roofs.call_us / 1e6
 
 
 def bound_by(work: Work, roofs: Roofs) -> str:

@@ -25,13 +25,14 @@ from partitioner.decoding import (
     decoder_layout,
     describe_state,
     replicated_inputs,
-    segment_state,
     unit_state_bytes,
 )
 from partitioner.errors import GraphError, InfeasiblePlanError
 from partitioner.frontier import Frontier, build_frontier
 from partitioner.graph import GraphIndex, index_graph
-from partitioner.modelio import file_sha256, initializer_bytes, load_model
+from partitioner.manifests import build_manifest
+from partitioner.modelio import file_sha256, load_model
+from partitioner.phases import prefill_work
 from partitioner.problem_from_graph import build_problem
 from partitioner.roofline import unit_work
 from partitioner.runtime_memory import RuntimeMemory
@@ -42,14 +43,7 @@ from partitioner.units import DEFAULT_MAX_UNITS, UnitPlan, build_units
 from partitioner.verify import VerifyResult, default_tolerance, verify_chain
 from protocols.constants import DEFAULT_QUEUE_DEPTH
 from protocols.devices import DeviceList
-from protocols.manifest import (
-    DEFAULT_SESSIONS,
-    Manifest,
-    ModelInfo,
-    SegmentEntry,
-    SessionLimits,
-    TensorInfo,
-)
+from protocols.manifest import DEFAULT_SESSIONS, Manifest, SessionLimits
 from protocols.plan import Objective, Plan
 from protocols.problem import PlanningProblem, Work
 
@@ -267,7 +261,9 @@ def split_model(
             [analysis.samples],
             default_tolerance(analysis.model) if opts.tolerance is None else opts.tolerance,
         )
-    manifest = build_manifest(model_path, analysis, plan, written, opts.sessions, model_sha256)
+    manifest = build_manifest(
+        model_path, analysis, plan, written, opts.sessions, model_sha256, problem
+    )
     (out_dir / MANIFEST_NAME).write_text(manifest.to_json() + "\n")
     return SplitResult(
         manifest, plan, problem, analysis, tuple(written), result, calibration, flop_plan
@@ -292,6 +288,7 @@ def planning_problem(
         runtime=opts.runtime,
         state_bytes=_state_bytes(analysis, opts.sessions),
         work=analysis_work(analysis),
+        prefill=analysis_prefill(analysis),
         phase="decode" if analysis.decoder is not None else "request",
     )
 
@@ -299,6 +296,16 @@ def planning_problem(
 def analysis_work(analysis: Analysis) -> list[Work]:
     """Each unit's roofline work at the analysis's shapes (see :mod:`partitioner.roofline`)."""
     return unit_work(analysis.index, analysis.frontier, analysis.table, analysis.units)
+
+
+def analysis_prefill(analysis: Analysis) -> list[Work] | None:
+    """A decoder's per-unit prefill work (see :mod:`partitioner.phases`); None otherwise."""
+    layout = analysis.decoder
+    if layout is None:
+        return None
+    shapes = {name: tuple(a.shape) for name, a in analysis.samples.items()}
+    a = analysis
+    return prefill_work(a.model, a.index, a.frontier, a.units, layout, shapes)
 
 
 def _state_bytes(analysis: Analysis, sessions: SessionLimits) -> list[int] | None:
@@ -333,66 +340,3 @@ def _default_planner() -> Planner:
     from partitioner.planner import plan
 
     return plan
-
-
-def build_manifest(
-    model_path: Path,
-    analysis: Analysis,
-    plan: Plan,
-    written: Sequence[WrittenSegment],
-    sessions: SessionLimits = DEFAULT_SESSIONS,
-    model_sha256: str | None = None,
-) -> Manifest:
-    """The ``fedshard.manifest/1`` document for written segments of a plan (``model_sha256``:
-    the model file's hash, if already known).
-
-    Predicted memory and compute are the plan's per-stage numbers (memory with the runtime's
-    overhead and arena when the problem was built with a runtime model).
-    """
-    graph = analysis.model.graph
-    declared = {v.name: v for v in [*graph.input, *graph.output]}
-    layout = analysis.decoder
-    state = _state_bytes(analysis, sessions) or [0] * len(analysis.units.units)
-    segments = []
-    for stage, seg in zip(plan.stages, written, strict=True):
-        spec = seg.spec
-        pairs = segment_state(spec.inputs, spec.outputs, layout) if layout else []
-        segments.append(
-            SegmentEntry(
-                index=seg.spec.index,
-                device=stage.device,
-                file=seg.files[0].name,
-                sha256=seg.sha256,
-                inputs=list(seg.spec.inputs),
-                outputs=list(seg.spec.outputs),
-                param_bytes=seg.spec.param_bytes,
-                predicted_memory_bytes=stage.memory_bytes,
-                predicted_compute_s=stage.compute_s,
-                units=(stage.start, stage.end),
-                state=pairs,
-                state_bytes=sum(state[stage.start : stage.end]),
-            )
-        )
-    return Manifest(
-        model=ModelInfo(
-            name=model_path.stem,
-            sha256=model_sha256 or file_sha256(model_path),
-            param_bytes=initializer_bytes(analysis.model),
-            inputs=[_tensor_info(declared[n]) for n in analysis.index.inputs],
-            outputs=[_tensor_info(declared[n]) for n in analysis.index.outputs],
-        ),
-        objective=plan.objective,
-        bottleneck_s=plan.bottleneck_s,
-        latency_s=plan.latency_s,
-        segments=segments,
-        sessions=sessions if layout else None,
-    )
-
-
-def _tensor_info(info: onnx.ValueInfoProto) -> TensorInfo:
-    tt = info.type.tensor_type
-    dtype = str(onnx.helper.tensor_dtype_to_np_dtype(tt.elem_type)) if tt.elem_type else "unknown"
-    shape: list[int | str | None] = [
-        d.dim_value if d.HasField("dim_value") else (d.dim_param or None) for d in tt.shape.dim
-    ]
-    return TensorInfo(name=info.name, dtype=dtype, shape=shape)

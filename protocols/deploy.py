@@ -262,6 +262,8 @@ class AgentStatus(FrozenModel):
     cache_bytes: int | None = None
     cache_gbps: float | None = None
     op_us: float | None = None
+    call_us: float | None = None
+    topk_ns: float | None = None
     paired: bool
     segments: list[LoadedSegment] = Field(default_factory=list)
 

@@ -27,6 +27,10 @@ class DeviceSpec(FrozenModel):
     """Streaming-read bandwidth within the cache, GB/s."""
     op_us: NonNegativeFloat = 0.0
     """Fixed cost of one operator, microseconds (roofline pricing only)."""
+    call_us: NonNegativeFloat = 0.0
+    """Fixed cost of one run of a segment, microseconds (roofline pricing only)."""
+    topk_ns: NonNegativeFloat = 0.0
+    """Cost of a ``TopK`` per element it selects from, nanoseconds (roofline pricing only)."""
 
 
 class DeviceList(FrozenModel):

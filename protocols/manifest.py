@@ -55,6 +55,9 @@ class SegmentEntry(FrozenModel):
     param_bytes: NonNegativeInt
     predicted_memory_bytes: NonNegativeInt
     predicted_compute_s: NonNegativeFloat
+    predicted_prefill_s: NonNegativeFloat | None = None
+    """Decoders: the stage's time prefilling a prompt (``predicted_compute_s`` is one decode
+    step, what throughput is planned on); None for other models."""
     units: tuple[NonNegativeInt, NonNegativeInt] = (0, 0)
     """Half-open range of planning units this segment holds."""
     state: list[StatePair] = Field(default_factory=list)

@@ -6,10 +6,12 @@ units. The semantics (which the planner implements exactly) are:
 - a stage's compute is the sum of its units' seconds on the device's type, each added left
   to right: ``compute_s[device.type]`` when given, otherwise (``/2`` only) the unit's
   *roofline* time on that type, ``max(flops / (gflops * 1e9), bytes_read / (gbps * 1e9)) +
-  ops * op_us / 1e6`` with the devices' compute roof ``gflops``, memory roof ``gbps`` (GB/s,
-  10^9 bytes/s: ``cache_gbps`` for work reading at most ``cache_bytes``, else
-  ``memory_gbps``; without either, the compute term alone) and operator cost ``op_us``, see
-  :func:`roofline_s`;
+  ops * op_us / 1e6 + topk_elements * topk_ns / 1e9`` with the devices' compute roof
+  ``gflops``, memory roof ``gbps`` (GB/s, 10^9 bytes/s: ``cache_gbps`` for work reading at
+  most ``cache_bytes``, else ``memory_gbps``; without either, the compute term alone),
+  operator cost ``op_us`` and selection cost ``topk_ns``, see :func:`roofline_s`; then
+  (``/2``, a type with roofs) the device's ``call_us / 1e6`` is added once: running a
+  segment at all costs that much;
 - every stage but the last sends its last unit's ``out_bytes`` to the next stage's
   device, taking ``out_bytes * 8 / (bandwidth_mbps * 1e6) + latency_ms / 1e3`` seconds,
   where the link is the ``links`` entry for the pair if any, otherwise the smaller of
@@ -51,6 +53,8 @@ class Work(FrozenModel):
     activations it reads and writes and, for a decoder, its KV cache at the costed context."""
     ops: NonNegativeInt = 0
     """Operators (kernel launches) it runs: each costs the device's ``op_us`` on top."""
+    topk_elements: NonNegativeInt = 0
+    """Elements its ``TopK`` operators select from: each costs the device's ``topk_ns``."""
 
 
 class Unit(FrozenModel):
@@ -96,9 +100,13 @@ class ProblemDevice(FrozenModel):
     """``/2``: streaming-read bandwidth within the cache, GB/s."""
     op_us: NonNegativeFloat = 0.0
     """``/2``: fixed cost of one operator, microseconds (devices of one type must agree)."""
+    call_us: NonNegativeFloat = 0.0
+    """``/2``: fixed cost of running a stage's segment once, microseconds."""
+    topk_ns: NonNegativeFloat = 0.0
+    """``/2``: cost of a ``TopK`` per element it selects from, nanoseconds."""
 
 
-_ROOF_FIELDS = ("gflops", "memory_gbps", "cache_bytes", "cache_gbps", "op_us")
+_ROOF_FIELDS = ("gflops", "memory_gbps", "cache_bytes", "cache_gbps", "op_us", "call_us", "topk_ns")
 
 
 class Roofs(FrozenModel):
@@ -109,6 +117,8 @@ class Roofs(FrozenModel):
     cache_bytes: NonNegativeInt = 0
     cache_gbps: PositiveFloat | None = None
     op_us: NonNegativeFloat = 0.0
+    call_us: NonNegativeFloat = 0.0
+    topk_ns: NonNegativeFloat = 0.0
 
     def bandwidth_gbps(self, bytes_read: int) -> float | None:
         """The bandwidth ``bytes_read`` bytes are read at: the cache's if they fit in it."""
@@ -119,14 +129,16 @@ class Roofs(FrozenModel):
 
 def roofline_s(work: Work, roofs: Roofs) -> float:
     """Seconds of ``work`` under ``roofs``: the larger of compute time and memory time, plus
-    the operators' fixed cost: ``max(flops / (gflops 1e9), bytes_read / (gbps 1e9)) + ops *
-    op_us / 1e6``, where ``gbps`` is ``cache_gbps`` when ``bytes_read <= cache_bytes`` and
-    ``memory_gbps`` otherwise (without either, the compute time alone)."""
+    the operators' fixed cost and the selections': ``max(flops / (gflops 1e9), bytes_read /
+    (gbps 1e9)) + ops * op_us / 1e6 + topk_elements * topk_ns / 1e9``, where ``gbps`` is
+    ``cache_gbps`` when ``bytes_read <= cache_bytes`` and ``memory_gbps`` otherwise (without
+    either, the compute time alone)."""
     busy = float(work.flops) / (roofs.gflops * 1e9)
     gbps = roofs.bandwidth_gbps(work.bytes_read)
     if gbps is not None:
         busy = max(busy, float(work.bytes_read) / (gbps * 1e9))
-    return busy + float(work.ops) * roofs.op_us / 1e6
+    fixed = float(work.ops) * roofs.op_us / 1e6
+    return busy + fixed + float(work.topk_elements) * roofs.topk_ns / 1e9
 
 
 class PlanningProblem(FrozenModel):
@@ -156,6 +168,8 @@ class PlanningProblem(FrozenModel):
                     cache_bytes=device.cache_bytes,
                     cache_gbps=device.cache_gbps,
                     op_us=device.op_us,
+                    call_us=device.call_us,
+                    topk_ns=device.topk_ns,
                 )
         return roofs
 
@@ -168,6 +182,12 @@ class PlanningProblem(FrozenModel):
             return given
         assert unit.work is not None  # checked by the validator
         return roofline_s(unit.work, self.type_roofs()[device_type])
+
+    def call_seconds(self, device_type: str) -> float:
+        """Seconds one run of a stage's segment costs on ``device_type`` beyond its units:
+        its ``call_us`` (0 for a type without roofs)."""
+        roofs = self.type_roofs().get(device_type)
+        return 0.0 if roofs is None else roofs.call_us / 1e6
 
     @model_validator(mode="after")
     def _check_references(self) -> Self:

@@ -32,6 +32,10 @@ class DeviceProfile(FrozenModel):
     """Streaming-read bandwidth of working sets up to ``cache_bytes``, GB/s."""
     op_us: NonNegativeFloat | None = None
     """Fixed cost of one ONNX Runtime operator, microseconds."""
+    call_us: NonNegativeFloat | None = None
+    """Fixed cost of one run of a segment (``session.run``), microseconds."""
+    topk_ns: NonNegativeFloat | None = None
+    """Cost of a ``TopK`` per element it selects from, nanoseconds."""
     providers: list[ProviderName] = Field(
         default_factory=lambda: ["CPUExecutionProvider"], max_length=8
     )

@@ -42,6 +42,8 @@ _OPTIONAL_PROFILE_KEYS: Final = {
     "cbw": "cache_gbps",
     "cache": "cache_bytes",
     "opus": "op_us",
+    "callus": "call_us",
+    "topkns": "topk_ns",
 }
 """Profile keys older agents do not send: left out when unset, absent means unknown."""
 _STATE_KEYS: Final = {"paired": "paired", "seg": "segment_sha256", "plv": "plan_version"}
@@ -160,6 +162,8 @@ _PARSERS: Final[dict[str, Callable[[str], object]]] = {
     "cache_gbps": _parse_float,
     "cache_bytes": _parse_int,
     "op_us": _parse_float,
+    "call_us": _parse_float,
+    "topk_ns": _parse_float,
     "providers": _parse_list,
     "control_port": _parse_int,
     "data_port": _parse_int,

@@ -238,6 +238,17 @@ def test_what_if_devices_checks_names_and_drops() -> None:
         what_if_devices(profiles, links, {}, ["a", "b"])
 
 
+def test_what_if_devices_price_by_the_roofs_and_a_measured_slowdown() -> None:
+    profiles = {"a": (100, 10.0), "b": (200, 20.0)}
+    roofs = {"b": {"memory_gbps": 4.0, "op_us": 1.0, "call_us": 8.0, "topk_ns": 3.0}}
+    devices = what_if_devices(profiles, [], {}, [], (), roofs, {"b": 2.0})
+    a, b = devices.devices
+    assert (a.gflops, a.memory_gbps) == (10.0, None)
+    assert (b.gflops, b.memory_gbps, b.op_us, b.call_us, b.topk_ns) == (10.0, 2.0, 2.0, 16.0, 6.0)
+    with pytest.raises(DeployError, match="not paired and online: c"):
+        what_if_devices(profiles, [], {}, [], (), roofs, {"c": 2.0})
+
+
 # ---------------------------------------------------------------------------------- routes
 
 

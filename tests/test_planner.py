@@ -78,7 +78,8 @@ def _score(problem: PlanningProblem, stages: tuple[tuple[str, int, int], ...]) -
     transfers += _to_requester(problem, stages[-1][0], problem.units[-1].out_bytes)
     for index, (name, start, end) in enumerate(stages):
         kind = devices[name].type
-        computes.append(sum(_unit_seconds(problem, i, kind) for i in range(start, end)))
+        units = sum(_unit_seconds(problem, i, kind) for i in range(start, end))
+        computes.append(units + devices[name].call_us / 1e6 * (devices[name].gflops is not None))
         if index + 1 < len(stages):
             bandwidth, latency = _link(problem, name, stages[index + 1][0])
             out = problem.units[end - 1].out_bytes
@@ -103,6 +104,7 @@ def _unit_seconds(problem: PlanningProblem, index: int, kind: str) -> float:
         bandwidth = device.cache_gbps
     if bandwidth is not None:
         seconds = max(seconds, float(unit.work.bytes_read) / (bandwidth * 1e9))
+    seconds += float(unit.work.topk_elements) * device.topk_ns / 1e9
     return seconds + float(unit.work.ops) * device.op_us / 1e6
 
 
@@ -145,7 +147,7 @@ COMPUTE = st.one_of(
 
 ROOFS = {
     "cpu": {"gflops": 2e-9, "memory_gbps": 1e-9, "cache_bytes": 40, "cache_gbps": 4e-9},
-    "gpu": {"gflops": 8e-9, "memory_gbps": 3e-9, "op_us": 1e5},
+    "gpu": {"gflops": 8e-9, "memory_gbps": 3e-9, "op_us": 1e5, "call_us": 5e5, "topk_ns": 1e8},
     "npu": {"gflops": 1e-9},
 }
 """Roofs per type for ``fedshard.problem/2`` instances (tiny rates: a unit takes seconds)."""
@@ -220,6 +222,7 @@ def problems(
                 "flops": draw(st.sampled_from([0, 1, 2, 3, 6])),
                 "bytes_read": draw(st.sampled_from([0, 1, 2, 30, 50, 90])),
                 "ops": draw(st.integers(0, 3)),
+                "topk_elements": draw(st.sampled_from([0, 0, 4])),
             }
             priced = unit["compute_s"]
             assert isinstance(priced, dict)

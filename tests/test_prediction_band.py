@@ -1,15 +1,16 @@
 """Integration: the plan's stage times hold on real agents, within 0.75-1.33x.
 
 A coordinator and two paired agents on 127.0.0.1 (one per core of a two-core machine, each
-measuring its roofs the way ``fedshard profile`` does) serve ``tiny-llama`` under caps that
-force two stages (the embedding and the output head, 7.8 MB each, plus the KV cache fit on
-no one device at 14 MB). The first deploy is priced by the roofline, spread over the units by
-the coordinator's own timing of them, and teaches the coordinator each device's
+measuring its roofs the way ``fedshard profile`` does: compute, memory and cache bandwidth,
+the cost of an operator, of a segment run and of a ``TopK`` element) serve the tiny decoders
+under caps that force two stages (``tiny-llama``: the embedding and the output head, 7.8 MB
+each, plus the KV cache fit on no one device at 14 MB; ``tiny-gemma3`` likewise at 16 MB).
+The first deploy is priced by the roofline alone and teaches the coordinator each device's
 measured/predicted correction (:mod:`coordinator.deploy.stage_timing`); the deploy after it
-is priced
-with the corrections, and every stage's prediction must be within 0.75-1.33x of the agent's own
-steady-state measurement (the median of its warm-up runs at the planned shapes). This is a
-ratio band, not a wall-time assert: both numbers come from the same machine in the same minute.
+is priced with the corrections, and every stage's decode-step prediction must be within
+0.75-1.33x of the agent's own steady-state measurement (the median of its warm-up runs at
+the planned shapes). This is a ratio band, not a wall-time assert: both numbers come from the
+same machine in the same minute.
 """
 
 from __future__ import annotations
@@ -34,25 +35,24 @@ from coordinator_helpers import (
 
 pytestmark = [pytest.mark.slow, pytest.mark.timeout(900)]
 
-MODEL_ID = "tiny-llama-band"
 BAND = (0.75, 1.33)
 OVERSUBSCRIBED = 1.5
 """Above this many runnable processes per core (the 1-minute load average), stage times on
 this machine say nothing about the devices: the test is skipped, not failed."""
-CAP = "14MB"
+CAPS = {"tiny-llama": "14MB", "tiny-gemma3": "16MB"}
+"""Per model: the cap on each agent under which no one agent holds it."""
 
 
 @dataclass
 class Lab:
     coordinator: CoordinatorProc
     agents: list[AgentProc]
-    export: Path
 
-    def deploy(self) -> str:
-        args = ["deploy", str(self.export / "model.onnx"), "--name", MODEL_ID]
-        args += ["--tokenizer", str(self.export)]
+    def deploy(self, export: Path, model_id: str, cap: str) -> str:
+        args = ["deploy", str(export / "model.onnx"), "--name", model_id]
+        args += ["--tokenizer", str(export)]
         for agent in self.agents:
-            args += ["--memory-cap", f"{agent.name}={CAP}"]
+            args += ["--memory-cap", f"{agent.name}={cap}"]
         done = self.coordinator.cli(*args)
         assert done.returncode == 0, done.stdout + done.stderr + self.coordinator.log()
         return done.stdout
@@ -63,7 +63,6 @@ def lab(request: pytest.FixtureRequest, tmp_path_factory: pytest.TempPathFactory
     load = os.getloadavg()[0] / (os.cpu_count() or 1)
     if load > OVERSUBSCRIBED:
         pytest.skip(f"{load:.1f} runnable processes per core: stage timings would be noise")
-    tiny_llama_dir: Path = request.getfixturevalue("tiny_llama_dir")  # exported only if run
     tmp = tmp_path_factory.mktemp("prediction-band")
     coordinator = start_coordinator(tmp)
     try:
@@ -76,14 +75,14 @@ def lab(request: pytest.FixtureRequest, tmp_path_factory: pytest.TempPathFactory
             for agent in agents:
                 paired = coordinator.cli("pair", agent.name, pairing_code(agent))
                 assert paired.returncode == 0, paired.stdout + paired.stderr
-            yield Lab(coordinator, agents, tiny_llama_dir)
+            yield Lab(coordinator, agents)
     finally:
         stop_process(coordinator.proc)
 
 
-def _active_segments(lab: Lab) -> list[dict[str, object]]:
+def _active_segments(lab: Lab, model_id: str) -> list[dict[str, object]]:
     with lab.coordinator.client() as api:
-        [record] = [m for m in api.get("/v1/deployments").json() if m["model_id"] == MODEL_ID]
+        [record] = [m for m in api.get("/v1/deployments").json() if m["model_id"] == model_id]
     [live] = [v for v in record["versions"] if v["state"] == "active"]
     segments: list[dict[str, object]] = live["segments"]
     return segments
@@ -93,15 +92,27 @@ def _ratios(segments: list[dict[str, object]]) -> list[float]:
     return [float(str(s["predicted_compute_s"])) / float(str(s["warmup_s"])) for s in segments]
 
 
-def test_calibrated_predictions_are_within_the_band(lab: Lab) -> None:
-    lab.deploy()
-    first = _ratios(_active_segments(lab))
+@pytest.mark.parametrize("model", sorted(CAPS))
+def test_calibrated_predictions_are_within_the_band(
+    lab: Lab, model: str, request: pytest.FixtureRequest
+) -> None:
+    export: Path = request.getfixturevalue(f"{model.replace('-', '_')}_dir")  # exported if run
+    model_id = f"{model}-band"
+    lab.deploy(export, model_id, CAPS[model])
+    first = _active_segments(lab, model_id)
     timing = json.loads((lab.coordinator.state_dir / "stage-timing.json").read_text())
-    assert set(timing["devices"]) == {a.name for a in lab.agents}
-    lab.deploy()
-    second = _ratios(_active_segments(lab))
-    print(f"predicted/measured per stage: roofline alone {first}, calibrated {second}")
-    assert len(second) == 2 and all(r > 0 for r in second)
-    if not all(BAND[0] <= r <= BAND[1] for r in second):
-        # issue 18's target, not met yet on these 2 cores (0.41-2.4x seen): recorded, not passed
-        pytest.xfail(f"calibrated predicted/measured {second} outside {BAND}")
+    assert {a.name for a in lab.agents} <= set(timing["devices"])
+    lab.deploy(export, model_id, CAPS[model])
+    second = _active_segments(lab, model_id)
+    print(
+        f"{model} predicted/measured per stage: roofline alone {_ratios(first)}, "
+        f"calibrated {_ratios(second)}; prefill predicted "
+        f"{[s['predicted_prefill_s'] for s in second]} s"
+    )
+    assert len(second) == 2 and all(r > 0 for r in _ratios(second))
+    assert all(isinstance(s["predicted_prefill_s"], float) for s in second)
+    if not all(BAND[0] <= r <= BAND[1] for r in _ratios(second)):
+        # issue 18's target, not met reliably yet: the stage holding the embedding and the first
+        # layers came out 1.6x over its measurement at load 1-2 per core (static shape nodes
+        # that the units of one stage share are charged to each unit; see the README)
+        pytest.xfail(f"{model}: calibrated predicted/measured {_ratios(second)} outside {BAND}")

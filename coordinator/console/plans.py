@@ -51,6 +51,9 @@ class StageView(BaseModel):
     measured_memory_bytes: int | None = None
     """Resident memory the agent measured after loading (deployed versions only)."""
     predicted_compute_s: float
+    """One request, or for a decoder one decode step (what throughput is planned on)."""
+    predicted_prefill_s: float | None = None
+    """Decoders: the stage's predicted time to prefill a prompt, shown next to the step."""
     predicted_transfer_s: float | None = None
     measured_compute_s: float | None = None
     """The agent's warm-up stage time (deployed versions only)."""
@@ -146,6 +149,7 @@ def deployed_view(
                 predicted_memory_bytes=p.predicted_memory_bytes,
                 measured_memory_bytes=p.measured_memory_bytes,
                 predicted_compute_s=p.predicted_compute_s,
+                predicted_prefill_s=entry.predicted_prefill_s if entry is not None else None,
                 measured_compute_s=p.warmup_s,
             )
         )
@@ -207,28 +211,58 @@ def what_if_devices(
     budgets: Mapping[str, int],
     drop: Sequence[str],
     requester: Sequence[RequesterLink] = (),
+    roofs: Mapping[str, Mapping[str, float]] | None = None,
+    slowdown: Mapping[str, float] | None = None,
 ) -> DeviceList:
     """The planner's devices: ``profiles`` maps each usable device to its announced (memory
     budget, GFLOP/s); ``budgets`` overrides memory, ``drop`` leaves devices out; ``requester``:
-    the coordinator's measured links to the devices, counted as a deploy counts them."""
-    unknown = sorted((set(budgets) | set(drop)) - set(profiles))
+    the coordinator's measured links to the devices, counted as a deploy counts them.
+
+    ``roofs``: each device's other announced roofs (memory and cache bandwidth, operator, call
+    and TopK costs), so a what-if is priced by the roofline as a deploy is; ``slowdown``:
+    devices measured that many times slower than planned, every roof of theirs scaled by it
+    (the re-plan on the new measurements that the slowness suggestion offers)."""
+    slow = dict(slowdown or {})
+    unknown = sorted((set(budgets) | set(drop) | set(slow)) - set(profiles))
     if unknown:
         raise DeployError(f"these devices are not paired and online: {', '.join(unknown)}")
     names = [n for n in profiles if n not in set(drop)]
     if not names:
         raise DeployError("every device was dropped: nothing is left to plan on")
+    if any(factor <= 0 for factor in slow.values()):
+        raise DeployError("a slowdown must be positive")
     specs = [
-        DeviceSpec(
-            name=n,
-            memory_bytes=budgets.get(n, profiles[n][0]),
-            gflops=profiles[n][1],
-            bandwidth_mbps=DEFAULT_BANDWIDTH_MBPS,
+        _slowed(
+            DeviceSpec(
+                name=n,
+                memory_bytes=budgets.get(n, profiles[n][0]),
+                gflops=profiles[n][1],
+                bandwidth_mbps=DEFAULT_BANDWIDTH_MBPS,
+                **dict((roofs or {}).get(n, {})),
+            ),
+            slow.get(n, 1.0),
         )
         for n in names
     ]
     kept = [link for link in links if link.a in names and link.b in names]
     to_devices = [link for link in requester if link.device in names]
     return DeviceList(devices=specs, links=kept, requester=Requester(links=to_devices))
+
+
+def _slowed(spec: DeviceSpec, factor: float) -> DeviceSpec:
+    """``spec`` with every roof scaled so any work takes ``factor`` times as long."""
+    if factor == 1.0:
+        return spec
+    return spec.model_copy(
+        update={
+            "gflops": spec.gflops / factor,
+            "memory_gbps": None if spec.memory_gbps is None else spec.memory_gbps / factor,
+            "cache_gbps": None if spec.cache_gbps is None else spec.cache_gbps / factor,
+            "op_us": spec.op_us * factor,
+            "call_us": spec.call_us * factor,
+            "topk_ns": spec.topk_ns * factor,
+        }
+    )
 
 
 def what_if(analysis: Analysis, devices: DeviceList, objective: Objective, name: str) -> Plan:

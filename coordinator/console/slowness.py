@@ -9,7 +9,9 @@ ratio *measured / predicted* divided by the lower median of the other stages' ra
 **slowdown** (with a single stage, or no peer with enough samples, the ratio itself). A stage
 whose slowdown reaches :data:`SLOW_FACTOR` over a window of at least :data:`MIN_SPAN_S` seconds
 and :data:`MIN_SAMPLES` requests is flagged, with the suggestion to re-plan: the plan gave it a
-share sized for a faster device.
+share sized for a faster device. The suggestion's what-if is that re-plan, computed on the new
+measurements: the device's roofs scaled by its slowdown, so it keeps a share it can carry at
+the speed it runs now (or none, when the others do better without it).
 
 The warm-up time an agent measured at deploy is the fallback when a plan predicted nothing; it
 is a poor reference otherwise (three runs, taken while the other stages load, so one noisy
@@ -106,7 +108,8 @@ def _slow_stage(window: StageWindow, slowdown: float, expected_s: float) -> Slow
     message = (
         f"stage {window.index + 1} on {window.device} runs {slowdown:.1f}x slower than planned "
         f"({window.mean_s * 1e3:.1f} ms per request, {expected_s * 1e3:.1f} ms expected over "
-        f"{int(window.requests)} requests); re-plan without it or with a smaller share for it"
+        f"{int(window.requests)} requests); re-plan with its measured speed (a smaller share, "
+        "or none)"
     )
     return SlowStage(
         index=window.index,

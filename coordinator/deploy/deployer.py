@@ -264,6 +264,8 @@ class Deployer:
                 cache_bytes=s.cache_bytes or 0,
                 cache_gbps=s.cache_gbps,
                 op_us=s.op_us or 0.0,
+                call_us=s.call_us or 0.0,
+                topk_ns=s.topk_ns or 0.0,
                 host=r.host,
                 control_port=r.announcement.profile.control_port,
                 data_port=r.announcement.profile.data_port,
@@ -397,7 +399,7 @@ def _split_at_largest_shapes(
         options = SplitOptions(
             command.objective,
             segment_cache=segment_cache,
-            calibrate=calibrates_at_deploy(command.model_path),
+            calibrate=calibrates_at_deploy(command.model_path, devices),
             calibration_runs=CALIBRATION_RUNS,
             dims=dims,
         )
@@ -465,6 +467,7 @@ def _placements(
             param_bytes=seg.param_bytes,
             predicted_memory_bytes=seg.predicted_memory_bytes,
             predicted_compute_s=seg.predicted_compute_s,
+            predicted_prefill_s=seg.predicted_prefill_s,
             measured_memory_bytes=report.measured_memory_bytes,
             warmup_s=report.warmup_s,
             load_s=report.load_s,

@@ -51,6 +51,8 @@ class LiveDevice:
     cache_bytes: int = 0
     cache_gbps: float | None = None
     op_us: float = 0.0
+    call_us: float = 0.0
+    topk_ns: float = 0.0
     correction: float = 1.0
     """The measured/predicted correction already applied to the roofs above
     (:mod:`coordinator.deploy.stage_timing`)."""
@@ -89,6 +91,8 @@ def device_list(
                 cache_bytes=device.cache_bytes,
                 cache_gbps=device.cache_gbps,
                 op_us=device.op_us,
+                call_us=device.call_us,
+                topk_ns=device.topk_ns,
             )
         )
     names = {d.name for d in devices}

@@ -6,13 +6,14 @@ median of its warm-up runs after the first) and reports it next to the plan's pr
 or faster than its roofs it really runs: later plans price it with every roof scaled by it
 (:func:`corrected`), so the time of any work on it is multiplied by the correction.
 
-How the work of a model is spread over its units is measured too, for models up to
-:data:`CALIBRATE_MAX_BYTES`: the coordinator times every unit on its own machine when it cuts
-the model (``fedshard split --calibrate``'s path, :func:`calibrates_at_deploy`), and each
-device's roofline time for the whole model is spread by those shares. The per-device
+How the work of a model is spread over its units comes from the roofline itself: besides
+compute and bandwidth, each agent's profile measures what an operator, a segment run and a
+``TopK`` element cost, which is what small decode-step units are made of. Only for agents
+without a memory roof (priced by FLOPs alone) does the coordinator time every unit on its own
+machine when it cuts a small model (``fedshard split --calibrate``'s path,
+:func:`calibrates_at_deploy`) and spread the FLOP time by those shares. The per-device
 correction then only has to say how fast the device is, not how its stage is made up, so it
-still holds when a later plan gives the device other units. Bigger models (decoders that read
-hundreds of MB per token) are left to the roofline, which prices their memory-bound units well.
+still holds when a later plan gives the device other units.
 
 The correction is the geometric mean of the measured/predicted ratios of the last
 :data:`WINDOW` deploys, each taken against the uncorrected roofs. It is kept per device in
@@ -36,6 +37,7 @@ from pydantic import Field, PositiveFloat, ValidationError
 from coordinator.deploy.plan import LiveDevice
 from coordinator.deploy.store import VersionRecord
 from protocols.base import FrozenModel
+from protocols.devices import DeviceList
 
 log = logging.getLogger(__name__)
 
@@ -89,6 +91,8 @@ def corrected(device: LiveDevice, factor: float) -> LiveDevice:
         memory_gbps=None if device.memory_gbps is None else device.memory_gbps / factor,
         cache_gbps=None if device.cache_gbps is None else device.cache_gbps / factor,
         op_us=device.op_us * factor,
+        call_us=device.call_us * factor,
+        topk_ns=device.topk_ns * factor,
         correction=factor,
     )
 
@@ -164,9 +168,17 @@ def stage_times(version: VersionRecord) -> list[StageTime]:
     ]
 
 
-def calibrates_at_deploy(model_path: Path) -> bool:
-    """Whether a deploy of ``model_path`` times its units first (small models: a second or
-    two; the file and its external data up to :data:`CALIBRATE_MAX_BYTES`)."""
+def calibrates_at_deploy(model_path: Path, devices: DeviceList | None = None) -> bool:
+    """Whether a deploy of ``model_path`` onto ``devices`` times its units first: only for
+    devices priced by FLOPs alone (agents without a memory roof), and only small models (a
+    second or two; the file and its external data up to :data:`CALIBRATE_MAX_BYTES`).
+
+    Devices with both roofs are priced by the roofline, whose operator, call and selection
+    costs already say how the time is spread over the units; unit times measured here, one
+    ``session.run`` per unit, would charge every unit a call of its own (tiny-llama: 11 calls
+    of 7-12 us against the 2 of its two-stage plan) and bring this machine's load into it."""
+    if devices is not None and all(d.memory_gbps is not None for d in devices.devices):
+        return False
     try:
         size = model_path.stat().st_size
         size += sum(p.stat().st_size for p in model_path.parent.glob(f"{model_path.name}*.data"))

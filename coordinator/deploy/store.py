@@ -42,6 +42,9 @@ class Placement(FrozenModel):
     param_bytes: NonNegativeInt
     predicted_memory_bytes: NonNegativeInt
     predicted_compute_s: NonNegativeFloat
+    """The plan's stage time: one request, or for a decoder one decode step."""
+    predicted_prefill_s: NonNegativeFloat | None = None
+    """Decoders: the plan's time for the stage to prefill a prompt (not planned on)."""
     measured_memory_bytes: int
     """Resident memory the agent measured after loading (DeployReport)."""
     warmup_s: NonNegativeFloat

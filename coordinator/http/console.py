@@ -106,6 +106,9 @@ class WhatIfBody(BaseModel):
     model: str
     budgets: dict[str, int] = Field(default_factory=dict)
     drop: list[str] = Field(default_factory=list)
+    slowdown: dict[str, float] = Field(default_factory=dict)
+    """Devices measured this many times slower than the plan assumed (a device that got busy):
+    the what-if prices them with every roof scaled by it, the re-plan on the new measurements."""
     objective: Objective | None = None
     """Defaults to the objective the active version was planned for."""
 
@@ -206,7 +209,7 @@ class LiveMetrics:
         return [
             SlowSuggestion(
                 **stage.model_dump(),
-                what_if=WhatIfBody(model=version.model_id, drop=[stage.device]),
+                what_if=WhatIfBody(model=version.model_id, slowdown={stage.device: stage.slowdown}),
             )
             for stage in self._slowness.observe(readings)
         ]
@@ -336,7 +339,9 @@ def _what_if(
     meter = services.serving.links if services.serving is not None else None
     links = meter.links() if meter is not None else []
     requester = meter.requester_links() if meter is not None else []
-    devices = what_if_devices(profiles, links, body.budgets, body.drop, requester)
+    devices = what_if_devices(
+        profiles, links, body.budgets, body.drop, requester, _roofs(services), body.slowdown
+    )
     analysis = analyses.get(Path(version.source))
     objective = body.objective or version.objective
     new = what_if(analysis, devices, objective, version.model_id)
@@ -344,6 +349,23 @@ def _what_if(
     budgets = {d.name: d.memory_bytes for d in devices.devices}
     current = deployed_view(version, read_manifest(services.state_dir, version), budgets, names)
     return WhatIfAnswer(current=current, what_if=plan_view(version.model_id, new, names, budgets))
+
+
+def _roofs(services: Services) -> dict[str, dict[str, float]]:
+    """Every known device's announced roofs beyond GFLOP/s (what a deploy plans with)."""
+    roofs = {}
+    for record in services.registry.devices(online_only=False):
+        profile = record.announcement.profile
+        if profile.memory_gbps is not None:
+            roofs[record.name] = {
+                "memory_gbps": profile.memory_gbps,
+                "cache_bytes": profile.cache_bytes or 0,
+                "cache_gbps": profile.cache_gbps or profile.memory_gbps,
+                "op_us": profile.op_us or 0.0,
+                "call_us": profile.call_us or 0.0,
+                "topk_ns": profile.topk_ns or 0.0,
+            }
+    return roofs
 
 
 def _profiles(services: Services, trusted: bool) -> dict[str, tuple[int, float]]:

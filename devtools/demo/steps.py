@@ -216,7 +216,8 @@ def plan_table(api: Api, state_dir: Path, model_id: str = MODEL_ID) -> Table:
         title=f"plan: {model_id} v{version['plan_version']} ({version['objective']}), "
         f"health check max |diff| {version['health_max_abs_diff']:.1e}",
         caption="pred.: the planner's prediction; meas.: what the agent measured (resident "
-        "memory after loading, stage time in the warm-up)",
+        "memory after loading, stage time in the warm-up: one request, or one decode step of "
+        "a decoder); prefill: the stage's predicted time for a 64-token prompt",
     )
     for column in (
         "segment",
@@ -226,10 +227,13 @@ def plan_table(api: Api, state_dir: Path, model_id: str = MODEL_ID) -> Table:
         "meas. MB",
         "pred. ms",
         "meas. ms",
+        "pred./meas.",
+        "prefill ms",
     ):
         table.add_column(column, justify="right", no_wrap=column == "device")
     for p in version["segments"]:
         first, end = units.get(p["index"], (0, 0))
+        measured, prefill = p["warmup_s"], p.get("predicted_prefill_s")
         table.add_row(
             str(p["index"]),
             p["device"],
@@ -237,7 +241,9 @@ def plan_table(api: Api, state_dir: Path, model_id: str = MODEL_ID) -> Table:
             f"{p['predicted_memory_bytes'] / 1e6:.1f}",
             f"{p['measured_memory_bytes'] / 1e6:.1f}",
             f"{p['predicted_compute_s'] * 1e3:.2f}",
-            f"{p['warmup_s'] * 1e3:.2f}",
+            f"{measured * 1e3:.2f}",
+            f"{p['predicted_compute_s'] / measured:.2f}" if measured > 0 else "-",
+            "-" if prefill is None else f"{prefill * 1e3:.2f}",
         )
     return table
 

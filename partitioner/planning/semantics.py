@@ -6,7 +6,8 @@ operations in the very same order, so the value it optimises equals, bit for bit
 :func:`evaluate` reports for the plan it returns:
 
 - a stage's compute is the sum of its units' seconds (``compute_s[type]``, or the roofline time
-  of a ``/2`` unit, both from :meth:`~protocols.problem.PlanningProblem.unit_seconds`), added
+  of a ``/2`` unit, both from :meth:`~protocols.problem.PlanningProblem.unit_seconds`), then
+  the type's ``call_us`` (:meth:`~protocols.problem.PlanningProblem.call_seconds`), added
   left to right from 0;
 - a transfer is ``float(out_bytes) * 8.0 / (bandwidth_mbps * 1e6) + latency_ms / 1e3``;
 - latency is accumulated in chain order from 0: the in-transfer from the requester (if one is
@@ -60,11 +61,12 @@ def transfer_seconds(out_bytes: int, bandwidth_mbps: float, latency_ms: float) -
 
 
 def stage_compute(problem: PlanningProblem, device_type: str, start: int, end: int) -> float:
-    """Compute seconds of units ``[start, end)`` on a device of ``device_type``."""
+    """Compute seconds of units ``[start, end)`` on a device of ``device_type``: their
+    seconds added left to right, then the type's cost of one segment run."""
     total = 0.0
     for index in range(start, end):
         total += problem.unit_seconds(index, device_type)
-    return total
+    return total + problem.call_seconds(device_type)
 
 
 def stage_memory(problem: PlanningProblem, start: int, end: int) -> int:

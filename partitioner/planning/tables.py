@@ -29,7 +29,10 @@ class Tables:
 
     n: int
     compute: dict[str, FloatArray]
-    """Per device type, ``(n+1, n+1)``: seconds for units ``[c, c')``; ``inf`` unless ``c < c'``."""
+    """Per device type, ``(n+1, n+1)``: seconds for units ``[c, c')`` (their seconds plus
+    the type's cost of one segment run); ``inf`` unless ``c < c'``."""
+    unit_compute: dict[str, FloatArray]
+    """Per device type, ``(n,)``: each unit's own seconds (no run cost): for bounds."""
     memory: IntArray
     """``(n+1, n+1)``: stage memory in bytes for ``[c, c')``; ``EXACT_LIMIT`` unless ``c < c'``."""
     out_bytes: FloatArray
@@ -51,12 +54,14 @@ def build_tables(problem: PlanningProblem) -> Tables:
     _check_exact(problem)
     n = len(problem.units)
     types = sorted({device.type for device in problem.devices})
+    units = {kind: np.array([problem.unit_seconds(i, kind) for i in range(n)]) for kind in types}
     compute = {
-        kind: _compute_table(np.array([problem.unit_seconds(i, kind) for i in range(n)]))
-        for kind in types
+        kind: _compute_table(seconds) + problem.call_seconds(kind)
+        for kind, seconds in units.items()
     }
     out = np.array([unit.out_bytes for unit in problem.units], dtype=np.float64)
-    return Tables(n=n, compute=compute, memory=_memory_table(problem), out_bytes=out)
+    memory = _memory_table(problem)
+    return Tables(n=n, compute=compute, unit_compute=units, memory=memory, out_bytes=out)
 
 
 def _check_exact(problem: PlanningProblem) -> None:

@@ -116,15 +116,16 @@ function renderLive(snap) {
 }
 
 // Stages that run persistently slower than planned, each with a button that opens the Plan
-// page and shows the what-if without that device (deployed only when the operator asks).
+// page and shows the what-if re-planned with that device at its measured speed (deployed only
+// when the operator asks).
 function renderSlow(slow) {
   const box = $("live-slow");
   const key = slow.map(s => s.device).join(",");
   if (box.dataset.key !== key) {
     box.dataset.key = key;
     box.innerHTML = slow.map((s, k) => `<p class="notice slow-stage" data-device="${esc(s.device)}">
-      <span class="slow-text"></span> <button type="button" data-k="${k}">Re-plan without
-      ${esc(s.device)}</button></p>`).join("");
+      <span class="slow-text"></span> <button type="button" data-k="${k}">Re-plan with
+      ${esc(s.device)} at its measured speed</button></p>`).join("");
     box.querySelectorAll("button").forEach(button => button.addEventListener("click", () => {
       FS.plan.pending = FS.live.slow[Number(button.dataset.k)].what_if;
       showPage("plan", true);

@@ -2,7 +2,7 @@
 // time (predicted against measured, bottleneck highlighted), and the what-if re-planner.
 "use strict";
 
-FS.plan = {whatIf: null, pending: null};
+FS.plan = {whatIf: null, pending: null, slowdown: {}};
 
 FS.pages.plan = {
   every: 5000,
@@ -26,8 +26,9 @@ FS.pages.plan = {
     renderWhatIfDevices(view);
     if (pending) {  // a suggestion from the Live page: show its what-if
       FS.plan.pending = null;
+      FS.plan.slowdown = pending.slowdown || {};
       for (const row of $("whatif-table").tBodies[0].querySelectorAll("tr[data-device]")) {
-        row.querySelector(".wi-drop").checked = pending.drop.includes(row.dataset.device);
+        row.querySelector(".wi-drop").checked = (pending.drop || []).includes(row.dataset.device);
       }
       await runWhatIf();
     }
@@ -35,6 +36,7 @@ FS.pages.plan = {
   wire() {
     $("plan-model").addEventListener("change", () => {
       FS.plan.whatIf = null;
+      FS.plan.slowdown = {};
       $("whatif-result").innerHTML = "";
       $("whatif-deploy").hidden = true;
       FS.pages.plan.refresh().catch(e => showError(e.message));
@@ -63,6 +65,23 @@ function unitText(stage, total) {
   return `units ${stage.unit_start}–${stage.unit_end - 1}${of}${names}`;
 }
 
+const BAND = [0.75, 1.33];
+
+function timeNote(s, view) {
+  const parts = [];
+  if (view.plan_version && s.measured_compute_s) {
+    const ratio = s.predicted_compute_s / s.measured_compute_s;
+    const inBand = ratio >= BAND[0] && ratio <= BAND[1];
+    parts.push(`<span class="ratio ${inBand ? "in-band" : "out-of-band"}">predicted/measured ` +
+      `${ratio.toFixed(2)}x${inBand ? "" : ` (outside ${BAND[0]}-${BAND[1]})`}</span>`);
+  }
+  if (s.predicted_prefill_s !== null && s.predicted_prefill_s !== undefined) {
+    parts.push(`<span class="prefill">decode step ${ms(s.predicted_compute_s)}, prefill ` +
+      `(64-token prompt) ${ms(s.predicted_prefill_s)}</span>`);
+  }
+  return parts.length ? `<p class="stage-note">${parts.join(" · ")}</p>` : "";
+}
+
 function renderStages(box, view) {
   const memMax = Math.max(...view.stages.flatMap(s =>
     [s.budget_bytes || 0, s.predicted_memory_bytes, s.measured_memory_bytes || 0]));
@@ -76,6 +95,7 @@ function renderStages(box, view) {
         aria-label="Memory on ${esc(s.device)}: budget ${mb(s.budget_bytes)}, predicted ${mb(s.predicted_memory_bytes)}, measured ${mb(s.measured_memory_bytes)}"></svg>
       <svg class="chart bars time-bars" role="img"
         aria-label="Stage time on ${esc(s.device)}: predicted ${ms(s.predicted_compute_s)}, measured ${ms(s.measured_compute_s)}"></svg>
+      ${timeNote(s, view)}
     </article>`).join("");
   const cards = box.querySelectorAll("article.stage");
   view.stages.forEach((s, k) => {
@@ -121,7 +141,8 @@ function whatIfBody() {
     const value = row.querySelector(".wi-budget").value;
     if (value !== "") budgets[name] = Math.round(Number(value) * MB);
   }
-  const body = {model: $("plan-model").value, budgets, drop};
+  // a slowness suggestion's measured slowdowns: the re-plan on the new measurements
+  const body = {model: $("plan-model").value, budgets, drop, slowdown: FS.plan.slowdown};
   if ($("whatif-objective").value) body.objective = $("whatif-objective").value;
   return body;
 }
