@@ -145,7 +145,7 @@ def test_greedy_text_is_the_same_with_and_without_speculation(max_tokens: int) -
     model = tiny_model(backend)
     fast = _run(
         type(model)(
-            model.backend, model.tokenizer, model.info, Speculation(PromptLookup(), 8, stats)
+            model.backend, model.tokenizer, model.info, Speculation(PromptLookup, 8, stats)
         ),
         request,
     )
@@ -217,7 +217,7 @@ def test_a_stage_lost_mid_speculation_replays_to_the_same_text() -> None:
         backend = ChainDecoderBackend(plane, lambda _: (version[0], chain), failed)  # type: ignore[arg-type,return-value]
         model = tiny_model(BigramBackend(table))
         speculating = type(model)(
-            backend, model.tokenizer, model.info, Speculation(PromptLookup(), 8, SpeculationStats())
+            backend, model.tokenizer, model.info, Speculation(PromptLookup, 8, SpeculationStats())
         )
         got = _run(speculating, request)
     finally:
