@@ -164,14 +164,20 @@ class SpecRow:
 
 
 def speculative_rows(
-    api: Api, model_id: str, tokens: int, runs: int, draft: Path | None = None
+    api: Api,
+    model_id: str,
+    tokens: int,
+    runs: int,
+    draft: Path | None = None,
+    prompts: tuple[str, ...] = tuple(PROMPTS),
 ) -> list[SpecRow]:
     """Each prompt without speculation, with prompt lookup and (given ``draft``, an export
     directory) with the draft model, side by side on one chain; the greedy texts must be equal
     (one stream, four streams, every mode)."""
     modes = ("off", "lookup", "draft") if draft is not None else ("off", "lookup")
     rows = []
-    for label, question in PROMPTS.items():
+    for label in prompts:
+        question = PROMPTS[label]
         for mode in modes:
             body: dict[str, Any] = {"speculative": mode}
             if mode == "draft":
@@ -271,6 +277,7 @@ def fedshard_runs(
     runs: int,
     fleet: Fleet,
     draft: Path | None = None,
+    prompts: tuple[str, ...] = tuple(PROMPTS),
 ) -> tuple[list[Run], list[Run], float, Run, list[dict[str, Any]], list[SpecRow]]:
     """Deploy across the agents; one-stream runs without speculation, each followed by a run
     of the whole model in one ONNX Runtime session (so both see the same machine), then four
@@ -309,7 +316,7 @@ def fedshard_runs(
             spec: list[SpecRow] = []
             if decoder_info(export).trailing_positions is not None:
                 with console.status("speculative decoding: off vs prompt lookup (vs draft)"):
-                    spec = speculative_rows(api, model_id, tokens, runs, draft)
+                    spec = speculative_rows(api, model_id, tokens, runs, draft, prompts)
     return single, whole, total_tps, slowest, list(placements), spec
 
 
@@ -367,6 +374,12 @@ def main() -> int:
         help="also speculate with this draft model: an export directory or a decoder name "
         "(exported in its default weights once)",
     )
+    parser.add_argument(
+        "--prompt",
+        action="append",
+        choices=list(PROMPTS),
+        help="speculate on this prompt only (repeatable; default: every prompt)",
+    )
     args = parser.parse_args()
     os.environ.setdefault("HF_HUB_OFFLINE", "1")
     console = Console()
@@ -375,7 +388,15 @@ def main() -> int:
     ids = prompt_ids(export)
     fleet = Fleet(args.agents, args.memory, not args.no_caps)
     single, whole, total_tps, slowest, placements, spec = fedshard_runs(
-        console, args.model, export, ids, args.tokens, args.runs, fleet, draft
+        console,
+        args.model,
+        export,
+        ids,
+        args.tokens,
+        args.runs,
+        fleet,
+        draft,
+        tuple(args.prompt or PROMPTS),
     )
     one = statistics.median(r.decode_tps for r in single)
     ort_tps = statistics.median(r.decode_tps for r in whole)
