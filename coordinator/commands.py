@@ -83,6 +83,11 @@ def register(subparsers: Any) -> None:
         choices=["off", "lookup", "draft", "auto"],
         help="a decoder's speculative decoding (default: auto for a new model)",
     )
+    deploy.add_argument(
+        "--draft-model",
+        type=Path,
+        help="export directory of a draft model with the same tokenizer (for draft and auto)",
+    )
     deploy.set_defaults(run=run_deploy)
 
     rollback = _client_parser(subparsers, "rollback", "switch a model back to its last version")
@@ -170,6 +175,8 @@ def run_deploy(args: argparse.Namespace) -> int:
         body["tokenizer_dir"] = str(args.tokenizer.expanduser().resolve())
     if args.speculative:
         body["speculative"] = args.speculative
+    if args.draft_model:
+        body["draft_model"] = str(args.draft_model.expanduser().resolve())
     code, reply = _call(args, "POST", "/v1/deployments", body, DEPLOY_TIMEOUT_S)
     if code == 200:
         _print_version(console, reply)

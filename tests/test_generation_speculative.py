@@ -12,7 +12,7 @@ from generation_helpers import BigramBackend, bigram_table, tiny_model, word_id
 from coordinator.deploy.store import VersionRecord
 from coordinator.errors import ChainBrokenError
 from coordinator.generation.backend import TopCandidates
-from coordinator.generation.drafters import DraftLength, PromptLookup
+from coordinator.generation.drafters import DraftLength, LookupThenModel, PromptLookup
 from coordinator.generation.engine import Finished, GenerationRequest, TextDelta, generate
 from coordinator.generation.sampling import SamplingParams, nucleus, probabilities
 from coordinator.generation.speculative import (
@@ -85,6 +85,43 @@ def test_draft_length_follows_the_acceptance_rate() -> None:
     assert length.k == 1  # a probe after 8 plain passes
 
 
+def test_draft_length_counts_a_slow_drafter_s_measured_cost() -> None:
+    free, slow = DraftLength(limit=7), DraftLength(limit=7)
+    for _ in range(10):
+        for length in (free, slow):
+            length.update(4, 3)  # the same acceptance, about 0.75 a token
+        free.observe(4, draft_s=0.0, pass_s=1.0)
+        slow.observe(4, draft_s=4 * 0.3, pass_s=1.0)  # each drafted token: 0.3 of a pass
+    assert slow.cost == pytest.approx(0.5, abs=0.02) and free.cost == pytest.approx(0.2)
+    assert 1 <= slow.k < free.k
+    for _ in range(10):
+        slow.observe(4, draft_s=4 * 1.0, pass_s=1.0)  # drafting a token costs a whole pass
+    assert slow.k == 0
+
+
+class FixedDrafter:
+    """A drafter that always proposes the same tokens (records its calls)."""
+
+    blocking = True
+
+    def __init__(self, tokens: list[int]) -> None:
+        self.tokens = tokens
+        self.calls = 0
+
+    def propose(self, tokens: Sequence[int], count: int) -> list[int]:
+        self.calls += 1
+        return self.tokens[:count]
+
+
+def test_lookup_then_model_drafts_by_lookup_on_a_repeated_bigram_else_by_model() -> None:
+    model = FixedDrafter([42, 43])
+    drafter = LookupThenModel(model)
+    assert drafter.propose([1, 2, 3, 9, 1, 2], 2) == [3, 9]  # "1 2" occurred before
+    assert model.calls == 0
+    assert drafter.propose([1, 2, 3, 9, 5, 2], 2) == [42, 43]  # only a 1-gram repeats
+    assert model.calls == 1
+
+
 def test_greedy_acceptance_keeps_the_agreeing_prefix_then_the_model_s_token() -> None:
     cands = [TopCandidates.of([9.0, 1.0], [t, 0]) for t in (5, 6, 7, 8)]
     params, rng = SamplingParams(temperature=0), np.random.default_rng(0)
@@ -145,7 +182,7 @@ def test_greedy_text_is_the_same_with_and_without_speculation(max_tokens: int) -
     model = tiny_model(backend)
     fast = _run(
         type(model)(
-            model.backend, model.tokenizer, model.info, Speculation(PromptLookup(), 8, stats)
+            model.backend, model.tokenizer, model.info, Speculation(PromptLookup, 8, stats)
         ),
         request,
     )
@@ -217,7 +254,7 @@ def test_a_stage_lost_mid_speculation_replays_to_the_same_text() -> None:
         backend = ChainDecoderBackend(plane, lambda _: (version[0], chain), failed)  # type: ignore[arg-type,return-value]
         model = tiny_model(BigramBackend(table))
         speculating = type(model)(
-            backend, model.tokenizer, model.info, Speculation(PromptLookup(), 8, SpeculationStats())
+            backend, model.tokenizer, model.info, Speculation(PromptLookup, 8, SpeculationStats())
         )
         got = _run(speculating, request)
     finally:

@@ -1,4 +1,5 @@
-"""Integration: speculative decoding across three real agents (``tiny-llama``, prompt lookup).
+"""Integration: speculative decoding across three real agents (``tiny-llama``; prompt lookup, and
+``tiny-gemma3`` as a draft model on the coordinator).
 
 Greedy text with speculation (drafts verified in one pass of every stage, rejected positions
 rewound on every stage) is the text without it and the text of the whole model in one ONNX
@@ -11,6 +12,8 @@ refuses a rewind to a position its session never held.
 from __future__ import annotations
 
 import concurrent.futures
+import json
+import shutil
 from collections.abc import Iterator
 from pathlib import Path
 
@@ -25,7 +28,7 @@ from coordinator.transport.dataplane import ChainClient, DataPlane, SessionStep
 from protocols.decoder import TRAILING_TOP_IDS
 from protocols.deploy import Hop
 
-pytestmark = [pytest.mark.slow, pytest.mark.timeout(900)]
+pytestmark = [pytest.mark.slow, pytest.mark.timeout(1200)]
 
 MODEL_ID = "tiny-llama"
 CAP = "12MB"
@@ -119,3 +122,33 @@ def test_an_agent_refuses_a_rewind_past_what_its_session_held(lab: GenLab) -> No
     finally:
         client.close()
         plane.close()
+
+
+def test_a_draft_model_keeps_the_greedy_text_across_real_agents(
+    lab: GenLab, tiny_gemma3_dir: Path, tmp_path: Path
+) -> None:
+    """``speculative: draft`` with ``tiny-gemma3`` (same tokenizer, other weights) as the draft
+    model, set over the API; a draft with another tokenizer is refused (400)."""
+    prompts = [EDIT, FREE]
+    want = [greedy_reference(lab.export, p, TOKENS)[0] for p in prompts]
+    other = tmp_path / "other"
+    shutil.copytree(tiny_gemma3_dir, other)
+    data = json.loads((other / "tokenizer.json").read_text())
+    vocab = data["model"]["vocab"]
+    vocab["cat"], vocab["dog"] = vocab["dog"], vocab["cat"]
+    (other / "tokenizer.json").write_text(json.dumps(data))
+    route = f"/v1/deployments/{MODEL_ID}/speculative"
+    with lab.coordinator.client(timeout=300) as api:
+        refused = api.put(route, json={"speculative": "draft", "draft_model": str(other)})
+        assert refused.status_code == 400, refused.text
+        assert "another tokenizer" in refused.json()["detail"]
+        body = {"speculative": "draft", "draft_model": str(tiny_gemma3_dir)}
+        assert api.put(route, json=body).status_code == 200
+        before = _console_model(api)["drafted_tokens"]
+        fast = _texts(api, "draft", prompts)
+        shown = _console_model(api)
+        concurrent = [_texts(api, "auto", [EDIT])[0] for _ in range(2)]
+    assert fast == want
+    assert concurrent == [want[0]] * 2
+    assert isinstance(shown["drafted_tokens"], int) and isinstance(before, int)
+    assert shown["drafted_tokens"] > before

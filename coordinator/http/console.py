@@ -71,6 +71,8 @@ class ConsoleModel(BaseModel):
     previous: int | None
     speculative: str = "off"
     """A decoder's speculative decoding setting (``off|lookup|draft|auto``)."""
+    draft_model: str | None = None
+    """The draft model's export directory, when one is set."""
     acceptance_rate: float | None = None
     """Drafted tokens the chain accepted, over all passes so far (None before any)."""
     tokens_per_s: float | None = None
@@ -91,6 +93,7 @@ def console_model(
         active=record.active,
         previous=record.previous,
         speculative=record.speculative if kind == "decoder" else "off",
+        draft_model=record.draft_model if kind == "decoder" else None,
         acceptance_rate=stats.acceptance_rate if stats is not None else None,
         tokens_per_s=stats.tokens_per_s if stats is not None else None,
         drafted_tokens=stats.drafted if stats is not None else 0,

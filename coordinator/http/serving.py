@@ -30,9 +30,11 @@ from pydantic import BaseModel, ConfigDict, Field
 from coordinator.deploy.deployer import DeployCommand, Deployer
 from coordinator.deploy.store import DeploymentStore, ModelRecord, VersionRecord
 from coordinator.errors import (
+    DraftModelError,
     RequestError,
 )
 from coordinator.fleet.links import LinkMeter
+from coordinator.generation.draft_model import check_draft_model
 from coordinator.generation.speculative import Speculative
 from coordinator.http.metrics import notes
 from coordinator.http.npz import load_npz
@@ -81,12 +83,15 @@ class DeployBody(Body):
     speculative: Speculative | None = None
     """A decoder's speculative decoding (``off|lookup|draft|auto``; default: kept, or ``auto``
     for a new model)."""
+    draft_model: str | None = Field(default=None, min_length=1)
+    """Export directory of a draft model with the same tokenizer (``draft`` and ``auto``)."""
 
 
 class SpeculativeBody(Body):
     """``PUT /v1/deployments/{model_id}/speculative``."""
 
     speculative: Speculative
+    draft_model: str | None = Field(default=None, min_length=1)
 
 
 class InferBody(Body):
@@ -128,22 +133,30 @@ def _deployment_routes(api: APIRouter, serving: Serving) -> None:
     async def deploy(body: DeployBody) -> VersionRecord:
         path = _model_path(body.model_path)
         model_id = body.model_id or model_id_of(path)
+        tokenizer_dir = body.tokenizer_dir or default_tokenizer_dir(model_id)
+        draft = str(_model_path(body.draft_model)) if body.draft_model else None
+        if draft is not None:  # refused before the minutes a deployment takes
+            if tokenizer_dir is None:
+                raise DraftModelError("a draft model needs the served model's tokenizer_dir")
+            await run_in_threadpool(check_draft_model, Path(draft), Path(tokenizer_dir))
         command = DeployCommand(
             model_path=path,
             model_id=model_id,
             objective=body.objective,
             memory_caps=body.memory_caps,
-            tokenizer_dir=body.tokenizer_dir or default_tokenizer_dir(model_id),
+            tokenizer_dir=tokenizer_dir,
             baseline=body.baseline,
         )
         version = await run_in_threadpool(serving.deployer.deploy, command)
-        if body.speculative is not None:
-            serving.store.set_speculative(model_id, body.speculative)
+        if body.speculative is not None or draft is not None:
+            mode = body.speculative or serving.store.model(model_id).speculative
+            await run_in_threadpool(serving.store.set_speculative, model_id, mode, draft)
         return version
 
     @api.put("/deployments/{model_id}/speculative")
     def set_speculative(model_id: str, body: SpeculativeBody) -> ModelRecord:
-        return serving.store.set_speculative(model_id, body.speculative)
+        draft = str(_model_path(body.draft_model)) if body.draft_model else None
+        return serving.store.set_speculative(model_id, body.speculative, draft)
 
     @api.post("/deployments/{model_id}/rollback")
     async def rollback(model_id: str) -> VersionRecord:

@@ -17,7 +17,7 @@ import time
 from collections.abc import Callable, Sequence
 from pathlib import Path
 
-from coordinator.deploy.store import DeploymentStore, VersionRecord
+from coordinator.deploy.store import DeploymentStore, ModelRecord, VersionRecord
 from coordinator.errors import (
     AgentError,
     CapacityError,
@@ -27,11 +27,11 @@ from coordinator.errors import (
     RequestError,
 )
 from coordinator.generation.backend import GenerationModel, TopCandidates
+from coordinator.generation.draft_model import DraftModel
 from coordinator.generation.feeds import Arrays, step_inputs
 from coordinator.generation.speculative import (
     Speculation,
     SpeculationStats,
-    Speculative,
     drafter_for,
     trailing_candidates,
 )
@@ -237,6 +237,7 @@ class DecoderModels:
         """Per model id: how its speculative passes fared (the console shows them)."""
         self._planned_context = planned_context
         self._loaded: dict[tuple[str, str], tuple[ChatTokenizer, DecoderInfo]] = {}
+        self._drafts: dict[tuple[str, str], DraftModel | None] = {}
         self._lock = threading.Lock()
 
     def __call__(self, model_id: str) -> GenerationModel | None:
@@ -264,18 +265,33 @@ class DecoderModels:
             backend=backend,
             tokenizer=tokenizer,
             info=info,
-            speculation=self._speculation(model_id, record.speculative, info),
+            speculation=self._speculation(model_id, record, info),
         )
 
     def _speculation(
-        self, model_id: str, mode: Speculative, info: DecoderInfo
+        self, model_id: str, record: ModelRecord, info: DecoderInfo
     ) -> Speculation | None:
-        drafter = drafter_for(mode)
+        draft = self._draft(record) if record.speculative in ("draft", "auto") else None
+        drafters = drafter_for(record.speculative, draft)
         positions = info.trailing_positions or 1
-        if drafter is None or positions < 2:  # off, or a graph without trailing candidates
+        if drafters is None or positions < 2:  # off, or a graph without trailing candidates
             return None
         stats = self.speculation_stats.setdefault(model_id, SpeculationStats())
-        return Speculation(drafter, positions, stats)
+        return Speculation(drafters, positions, stats)
+
+    def _draft(self, record: ModelRecord) -> DraftModel | None:
+        """The record's draft model, loaded once (None: none set, or it failed to load)."""
+        if record.draft_model is None or record.tokenizer_dir is None:
+            return None
+        key = (record.draft_model, record.tokenizer_dir)
+        with self._lock:
+            if key not in self._drafts:
+                try:
+                    self._drafts[key] = DraftModel(Path(key[0]), Path(key[1]))
+                except Exception:  # serve without it rather than not at all
+                    log.exception("cannot load the draft model %s", key[0])
+                    self._drafts[key] = None
+            return self._drafts[key]
 
     def _load(self, model_id: str, directory: Path) -> tuple[ChatTokenizer, DecoderInfo] | None:
         key = (model_id, str(directory))

@@ -46,7 +46,11 @@ WEIGHTS_METADATA_KEY = "fedshard.weights"
 BLOCK_SIZE = 32
 """Weights per quantization block along the reduced axis (one scale and zero point each)."""
 
-DEFAULT_WEIGHTS: dict[str, Weights] = {"gemma3-270m": "int8", "qwen2.5-coder-1.5b": "int4"}
+DEFAULT_WEIGHTS: dict[str, Weights] = {
+    "gemma3-270m": "int8",
+    "qwen2.5-coder-1.5b": "int4",
+    "qwen2.5-coder-0.5b": "int4",
+}
 """Per decoder front door, the precision ``fedshard export`` stores it in without
 ``--weights`` (chosen from the measured size and quality, see the README); float32 if absent."""
 

@@ -9,7 +9,13 @@ from typing import Any
 from partitioner.decoders.progress import Steps
 from partitioner.errors import GraphError
 
-DECODER_NAMES = ("gemma3-270m", "qwen2.5-coder-1.5b", "tiny-gemma3", "tiny-llama")
+DECODER_NAMES = (
+    "gemma3-270m",
+    "qwen2.5-coder-1.5b",
+    "qwen2.5-coder-0.5b",
+    "tiny-gemma3",
+    "tiny-llama",
+)
 
 
 @dataclass(frozen=True)
@@ -38,8 +44,8 @@ def load_source(name: str, cache_dir: Path, steps: Steps) -> DecoderSource:
     if name == "gemma3-270m":
         model, tok = gemma.load(cache_dir, steps)
         return _gemma_source(name, model, tok, tuple(gemma.eos_token_ids(tok)))
-    if name == qwen.NAME:
-        model, tok = qwen.load(cache_dir, steps)
+    if name in qwen.MODELS:
+        model, tok = qwen.load(cache_dir, steps, qwen.MODELS[name])
         return _gemma_source(name, model, tok, tuple(qwen.eos_token_ids(tok)))
     if name == "tiny-gemma3":
         model, tok = tiny.gemma3()

@@ -74,7 +74,9 @@ async function speculationLine(modelId) {
   const rate = m.acceptance_rate === null ? "no drafts yet" :
     `${Math.round(m.acceptance_rate * 100)}% of drafted tokens accepted`;
   const speed = m.tokens_per_s === null ? "" : `, ${m.tokens_per_s.toFixed(1)} tokens/s`;
-  return `Speculative decoding: ${m.speculative}, ${rate}${speed}.`;
+  const draft = m.draft_model && m.speculative !== "lookup" ?
+    ` (draft model ${m.draft_model.split("/").filter(Boolean).pop()})` : "";
+  return `Speculative decoding: ${m.speculative}${draft}, ${rate}${speed}.`;
 }
 
 function chatBubble(role, text) {

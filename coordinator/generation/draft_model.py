@@ -1,0 +1,160 @@
+"""The draft-model drafter: a small decoder with the served model's tokenizer, run whole on the
+coordinator in one ONNX Runtime session (an export directory of ``fedshard export``).
+
+One :class:`DraftModel` (one ONNX Runtime session, its weights loaded once) serves every
+generation of the model it drafts for; each generation drafts through its own
+:class:`DraftStream`, which keeps the draft model's KV cache for that generation's text. The
+cache follows the text: when asked for a draft, a stream keeps the longest prefix of the text
+its cache already holds (the rejected drafts of the last pass fall off, a *rollback*), feeds the
+rest in one call, then drafts greedily one token per call. The drafts are greedy, so the
+speculative-sampling rule in :mod:`coordinator.generation.speculative` (a point-mass draft
+distribution) keeps the target's distribution exactly.
+
+:func:`check_draft_model` refuses a draft whose tokenizer differs from the served model's
+(the same text must map to the same ids, or every draft is noise): :class:`DraftModelError`.
+"""
+
+from __future__ import annotations
+
+import threading
+from collections.abc import Sequence
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+
+from coordinator.errors import DraftModelError
+from protocols.decoder import DECODER_FILE, MODEL_FILE, TOP_IDS, DecoderInfo
+
+DRAFT_THREADS = 1
+"""ONNX Runtime intra-op threads per draft call (the coordinator shares its cores with the
+generations it serves, and concurrent streams draft in parallel)."""
+TOKENIZER_FILE = "tokenizer.json"
+
+
+def _vocab(directory: Path) -> dict[str, int]:
+    from tokenizers import Tokenizer
+
+    file = directory / TOKENIZER_FILE
+    if not file.is_file():
+        raise DraftModelError(f"no {TOKENIZER_FILE} in {directory}")
+    try:
+        vocab: dict[str, int] = Tokenizer.from_file(str(file)).get_vocab(with_added_tokens=True)
+    except Exception as exc:  # the Rust loader raises a bare Exception
+        raise DraftModelError(f"cannot load the tokenizer {file}: {exc}") from exc
+    return vocab
+
+
+def check_draft_model(draft_dir: Path, tokenizer_dir: Path) -> DecoderInfo:
+    """The draft's DecoderInfo, once ``draft_dir`` is a decoder export whose tokenizer maps
+    every token to the same id as the served model's (``tokenizer_dir``); else
+    :class:`DraftModelError` naming the difference."""
+    info_file, model_file = draft_dir / DECODER_FILE, draft_dir / MODEL_FILE
+    if not (info_file.is_file() and model_file.is_file()):
+        raise DraftModelError(
+            f"{draft_dir} is not a decoder export (it needs {DECODER_FILE} and {MODEL_FILE}; "
+            "make one with fedshard export)"
+        )
+    info = DecoderInfo.from_json(info_file.read_bytes())
+    draft, served = _vocab(draft_dir), _vocab(tokenizer_dir)
+    if draft != served:
+        differ = sorted(t for t in draft.keys() | served.keys() if draft.get(t) != served.get(t))
+        raise DraftModelError(
+            f"the draft model {draft_dir} has another tokenizer than the served model "
+            f"({len(draft)} vs {len(served)} tokens, {len(differ)} differ, e.g. "
+            f"{', '.join(repr(t) for t in differ[:3])})"
+        )
+    return info
+
+
+class DraftModel:
+    """A draft decoder loaded for drafting (see the module docstring)."""
+
+    def __init__(self, directory: Path, tokenizer_dir: Path, threads: int = DRAFT_THREADS) -> None:
+        """Load the export in ``directory`` after :func:`check_draft_model` against the served
+        model's ``tokenizer_dir``."""
+        import onnxruntime as ort
+
+        self.directory = directory
+        self.info = check_draft_model(directory, tokenizer_dir)
+        options = ort.SessionOptions()
+        options.log_severity_level = 3
+        options.intra_op_num_threads = threads
+        options.inter_op_num_threads = 1
+        self._session = ort.InferenceSession(
+            str(directory / MODEL_FILE), options, providers=["CPUExecutionProvider"]
+        )
+        self._outputs = [TOP_IDS, *(pair.present for pair in self.info.state)]
+
+    def stream(self) -> DraftStream:
+        """A drafter for one generation, with an empty cache."""
+        return DraftStream(self)
+
+    def empty(self) -> list[np.ndarray]:
+        """An empty KV cache."""
+        shape = (1, self.info.num_kv_heads, 0, self.info.head_dim)
+        return [np.zeros(shape, dtype=np.float32) for _ in self.info.state]
+
+    def run(self, ids: Sequence[int], past: list[np.ndarray]) -> tuple[int, list[np.ndarray]]:
+        """Feed ``ids`` after the ``past`` cache: the greedy next token and the grown cache."""
+        seen = int(past[0].shape[2])
+        total = seen + len(ids)
+        feeds: dict[str, Any] = {
+            "input_ids": np.asarray([list(ids)], dtype=np.int64),
+            "attention_mask": np.ones((1, total), dtype=np.int64),
+            "position_ids": np.arange(seen, total, dtype=np.int64)[None, :],
+        }
+        feeds.update({pair.past: kv for pair, kv in zip(self.info.state, past, strict=True)})
+        top, *present = self._session.run(self._outputs, feeds)
+        return int(np.asarray(top).reshape(-1)[0]), list(present)
+
+
+class DraftStream:
+    """One generation's drafts from a :class:`DraftModel`, with that generation's cache."""
+
+    blocking = True
+
+    def __init__(self, model: DraftModel) -> None:
+        self._model = model
+        self._tokens: list[int] = []
+        """The tokens the cache holds, in order."""
+        self._past = model.empty()
+        self._lock = threading.Lock()
+
+    @property
+    def held(self) -> list[int]:
+        """The tokens the draft cache holds."""
+        return list(self._tokens)
+
+    def propose(self, tokens: Sequence[int], count: int) -> list[int]:
+        """Up to ``count`` greedy draft tokens after ``tokens`` (none past the draft's context)."""
+        if count < 1 or not tokens or len(tokens) + count > self._model.info.max_context:
+            return []
+        with self._lock:
+            self.rollback(min(_common_prefix(self._tokens, tokens), len(tokens) - 1))
+            token = self._feed(tokens[len(self._tokens) :])
+            drafts = [token]
+            while len(drafts) < count:
+                token = self._feed([token])
+                drafts.append(token)
+            return drafts
+
+    def rollback(self, length: int) -> None:
+        """Cut the cache back to its first ``length`` tokens."""
+        if not 0 <= length <= len(self._tokens):
+            raise ValueError(f"the draft cache holds {len(self._tokens)} tokens, not {length}")
+        del self._tokens[length:]
+        self._past = [kv[:, :, :length, :] for kv in self._past]
+
+    def _feed(self, ids: Sequence[int]) -> int:
+        token, self._past = self._model.run(ids, self._past)
+        self._tokens.extend(ids)
+        return token
+
+
+def _common_prefix(a: Sequence[int], b: Sequence[int]) -> int:
+    size = min(len(a), len(b))
+    for i in range(size):
+        if a[i] != b[i]:
+            return i
+    return size

@@ -1,0 +1,276 @@
+"""The draft-model drafter on tiny decoders (real exports, real ONNX Runtime).
+
+The target is ``tiny-llama``, verified by a local stand-in for the chain that prefills the
+whole held text in one ONNX Runtime session each pass (so its answers cannot depend on a cache
+the drafter got wrong). Drafts come from ``tiny-llama`` itself (it must accept about
+everything) and from ``tiny-gemma3`` (another random model with the same tokenizer: most drafts
+are rejected, so the draft cache rolls back often). Greedy text equals plain greedy decoding
+token for token, including when a stage is lost mid-speculation; the draft cache after a
+rollback equals a fresh one; a draft with another tokenizer is refused.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import shutil
+from collections.abc import Callable, Sequence
+from pathlib import Path
+
+import numpy as np
+import pytest
+
+from coordinator.deploy.store import DeploymentStore, ModelRecord, VersionRecord
+from coordinator.errors import ChainBrokenError, DraftModelError
+from coordinator.generation.backend import GenerationModel, TopCandidates
+from coordinator.generation.draft_model import DraftModel, DraftStream, check_draft_model
+from coordinator.generation.drafters import Drafter
+from coordinator.generation.engine import Finished, GenerationRequest, TextDelta, generate
+from coordinator.generation.sampling import SamplingParams
+from coordinator.generation.speculative import (
+    Speculation,
+    SpeculationStats,
+    drafter_for,
+    trailing_candidates,
+)
+from coordinator.generation.tokenizer import ChatTokenizer
+from coordinator.http.errors import entry_of
+from coordinator.serving.decoder import ChainDecoderBackend
+from coordinator.transport.dataplane import DataPlane, SessionStep
+from partitioner.decoders.ort_runner import OrtDecoder
+from protocols.decoder import (
+    INPUT_IDS,
+    TOP_IDS,
+    TOP_LOGITS,
+    TRAILING_TOP_IDS,
+    TRAILING_TOP_LOGITS,
+    DecoderInfo,
+)
+
+PROMPT = "def add(a, b):\n    return a + b\n\n# now subtract\ndef"
+TOKENS = 24
+
+
+class WholeModel:
+    """Answers a session's passes by prefilling its whole held text (no cache to get wrong)."""
+
+    def __init__(self, export: Path) -> None:
+        self.ort = OrtDecoder(export, threads=1)
+        self.held: dict[str, list[int]] = {}
+
+    def run(self, tokens: Sequence[int]) -> dict[str, np.ndarray]:
+        """Every output of the graph for ``tokens`` from an empty cache."""
+        self.ort.reset()
+        return self.ort.run_step(tokens)
+
+    def feed(self, session: str, position: int, ids: Sequence[int]) -> dict[str, np.ndarray]:
+        """Cut ``session`` back to ``position`` tokens (never past what it held), append."""
+        held = self.held.setdefault(session, [])
+        assert position <= len(held), f"{session}: rewind to {position}, held {len(held)}"
+        held[position:] = list(ids)
+        return self.run(held)
+
+
+class LocalVerifier:
+    """A verifying DecoderBackend over :class:`WholeModel` (counts rewinds)."""
+
+    def __init__(self, model: WholeModel) -> None:
+        self.model = model
+        self.rewinds = 0
+
+    async def step(self, session: str, position: int, token_ids: Sequence[int]) -> TopCandidates:
+        out = self.model.feed(session, position, token_ids)
+        return TopCandidates.of(out[TOP_LOGITS], out[TOP_IDS])
+
+    async def verify(
+        self, session: str, position: int, token_ids: Sequence[int]
+    ) -> list[TopCandidates]:
+        self.rewinds += position < len(self.model.held.get(session, []))
+        out = self.model.feed(session, position, token_ids)
+        return trailing_candidates(out[TRAILING_TOP_LOGITS], out[TRAILING_TOP_IDS], len(token_ids))
+
+    async def end(self, session: str) -> None:
+        self.model.held.pop(session, None)
+
+
+def _info(export: Path) -> DecoderInfo:
+    return DecoderInfo.from_json((export / "decoder.json").read_bytes())
+
+
+def _model(
+    backend: object, export: Path, drafters: Callable[[], Drafter] | None
+) -> GenerationModel:
+    info = _info(export)
+    speculation = None
+    if drafters is not None:
+        assert info.trailing_positions is not None
+        speculation = Speculation(drafters, info.trailing_positions, SpeculationStats())
+    tokenizer = ChatTokenizer.from_file(export, info)
+    return GenerationModel(backend, tokenizer, info, speculation)  # type: ignore[arg-type]
+
+
+def _generate(model: GenerationModel, prompt: list[int]) -> tuple[str, int]:
+    request = GenerationRequest(prompt, TOKENS, SamplingParams(temperature=0), session="s")
+
+    async def collect() -> tuple[str, int]:
+        text, finished = "", None
+        async for event in generate(model, request):
+            if isinstance(event, TextDelta):
+                text += event.text
+            elif isinstance(event, Finished):
+                finished = event
+        assert finished is not None
+        return text, finished.usage.completion_tokens
+
+    return asyncio.run(collect())
+
+
+def _prompt(export: Path) -> list[int]:
+    tokenizer = ChatTokenizer.from_file(export, _info(export))
+    return [t for t in tokenizer.encode(PROMPT) if t not in _info(export).eos_token_ids]
+
+
+@pytest.fixture(scope="module")
+def plain_text(tiny_llama_dir: Path) -> tuple[str, int]:
+    """Greedy text without speculation."""
+    return _generate(
+        _model(LocalVerifier(WholeModel(tiny_llama_dir)), tiny_llama_dir, None),
+        _prompt(tiny_llama_dir),
+    )
+
+
+def test_the_target_as_its_own_draft_accepts_every_draft(
+    tiny_llama_dir: Path, plain_text: tuple[str, int]
+) -> None:
+    draft = DraftModel(tiny_llama_dir, tiny_llama_dir)
+    model = _model(LocalVerifier(WholeModel(tiny_llama_dir)), tiny_llama_dir, draft.stream)
+    assert _generate(model, _prompt(tiny_llama_dir)) == plain_text
+    assert model.speculation is not None
+    stats = model.speculation.stats
+    assert stats.drafted >= TOKENS // 2
+    assert stats.acceptance_rate is not None and stats.acceptance_rate >= 0.9
+    assert stats.passes < TOKENS // 2  # several tokens a pass
+
+
+@pytest.mark.parametrize("mode", ["draft", "auto"])
+def test_another_draft_model_keeps_the_greedy_text(
+    tiny_llama_dir: Path, tiny_gemma3_dir: Path, plain_text: tuple[str, int], mode: str
+) -> None:
+    draft = DraftModel(tiny_gemma3_dir, tiny_llama_dir)
+    verifier = LocalVerifier(WholeModel(tiny_llama_dir))
+    model = _model(verifier, tiny_llama_dir, drafter_for(mode, draft))  # type: ignore[arg-type]
+    assert _generate(model, _prompt(tiny_llama_dir)) == plain_text
+    assert model.speculation is not None and model.speculation.stats.drafted > 0
+    assert verifier.rewinds > 0  # drafts were rejected and cut back
+
+
+def _kv_of(stream: DraftStream) -> list[np.ndarray]:
+    return [kv.copy() for kv in stream._past]
+
+
+def test_a_rolled_back_draft_cache_equals_a_fresh_one(
+    tiny_llama_dir: Path, tiny_gemma3_dir: Path
+) -> None:
+    draft = DraftModel(tiny_gemma3_dir, tiny_llama_dir)
+    prompt = _prompt(tiny_llama_dir)
+    stream = draft.stream()
+    first = stream.propose(prompt, 5)
+    assert len(first) == 5 and stream.held == [*prompt, *first[:4]]
+    other = (first[1] + 1) % draft.info.vocab_size  # the verifier kept one draft, then differed
+    text = [*prompt, first[0], other]
+    again = stream.propose(text, 3)
+    fresh = draft.stream()
+    assert again == fresh.propose(text, 3)
+    assert stream.held == fresh.held == [*text, *again[:2]]
+    for mine, theirs in zip(_kv_of(stream), _kv_of(fresh), strict=True):
+        assert mine.shape == theirs.shape
+        np.testing.assert_allclose(mine, theirs, atol=1e-4)
+    with pytest.raises(ValueError, match="holds"):
+        stream.rollback(len(stream.held) + 1)
+
+
+def _export_with_tokens_swapped(export: Path, out: Path) -> Path:
+    """A copy of ``export`` whose tokenizer gives two tokens each other's ids."""
+    shutil.copytree(export, out)
+    data = json.loads((out / "tokenizer.json").read_text())
+    vocab = data["model"]["vocab"]
+    a, b = "cat", "dog"
+    vocab[a], vocab[b] = vocab[b], vocab[a]
+    (out / "tokenizer.json").write_text(json.dumps(data))
+    return out
+
+
+def test_a_draft_with_another_tokenizer_is_refused(tiny_llama_dir: Path, tmp_path: Path) -> None:
+    other = _export_with_tokens_swapped(tiny_llama_dir, tmp_path / "other")
+    with pytest.raises(DraftModelError, match=r"another tokenizer .* 2 differ"):
+        check_draft_model(other, tiny_llama_dir)
+    with pytest.raises(DraftModelError, match="not a decoder export"):
+        check_draft_model(tmp_path, tiny_llama_dir)
+    error = DraftModelError("x")
+    assert (entry_of(error).status, entry_of(error).code) == (400, "draft_model_mismatch")
+
+
+def test_the_store_keeps_a_checked_draft_model(tiny_llama_dir: Path, tmp_path: Path) -> None:
+    store = DeploymentStore(tmp_path)
+    record = ModelRecord(model_id="m", tokenizer_dir=str(tiny_llama_dir))
+    store._put(record)
+    with pytest.raises(DraftModelError, match="needs a draft model"):
+        store.set_speculative("m", "draft")
+    other = _export_with_tokens_swapped(tiny_llama_dir, tmp_path / "other")
+    with pytest.raises(DraftModelError, match="another tokenizer"):
+        store.set_speculative("m", "draft", str(other))
+    kept = store.set_speculative("m", "draft", str(tiny_llama_dir))
+    assert (kept.speculative, kept.draft_model) == ("draft", str(tiny_llama_dir))
+    assert DeploymentStore(tmp_path).model("m").draft_model == str(tiny_llama_dir)  # persisted
+    assert store.set_speculative("m", "lookup").draft_model == str(tiny_llama_dir)
+
+
+class LosingChain:
+    """A fake chain client answered by :class:`WholeModel`, keeping per-session lengths as
+    agents do (rewinds included); the first pass that carries drafts loses a stage."""
+
+    def __init__(self, model: WholeModel) -> None:
+        self.model = model
+        self.calls: list[tuple[str, int, int]] = []
+        self.lost = False
+
+    async def infer_async(
+        self, tensors: dict[str, np.ndarray], timeout: float, session: SessionStep
+    ) -> dict[str, np.ndarray]:
+        held = self.model.held
+        if session.end:
+            held.pop(session.session_id, None)
+            return {}
+        ids = [int(t) for t in tensors[INPUT_IDS][0]]
+        self.calls.append((session.session_id, session.position, len(ids)))
+        if session.session_id not in held and session.position != 0:
+            raise ChainBrokenError("SessionStateError: unknown session")
+        if len(ids) > 1 and session.position > 0 and not self.lost:
+            self.lost = True
+            held.clear()  # the stage with every session's cache is gone
+            raise ChainBrokenError("LinkError: stage 2 went away")
+        return self.model.feed(session.session_id, session.position, ids)
+
+
+def test_a_stage_lost_mid_speculation_replays_to_the_same_text(
+    tiny_llama_dir: Path, tiny_gemma3_dir: Path, plain_text: tuple[str, int]
+) -> None:
+    chain = LosingChain(WholeModel(tiny_llama_dir))
+    versions = iter(range(1, 100))
+    version = [VersionRecord.model_construct(model_id="m", plan_version=next(versions))]  # type: ignore[call-arg]
+
+    def failed(record: VersionRecord, error: Exception) -> None:
+        version[0] = VersionRecord.model_construct(model_id="m", plan_version=next(versions))  # type: ignore[call-arg]
+
+    draft = DraftModel(tiny_gemma3_dir, tiny_llama_dir)
+    plane = DataPlane()
+    try:
+        backend = ChainDecoderBackend(plane, lambda _: (version[0], chain), failed)  # type: ignore[arg-type,return-value]
+        got = _generate(_model(backend, tiny_llama_dir, draft.stream), _prompt(tiny_llama_dir))
+    finally:
+        plane.close()
+    assert got == plain_text
+    assert chain.lost
+    replays = [c for c in chain.calls if "~" in c[0]]
+    assert replays and replays[0][1] == 0  # the history, re-prefilled on the new chain
+    assert chain.model.held == {}  # the session was ended on the new chain
