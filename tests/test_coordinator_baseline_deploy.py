@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import pytest
 
-from coordinator.deploy.deployer import baseline_planner
+from coordinator.deploy.cutting import baseline_planner
 from partitioner.baselines import Baseline
 from partitioner.errors import InfeasiblePlanError
 from protocols.plan import Objective

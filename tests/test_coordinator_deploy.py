@@ -13,7 +13,8 @@ from cryptography.hazmat.primitives import hashes
 from cryptography.hazmat.primitives.asymmetric import ec
 from graph_helpers import block_stack
 
-from coordinator.deploy.deployer import DeployCommand, Deployer
+from coordinator.deploy.cutting import DeployCommand
+from coordinator.deploy.deployer import Deployer
 from coordinator.deploy.plan import LiveDevice, device_list, forward_names, max_abs_diff
 from coordinator.deploy.store import DeploymentStore, Placement, VersionRecord
 from coordinator.errors import DeployError, NotServableError, RollbackError, UnknownModelError

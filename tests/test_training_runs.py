@@ -367,7 +367,8 @@ def _device(name: str, port: int) -> DeviceRecord:
 def test_a_trained_version_is_rolled_out_live_to_the_served_deployment(
     cnn: tuple[onnx.ModelProto, Path], tmp_path: Path
 ) -> None:
-    from coordinator.deploy.deployer import DeployCommand, Deployer
+    from coordinator.deploy.cutting import DeployCommand
+    from coordinator.deploy.deployer import Deployer
     from coordinator.deploy.store import DeploymentStore
     from coordinator.training.driver import write_trained_version
     from coordinator.training.heldout import save_arrays

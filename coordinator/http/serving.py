@@ -27,7 +27,8 @@ from fastapi import APIRouter, Request
 from fastapi.concurrency import run_in_threadpool
 from pydantic import BaseModel, ConfigDict, Field
 
-from coordinator.deploy.deployer import DeployCommand, Deployer
+from coordinator.deploy.cutting import DeployCommand
+from coordinator.deploy.deployer import Deployer
 from coordinator.deploy.store import DeploymentStore, ModelRecord, VersionRecord
 from coordinator.errors import (
     DraftModelError,

@@ -1,0 +1,184 @@
+"""The partitioner's side of a deploy: plan and cut a model, or read a cut version, and run its
+segments here on the model's samples (warm-up inputs and the health check's expected answer).
+
+Partitioner errors become :class:`~coordinator.errors.DeployError`. The :class:`Deployer`
+(:mod:`coordinator.deploy.deployer`) pushes what this module produced.
+"""
+
+from __future__ import annotations
+
+import logging
+from collections.abc import Callable, Mapping
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+
+from coordinator.deploy.limits import at_binding, planned_limits, planning_ladder
+from coordinator.deploy.stage_timing import CALIBRATION_RUNS, calibrates_at_deploy
+from coordinator.errors import DeployError
+from partitioner.baselines import Baseline
+from protocols.deploy import ShapeLimits
+from protocols.errors import SchemaError
+from protocols.manifest import Manifest
+from protocols.plan import Objective, Plan
+from protocols.problem import PlanningProblem
+
+log = logging.getLogger(__name__)
+
+Arrays = dict[str, np.ndarray[Any, Any]]
+
+
+@dataclass(frozen=True)
+class DeployCommand:
+    """What the operator asked for."""
+
+    model_path: Path
+    model_id: str
+    objective: Objective = Objective.THROUGHPUT
+    memory_caps: Mapping[str, int] = field(default_factory=dict)
+    """Per-device planning caps in bytes (at most the agent's free budget is used anyway)."""
+    tokenizer_dir: str | None = None
+    trigger: str = "operator"
+    """Why this version is deployed: ``operator``, or ``failover: ...``/``expand: ...``."""
+    strict_caps: bool = True
+    """Refuse caps naming devices that are not online (False for re-plans: the operator's caps
+    stay with the model while a device is away)."""
+    baseline: Baseline | None = None
+    """Cut the way a baseline does (exo's memory-weighted split, an even split) instead of
+    planning, to compare against the plan; None (the default) plans."""
+
+
+@dataclass(frozen=True)
+class SplitOutcome:
+    """The partitioner's result as the deployer needs it."""
+
+    manifest: Manifest
+    segment_dir: Path
+    samples: Arrays
+    warmups: list[Arrays]
+    expected: Arrays
+    limits: ShapeLimits | None = None
+    """The planned shapes every stage enforces (see :mod:`coordinator.deploy.limits`)."""
+
+
+def version_outcome(version_dir: Path, out: Path, samples: Arrays) -> SplitOutcome:
+    """Run a cut version (copied to ``out``) here on ``samples``: warm-ups and the expected
+    answer. For a decoder (``sessions`` in the manifest) ``samples`` needs only ``input_ids``:
+    the health check is a one-shot prefill, as for :func:`split_and_run`."""
+    from coordinator.generation.feeds import health_feeds, state_names
+    from partitioner.errors import PartitionerError
+    from partitioner.verify import run_chain
+
+    try:
+        manifest = Manifest.from_json((out / "manifest.json").read_bytes())
+        files = [out / s.file for s in manifest.segments]
+        wire = dict(samples)
+        if manifest.sessions is not None:
+            wire, local = health_feeds(manifest, samples)
+            known = run_chain(files, local)
+        else:
+            known = run_chain(files, wire)
+    except (SchemaError, OSError, PartitionerError, KeyError) as exc:
+        raise DeployError(f"cannot read version {version_dir}: {exc}") from exc
+    state = state_names(manifest)
+    return SplitOutcome(
+        manifest,
+        out,
+        wire,
+        [{n: known[n] for n in s.inputs} for s in manifest.segments],
+        {o.name: known[o.name] for o in manifest.model.outputs if o.name not in state},
+    )
+
+
+def split_and_run(
+    command: DeployCommand, devices: Any, out: Path, segment_cache: Path | None = None
+) -> SplitOutcome:
+    """Plan and cut with the partitioner, then run the segments here on the model's samples.
+
+    Segments cut the same way before come from ``segment_cache`` when one is given.
+    The local run gives each segment a real warm-up input and the health check its expected
+    answer. Partitioner errors become DeployError.
+    """
+    from coordinator.generation.feeds import health_feeds, state_names
+    from partitioner.errors import PartitionerError
+    from partitioner.verify import run_chain
+
+    try:
+        result = _split_at_largest_shapes(command, devices, out, segment_cache)
+        samples = dict(result.analysis.samples)
+        known = run_chain([w.files[0] for w in result.segments], samples)
+    except (PartitionerError, OSError) as exc:
+        raise DeployError(f"cannot plan or split {command.model_path.name}: {exc}") from exc
+    manifest = result.manifest
+    binding = _input_binding(manifest, result.analysis.table.dims)
+    serving = at_binding(manifest.model.inputs, samples, binding) if not manifest.sessions else None
+    try:
+        warm = (
+            known if serving is None else run_chain([w.files[0] for w in result.segments], serving)
+        )
+    except PartitionerError as exc:
+        raise DeployError(
+            f"cannot run {command.model_path.name} at its planned shapes: {exc}"
+        ) from exc
+    warmups = [{n: warm[n] for n in s.inputs} for s in manifest.segments]
+    if manifest.sessions is not None:  # a decoder: the health check is a one-shot prefill
+        samples, local = health_feeds(manifest, samples)
+        known = run_chain([w.files[0] for w in result.segments], local)
+    state = state_names(manifest)
+    expected = {o.name: known[o.name] for o in manifest.model.outputs if o.name not in state}
+    limits = planned_limits(manifest, binding)
+    return SplitOutcome(manifest, out, samples, warmups, expected, limits)
+
+
+def _split_at_largest_shapes(
+    command: DeployCommand, devices: Any, out: Path, segment_cache: Path | None
+) -> Any:
+    """Plan and cut at the largest serving shapes the devices can hold (see
+    :func:`coordinator.deploy.limits.planning_ladder`): they become the deployment's limits."""
+    from partitioner.errors import InfeasiblePlanError
+    from partitioner.split import SplitOptions, split_model
+
+    planner = None if command.baseline is None else baseline_planner(command.baseline)
+    ladder = planning_ladder(command.tokenizer_dir)
+    for rung, dims in enumerate(ladder, start=1):
+        options = SplitOptions(
+            command.objective,
+            segment_cache=segment_cache,
+            calibrate=calibrates_at_deploy(command.model_path, devices),
+            calibration_runs=CALIBRATION_RUNS,
+            dims=dims,
+        )
+        try:
+            return split_model(command.model_path, devices, out, options, planner=planner)
+        except InfeasiblePlanError as exc:
+            if rung == len(ladder):
+                raise
+            log.info(
+                "%s does not fit at %s (%s); planning smaller runs", command.model_id, dims, exc
+            )
+    raise AssertionError("unreachable")  # the ladder has at least one rung
+
+
+def _input_binding(manifest: Manifest, binding: Mapping[str, int]) -> dict[str, int]:
+    """The sizes the model inputs' symbolic dimensions were planned at."""
+    symbols = {d for i in manifest.model.inputs for d in i.shape if isinstance(d, str)}
+    return {name: int(size) for name, size in binding.items() if name in symbols}
+
+
+def baseline_planner(baseline: Baseline) -> Callable[[PlanningProblem, Objective], Plan]:
+    """A planner that splits the way ``baseline`` does; InfeasiblePlanError when a stage of
+    that split does not fit its device (baselines do not look at memory)."""
+    from partitioner.baselines import run_baseline
+    from partitioner.errors import InfeasiblePlanError
+
+    def choose(problem: PlanningProblem, objective: Objective) -> Plan:
+        result = run_baseline(problem, objective, baseline)
+        if result.overflows:
+            over = ", ".join(f"{device} by {size} bytes" for device, size in result.overflows)
+            shortfall = max(size for _, size in result.overflows)
+            raise InfeasiblePlanError(f"the {baseline} split overflows {over}", shortfall)
+        return result.plan
+
+    return choose
