@@ -11,7 +11,6 @@ of each one as soon as its round is recorded, to roll it out while the run goes 
 from __future__ import annotations
 
 import logging
-import time
 from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
@@ -19,12 +18,10 @@ from pathlib import Path
 from coordinator.training.errors import TrainingRunError
 from coordinator.training.flower import (
     SuperLink,
-    ensure_alive,
-    run_status,
     start_run,
-    tail,
     write_app,
 )
+from coordinator.training.polling import follow_run
 from coordinator.training.records import Lineage, RoundMetrics, TrainingRecord, TrainingSettings
 from coordinator.training.rollout import Signer, next_version_dir, write_version
 from coordinator.training.server_app import ServerRunConfig, checkpoint_path, load_weights
@@ -33,9 +30,6 @@ from hostkit.files import write_atomic
 from protocols.errors import SchemaError
 
 log = logging.getLogger(__name__)
-
-POLL_S = 1.0
-STATUS_EVERY_S = 15.0
 
 
 @dataclass(frozen=True)
@@ -98,40 +92,30 @@ def run_training(
     record_path.unlink(missing_ok=True)
     run_id = start_run(link, app_dir, run_file.resolve())
     log.info("run %d started", run_id)
-    deadline = time.monotonic() + timeout_s
-    next_status = time.monotonic() + STATUS_EVERY_S
+    weights_file = Path(cfg.weights_file)
     reported = 0
-    while True:
-        ensure_alive(link.process, "flower-superlink", link.log_path)
-        record = _read_record(record_path)
-        if record is not None:
-            for k, metrics in enumerate(record.rounds[reported:], start=reported + 1):
-                if on_round is not None:
-                    on_round(metrics)
-                if _is_checkpoint(metrics.round, checkpoint_every, settings.rounds):
-                    partial = record.model_copy(update={"rounds": record.rounds[:k]})
-                    if on_checkpoint is not None:
-                        on_checkpoint(
-                            partial, checkpoint_path(Path(cfg.weights_file), metrics.round)
-                        )
-            reported = len(record.rounds)
-            if record.finished:
-                return RunResult(record, Path(cfg.weights_file), run_id)
-        if should_stop():
-            raise TrainingRunError(f"run {run_id} was stopped")
-        now = time.monotonic()
-        if now > deadline:
-            raise TrainingRunError(f"run {run_id} did not finish within {timeout_s:.0f} s")
-        if now > next_status:
-            next_status = now + STATUS_EVERY_S
-            status = run_status(link, run_id)
-            if status.startswith("finished") and status != "finished:completed":
-                raise TrainingRunError(f"run {run_id} ended {status}: {tail(link.log_path)}")
-            if status == "finished:completed" and (record is None or not record.finished):
-                record = _read_record(record_path)
-                if record is None or not record.finished:
-                    raise TrainingRunError(f"run {run_id} completed without a finished record")
-        time.sleep(POLL_S)
+
+    def take(record: TrainingRecord) -> RunResult | None:
+        nonlocal reported
+        for k, metrics in enumerate(record.rounds[reported:], start=reported + 1):
+            if on_round is not None:
+                on_round(metrics)
+            if on_checkpoint is not None and _is_checkpoint(
+                metrics.round, checkpoint_every, settings.rounds
+            ):
+                partial = record.model_copy(update={"rounds": record.rounds[:k]})
+                on_checkpoint(partial, checkpoint_path(weights_file, metrics.round))
+        reported = len(record.rounds)
+        return RunResult(record, weights_file, run_id) if record.finished else None
+
+    return follow_run(
+        link,
+        run_id,
+        lambda: _read_record(record_path),
+        take,
+        timeout_s=timeout_s,
+        should_stop=should_stop,
+    )
 
 
 def _is_checkpoint(round_number: int, every: int, rounds: int) -> bool:

@@ -19,7 +19,6 @@ import logging
 import os
 import shutil
 import threading
-import time
 from collections.abc import Callable
 from contextlib import AbstractContextManager
 from dataclasses import dataclass
@@ -28,11 +27,12 @@ from pathlib import Path
 from coordinator.errors import CoordinatorError
 from coordinator.training.driver import secagg_parameters
 from coordinator.training.errors import RolloutError, TrainingRunError
-from coordinator.training.flower import SuperLink, ensure_alive, start_run, write_app
+from coordinator.training.flower import SuperLink, start_run, write_app
 from coordinator.training.lora_plan import LoraBase, LoraTuning, build_plan, lora_base
 from coordinator.training.lora_records import LoraRecord, LoraRunConfig
 from coordinator.training.lora_version import write_lora_version
 from coordinator.training.manager import LoraSummary, RunReporter
+from coordinator.training.polling import follow_run
 from coordinator.training.rollout import next_version_dir
 from coordinator.training.server_app import load_weights
 from coordinator.training.version import MANIFEST_FILE, Version
@@ -47,7 +47,6 @@ from protocols.training import RunRollout, RunRound, TrainingRunRequest
 log = logging.getLogger(__name__)
 
 LORA_SERVER_MODULE = "coordinator.training.lora_server_app"
-POLL_S = 1.0
 
 
 @dataclass(frozen=True)
@@ -98,23 +97,20 @@ def follow(
     on_update: Callable[[LoraRecord], None],
     timeout_s: float,
     should_stop: Callable[[], bool],
+    run_id: int | None = None,
 ) -> LoraRecord:
     """Poll the ServerApp's record until it is finished; raise with the reason otherwise."""
-    deadline = time.monotonic() + timeout_s
-    while True:
-        ensure_alive(link.process, "flower-superlink", link.log_path)
-        record = _read(record_path)
-        if record is not None:
-            on_update(record)
-            if record.error is not None:
-                raise TrainingRunError(record.error)
-            if record.finished:
-                return record
-        if should_stop():
-            raise TrainingRunError("the run was stopped")
-        if time.monotonic() > deadline:
-            raise TrainingRunError(f"the run did not finish within {timeout_s:.0f} s")
-        time.sleep(POLL_S)
+
+    def take(record: LoraRecord) -> LoraRecord | None:
+        on_update(record)
+        if record.error is not None:
+            raise TrainingRunError(record.error)
+        return record if record.finished else None
+
+    return follow_run(
+        link, run_id, lambda: _read(record_path), take, timeout_s=timeout_s,
+        should_stop=should_stop,
+    )  # fmt: skip
 
 
 def _read(path: Path) -> LoraRecord | None:
@@ -146,8 +142,9 @@ def run_round(record: LoraRecord, k: int) -> RunRound:
 def start_lora_run(
     link: SuperLink, run_dir: Path, plan: LoraPlan, request: TrainingRunRequest, population: int,
     stage_timeout_s: float,
-) -> LoraRunConfig:  # fmt: skip
-    """Write the plan and run file, ``flwr run`` the LoRA ServerApp; the run file's config."""
+) -> tuple[LoraRunConfig, int]:  # fmt: skip
+    """Write the plan and run file, ``flwr run`` the LoRA ServerApp; the run file's config and
+    the Flower run id."""
     shares, threshold = secagg_parameters(population)
     plan_file = run_dir / "plan.json"
     write_atomic(plan_file, plan.to_json().encode())
@@ -168,7 +165,7 @@ def start_lora_run(
     app = write_app(run_dir / "app", request.secure_aggregation, LORA_SERVER_MODULE)
     run_id = start_run(link, app, run_file.resolve())
     log.info("LoRA run %d started (%d adapters)", run_id, len(plan.adapters))
-    return cfg
+    return cfg, run_id
 
 
 class _RoundReports:
@@ -229,11 +226,11 @@ class LoraRunner:
         rounds = _RoundReports(report)
         with self.federation(run_dir, segments, target) as link:
             report.running(None)
-            cfg = start_lora_run(
+            cfg, flower_run = start_lora_run(
                 link, run_dir, plan, request, target.population, self.stage_timeout_s
             )
             record = follow(link, Path(cfg.record_file), rounds.update, self.timeout_s,
-                            stop.is_set)  # fmt: skip
+                            stop.is_set, flower_run)  # fmt: skip
         rounds.update(record)
         trained = max((r.trained_shard_bytes for r in record.rounds), default=None)
         report.summary(
