@@ -88,7 +88,7 @@ def test_merged_version_changes_one_segment_and_equals_the_adapted_model(
     import torch
 
     from coordinator.training.errors import RolloutError
-    from coordinator.training.lora_version import write_lora_version
+    from coordinator.training.lora.version import write_lora_version
     from coordinator.training.rollout import verify_signature
     from coordinator.training.version import SIGNATURE_FILE, Version
     from coordinator.trust.ca import CertificateAuthority

@@ -81,7 +81,7 @@ def test_merged_version_embeds_as_the_adapted_model(lab: LabRun) -> None:
     import torch
     from tokenizers import Tokenizer
 
-    from coordinator.training.lora_version import write_lora_version
+    from coordinator.training.lora.version import write_lora_version
     from coordinator.training.version import Version
     from partitioner.lora import adapters_by_module
 

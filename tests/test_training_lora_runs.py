@@ -17,11 +17,11 @@ from pydantic import ValidationError
 from coordinator.errors import UnknownModelError
 from coordinator.fleet.registry import DeviceRegistry
 from coordinator.training.errors import LoraTargetError, TrainingRunError
-from coordinator.training.lora_plan import first_layer_of, lora_settings
-from coordinator.training.lora_records import LoraRecord, LoraRound, LoraRunConfig, token_weighted
-from coordinator.training.lora_runner import _RoundReports, run_round
-from coordinator.training.lora_server_app import LoraFedAvg
-from coordinator.training.lora_target import MethodRunner
+from coordinator.training.lora.plan import first_layer_of, lora_settings
+from coordinator.training.lora.records import LoraRecord, LoraRound, LoraRunConfig, token_weighted
+from coordinator.training.lora.runner import _RoundReports, run_round
+from coordinator.training.lora.server_app import LoraFedAvg
+from coordinator.training.lora.target import MethodRunner
 from coordinator.training.manager import RunReporter, TrainingRuns
 from coordinator.trust.ca import CertificateAuthority
 from coordinator.trust.pairing import Pairing
@@ -228,7 +228,7 @@ def test_the_api_refuses_unknown_and_untrainable_models_with_typed_errors(tmp_pa
 def test_the_lineage_sums_epsilon_over_the_runs_of_its_ancestry(tmp_path: Path) -> None:
     from types import SimpleNamespace
 
-    from coordinator.training.lora_version import _total_epsilon
+    from coordinator.training.lora.version import _total_epsilon
     from coordinator.training.records import Lineage, TrainingSettings
 
     parent: Any = SimpleNamespace(path=tmp_path)
@@ -251,7 +251,7 @@ def test_fedshard_train_model_posts_a_valid_lora_request() -> None:
     import argparse
 
     from coordinator.training.cli import register
-    from coordinator.training.cli_lora import lora_body
+    from coordinator.training.lora.cli import lora_body
 
     parser = argparse.ArgumentParser()
     register(parser.add_subparsers())
@@ -268,7 +268,7 @@ def test_a_version_is_deployed_only_when_its_signature_verifies(tmp_path: Path) 
     from types import SimpleNamespace
 
     from coordinator.training.errors import RolloutError
-    from coordinator.training.lora_target import DecoderPublisher
+    from coordinator.training.lora.target import DecoderPublisher
 
     ca = CertificateAuthority.open(tmp_path / "ca")
     other = CertificateAuthority.open(tmp_path / "other")
@@ -298,7 +298,7 @@ def test_a_version_is_deployed_only_when_its_signature_verifies(tmp_path: Path) 
 def test_following_a_run_whose_round_failed_raises_its_reason(tmp_path: Path) -> None:
     from types import SimpleNamespace
 
-    from coordinator.training.lora_runner import follow
+    from coordinator.training.lora.runner import follow
 
     link: Any = SimpleNamespace(process=SimpleNamespace(poll=lambda: None), log_path=tmp_path)
     record = tmp_path / "record.json"

@@ -12,9 +12,9 @@ import numpy as np
 import onnx
 import pytest
 
-from coordinator.training.lora_plan import LORA_BASE_FILE, build_plan, lora_base
-from coordinator.training.lora_version import write_lora_version
-from coordinator.training.lora_whole import write_whole_model
+from coordinator.training.lora.plan import LORA_BASE_FILE, build_plan, lora_base
+from coordinator.training.lora.version import write_lora_version
+from coordinator.training.lora.whole import write_whole_model
 from coordinator.training.version import Version
 from coordinator.trust.ca import CertificateAuthority
 from protocols.training import LoraOptions

@@ -11,7 +11,9 @@
 - :mod:`coordinator.training.manager`    the runs behind ``/v1/training/runs``, one at a time
 - :mod:`coordinator.training.driver`     one federated run, end to end (``flwr run``)
 - :mod:`coordinator.training.runner`     the manager's runner: Flower, then rollout
+- :mod:`coordinator.training.polling`    following a ``flwr run`` by its ServerApp's record
 - :mod:`coordinator.training.cli`        ``fedshard train``
+- :mod:`coordinator.training.lora`       federated LoRA of a served model (its own room)
 
 Nothing here imports torch or Flower at module level except the ServerApp. The reference digits
 task lives in :mod:`devtools.digits`.

@@ -114,7 +114,7 @@ def handler(args: argparse.Namespace) -> int:
         return 2
     try:
         if args.model is not None:
-            from coordinator.training.cli_lora import train_served
+            from coordinator.training.lora.cli import train_served
 
             return train_served(args, console)
         return _train(args, console)

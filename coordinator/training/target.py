@@ -30,8 +30,8 @@ from coordinator.deploy.store import DeploymentStore
 from coordinator.errors import NotServableError, UnknownModelError
 from coordinator.training.errors import LoraTargetError, NoTrainingTargetError, TrainingError
 from coordinator.training.heldout import load_arrays
-from coordinator.training.lora_runner import LoraRunner, LoraTarget
-from coordinator.training.lora_target import (
+from coordinator.training.lora.runner import LoraRunner, LoraTarget
+from coordinator.training.lora.target import (
     DecoderPublisher,
     MethodRunner,
     local_lora_federation,
@@ -190,7 +190,7 @@ def lora_runner(
     root: Path,
     model_cache: Path | None,
 ) -> LoraRunner:
-    """The runner of ``method: lora`` requests (see :mod:`coordinator.training.lora_target`)."""
+    """The runner of ``method: lora`` requests (see :mod:`coordinator.training.lora.target`)."""
     from partitioner.decoders.cache import default_cache_dir
 
     data = tuple(root / d for d in spec.text_client_data)

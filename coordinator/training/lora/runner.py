@@ -4,7 +4,7 @@
    the :class:`~protocols.lora.LoraPlan` (:func:`~.lora_plan.build_plan`).
 2. Federation: a SuperLink with SuperNode authentication (and the local SuperNodes of the
    target, each with its own registered key); ``flwr run`` of
-   :mod:`coordinator.training.lora_server_app`, whose record is followed round by round.
+   :mod:`coordinator.training.lora.server_app`, whose record is followed round by round.
 3. A run that ends without an aggregate (or with an error) fails with the reason; nothing is
    written or rolled out.
 4. The final adapters are merged (:func:`~.lora_version.write_lora_version`) into a new signed
@@ -28,9 +28,9 @@ from coordinator.errors import CoordinatorError
 from coordinator.training.driver import secagg_parameters
 from coordinator.training.errors import RolloutError, TrainingRunError
 from coordinator.training.flower import SuperLink, start_run, write_app
-from coordinator.training.lora_plan import LoraBase, LoraTuning, build_plan, lora_base
-from coordinator.training.lora_records import LoraRecord, LoraRunConfig
-from coordinator.training.lora_version import write_lora_version
+from coordinator.training.lora.plan import LoraBase, LoraTuning, build_plan, lora_base
+from coordinator.training.lora.records import LoraRecord, LoraRunConfig
+from coordinator.training.lora.version import write_lora_version
 from coordinator.training.manager import LoraSummary, RunReporter
 from coordinator.training.polling import follow_run
 from coordinator.training.rollout import next_version_dir
@@ -46,7 +46,7 @@ from protocols.training import RunRollout, RunRound, TrainingRunRequest
 
 log = logging.getLogger(__name__)
 
-LORA_SERVER_MODULE = "coordinator.training.lora_server_app"
+LORA_SERVER_MODULE = "coordinator.training.lora.server_app"
 
 
 @dataclass(frozen=True)
@@ -253,7 +253,7 @@ class LoraRunner:
         report: RunReporter,
     ) -> None:
         """Merge, sign, and roll the new version out (see the module doc)."""
-        from coordinator.training.lora_whole import write_whole_model
+        from coordinator.training.lora.whole import write_whole_model
 
         parent = Version.load(target.version_dir)
         out = next_version_dir(target.versions_root)

@@ -17,7 +17,7 @@ from pathlib import Path
 import numpy as np
 import onnx
 
-from coordinator.training.lora_plan import LORA_BASE_FILE, LoraBase
+from coordinator.training.lora.plan import LORA_BASE_FILE, LoraBase
 from hostkit.files import write_atomic
 from partitioner.lora import adapters_by_module, merge_adapters
 from protocols.decoder import MODEL_FILE

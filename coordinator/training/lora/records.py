@@ -1,7 +1,7 @@
 """What a federated LoRA run records: the ServerApp's run file, and its per-round record.
 
 The coordinator writes a :class:`LoraRunConfig` before ``flwr run``; the ServerApp
-(:mod:`coordinator.training.lora_server_app`) rewrites the :class:`LoraRecord` after every round
+(:mod:`coordinator.training.lora.server_app`) rewrites the :class:`LoraRecord` after every round
 and once more when the run ends (``finished``, or ``error`` with the reason).
 """
 

@@ -20,7 +20,7 @@ from coordinator.deploy.deployer import Deployer
 from coordinator.deploy.store import DeploymentStore
 from coordinator.training.errors import LoraTargetError
 from coordinator.training.flower import SuperLink
-from coordinator.training.lora_runner import LoraFederation, LoraTarget
+from coordinator.training.lora.runner import LoraFederation, LoraTarget
 from coordinator.training.manager import Runner, RunReporter
 from coordinator.training.version import Version
 from coordinator.trust.ca import CertificateAuthority

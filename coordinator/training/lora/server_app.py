@@ -1,7 +1,7 @@
 """The Flower ServerApp of federated LoRA: FedAvg over the adapters, under SecAgg+.
 
 ``flwr run`` starts it in the SuperLink's ``flwr-serverapp`` process; its run-config key
-``run-file`` names a :class:`~coordinator.training.lora_records.LoraRunConfig`. Every fit
+``run-file`` names a :class:`~coordinator.training.lora.records.LoraRunConfig`. Every fit
 instruction carries the :class:`~protocols.lora.LoraPlan` (``fedshard-lora-plan``); the arrays
 that travel are the adapters only. Record-level DP is the clients' (Opacus DP-SGD, each device's
 RDP accountant): the server adds no noise, and under SecAgg+ sees only the sum. Every round's
@@ -38,7 +38,7 @@ from flwr.server.workflow import DefaultWorkflow, SecAggPlusWorkflow
 from flwr.serverapp import Grid, ServerApp
 
 from coordinator.training.errors import TrainingRunError
-from coordinator.training.lora_records import LoraRecord, LoraRound, LoraRunConfig, token_weighted
+from coordinator.training.lora.records import LoraRecord, LoraRound, LoraRunConfig, token_weighted
 from coordinator.training.server_app import RUN_FILE_KEY, save_weights
 from coordinator.training.strategy import failure_reasons
 from partitioner.lora import initial_adapters
