@@ -8,7 +8,7 @@ import pytest
 import torch
 
 from devtools.wordnet import Gloss, definition, pair_record
-from edge_agent.training.lora_encoder import (
+from edge_agent.training.lora.encoder import (
     build_encoder_tail,
     embed,
     encoder_local_name,
@@ -70,7 +70,7 @@ def test_ranking_loss_and_recall_prefer_the_own_positive() -> None:
 
 
 def test_held_out_recall_counts_anchors_whose_best_positive_is_their_own() -> None:
-    from edge_agent.training.lora_encoder import PairBatch
+    from edge_agent.training.lora.encoder import PairBatch
 
     tail = _tiny_tail().eval()
     torch.manual_seed(1)

@@ -4,6 +4,8 @@
 - :mod:`edge_agent.training.local`       choose shards by budget, cache frozen features, train
 - :mod:`edge_agent.training.client_app`  the Flower ClientApp (SecAgg+ and DP clipping mods)
 - :mod:`edge_agent.training.supernode`   start and stop a ``flower-supernode`` for this agent
+- :mod:`edge_agent.training.text_data`   text records (JSONL, plain text), held out by hash
+- :mod:`edge_agent.training.lora`        a federated LoRA round on this device (its own room)
 
 Nothing else in :mod:`edge_agent` imports this package, so the plain agent needs neither torch
 nor Flower.

@@ -110,7 +110,7 @@ class ShardClient(NumPyClient):
         self, parameters: NDArrays, config: dict[str, Scalar]
     ) -> tuple[NDArrays, int, dict[str, Scalar]]:
         """One LoRA round: only the adapters come back, with held-out loss and epsilon."""
-        from edge_agent.training.lora_train import train_lora
+        from edge_agent.training.lora.train import train_lora
 
         try:
             plan = LoraPlan.from_json(str(config[LORA_PLAN_KEY]))
@@ -145,7 +145,7 @@ class ShardClient(NumPyClient):
         self, parameters: NDArrays, config: dict[str, Scalar]
     ) -> tuple[float, int, dict[str, Scalar]]:
         """Held-out loss of the global adapters on this device's held-out records (LoRA only)."""
-        from edge_agent.training.lora_train import evaluate_lora_metrics
+        from edge_agent.training.lora.train import evaluate_lora_metrics
 
         if LORA_PLAN_KEY not in config:
             raise PlanMismatchError("evaluation needs a LoRA plan")

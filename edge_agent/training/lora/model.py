@@ -139,7 +139,7 @@ def _tied_head(weight_map: Mapping[str, Sequence[WeightRef]]) -> dict[str, list[
 
 def _namer(plan: LoraPlan) -> Callable[[str, int], str | None]:
     """The full-model -> tail parameter naming of the plan's architecture."""
-    from edge_agent.training.lora_encoder import ENCODERS, encoder_local_name
+    from edge_agent.training.lora.encoder import ENCODERS, encoder_local_name
 
     return encoder_local_name if plan.architecture in ENCODERS else local_name
 
@@ -157,7 +157,7 @@ def tail_initializers(plan: LoraPlan) -> set[str]:
 
 def _modules(plan: LoraPlan) -> nn.Module:
     """The tail's modules on ``meta``: an encoder's BERT layers or a decoder's layers + head."""
-    from edge_agent.training.lora_encoder import ENCODERS, build_encoder_tail
+    from edge_agent.training.lora.encoder import ENCODERS, build_encoder_tail
 
     if plan.architecture in ENCODERS:
         return build_encoder_tail(plan.architecture, plan.config, plan.first_layer)

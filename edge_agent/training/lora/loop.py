@@ -31,8 +31,8 @@ import torch.nn.functional as F
 from protocols.lora import LoraPlan
 
 if TYPE_CHECKING:
-    from edge_agent.training.lora_model import DecoderTail
-    from edge_agent.training.lora_train import Tokens
+    from edge_agent.training.lora.model import DecoderTail
+    from edge_agent.training.lora.train import Tokens
 
 log = logging.getLogger(__name__)
 IGNORE = -100

@@ -1,10 +1,10 @@
 """One round of federated LoRA for an encoder: text pairs, contrastive loss, DP-SGD via Opacus.
 
-The steps are the decoder's (:mod:`.lora_train`): the version's ``tokenizer.json`` (hash-checked)
+The steps are the decoder's (:mod:`.train`): the version's ``tokenizer.json`` (hash-checked)
 encodes anchors and positives, without its fixed padding and truncated to ``max_tokens`` with the
 closing ``[SEP]`` kept; the frozen segments run in ONNX Runtime, one at a time, up to the plan's
 boundary (with the real attention mask: BERT attends both ways, so pads must be masked), and
-their output is cached on disk; the tail (:mod:`.lora_encoder`) trains only its adapters.
+their output is cached on disk; the tail (:mod:`.encoder`) trains only its adapters.
 
 Privacy: under ``plan.dp`` Opacus clips each *pair*'s gradient (its anchor pass and its positive
 pass sum into one per-sample gradient) and adds Gaussian noise; the RDP accountant composes the
@@ -26,7 +26,7 @@ import torch
 
 from edge_agent.training.errors import PlanMismatchError
 from edge_agent.training.local import LocalSettings
-from edge_agent.training.lora_encoder import ENCODERS, PairBatch
+from edge_agent.training.lora.encoder import ENCODERS, PairBatch
 from edge_agent.training.text_data import load_pairs
 from protocols.lora import METRIC_RECALL_AT_1, LoraPlan
 
@@ -35,7 +35,7 @@ def encode(texts: tuple[str, ...], tokenizer_path: Path, max_tokens: int) -> Any
     """Token ids of ``texts`` (no padding; truncated to ``max_tokens`` with special tokens)."""
     from tokenizers import Tokenizer
 
-    from edge_agent.training.lora_train import Tokens
+    from edge_agent.training.lora.train import Tokens
 
     tok = Tokenizer.from_file(str(tokenizer_path))
     tok.no_padding()
@@ -69,7 +69,7 @@ class PreparedPairs:
 def _batch(
     plan: LoraPlan, blobs: list[bytes], pairs: Any, key: str, settings: LocalSettings
 ) -> PairBatch:
-    from edge_agent.training.lora_train import TOKENIZER_FILE, cached_prefix
+    from edge_agent.training.lora.train import TOKENIZER_FILE, cached_prefix
 
     tok_path = settings.segments_dir / TOKENIZER_FILE
     sides = []
@@ -87,13 +87,13 @@ def prepare_pairs(
     plan: LoraPlan, arrays: list[np.ndarray], settings: LocalSettings
 ) -> PreparedPairs:
     """Read the pairs, run (or reuse) the frozen prefix on both sides, build the tail."""
-    from edge_agent.training.lora_model import (
+    from edge_agent.training.lora.model import (
         adapter_pairs,
         build_tail,
         set_adapters,
         tail_initializers,
     )
-    from edge_agent.training.lora_train import load_version, trainable_initializers
+    from edge_agent.training.lora.train import load_version, trainable_initializers
 
     if plan.architecture not in ENCODERS or plan.objective != "contrastive":
         raise PlanMismatchError(f"{plan.architecture} with {plan.objective!r} is no encoder plan")
@@ -117,8 +117,8 @@ def run_contrastive_epochs(
     """Train the adapters for ``plan.local_epochs`` epochs (in-batch negatives; DP by plan)."""
     from torch.utils.data import DataLoader, TensorDataset
 
-    from edge_agent.training.lora_encoder import embed, ranking_losses
-    from edge_agent.training.lora_loop import LoopResult, compose_epsilon
+    from edge_agent.training.lora.encoder import embed, ranking_losses
+    from edge_agent.training.lora.loop import LoopResult, compose_epsilon
 
     torch.manual_seed(seed)
     tensors = [
@@ -169,7 +169,7 @@ def evaluate_pairs(
     plan: LoraPlan, arrays: list[np.ndarray], settings: LocalSettings
 ) -> tuple[float, int, dict[str, float]]:
     """(held-out ranking loss, held-out pairs, {recall@1}) of the model with ``arrays``."""
-    from edge_agent.training.lora_encoder import held_out_ranking
+    from edge_agent.training.lora.encoder import held_out_ranking
 
     ready = prepare_pairs(plan, arrays, settings)
     loss, recall, count = held_out_ranking(ready.tail, ready.held_out, plan.contrastive_scale)
@@ -179,10 +179,10 @@ def evaluate_pairs(
 def train_pairs(
     plan: LoraPlan, arrays: list[np.ndarray], settings: LocalSettings, seed: int, round_number: int
 ) -> Any:
-    """One contrastive round on this device; a :class:`~.lora_train.LoraResult`."""
-    from edge_agent.training.lora_encoder import held_out_ranking
-    from edge_agent.training.lora_model import get_adapters
-    from edge_agent.training.lora_train import LoraResult, peak_rss_bytes
+    """One contrastive round on this device; a :class:`~.train.LoraResult`."""
+    from edge_agent.training.lora.encoder import held_out_ranking
+    from edge_agent.training.lora.model import get_adapters
+    from edge_agent.training.lora.train import LoraResult, peak_rss_bytes
 
     ready = prepare_pairs(plan, arrays, settings)
     scale = plan.contrastive_scale

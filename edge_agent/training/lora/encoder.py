@@ -1,7 +1,7 @@
 """The trainable tail of an encoder (BERT, e.g. all-MiniLM-L6-v2) and its contrastive objective.
 
 :func:`build_encoder_tail` builds transformers' own ``BertLayer`` modules for layers
-``first_layer ..`` on the ``meta`` device; :mod:`.lora_model` assigns their weights from the
+``first_layer ..`` on the ``meta`` device; :mod:`.model` assigns their weights from the
 segments' initializers and injects the PEFT adapters, as for decoders. The tail maps the
 residual stream at the plan's boundary and the attention mask to the last hidden state; the
 sentence embedding is the served model's: the mean over real tokens, L2-normalised.

@@ -5,7 +5,7 @@
    Right padding is exact here: attention is causal, so no real token sees a pad.
 2. Frozen prefix: the segments before the first trainable one run in ONNX Runtime, one at a
    time, and their residual-stream output (the plan's ``boundary``) is cached on disk.
-3. The tail (:mod:`.lora_model`) trains only its adapters with the causal-LM loss. With
+3. The tail (:mod:`.model`) trains only its adapters with the causal-LM loss. With
    ``plan.dp`` it is record-level DP-SGD through Opacus (Poisson sampling, per-example clipping
    to ``max_grad_norm``, Gaussian noise), and Opacus' RDP accountant composes every round of the
    run (its history is kept in the cache dir), so the reported epsilon is per record, for the run.
@@ -227,7 +227,7 @@ class Prepared:
 
 def prepare(plan: LoraPlan, arrays: list[np.ndarray], settings: LocalSettings) -> Prepared:
     """Read and tokenize the records, run (or reuse) the frozen prefix, build the tail."""
-    from edge_agent.training.lora_model import (
+    from edge_agent.training.lora.model import (
         adapter_pairs,
         build_tail,
         set_adapters,
@@ -262,10 +262,10 @@ def evaluate_lora(
     plan: LoraPlan, arrays: list[np.ndarray], settings: LocalSettings
 ) -> tuple[float, int]:
     """(mean token loss, tokens) of the model with ``arrays`` on this device's held-out records."""
-    from edge_agent.training.lora_loop import held_out_loss, train_threads
+    from edge_agent.training.lora.loop import held_out_loss, train_threads
 
     if plan.objective == "contrastive":
-        from edge_agent.training.lora_pairs import evaluate_pairs
+        from edge_agent.training.lora.pairs import evaluate_pairs
 
         with train_threads():
             loss, count, _ = evaluate_pairs(plan, arrays, settings)
@@ -280,11 +280,11 @@ def train_lora(
     plan: LoraPlan, arrays: list[np.ndarray], settings: LocalSettings, seed: int, round_number: int
 ) -> LoraResult:
     """One round on this device; returns the adapters after local training (see module doc)."""
-    from edge_agent.training.lora_loop import held_out_loss, run_epochs, train_threads
-    from edge_agent.training.lora_model import get_adapters
+    from edge_agent.training.lora.loop import held_out_loss, run_epochs, train_threads
+    from edge_agent.training.lora.model import get_adapters
 
     if plan.objective == "contrastive":
-        from edge_agent.training.lora_pairs import train_pairs
+        from edge_agent.training.lora.pairs import train_pairs
 
         with train_threads():
             result: LoraResult = train_pairs(plan, arrays, settings, seed, round_number)
@@ -314,8 +314,8 @@ def evaluate_lora_metrics(
     """:func:`evaluate_lora` with the objective's extra metrics (an encoder's recall@1)."""
     if plan.objective != "contrastive":
         return (*evaluate_lora(plan, arrays, settings), {})
-    from edge_agent.training.lora_loop import train_threads
-    from edge_agent.training.lora_pairs import evaluate_pairs
+    from edge_agent.training.lora.loop import train_threads
+    from edge_agent.training.lora.pairs import evaluate_pairs
 
     with train_threads():
         return evaluate_pairs(plan, arrays, settings)
