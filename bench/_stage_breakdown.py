@@ -9,7 +9,7 @@ planned shapes (one thread, each run the smaller of wall and thread CPU time, as
 warm-up). Every repetition measures the roofs again, so the ratio and its spread come from
 the same minute. Nothing here is used by the planner.
 
-    .venv/bin/python bench/stage_breakdown.py .cache/fedshard/exports/tiny-llama/model.onnx \
+    .venv/bin/python bench/_stage_breakdown.py .cache/fedshard/exports/tiny-llama/model.onnx \
         --cut-unit 6 --repeat 3
 """
 
