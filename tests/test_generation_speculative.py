@@ -12,7 +12,7 @@ from generation_helpers import BigramBackend, bigram_table, tiny_model, word_id
 from coordinator.deploy.store import VersionRecord
 from coordinator.errors import ChainBrokenError
 from coordinator.generation.backend import TopCandidates
-from coordinator.generation.drafters import DraftLength, LookupThenModel, PromptLookup
+from coordinator.generation.drafters import LookupThenModel, PromptLookup
 from coordinator.generation.engine import Finished, GenerationRequest, TextDelta, generate
 from coordinator.generation.sampling import SamplingParams, nucleus, probabilities
 from coordinator.generation.speculative import (
@@ -65,38 +65,6 @@ def test_prompt_lookup_continues_the_most_recent_longest_match() -> None:
     assert lookup.propose([5, 6, 7, 8], 4) == []  # nothing repeats
     assert lookup.propose([1, 2, 8, 2], 2) == [8, 2]  # falls back to a 1-gram
     assert lookup.propose([1, 2, 3, 1, 2], 9) == [3, 1, 2]  # stops at the end of the text
-
-
-def test_draft_length_follows_the_acceptance_rate() -> None:
-    length = DraftLength(limit=7)
-    for _ in range(10):
-        length.update(length.k, length.k)
-    assert length.k == 7 and length.rate > 0.95
-    for _ in range(4):
-        length.update(length.k, 0)
-    assert length.k == 1 and length.rate < 0.3
-    for _ in range(6):
-        length.update(max(length.k, 1), 0)
-    assert length.rate < 0.05 and length.k == 0  # drafting does not pay: plain steps
-    for _ in range(7):
-        length.update(length.k, 0)  # nothing drafted: nothing learned
-        assert length.k == 0
-    length.update(0, 0)
-    assert length.k == 1  # a probe after 8 plain passes
-
-
-def test_draft_length_counts_a_slow_drafter_s_measured_cost() -> None:
-    free, slow = DraftLength(limit=7), DraftLength(limit=7)
-    for _ in range(10):
-        for length in (free, slow):
-            length.update(4, 3)  # the same acceptance, about 0.75 a token
-        free.observe(4, draft_s=0.0, pass_s=1.0)
-        slow.observe(4, draft_s=4 * 0.3, pass_s=1.0)  # each drafted token: 0.3 of a pass
-    assert slow.cost == pytest.approx(0.5, abs=0.02) and free.cost == pytest.approx(0.2)
-    assert 1 <= slow.k < free.k
-    for _ in range(10):
-        slow.observe(4, draft_s=4 * 1.0, pass_s=1.0)  # drafting a token costs a whole pass
-    assert slow.k == 0
 
 
 class FixedDrafter:

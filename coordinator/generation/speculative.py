@@ -31,8 +31,9 @@ import numpy as np
 
 from coordinator.generation.backend import TopCandidates
 from coordinator.generation.draft_model import DraftModel
-from coordinator.generation.drafters import Drafter, DraftLength, LookupThenModel, PromptLookup
+from coordinator.generation.drafters import Drafter, LookupThenModel, PromptLookup
 from coordinator.generation.sampling import SamplingParams, choose, greedy, nucleus, probabilities
+from coordinator.generation.tuning import DraftLength, Throughput
 
 Speculative = Literal["off", "lookup", "draft", "auto"]
 """A decoder's speculative decoding (see :mod:`coordinator.generation.speculative`)."""
@@ -62,8 +63,9 @@ def drafter_for(mode: Speculative, draft: DraftModel | None = None) -> Drafters 
     * ``draft``: the draft model (prompt lookup when the model has none);
     * ``auto``: with a draft model, prompt lookup where it finds an n-gram of two or more
       tokens and the draft model elsewhere (:class:`LookupThenModel`); without one, prompt
-      lookup. Either way the draft length follows the measured acceptance rate and drafting
-      cost, down to no drafts at all when they do not pay (:class:`DraftLength`).
+      lookup. Either way the draft length follows the measured acceptance rate and pass and
+      drafting times, down to plain steps when drafting does not pay
+      (:mod:`coordinator.generation.tuning`).
     """
     if mode == "off":
         return None
@@ -128,6 +130,8 @@ class SpeculationStats:
         self.accepted = 0
         self.tokens = 0
         self.seconds = 0.0
+        self.throughput = Throughput()
+        """Measured pass times and acceptance: what the draft length follows."""
 
     def record(self, drafted: int, accepted: int, tokens: int, seconds: float) -> None:
         """One verified pass: ``tokens`` yielded in ``seconds`` of chain time."""
@@ -177,11 +181,12 @@ async def speculative_tokens(
     context = [*context, choose(first, params, rng)]
     yield context[-1]
     produced = 1
-    length = DraftLength(speculation.max_positions - 1)
     drafter = speculation.drafters()
-    cold = True  # a draft model's first call prefills the whole prompt: not its usual cost
+    throughput = speculation.stats.throughput
+    length = DraftLength(speculation.max_positions - 1, throughput, type(drafter).__name__)
     while produced < budget:
         count = min(length.k, budget - produced - 1)
+        warm = length.warm  # a draft after plain steps catches up first: not its usual time
         start = time.perf_counter()
         drafts = (await _propose(drafter, context, count))[:count]
         drafted = time.perf_counter()
@@ -190,10 +195,7 @@ async def speculative_tokens(
         accepted = len(tokens) - 1
         done = time.perf_counter()
         speculation.stats.record(len(drafts), accepted, len(tokens), done - start)
-        length.update(len(drafts), accepted)
-        if drafts and not cold:
-            length.observe(len(drafts), drafted - start, done - drafted)
-        cold = cold and not drafts
+        length.record(len(drafts), accepted, drafted - start if warm else None, done - drafted)
         held += 1 + accepted
         for token in tokens:
             context.append(token)

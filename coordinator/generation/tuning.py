@@ -1,0 +1,196 @@
+"""How many tokens to draft, from measured throughput: ``k`` in ``0..limit`` (0: a plain step).
+
+A pass that feeds the last token and ``k`` drafts yields on average
+``(1 - a**(k+1)) / (1 - a)`` tokens (``a``: the per-token acceptance rate) and takes
+``plain + k * (position + draft)`` seconds: ``plain`` is a plain step's measured wall time,
+``position`` the measured extra time of each further verified position and ``draft`` the
+measured time to draft one token. :func:`best_length` picks the ``k`` with the most tokens per
+second; ``k = 0`` (one token per ``plain``) wins whenever drafting does not pay.
+
+The times are running averages per deployment (:class:`Throughput`: what load does to a pass
+is the same for every generation), the draft time and a starting acceptance rate per drafter
+kind; each generation tracks its own acceptance rate (:class:`DraftLength`: it depends on the
+text). So the estimates stay fresh, a generation that steps plainly probes a draft now and
+then (less often while probes keep losing) and one that drafts takes a plain step now and then.
+"""
+
+from __future__ import annotations
+
+import threading
+from dataclasses import dataclass
+
+SMOOTHING = 0.3
+"""Weight of a new measurement in the running averages."""
+START_RATE = 0.5
+"""Acceptance rate assumed before any draft was verified."""
+START_POSITION = 0.2
+"""Extra time of a verified position, as a share of a plain step, before it was measured."""
+
+
+@dataclass(frozen=True)
+class Costs:
+    """Measured wall times, in seconds."""
+
+    plain: float
+    """One plain step (one position through the chain)."""
+    position: float
+    """Each further position a verifying pass carries."""
+    draft: float
+    """Drafting one token."""
+
+
+def expected_tokens(k: int, acceptance: float) -> float:
+    """Mean tokens a pass with ``k`` drafts yields (the accepted ones, then one more)."""
+    a = min(max(acceptance, 0.0), 0.999)
+    return (1 - a ** (k + 1)) / (1 - a)
+
+
+def tokens_per_s(k: int, acceptance: float, costs: Costs) -> float:
+    """Expected tokens per second of passes with ``k`` drafts."""
+    seconds = costs.plain + k * (costs.position + costs.draft)
+    return expected_tokens(k, acceptance) / max(seconds, 1e-9)
+
+
+def best_length(acceptance: float, costs: Costs, limit: int, least: int = 0) -> int:
+    """The ``k`` in ``least..limit`` with the most expected tokens per second (the smallest
+    on a tie)."""
+    return max(range(least, limit + 1), key=lambda k: (tokens_per_s(k, acceptance, costs), -k))
+
+
+def _average(old: float | None, new: float) -> float:
+    return new if old is None else old + SMOOTHING * (new - old)
+
+
+def _acceptance(drafted: int, accepted: int) -> float:
+    """A pass's per-token acceptance: each drafted token up to the first rejection."""
+    return accepted / min(drafted, accepted + 1)
+
+
+class Throughput:
+    """One deployment's measured pass times and acceptance, shared by its generations."""
+
+    def __init__(self) -> None:
+        self._lock = threading.Lock()
+        self.plain: float | None = None
+        self.position: float | None = None
+        self._draft: dict[str, float] = {}
+        self._rate: dict[str, float] = {}
+
+    def record_pass(self, positions: int, seconds: float) -> None:
+        """A verifying pass of ``positions`` positions took ``seconds`` (drafting excluded)."""
+        if seconds <= 0 or positions < 1:
+            return
+        with self._lock:
+            if positions == 1:
+                self.plain = _average(self.plain, seconds)
+            elif self.plain is not None:
+                extra = max(seconds - self.plain, 0.0) / (positions - 1)
+                self.position = _average(self.position, extra)
+
+    def record_draft(self, kind: str, drafted: int, accepted: int, seconds: float | None) -> None:
+        """``kind`` drafted ``drafted`` tokens (in ``seconds``, None: not a usual call, such as
+        the first, which prefills the prompt) and ``accepted`` of them were kept."""
+        if drafted <= 0:
+            return
+        with self._lock:
+            rate = self._rate.get(kind)
+            self._rate[kind] = _average(rate, _acceptance(drafted, accepted))
+            if seconds is not None:
+                self._draft[kind] = _average(self._draft.get(kind), max(seconds, 0.0) / drafted)
+
+    def rate(self, kind: str) -> float:
+        """The running acceptance rate of ``kind``'s drafts."""
+        with self._lock:
+            return self._rate.get(kind, START_RATE)
+
+    def costs(self, kind: str) -> Costs | None:
+        """The measured costs for ``kind`` (None before any plain step was timed); what is not
+        measured yet is assumed cheap, so that a draft is tried and measured."""
+        with self._lock:
+            if self.plain is None:
+                return None
+            position = START_POSITION * self.plain if self.position is None else self.position
+            return Costs(self.plain, position, self._draft.get(kind, 0.0))
+
+
+class DraftLength:
+    """One generation's draft lengths (see the module docstring).
+
+    A generation steps plainly until a plain step is timed; then every pass drafts
+    :func:`best_length` tokens, with two exceptions that keep the estimates fresh: after
+    ``probe`` plain passes in a row it drafts anyway for ``PROBE_PASSES`` passes (the best
+    ``k >= 1``; the first drafting pass after plain steps is not timed, since a draft model
+    then catches up on the text it skipped; each probe after which plain steps still win
+    doubles the wait, up to ``max_probe``), and after ``refresh`` drafting passes in a row it
+    steps plainly once.
+    """
+
+    PROBE_PASSES = 2
+
+    def __init__(
+        self,
+        limit: int,
+        throughput: Throughput,
+        kind: str,
+        probe: int = 8,
+        max_probe: int = 64,
+        refresh: int = 16,
+    ) -> None:
+        if limit < 0:
+            raise ValueError(f"the draft length limit must be at least 0, got {limit}")
+        self.limit = limit
+        self.throughput = throughput
+        self.kind = kind
+        self.rate = throughput.rate(kind)
+        self.probe = probe
+        self._probe_base = probe
+        self._max_probe = max_probe
+        self._refresh = refresh
+        self._plain_run = 0
+        self._draft_run = 0
+        self._probing = 0
+
+    @property
+    def k(self) -> int:
+        """The draft length of the next pass (0: a plain step)."""
+        costs = self.throughput.costs(self.kind)
+        if costs is None or self.limit == 0:
+            return 0
+        if self._probing > 0:
+            return best_length(self.rate, costs, self.limit, least=1)
+        best = best_length(self.rate, costs, self.limit)
+        if best > 0 and self._draft_run >= self._refresh:
+            return 0
+        return best
+
+    @property
+    def warm(self) -> bool:
+        """Whether the last pass drafted (so the next draft's time is the usual one)."""
+        return self._draft_run > 0
+
+    def record(self, drafted: int, accepted: int, draft_s: float | None, verify_s: float) -> None:
+        """One pass: ``accepted`` of ``drafted`` drafts kept; drafting took ``draft_s`` (None:
+        not to be timed) and the verifying pass ``verify_s``."""
+        self.throughput.record_pass(1 + drafted, verify_s)
+        if drafted <= 0:
+            self._plain_run += 1
+            self._draft_run = 0
+            if self._plain_run >= self.probe:
+                self._probing = self.PROBE_PASSES
+            return
+        self.throughput.record_draft(self.kind, drafted, accepted, draft_s)
+        self.rate = _average(self.rate, _acceptance(drafted, accepted))
+        self._plain_run = 0
+        self._draft_run += 1
+        if self._probing > 0:
+            self._probing -= 1
+            if self._probing == 0:
+                self._back_off()
+
+    def _back_off(self) -> None:
+        """After a probe: wait longer for the next one if plain steps still win."""
+        costs = self.throughput.costs(self.kind)
+        if costs is not None and best_length(self.rate, costs, self.limit) == 0:
+            self.probe = min(2 * self.probe, self._max_probe)
+        else:
+            self.probe = self._probe_base
