@@ -48,9 +48,11 @@ class CoordinatorProc:
         """Run ``fedshard ARGS --coordinator URL --token T`` the way an operator would."""
         # ``--token=T``: a url-safe token may begin with "-", which argparse takes for an option
         command = [FEDSHARD, *args, f"--coordinator={self.url}", f"--token={self.token}"]
+        env = {**os.environ, "COLUMNS": "200"}  # rich tables unwrapped, as on a wide terminal
         return subprocess.run(
-            command, cwd=REPO, capture_output=True, text=True, timeout=timeout, check=False
-        )
+            command, cwd=REPO, env=env, capture_output=True, text=True, timeout=timeout,
+            check=False,
+        )  # fmt: skip
 
 
 def free_port() -> int:
