@@ -9,14 +9,18 @@ client code (:class:`edge_agent.training.client_app.ShardClient`, via :mod:`devt
   = ``local_epochs`` epochs over the pooled data;
 - FedAvg: three clients, weighted FedAvg of their adapters;
 - FedAvg + DP: the same with record-level DP-SGD on each client (Opacus, RDP accountant);
-- FedAvg + SecAgg+: needs the Flower LoRA ServerApp; :func:`secagg_mode` is the hook, and the
-  row is printed as "not measured in this run" until it is wired.
+- FedAvg + SecAgg+ (and + DP): the same plan and shares through real Flower: a SuperLink with
+  SuperNode authentication, three authenticated local SuperNodes and the product's LoRA ServerApp
+  under SecAgg+ (:mod:`_federated_flower`); ``--flower-seeds`` (default 1) of the seeds,
+  ``--no-flower`` skips them.
 
 Held-out loss (nats per token, token-weighted over the devices' held-out records) of the global
 model after each round, mean and spread over ``--seeds``; round time (the clients of a round run
-one after another in this process); upload bytes per client per round; epsilon per round.
+one after another in this process; Flower: the SuperNodes in parallel); upload bytes per client
+per round (SecAgg+: the masked vector); epsilon per round.
 
-    .venv/bin/python bench/federated.py [--rounds 3] [--seeds 3] [--per-device 60]
+    .venv/bin/python bench/federated.py [--rounds 3] [--seeds 3] [--per-device 40]
+        [--flower-seeds 1 | --no-flower]
 """
 
 from __future__ import annotations
@@ -29,11 +33,20 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 import numpy as np
+from _federated_flower import FlowerRun, run_flower
 from report.headlines import Headline, write_headlines
 from rich.console import Console
 from rich.table import Table
 
-from devtools.lora_lab import DOMAINS, LabRun, lora_setup, run_rounds, split_version, token_mean
+from devtools.lora_lab import (
+    DOMAINS,
+    LabRun,
+    LoraSetup,
+    lora_setup,
+    run_rounds,
+    split_version,
+    token_mean,
+)
 from protocols.lora import (
     METRIC_EPSILON,
     METRIC_HELD_OUT_LOSS,
@@ -45,7 +58,8 @@ from protocols.training import METRIC_UPLOAD_BYTES
 
 RESULTS = Path(__file__).parent / "results"
 CACHE = Path(__file__).resolve().parents[1] / ".cache" / "fedshard"
-MODES = ("centralized", "FedAvg", "FedAvg + DP", "FedAvg + SecAgg+")
+MODES = ("centralized", "FedAvg", "FedAvg + DP", "FedAvg + SecAgg+", "FedAvg + SecAgg+ + DP")
+FLOWER = ("FedAvg + SecAgg+", "FedAvg + SecAgg+ + DP")
 
 
 @dataclass
@@ -60,6 +74,8 @@ class ModeRuns:
     trained_bytes: list[float] = field(default_factory=list)
     epsilon: list[list[float]] = field(default_factory=list)
     """Per seed and round: the largest device epsilon of the run so far (DP only)."""
+    masked_bytes: list[float] = field(default_factory=list)
+    """SecAgg+ only, per seed: the masked vector a client uploads per round."""
     measured: bool = True
 
 
@@ -88,8 +104,8 @@ def held_out_curve(lab: LabRun) -> list[float]:
     return [*curve, token_mean(lab.final)]
 
 
-def run_mode(name: str, args: argparse.Namespace, seed: int, work: Path) -> LabRun:
-    """One seed of one mode in its own work dir (own caches and privacy accountant)."""
+def setup_for(name: str, args: argparse.Namespace, seed: int, work: Path) -> LoraSetup:
+    """The mode's split version and LoRA plan (DP modes: record-level DP-SGD)."""
     from partitioner.decoders import tiny
 
     model, _ = tiny.llama()
@@ -99,19 +115,27 @@ def run_mode(name: str, args: argparse.Namespace, seed: int, work: Path) -> LabR
         if "DP" in name
         else None
     )
-    setup = lora_setup(
+    return lora_setup(
         export_dir(args.model), version, model, args.first_layer, dp=dp, run=f"bench-{seed}",
         max_tokens=24, batch_size=args.batch_size, learning_rate=0.02,
         local_epochs=args.local_epochs,
     )  # fmt: skip
+
+
+def run_mode(name: str, args: argparse.Namespace, seed: int, work: Path) -> LabRun:
+    """One seed of one in-process mode in its own work dir (own caches and accountant)."""
+    setup = setup_for(name, args, seed, work)
     return run_rounds(
         setup, work, args.rounds, args.per_device, seed=seed, pooled=name == "centralized"
     )
 
 
-def secagg_mode(args: argparse.Namespace, seed: int, work: Path) -> LabRun | None:
-    """FedAvg + SecAgg+ over the adapters: needs the Flower LoRA ServerApp (not wired yet)."""
-    return None
+def secagg_mode(name: str, args: argparse.Namespace, seed: int, work: Path) -> FlowerRun | None:
+    """One seed of a SecAgg+ mode through real Flower; None when not run for this seed."""
+    if args.no_flower or seed >= args.flower_seeds:
+        return None
+    setup = setup_for(name, args, seed, work)
+    return run_flower(setup, work, args.rounds, args.per_device, seed)
 
 
 def measure(args: argparse.Namespace, console: Console) -> list[ModeRuns]:
@@ -122,20 +146,31 @@ def measure(args: argparse.Namespace, console: Console) -> list[ModeRuns]:
             for mode in modes:
                 work = Path(tmp) / f"{mode.name.replace(' ', '').replace('+', 'p')}-{seed}"
                 start = time.monotonic()
-                lab = (
-                    secagg_mode(args, seed, work)
-                    if mode.name == "FedAvg + SecAgg+"
-                    else run_mode(mode.name, args, seed, work)
-                )
-                if lab is None:
-                    mode.measured = False
-                    continue
-                record(mode, lab)
+                if mode.name in FLOWER:
+                    flower = secagg_mode(mode.name, args, seed, work)
+                    if flower is None:
+                        continue
+                    record_flower(mode, flower)
+                else:
+                    record(mode, run_mode(mode.name, args, seed, work))
                 console.print(
                     f"seed {seed} {mode.name}: loss {[round(x, 3) for x in mode.loss[-1]]}, "
                     f"{time.monotonic() - start:.0f} s"
                 )
+    for mode in modes:
+        mode.measured = bool(mode.loss)
     return modes
+
+
+def record_flower(mode: ModeRuns, run: FlowerRun) -> None:
+    """Add one seed's real-Flower run to ``mode``."""
+    mode.loss.append(run.loss)
+    mode.round_s.append(run.round_s)
+    mode.upload_bytes.append(run.upload_bytes)
+    mode.trained_bytes.append(run.trained_bytes)
+    mode.masked_bytes.append(run.masked_bytes)
+    if run.epsilon:
+        mode.epsilon.append(run.epsilon)
 
 
 def record(mode: ModeRuns, lab: LabRun) -> None:
@@ -167,11 +202,15 @@ def rows(modes: list[ModeRuns]) -> list[tuple[str, ...]]:
         round_s = f"{np.mean(m.round_s):.1f}"
         share = 100 * np.mean(m.upload_bytes) / np.mean(m.trained_bytes)
         upload = f"{np.mean(m.upload_bytes):,.0f} ({share:.2f} %)"
+        name = m.name
+        if m.masked_bytes:
+            upload = f"{np.mean(m.upload_bytes):,.0f} masked ({share:.2f} %)"
+            name = f"{m.name} (Flower, {len(m.loss)} seed{'s' * (len(m.loss) > 1)})"
         eps = "-"
         if m.epsilon:
             e_mean, _ = _spread(m.epsilon)
             eps = ", ".join(f"{e:.2f}" for e in e_mean)
-        out.append((m.name, curve, change, round_s, upload, eps))
+        out.append((name, curve, change, round_s, upload, eps))
     return out
 
 
@@ -196,7 +235,8 @@ def report(args: argparse.Namespace, modes: list[ModeRuns], console: Console) ->
         f"`.venv/bin/python bench/federated.py --rounds {args.rounds} --seeds {args.seeds} "
         f"--per-device {args.per_device} --local-epochs {args.local_epochs} "
         f"--batch-size {args.batch_size} "
-        f"--noise-multiplier {args.noise_multiplier}`"
+        f"--noise-multiplier {args.noise_multiplier} "
+        + ("--no-flower`" if args.no_flower else f"--flower-seeds {args.flower_seeds}`")
     )
     lines = [
         "# Federated LoRA of a served chat model (bench/federated.py)",
@@ -218,8 +258,17 @@ def report(args: argparse.Namespace, modes: list[ModeRuns], console: Console) ->
         "client with all records), on a 2-core machine shared with other jobs. Upload: the "
         "adapter arrays a client returns per round, and their share of the weights of the "
         "segments it adapts. ε: the largest device's record-level ε after each round (RDP "
-        "accountant, composed over the run). SecAgg+ needs the Flower LoRA ServerApp "
-        "(`secagg_mode` is the hook); its row is not measured in this run.",
+        "accountant, composed over the run). SecAgg+ rows: real Flower (flower-superlink with "
+        "SuperNode authentication, three authenticated local SuperNodes, one per share, each "
+        "with its share of the cores, and the product's LoRA ServerApp with SecAggPlusWorkflow "
+        "over the adapter updates), the same plan and shares, seeds 0.. as listed (a seed picks "
+        "the round-one adapters; the SuperNodes' shuffles and noise are their own); round s is "
+        "the ServerApp's, from its fit instructions to the aggregate (the three devices in "
+        "parallel, SecAgg+ stages included); upload is the train reply each client sends, as its "
+        "upload meter (the outermost client mod) measures it: the SecAgg+-masked vector (Flower "
+        "quantizes and masks every adapter array into int64: "
+        + f"{max((b for m in modes for b in m.masked_bytes), default=0):,.0f}"
+        + " B of arrays), not the float32 adapters.",
         "",
         "![held-out loss per round](federated.png)",
         "",
@@ -298,6 +347,8 @@ def main() -> None:
     parser.add_argument("--batch-size", type=int, default=8)
     parser.add_argument("--noise-multiplier", type=float, default=1.0)
     parser.add_argument("--clip", type=float, default=1.0)
+    parser.add_argument("--flower-seeds", type=int, default=1, help="seeds of the SecAgg+ rows")
+    parser.add_argument("--no-flower", action="store_true", help="skip the SecAgg+ (Flower) rows")
     args = parser.parse_args()
     console = Console()
     report(args, measure(args, console), console)

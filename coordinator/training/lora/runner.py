@@ -141,10 +141,10 @@ def run_round(record: LoraRecord, k: int) -> RunRound:
 
 def start_lora_run(
     link: SuperLink, run_dir: Path, plan: LoraPlan, request: TrainingRunRequest, population: int,
-    stage_timeout_s: float,
+    stage_timeout_s: float, seed: int = 0,
 ) -> tuple[LoraRunConfig, int]:  # fmt: skip
     """Write the plan and run file, ``flwr run`` the LoRA ServerApp; the run file's config and
-    the Flower run id."""
+    the Flower run id. ``seed`` picks the round-one adapters."""
     shares, threshold = secagg_parameters(population)
     plan_file = run_dir / "plan.json"
     write_atomic(plan_file, plan.to_json().encode())
@@ -158,6 +158,7 @@ def start_lora_run(
         reconstruction_threshold=threshold,
         stage_timeout_s=stage_timeout_s,
         min_clients=population,
+        seed=seed,
     )
     run_file = run_dir / "run.json"
     write_atomic(run_file, cfg.to_json().encode())
