@@ -18,11 +18,11 @@ import json
 import logging
 import os
 import warnings
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from contextlib import contextmanager
 from dataclasses import dataclass
 from pathlib import Path
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Any
 
 import numpy as np
 import torch
@@ -130,8 +130,32 @@ def run_epochs(
     data = TensorDataset(torch.from_numpy(hidden), positions, labels)
     gen = torch.Generator().manual_seed(seed)
     loader = DataLoader(data, batch_size=plan.batch_size, shuffle=True, generator=gen)
-    params = [p for p in tail.parameters() if p.requires_grad]
-    optimizer = torch.optim.Adam(params, lr=plan.learning_rate)
+
+    def losses(model: torch.nn.Module, batch: list[torch.Tensor]) -> torch.Tensor | None:
+        h, pos, lab = batch
+        return None if len(h) == 0 else per_example_loss(model(h, pos), lab)
+
+    return train_adapters(tail, plan, loader, losses, cache_dir, round_number)
+
+
+BatchLosses = Callable[[torch.nn.Module, list[torch.Tensor]], "torch.Tensor | None"]
+"""Per-example losses of one batch under the (possibly private) model; None skips the batch."""
+
+
+def train_adapters(
+    tail: torch.nn.Module,
+    plan: LoraPlan,
+    loader: Any,
+    losses: BatchLosses,
+    cache_dir: Path,
+    round_number: int,
+) -> LoopResult:
+    """Adam on the tail's trainable parameters for ``plan.local_epochs`` epochs over ``loader``,
+    privately when ``plan.dp`` (Opacus wraps tail, optimizer and loader); the last epoch's mean
+    loss and the run's epsilon so far."""
+    optimizer = torch.optim.Adam(
+        [p for p in tail.parameters() if p.requires_grad], lr=plan.learning_rate
+    )
     model: torch.nn.Module = tail
     tail.train()  # Opacus refuses a module in eval mode
     engine = None
@@ -153,19 +177,18 @@ def run_epochs(
     loss_sum, seen = 0.0, 0
     for _ in range(plan.local_epochs):
         loss_sum, seen = 0.0, 0
-        for h, pos, lab in loader:
-            if len(h) == 0:
+        for batch in loader:
+            batch_losses = losses(model, list(batch))
+            if batch_losses is None:
                 continue
-            losses = per_example_loss(model(h, pos), lab)
-            loss = losses.mean()
             optimizer.zero_grad()
-            loss.backward()  # type: ignore[no-untyped-call]
+            batch_losses.mean().backward()  # type: ignore[no-untyped-call]
             optimizer.step()
-            loss_sum += float(losses.detach().sum())
-            seen += len(h)
+            loss_sum += float(batch_losses.detach().sum())
+            seen += len(batch_losses)
     model.eval()
     epsilon = None
-    if engine is not None and plan.dp is not None:
+    if engine is not None:
         epsilon = compose_epsilon(engine, plan, cache_dir, round_number)
     return LoopResult(loss_sum / max(seen, 1), epsilon)
 

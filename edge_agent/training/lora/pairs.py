@@ -16,7 +16,6 @@ not a formal record-level guarantee (the causal-LM objective's is one).
 
 from __future__ import annotations
 
-import warnings
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -118,7 +117,7 @@ def run_contrastive_epochs(
     from torch.utils.data import DataLoader, TensorDataset
 
     from edge_agent.training.lora.encoder import embed, ranking_losses
-    from edge_agent.training.lora.loop import LoopResult, compose_epsilon
+    from edge_agent.training.lora.loop import train_adapters
 
     torch.manual_seed(seed)
     tensors = [
@@ -129,40 +128,14 @@ def run_contrastive_epochs(
     loader = DataLoader(
         TensorDataset(*tensors), batch_size=plan.batch_size, shuffle=True, generator=gen
     )
-    optimizer = torch.optim.Adam(
-        [p for p in tail.parameters() if p.requires_grad], lr=plan.learning_rate
-    )
-    model: torch.nn.Module = tail
-    tail.train()
-    engine = None
-    if plan.dp is not None:
-        from opacus import PrivacyEngine
 
-        engine = PrivacyEngine(accountant="rdp", secure_mode=False)
-        with warnings.catch_warnings():
-            warnings.simplefilter("ignore")
-            model, optimizer, loader = engine.make_private(
-                module=tail, optimizer=optimizer, data_loader=loader,
-                noise_multiplier=plan.dp.noise_multiplier, max_grad_norm=plan.dp.max_grad_norm,
-                poisson_sampling=True,
-            )  # fmt: skip
-    loss_sum, seen = 0.0, 0
-    for _ in range(plan.local_epochs):
-        loss_sum, seen = 0.0, 0
-        for a, am, p, pm in loader:
-            if len(a) < 2:  # in-batch negatives need another pair
-                continue
-            losses = ranking_losses(
-                embed(model, a, am), embed(model, p, pm), plan.contrastive_scale
-            )
-            optimizer.zero_grad()
-            losses.mean().backward()  # type: ignore[no-untyped-call]
-            optimizer.step()
-            loss_sum += float(losses.detach().sum())
-            seen += len(a)
-    tail.eval()
-    epsilon = compose_epsilon(engine, plan, cache_dir, round_number) if engine is not None else None
-    return LoopResult(loss_sum / max(seen, 1), epsilon)
+    def losses(model: torch.nn.Module, batch: list[torch.Tensor]) -> torch.Tensor | None:
+        a, am, p, pm = batch
+        if len(a) < 2:  # in-batch negatives need another pair
+            return None
+        return ranking_losses(embed(model, a, am), embed(model, p, pm), plan.contrastive_scale)
+
+    return train_adapters(tail, plan, loader, losses, cache_dir, round_number)
 
 
 def evaluate_pairs(
@@ -181,8 +154,7 @@ def train_pairs(
 ) -> Any:
     """One contrastive round on this device; a :class:`~.train.LoraResult`."""
     from edge_agent.training.lora.encoder import held_out_ranking
-    from edge_agent.training.lora.model import get_adapters
-    from edge_agent.training.lora.train import LoraResult, peak_rss_bytes
+    from edge_agent.training.lora.train import lora_result
 
     ready = prepare_pairs(plan, arrays, settings)
     scale = plan.contrastive_scale
@@ -191,15 +163,4 @@ def train_pairs(
         ready.tail, plan, ready.train, seed, settings.cache_dir, round_number
     )
     after = held_out_ranking(ready.tail, ready.held_out, scale)
-    return LoraResult(
-        arrays=get_adapters(ready.pairs),
-        examples=ready.examples,
-        train_loss=loop.loss,
-        held_out_before=before[0],
-        held_out_after=after[0],
-        held_out_tokens=before[2],
-        epsilon=loop.epsilon,
-        trained_shard_bytes=ready.trained_shard_bytes,
-        peak_rss_bytes=peak_rss_bytes(),
-        extra={METRIC_RECALL_AT_1: before[1]},
-    )
+    return lora_result(ready, loop, before[0], after[0], before[2], {METRIC_RECALL_AT_1: before[1]})

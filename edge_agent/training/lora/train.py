@@ -22,7 +22,7 @@ import logging
 import resource
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import numpy as np
 import onnx
@@ -34,6 +34,10 @@ from edge_agent.training.text_data import load_text
 from protocols.errors import SchemaError
 from protocols.lora import LoraPlan
 from protocols.manifest import Manifest
+
+if TYPE_CHECKING:
+    from edge_agent.training.lora.loop import LoopResult
+    from edge_agent.training.lora.pairs import PreparedPairs
 
 log = logging.getLogger(__name__)
 
@@ -281,7 +285,6 @@ def train_lora(
 ) -> LoraResult:
     """One round on this device; returns the adapters after local training (see module doc)."""
     from edge_agent.training.lora.loop import held_out_loss, run_epochs, train_threads
-    from edge_agent.training.lora.model import get_adapters
 
     if plan.objective == "contrastive":
         from edge_agent.training.lora.pairs import train_pairs
@@ -295,16 +298,32 @@ def train_lora(
         before = held_out_loss(ready.tail, *held)
         loop = run_epochs(ready.tail, plan, *ready.train, seed, settings.cache_dir, round_number)
         after = held_out_loss(ready.tail, *held)
+    return lora_result(ready, loop, before[0], after[0], before[1])
+
+
+def lora_result(
+    ready: Prepared | PreparedPairs,
+    loop: LoopResult,
+    before: float,
+    after: float,
+    held_out_count: int,
+    extra: dict[str, float] | None = None,
+) -> LoraResult:
+    """The round's :class:`LoraResult`: the trained adapters, the held-out measure of the
+    global model before and of the local one after, and the loop's loss and epsilon."""
+    from edge_agent.training.lora.model import get_adapters
+
     return LoraResult(
         arrays=get_adapters(ready.pairs),
         examples=ready.examples,
         train_loss=loop.loss,
-        held_out_before=before[0],
-        held_out_after=after[0],
-        held_out_tokens=before[1],
+        held_out_before=before,
+        held_out_after=after,
+        held_out_tokens=held_out_count,
         epsilon=loop.epsilon,
         trained_shard_bytes=ready.trained_shard_bytes,
         peak_rss_bytes=peak_rss_bytes(),
+        extra=extra or {},
     )
 
 
