@@ -260,16 +260,20 @@ def _print_version(console: Console, version: dict[str, Any]) -> None:
     ):
         table.add_column(column, justify="right")
     for p in version["segments"]:
-        prefill = p.get("predicted_prefill_s")
-        measured = p["warmup_s"]
-        table.add_row(
-            str(p["index"]),
-            p["device"],
-            f"{p['predicted_memory_bytes'] / 1e6:.1f}",
-            f"{p['measured_memory_bytes'] / 1e6:.1f}",
-            f"{p['predicted_compute_s'] * 1e3:.2f}",
-            f"{measured * 1e3:.2f}",
-            f"{p['predicted_compute_s'] / measured:.2f}" if measured > 0 else "-",
-            "-" if prefill is None else f"{prefill * 1e3:.2f}",
-        )
+        table.add_row(str(p["index"]), p["device"], *placement_cells(p))
     console.print(table)
+
+
+def placement_cells(placement: dict[str, Any]) -> list[str]:
+    """A placement's plan-next-to-reality cells: predicted and measured memory (MB) and stage
+    time (ms), their ratio, and the predicted prefill (ms; ``-`` for encoders)."""
+    prefill = placement.get("predicted_prefill_s")
+    predicted, measured = placement["predicted_compute_s"], placement["warmup_s"]
+    return [
+        f"{placement['predicted_memory_bytes'] / 1e6:.1f}",
+        f"{placement['measured_memory_bytes'] / 1e6:.1f}",
+        f"{predicted * 1e3:.2f}",
+        f"{measured * 1e3:.2f}",
+        f"{predicted / measured:.2f}" if measured > 0 else "-",
+        "-" if prefill is None else f"{prefill * 1e3:.2f}",
+    ]

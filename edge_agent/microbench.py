@@ -24,6 +24,7 @@ import platform
 import time
 from collections.abc import Sequence
 from pathlib import Path
+from typing import Any
 
 import numpy as np
 from pydantic import (
@@ -75,6 +76,14 @@ class ComputeProfile(BaseModel):
     matrix: PositiveInt
     trials: PositiveInt
     measured_at: str
+
+    def roofs(self) -> dict[str, Any]:
+        """The fields every announcement and status carries (:data:`ROOF_FIELDS`), by name."""
+        return self.model_dump(include=set(ROOF_FIELDS))
+
+
+ROOF_FIELDS = ("gflops", "memory_gbps", "cache_bytes", "cache_gbps", "op_us", "call_us", "topk_ns")
+"""The measured roofs, as ``DeviceProfile`` and ``AgentStatus`` name them too."""
 
 
 def matmul_model_bytes(n: int = MATRIX, count: int = MATMULS) -> bytes:

@@ -21,6 +21,7 @@ import numpy as np
 from rich.console import Console
 from rich.table import Table
 
+from coordinator.commands import placement_cells
 from protocols.pairing import CODE_FILE
 from protocols.sizes import parse_size
 
@@ -233,18 +234,8 @@ def plan_table(api: Api, state_dir: Path, model_id: str = MODEL_ID) -> Table:
         table.add_column(column, justify="right", no_wrap=column == "device")
     for p in version["segments"]:
         first, end = units.get(p["index"], (0, 0))
-        measured, prefill = p["warmup_s"], p.get("predicted_prefill_s")
-        table.add_row(
-            str(p["index"]),
-            p["device"],
-            f"{first}-{end - 1}" if end > first else "-",
-            f"{p['predicted_memory_bytes'] / 1e6:.1f}",
-            f"{p['measured_memory_bytes'] / 1e6:.1f}",
-            f"{p['predicted_compute_s'] * 1e3:.2f}",
-            f"{measured * 1e3:.2f}",
-            f"{p['predicted_compute_s'] / measured:.2f}" if measured > 0 else "-",
-            "-" if prefill is None else f"{prefill * 1e3:.2f}",
-        )
+        span = f"{first}-{end - 1}" if end > first else "-"
+        table.add_row(str(p["index"]), p["device"], span, *placement_cells(p))
     return table
 
 
