@@ -103,16 +103,7 @@ def bind_input_shapes(
     declared = {i.name: i for i in graph.input}
     given_all = concrete or {}
     for name in inputs:  # sample shapes bind first, whatever the input order
-        type_proto = declared[name].type
-        if not type_proto.HasField("tensor_type"):
-            raise GraphError(
-                f"model input {name!r} is not a tensor; only tensor inputs are supported"
-            )
-        for dim, value in zip(
-            type_proto.tensor_type.shape.dim, given_all.get(name, ()), strict=False
-        ):
-            if dim.dim_param:
-                binding[dim.dim_param] = int(value)
+        _bind_given(name, declared[name].type, given_all.get(name, ()), binding)
     shapes: dict[str, tuple[int, ...]] = {}
     for name in inputs:
         tensor_type = declared[name].type.tensor_type
@@ -124,18 +115,34 @@ def bind_input_shapes(
                 )
             shapes[name] = tuple(given)
             continue
-        values: list[int] = []
-        for axis, dim in enumerate(tensor_type.shape.dim):
-            if axis < len(given):
-                values.append(given[axis])
-            elif dim.HasField("dim_value"):
-                values.append(dim.dim_value)
-            elif dim.dim_param:
-                values.append(binding.setdefault(dim.dim_param, DEFAULT_DIM))
-            else:
-                values.append(DEFAULT_DIM)
-        shapes[name] = tuple(values)
+        shapes[name] = tuple(
+            _axis_size(axis, dim, given, binding) for axis, dim in enumerate(tensor_type.shape.dim)
+        )
     return shapes, binding
+
+
+def _bind_given(
+    name: str, type_proto: onnx.TypeProto, given: Sequence[int], binding: dict[str, int]
+) -> None:
+    """Bind the symbolic dimensions of input ``name`` to the sizes it was ``given``."""
+    if not type_proto.HasField("tensor_type"):
+        raise GraphError(f"model input {name!r} is not a tensor; only tensor inputs are supported")
+    for dim, value in zip(type_proto.tensor_type.shape.dim, given, strict=False):
+        if dim.dim_param:
+            binding[dim.dim_param] = int(value)
+
+
+def _axis_size(
+    axis: int, dim: onnx.TensorShapeProto.Dimension, given: Sequence[int], binding: dict[str, int]
+) -> int:
+    """One axis: the given size, else the declared one, else its symbol's binding (or default)."""
+    if axis < len(given):
+        return given[axis]
+    if dim.HasField("dim_value"):
+        return int(dim.dim_value)
+    if dim.dim_param:
+        return binding.setdefault(dim.dim_param, DEFAULT_DIM)
+    return DEFAULT_DIM
 
 
 _MATMUL_A = {

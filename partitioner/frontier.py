@@ -17,7 +17,7 @@ Static tensors never cross a cut, except shape leaves whose activation is not it
 
 from __future__ import annotations
 
-from collections.abc import Iterable, Mapping
+from collections.abc import Callable, Iterable, Mapping
 from dataclasses import dataclass
 
 from partitioner.costs import ShapeTable
@@ -139,6 +139,36 @@ def _frontier(
 ) -> Frontier:
     size = len(order)
     position = {n: p for p, n in enumerate(order)}
+    last_use, leaf_use = _last_uses(index, leaves, order, carry_io)
+
+    def lo_of(name: str) -> int:
+        producer = index.producer.get(name)
+        return -1 if producer is None else position[producer]
+
+    spans: dict[str, Span] = {}
+    for name, hi in last_use.items():
+        if name in index.inputs and not carry_io:
+            continue
+        if hi > lo_of(name):
+            spans[name] = (lo_of(name), hi)
+    _add_leaf_spans(spans, index, last_use, leaf_use, lo_of, carry_io)
+    return Frontier(
+        order=order,
+        position=position,
+        spans=spans,
+        bytes_at=_bytes_at(spans, table, size),
+        carry_io=carry_io,
+    )
+
+
+def _last_uses(
+    index: GraphIndex,
+    leaves: Mapping[str, frozenset[str]],
+    order: tuple[int, ...],
+    carry_io: bool,
+) -> tuple[dict[str, int], dict[str, int]]:
+    """The last position each dynamic tensor is read at, and each static leaf (a graph output
+    counts as read after the last node; only with ``carry_io`` when it is dynamic)."""
     last_use: dict[str, int] = {}
     leaf_use: dict[str, int] = {}
 
@@ -152,18 +182,19 @@ def _frontier(
 
     for p, n in enumerate(order):
         use(index.node_inputs[n], p)
-    use(index.outputs, size, outputs=True)
+    use(index.outputs, len(order), outputs=True)
+    return last_use, leaf_use
 
-    def lo_of(name: str) -> int:
-        producer = index.producer.get(name)
-        return -1 if producer is None else position[producer]
 
-    spans: dict[str, Span] = {}
-    for name, hi in last_use.items():
-        if name in index.inputs and not carry_io:
-            continue
-        if hi > lo_of(name):
-            spans[name] = (lo_of(name), hi)
+def _add_leaf_spans(
+    spans: dict[str, Span],
+    index: GraphIndex,
+    last_use: Mapping[str, int],
+    leaf_use: Mapping[str, int],
+    lo_of: Callable[[str], int],
+    carry_io: bool,
+) -> None:
+    """Add the span of every static leaf: live from its anchor until its last use."""
     for leaf, hi in leaf_use.items():
         anchor = index.leaf_anchor[leaf]
         if anchor in index.inputs:
@@ -175,13 +206,6 @@ def _frontier(
             lo = max(lo, 0)
         if hi > lo:
             spans[leaf] = (lo, hi)
-    return Frontier(
-        order=order,
-        position=position,
-        spans=spans,
-        bytes_at=_bytes_at(spans, table, size),
-        carry_io=carry_io,
-    )
 
 
 def _bytes_at(spans: Mapping[str, Span], table: ShapeTable, size: int) -> tuple[int, ...]:
