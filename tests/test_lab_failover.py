@@ -68,10 +68,12 @@ SENTENCES = [
     "Every accepted request gets exactly one answer.",
     "a pulled cable sends no goodbye",
     "short",
-    " ".join(["A long request fills the data-plane links with bigger activations."] * 12),
+    " ".join(["A long request fills the data-plane links with bigger activations."] * 4),
 ]
-"""Short and long inputs: the long one makes frames of a few hundred kB, so the frames stranded
-on a cut link can fill its socket buffers."""
+"""Short and long inputs: the long one (about 55 tokens) makes the largest frames, so the
+frames stranded on a cut link fill its socket buffers. It stays within the 64-token sequence
+the deployment under :data:`TIGHT_CAPS` is planned at, and within what every re-plan holds
+(planned shapes are limits: a longer input is refused with 413, see test_shape_limits.py)."""
 
 
 @dataclass

@@ -101,14 +101,16 @@ class Deployer:
     def replan(self, version: VersionRecord, trigger: str) -> VersionRecord:
         """Deploy ``version``'s model again, planned on the devices online now (failover).
 
-        Same source, objective and operator caps (caps of devices that are away are kept for
-        later but not applied); raises DeployError when the devices cannot hold it.
+        Same source, objective, operator caps (caps of devices that are away are kept for
+        later but not applied) and tokenizer, so a text encoder is planned at its serving
+        shapes again; raises DeployError when the devices cannot hold it.
         """
         command = DeployCommand(
             model_path=Path(version.source),
             model_id=version.model_id,
             objective=version.objective,
             memory_caps=version.memory_caps,
+            tokenizer_dir=self._store.model(version.model_id).tokenizer_dir,
             trigger=trigger,
             strict_caps=False,
         )
