@@ -81,13 +81,23 @@ def test_32_greedy_tokens_equal_transformers_generate(lab: GenLab) -> None:
     assert len(want) >= 8  # a real answer, not an immediate end of turn
 
 
+def _speculative(lab: GenLab, mode: str) -> None:
+    with lab.coordinator.client() as api:
+        answer = api.put(f"/v1/deployments/{MODEL_ID}/speculative", json={"speculative": mode})
+    assert answer.status_code == 200, answer.text
+
+
 def test_a_decode_step_hands_one_hidden_state_per_hop(lab: GenLab) -> None:
     first, middle, _ = agents_in_stage_order(lab, MODEL_ID)
-    before = {a.name: agent_metric(lab, a, "fedshard_bytes_out_total") for a in (first, middle)}
-    short = _chat(lab, 1)["usage"]["completion_tokens"]
-    mid = {a.name: agent_metric(lab, a, "fedshard_bytes_out_total") for a in (first, middle)}
-    long = _chat(lab, 9)["usage"]["completion_tokens"]
-    after = {a.name: agent_metric(lab, a, "fedshard_bytes_out_total") for a in (first, middle)}
+    _speculative(lab, "off")  # one token per step (speculation is on by default)
+    try:
+        before = {a.name: agent_metric(lab, a, "fedshard_bytes_out_total") for a in (first, middle)}
+        short = _chat(lab, 1)["usage"]["completion_tokens"]
+        mid = {a.name: agent_metric(lab, a, "fedshard_bytes_out_total") for a in (first, middle)}
+        long = _chat(lab, 9)["usage"]["completion_tokens"]
+        after = {a.name: agent_metric(lab, a, "fedshard_bytes_out_total") for a in (first, middle)}
+    finally:
+        _speculative(lab, "auto")
     assert short == 1 and long > 2
     for agent in (first, middle):
         prefill = mid[agent.name] - before[agent.name]
