@@ -104,8 +104,10 @@ def _unit_seconds(problem: PlanningProblem, index: int, kind: str) -> float:
         bandwidth = device.cache_gbps
     if bandwidth is not None:
         seconds = max(seconds, float(unit.work.bytes_read) / (bandwidth * 1e9))
-    seconds += float(unit.work.topk_elements) * device.topk_ns / 1e9
-    return seconds + float(unit.work.ops) * device.op_us / 1e6
+    # in the documented order (``max(...) + ops * op_us / 1e6 + topk * topk_ns / 1e9``): the
+    # planner must equal this to the last bit, and float addition is not associative
+    seconds += float(unit.work.ops) * device.op_us / 1e6
+    return seconds + float(unit.work.topk_elements) * device.topk_ns / 1e9
 
 
 def _arrangements(problem: PlanningProblem) -> Iterator[tuple[tuple[str, int, int], ...]]:
