@@ -11,8 +11,8 @@ greedy, one intra-op thread everywhere (the agents' default), in one run:
   the plan and measured by the agent;
 - ONNX Runtime: the exported model in one session, its own KV cache (``OrtDecoder``);
 - transformers: ``generate`` on the same float32 weights in torch (``--no-transformers`` skips);
-- llama.cpp (``--llama-cpp``): the model's own GGUF file in one process (llama-cpp-python,
-  ``make bench-setup``);
+- llama.cpp (``--llama-cpp``): the model's own GGUF file in one process (node-llama-cpp's prebuilt
+  CPU binary, ``make bench-setup``);
 - speculative decoding (prompt lookup, and with ``--draft-model`` a draft model on the
   coordinator) against none, on the same agents (exports with trailing top-k outputs only): a
   code-editing prompt (the answer repeats the code) and free chat, one stream and four, with the
