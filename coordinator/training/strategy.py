@@ -21,20 +21,11 @@ from collections.abc import Callable
 from dataclasses import dataclass, field
 
 import numpy as np
-from flwr.common import (
-    EvaluateIns,
-    EvaluateRes,
-    FitIns,
-    FitRes,
-    Parameters,
-    Scalar,
-    ndarrays_to_parameters,
-    parameters_to_ndarrays,
-)
+from flwr.common import Parameters, ndarrays_to_parameters, parameters_to_ndarrays
 from flwr.server.client_manager import ClientManager
-from flwr.server.client_proxy import ClientProxy
 from flwr.server.strategy import DifferentialPrivacyClientSideFixedClipping, Strategy
 
+from coordinator.training import flower_types as fl
 from coordinator.training.accounting import RoundAccountant
 from coordinator.training.errors import TrainingRunError
 from coordinator.training.records import RoundMetrics
@@ -52,9 +43,7 @@ Evaluator = Callable[[list[np.ndarray]], tuple[float, float]]
 """Global trainable arrays -> (held-out loss, held-out accuracy)."""
 
 
-def capped_examples(
-    results: list[tuple[ClientProxy, FitRes]], cap: float | None
-) -> list[tuple[ClientProxy, FitRes]]:
+def capped_examples(results: fl.FitResults, cap: float | None) -> fl.FitResults:
     """Replies with each reported example count limited to ``cap`` (None: as reported)."""
     if cap is None:
         return results
@@ -73,7 +62,7 @@ def _mean_finite(values: list[float], weights: list[float]) -> float | None:
     return float(np.average([v for v, _ in pairs], weights=[w for _, w in pairs]))
 
 
-def failure_reasons(failures: list[tuple[ClientProxy, FitRes] | BaseException]) -> str:
+def failure_reasons(failures: fl.FitFailures) -> str:
     """The round's client failures in one line (``none`` when there were none)."""
     reasons = []
     for failure in failures:
@@ -93,11 +82,8 @@ class NoiseForActualClients(DifferentialPrivacyClientSideFixedClipping):
     """
 
     def aggregate_fit(
-        self,
-        server_round: int,
-        results: list[tuple[ClientProxy, FitRes]],
-        failures: list[tuple[ClientProxy, FitRes] | BaseException],
-    ) -> tuple[Parameters | None, dict[str, Scalar]]:
+        self, server_round: int, results: fl.FitResults, failures: fl.FitFailures
+    ) -> fl.FitAggregate:
         """Average with the inner strategy, then add noise for ``len(results)`` clients."""
         if failures:
             log.warning(
@@ -166,7 +152,7 @@ class ShardwiseStrategy(Strategy):
 
     def configure_fit(
         self, server_round: int, parameters: Parameters, client_manager: ClientManager
-    ) -> list[tuple[ClientProxy, FitIns]]:
+    ) -> fl.FitInstructions:
         """Remember the global arrays the round starts from, then let the inner strategy sample."""
         self._round = _RoundState(
             started=time.monotonic(), global_arrays=parameters_to_ndarrays(parameters)
@@ -174,11 +160,8 @@ class ShardwiseStrategy(Strategy):
         return self.inner.configure_fit(server_round, parameters, client_manager)
 
     def aggregate_fit(
-        self,
-        server_round: int,
-        results: list[tuple[ClientProxy, FitRes]],
-        failures: list[tuple[ClientProxy, FitRes] | BaseException],
-    ) -> tuple[Parameters | None, dict[str, Scalar]]:
+        self, server_round: int, results: fl.FitResults, failures: fl.FitFailures
+    ) -> fl.FitAggregate:
         """Average (securely, noisily) over all clients, then rescale shard by shard."""
         if len(results) < self.min_clients:
             raise TrainingRunError(
@@ -220,22 +203,17 @@ class ShardwiseStrategy(Strategy):
 
     def configure_evaluate(
         self, server_round: int, parameters: Parameters, client_manager: ClientManager
-    ) -> list[tuple[ClientProxy, EvaluateIns]]:
+    ) -> fl.EvaluateInstructions:
         """No federated evaluation: the held-out set lives on the coordinator."""
         return []
 
     def aggregate_evaluate(
-        self,
-        server_round: int,
-        results: list[tuple[ClientProxy, EvaluateRes]],
-        failures: list[tuple[ClientProxy, EvaluateRes] | BaseException],
-    ) -> tuple[float | None, dict[str, Scalar]]:
+        self, server_round: int, results: fl.EvaluateResults, failures: fl.EvaluateFailures
+    ) -> fl.EvaluateAggregate:
         """Nothing to aggregate (see :meth:`configure_evaluate`)."""
         return None, {}
 
-    def evaluate(
-        self, server_round: int, parameters: Parameters
-    ) -> tuple[float, dict[str, Scalar]] | None:
+    def evaluate(self, server_round: int, parameters: Parameters) -> fl.ServerEvaluation:
         """Held-out loss and accuracy; after a round, also publish that round's weights (first)
         and metrics."""
         arrays = parameters_to_ndarrays(parameters)

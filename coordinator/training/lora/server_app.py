@@ -20,53 +20,34 @@ from pathlib import Path
 
 import numpy as np
 from flwr.app import Context
-from flwr.common import (
-    EvaluateIns,
-    EvaluateRes,
-    FitIns,
-    FitRes,
-    Parameters,
-    Scalar,
-    ndarrays_to_parameters,
-    parameters_to_ndarrays,
-)
+from flwr.common import Parameters, ndarrays_to_parameters, parameters_to_ndarrays
 from flwr.server import LegacyContext, ServerConfig
 from flwr.server.client_manager import ClientManager
-from flwr.server.client_proxy import ClientProxy
 from flwr.server.strategy import FedAvg
 from flwr.server.workflow import DefaultWorkflow, SecAggPlusWorkflow
 from flwr.serverapp import Grid, ServerApp
 
+from coordinator.training import flower_types as fl
 from coordinator.training.errors import TrainingRunError
 from coordinator.training.lora.records import LoraRecord, LoraRound, LoraRunConfig, token_weighted
 from coordinator.training.server_app import RUN_FILE_KEY, save_weights
 from coordinator.training.strategy import failure_reasons
 from partitioner.lora import initial_adapters
-from protocols.lora import (
-    LORA_PLAN_KEY,
-    METRIC_EPSILON,
-    METRIC_HELD_OUT_LOSS,
-    METRIC_HELD_OUT_TOKENS,
-    METRIC_TRAINED_BYTES,
-    LoraPlan,
-)
+from protocols import lora as lora_wire
+from protocols.lora import LORA_PLAN_KEY, LoraPlan
 from protocols.training import METRIC_LOSS, METRIC_UPLOAD_BYTES
 
 log = logging.getLogger(__name__)
 
-Failures = list[tuple[ClientProxy, FitRes] | BaseException]
 
-
-def round_of(
-    server_round: int, results: list[tuple[ClientProxy, FitRes]], failures: int, seconds: float
-) -> LoraRound:
+def round_of(server_round: int, results: fl.FitResults, failures: int, seconds: float) -> LoraRound:
     """The recorded round from the clients' fit metrics."""
     metrics = [(str(proxy.node_id), res.metrics) for proxy, res in results]
     held, tokens = token_weighted(
         [
-            (float(m[METRIC_HELD_OUT_LOSS]), int(m[METRIC_HELD_OUT_TOKENS]))
+            (float(m[lora_wire.METRIC_HELD_OUT_LOSS]), int(m[lora_wire.METRIC_HELD_OUT_TOKENS]))
             for _, m in metrics
-            if METRIC_HELD_OUT_LOSS in m and METRIC_HELD_OUT_TOKENS in m
+            if lora_wire.METRIC_HELD_OUT_LOSS in m and lora_wire.METRIC_HELD_OUT_TOKENS in m
         ]
     )
     train = [float(m[METRIC_LOSS]) for _, m in metrics if METRIC_LOSS in m]
@@ -78,9 +59,15 @@ def round_of(
         held_out_loss=held,
         held_out_tokens=tokens,
         train_loss=float(np.mean(train)) if train else None,
-        epsilon={n: float(m[METRIC_EPSILON]) for n, m in metrics if METRIC_EPSILON in m},
+        epsilon={
+            n: float(m[lora_wire.METRIC_EPSILON])
+            for n, m in metrics
+            if lora_wire.METRIC_EPSILON in m
+        },
         upload_bytes_per_client=float(np.mean(uploads)) if uploads else 0.0,
-        trained_shard_bytes=max((float(m.get(METRIC_TRAINED_BYTES, 0.0)) for _, m in metrics)),
+        trained_shard_bytes=max(
+            (float(m.get(lora_wire.METRIC_TRAINED_BYTES, 0.0)) for _, m in metrics)
+        ),
         seconds=seconds,
     )
 
@@ -128,15 +115,15 @@ class LoraFedAvg(FedAvg):
 
     def configure_fit(
         self, server_round: int, parameters: Parameters, client_manager: ClientManager
-    ) -> list[tuple[ClientProxy, FitIns]]:
+    ) -> fl.FitInstructions:
         """Refuse to go on after a round that ended without an aggregate."""
         self.check_recorded(server_round - 1)
         self.started = time.monotonic()
         return super().configure_fit(server_round, parameters, client_manager)
 
     def aggregate_fit(
-        self, server_round: int, results: list[tuple[ClientProxy, FitRes]], failures: Failures
-    ) -> tuple[Parameters | None, dict[str, Scalar]]:
+        self, server_round: int, results: fl.FitResults, failures: fl.FitFailures
+    ) -> fl.FitAggregate:
         """Average the adapters and record the round; no successful client fails the run."""
         if not results:
             raise self.fail(
@@ -157,27 +144,22 @@ class LoraFedAvg(FedAvg):
 
     def configure_evaluate(
         self, server_round: int, parameters: Parameters, client_manager: ClientManager
-    ) -> list[tuple[ClientProxy, EvaluateIns]]:
+    ) -> fl.EvaluateInstructions:
         """Only the final adapters are evaluated (every round's fit reports the loss before)."""
         if server_round < self.cfg.rounds:
             return []
         return super().configure_evaluate(server_round, parameters, client_manager)
 
     def aggregate_evaluate(
-        self,
-        server_round: int,
-        results: list[tuple[ClientProxy, EvaluateRes]],
-        failures: list[tuple[ClientProxy, EvaluateRes] | BaseException],
-    ) -> tuple[float | None, dict[str, Scalar]]:
+        self, server_round: int, results: fl.EvaluateResults, failures: fl.EvaluateFailures
+    ) -> fl.EvaluateAggregate:
         """Record the final adapters' token-weighted held-out loss."""
         loss, tokens = token_weighted([(r.loss, r.num_examples) for _, r in results])
         self.record = self.record.model_copy(update={"final_loss": loss, "final_tokens": tokens})
         self._save()
         return loss, {}
 
-    def evaluate(
-        self, server_round: int, parameters: Parameters
-    ) -> tuple[float, dict[str, Scalar]] | None:
+    def evaluate(self, server_round: int, parameters: Parameters) -> fl.ServerEvaluation:
         """No server-side evaluation: the held-out text stays on the devices."""
         return None
 
