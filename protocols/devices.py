@@ -4,33 +4,26 @@ from __future__ import annotations
 
 from typing import Self
 
-from pydantic import Field, NonNegativeFloat, NonNegativeInt, PositiveFloat, model_validator
+from pydantic import Field, NonNegativeInt, PositiveFloat, model_validator
 
 from protocols.base import FrozenModel
 from protocols.links import Link, Requester, check_links, check_requester
+from protocols.roofs import RoofFields
 
 
-class DeviceSpec(FrozenModel):
-    """One device: its memory budget, measured compute and network bandwidth."""
+class _DeviceSpecHead(FrozenModel):
+    """The fields of a :class:`DeviceSpec` before its roofs."""
 
     name: str = Field(min_length=1)
     memory_bytes: NonNegativeInt
     gflops: PositiveFloat
     bandwidth_mbps: PositiveFloat
-    memory_gbps: PositiveFloat | None = None
-    """Memory roof (streaming-read GB/s, as ``fedshard profile`` measures it). With it every
-    unit is priced by the roofline, ``max(FLOPs / compute, bytes read / bandwidth)``; without
-    it by FLOPs alone."""
-    cache_bytes: NonNegativeInt = 0
-    """Work reading at most this many bytes is priced at ``cache_gbps``."""
-    cache_gbps: PositiveFloat | None = None
-    """Streaming-read bandwidth within the cache, GB/s."""
-    op_us: NonNegativeFloat = 0.0
-    """Fixed cost of one operator, microseconds (roofline pricing only)."""
-    call_us: NonNegativeFloat = 0.0
-    """Fixed cost of one run of a segment, microseconds (roofline pricing only)."""
-    topk_ns: NonNegativeFloat = 0.0
-    """Cost of a ``TopK`` per element it selects from, nanoseconds (roofline pricing only)."""
+
+
+class DeviceSpec(RoofFields, _DeviceSpecHead):
+    """One device: its memory budget, measured compute and network bandwidth."""
+
+    # Its roofs beyond compute: RoofFields (optional; without them it is priced by FLOPs).
 
 
 class DeviceList(FrozenModel):

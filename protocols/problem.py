@@ -42,6 +42,7 @@ from pydantic import Field, NonNegativeFloat, NonNegativeInt, PositiveFloat, mod
 from protocols.base import FrozenModel
 from protocols.constants import DEFAULT_QUEUE_DEPTH, PROBLEM_FORMAT, ROOFLINE_PROBLEM_FORMAT
 from protocols.links import Link, Requester, check_links, check_requester
+from protocols.roofs import ROOF_FIELD_NAMES, RoofFields
 
 
 class Work(FrozenModel):
@@ -83,8 +84,8 @@ class SharedWeight(FrozenModel):
     units: list[NonNegativeInt] = Field(min_length=1)
 
 
-class ProblemDevice(FrozenModel):
-    """A device the planner may use."""
+class _ProblemDeviceHead(FrozenModel):
+    """The fields of a :class:`ProblemDevice` before its roofs."""
 
     name: str = Field(min_length=1)
     type: str = Field(min_length=1)
@@ -92,33 +93,27 @@ class ProblemDevice(FrozenModel):
     bandwidth_mbps: PositiveFloat
     gflops: PositiveFloat | None = None
     """``/2``: compute roof, GFLOP/s (devices of one type must agree)."""
-    memory_gbps: PositiveFloat | None = None
-    """``/2``: memory roof, GB/s of streaming reads (devices of one type must agree)."""
-    cache_bytes: NonNegativeInt = 0
-    """``/2``: work reading at most this many bytes is read at ``cache_gbps``."""
-    cache_gbps: PositiveFloat | None = None
-    """``/2``: streaming-read bandwidth within the cache, GB/s."""
-    op_us: NonNegativeFloat = 0.0
-    """``/2``: fixed cost of one operator, microseconds (devices of one type must agree)."""
-    call_us: NonNegativeFloat = 0.0
-    """``/2``: fixed cost of running a stage's segment once, microseconds."""
-    topk_ns: NonNegativeFloat = 0.0
-    """``/2``: cost of a ``TopK`` per element it selects from, nanoseconds."""
 
 
-_ROOF_FIELDS = ("gflops", "memory_gbps", "cache_bytes", "cache_gbps", "op_us", "call_us", "topk_ns")
+class ProblemDevice(RoofFields, _ProblemDeviceHead):
+    """A device the planner may use."""
+
+    # Its roofs (RoofFields) are ``/2`` only, and devices of one type must agree on them.
+
+    def roofs(self) -> Roofs | None:
+        """The device's roofs (None without a compute roof)."""
+        if self.gflops is None:
+            return None
+        return Roofs(gflops=self.gflops, **{f: getattr(self, f) for f in ROOF_FIELD_NAMES})
 
 
-class Roofs(FrozenModel):
+_ROOF_FIELDS = ("gflops", *ROOF_FIELD_NAMES)
+
+
+class Roofs(RoofFields):
     """A device type's roofs: compute, memory (and the cache below it), operator cost."""
 
     gflops: PositiveFloat
-    memory_gbps: PositiveFloat | None = None
-    cache_bytes: NonNegativeInt = 0
-    cache_gbps: PositiveFloat | None = None
-    op_us: NonNegativeFloat = 0.0
-    call_us: NonNegativeFloat = 0.0
-    topk_ns: NonNegativeFloat = 0.0
 
     def bandwidth_gbps(self, bytes_read: int) -> float | None:
         """The bandwidth ``bytes_read`` bytes are read at: the cache's if they fit in it."""
@@ -161,16 +156,8 @@ class PlanningProblem(FrozenModel):
         """The roofs of each device type whose devices carry a compute roof."""
         roofs: dict[str, Roofs] = {}
         for device in self.devices:
-            if device.gflops is not None:
-                roofs[device.type] = Roofs(
-                    gflops=device.gflops,
-                    memory_gbps=device.memory_gbps,
-                    cache_bytes=device.cache_bytes,
-                    cache_gbps=device.cache_gbps,
-                    op_us=device.op_us,
-                    call_us=device.call_us,
-                    topk_ns=device.topk_ns,
-                )
+            if (device_roofs := device.roofs()) is not None:
+                roofs[device.type] = device_roofs
         return roofs
 
     def unit_seconds(self, index: int, device_type: str) -> float:

@@ -1,0 +1,38 @@
+"""The roofs a device states beside its compute roof, declared once.
+
+:class:`RoofFields` is the base of every model that carries them: a device of ``DEVICES.json``
+(:class:`~protocols.devices.DeviceSpec`), of a planning problem
+(:class:`~protocols.problem.ProblemDevice`) and a device type's
+:class:`~protocols.problem.Roofs`. A model that states fields before the roofs lists its own base
+with those fields after :class:`RoofFields` (``class Device(RoofFields, Head)``): pydantic orders
+fields from the last base to the first, so the JSON keeps the head first.
+"""
+
+from __future__ import annotations
+
+from pydantic import NonNegativeFloat, NonNegativeInt, PositiveFloat
+
+from protocols.base import FrozenModel
+
+
+class RoofFields(FrozenModel):
+    """Memory roof, the cache below it and the fixed costs (roofline pricing only)."""
+
+    memory_gbps: PositiveFloat | None = None
+    """Memory roof: streaming-read GB/s beyond the caches, as ``fedshard profile`` measures it.
+    With it every unit is priced by the roofline, ``max(FLOPs / compute, bytes read /
+    bandwidth)``; without it by FLOPs alone."""
+    cache_bytes: NonNegativeInt = 0
+    """Work reading at most this many bytes is read at ``cache_gbps``."""
+    cache_gbps: PositiveFloat | None = None
+    """Streaming-read bandwidth within the cache, GB/s."""
+    op_us: NonNegativeFloat = 0.0
+    """Fixed cost of one operator, microseconds."""
+    call_us: NonNegativeFloat = 0.0
+    """Fixed cost of running a stage's segment once, microseconds."""
+    topk_ns: NonNegativeFloat = 0.0
+    """Cost of a ``TopK`` per element it selects from, nanoseconds."""
+
+
+ROOF_FIELD_NAMES = tuple(RoofFields.model_fields)
+"""The names of the roofs beyond compute, in their order."""
