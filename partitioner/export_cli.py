@@ -6,7 +6,7 @@ import argparse
 from pathlib import Path
 from typing import Any
 
-EXIT_BAD_INPUT = 1
+from partitioner.cli_args import EXIT_BAD_INPUT, human_size, positive_int
 
 
 def register_export(subparsers: Any) -> None:
@@ -32,7 +32,7 @@ def register_export(subparsers: Any) -> None:
     )
     export.add_argument(
         "--top-k",
-        type=_positive_int,
+        type=positive_int,
         default=64,
         metavar="K",
         help="decoders: next-token candidates the graph returns (64)",
@@ -57,12 +57,6 @@ def register_export(subparsers: Any) -> None:
         help="decoders: skip scoring the precision against float32",
     )
     export.set_defaults(run=run_export)
-
-
-def _positive_int(text: str) -> int:
-    if not text.isdigit() or int(text) < 1:
-        raise argparse.ArgumentTypeError(f"wants a positive integer, got {text!r}")
-    return int(text)
 
 
 def run_export(args: argparse.Namespace) -> int:
@@ -94,7 +88,7 @@ def run_export(args: argparse.Namespace) -> int:
     outputs = list(result.outputs)
     shown = ", ".join(outputs if len(outputs) <= 4 else [*outputs[:3], f"... ({len(outputs)})"])
     console.print(
-        f"wrote {result.path} ({_size(result.param_bytes)} of weights, outputs "
+        f"wrote {result.path} ({human_size(result.param_bytes)} of weights, outputs "
         f"{shown}); ONNX Runtime vs PyTorch max abs diff {result.max_abs_diff:.3g}"
     )
     if result.precision is not None:
@@ -112,14 +106,14 @@ def print_precision(console: Any, report: Any, quality: Any) -> None:
     scored = quality is not None
     table.add_row(
         "fp32",
-        _size(report.source_bytes),
+        human_size(report.source_bytes),
         "1.00x",
         "1.000" if scored else "-",
         f"{quality.reference_perplexity:.2f}" if scored else "-",
     )
     table.add_row(
         report.weights,
-        _size(report.weight_bytes),
+        human_size(report.weight_bytes),
         f"{report.ratio:.2f}x",
         f"{quality.top1_agreement:.3f}" if scored else "-",
         f"{quality.perplexity:.2f}" if scored else "-",
@@ -127,12 +121,3 @@ def print_precision(console: Any, report: Any, quality: Any) -> None:
     console.print(table)
     if scored:
         console.print(f"scored on {quality.tokens} tokens of Python's 'Execution model' text")
-
-
-def _size(n: int) -> str:
-    value = float(n)
-    for unit in ("B", "KiB", "MiB", "GiB"):
-        if value < 1024 or unit == "GiB":
-            return f"{value:,.0f} {unit}" if unit == "B" else f"{value:,.1f} {unit}"
-        value /= 1024
-    return f"{value:,.1f} TiB"

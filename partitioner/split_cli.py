@@ -13,10 +13,10 @@ import dataclasses
 from pathlib import Path
 from typing import Any
 
+from partitioner.cli_args import EXIT_BAD_INPUT, human_size, positive_int
 from protocols.constants import DEFAULT_QUEUE_DEPTH
 from protocols.manifest import DEFAULT_SESSIONS
 
-EXIT_BAD_INPUT = 1
 EXIT_INFEASIBLE = 3
 EXIT_VERIFY_FAILED = 4
 
@@ -80,14 +80,14 @@ def register(subparsers: Any) -> None:
     )
     split.add_argument(
         "--sessions",
-        type=_positive_int,
+        type=positive_int,
         default=DEFAULT_SESSIONS.max_sessions,
         metavar="N",
         help="decoders: concurrent generation sessions every stage reserves KV cache for (4)",
     )
     split.add_argument(
         "--context",
-        type=_positive_int,
+        type=positive_int,
         default=DEFAULT_SESSIONS.max_context,
         metavar="TOKENS",
         help="decoders: tokens per session (prompt plus generated) the KV cache holds (1024)",
@@ -99,14 +99,14 @@ def register(subparsers: Any) -> None:
     )
     split.add_argument(
         "--calibration-runs",
-        type=_positive_int,
+        type=positive_int,
         default=10,
         metavar="N",
         help="timed runs per unit for --calibrate; the fastest counts (10)",
     )
     split.add_argument(
         "--calibration-threads",
-        type=_positive_int,
+        type=positive_int,
         default=1,
         metavar="N",
         help="ONNX Runtime intra-op threads for --calibrate (1, like the edge agent)",
@@ -136,12 +136,6 @@ def register(subparsers: Any) -> None:
     from partitioner.export_cli import register_export
 
     register_export(subparsers)
-
-
-def _positive_int(text: str) -> int:
-    if not text.isdigit() or int(text) < 1:
-        raise argparse.ArgumentTypeError(f"wants a positive integer, got {text!r}")
-    return int(text)
 
 
 _SIZE_UNITS = {"": 1, "b": 1, "kib": 1 << 10, "mib": 1 << 20, "gib": 1 << 30}
@@ -235,15 +229,6 @@ def run_split(args: argparse.Namespace) -> int:
     return 0
 
 
-def _size(n: int) -> str:
-    value = float(n)
-    for unit in ("B", "KiB", "MiB", "GiB"):
-        if value < 1024 or unit == "GiB":
-            return f"{value:,.0f} {unit}" if unit == "B" else f"{value:,.1f} {unit}"
-        value /= 1024
-    return f"{value:,.1f} TiB"
-
-
 def print_split(console: Any, result: Any, devices: Any) -> None:
     """Print a split result: model summary, the plan table and the verification."""
     from rich.table import Table
@@ -252,7 +237,7 @@ def print_split(console: Any, result: Any, devices: Any) -> None:
     plan, manifest, analysis = result.plan, result.manifest, result.analysis
     console.print(
         f"[bold]{manifest.model.name}[/]: {len(analysis.index.nodes)} nodes, "
-        f"{len(analysis.units.units)} units, {_size(manifest.model.param_bytes)} of weights; "
+        f"{len(analysis.units.units)} units, {human_size(manifest.model.param_bytes)} of weights; "
         f"samples {analysis.samples_source}, dims {dict(analysis.table.dims)}"
     )
     if analysis.table.estimated:
@@ -272,11 +257,11 @@ def print_split(console: Any, result: Any, devices: Any) -> None:
             str(seg.index),
             seg.device,
             f"{seg.units[0]}-{seg.units[1]}",
-            _size(seg.param_bytes),
-            _size(seg.predicted_memory_bytes),
-            _size(budget[seg.device]),
+            human_size(seg.param_bytes),
+            human_size(seg.predicted_memory_bytes),
+            human_size(budget[seg.device]),
             f"{seg.predicted_compute_s * 1e3:.2f} ms",
-            "outputs" if seg.index == last else f"{len(seg.outputs)}: {_size(out_bytes)}",
+            "outputs" if seg.index == last else f"{len(seg.outputs)}: {human_size(out_bytes)}",
         )
     if result.calibration is not None:
         print_calibration(console, result.calibration)
