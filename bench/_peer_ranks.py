@@ -14,7 +14,6 @@ import subprocess
 import sys
 import time
 from pathlib import Path
-from types import TracebackType
 from typing import IO, Any
 
 import numpy as np
@@ -79,12 +78,7 @@ class TorchRanks:
             raise
         return self
 
-    def __exit__(
-        self,
-        exc_type: type[BaseException] | None,
-        exc: BaseException | None,
-        tb: TracebackType | None,
-    ) -> None:
+    def __exit__(self, *exc: object) -> None:
         self._stop()
 
     def command(self, op: str, n: int = 0, m: int = 0) -> dict[str, Any]:

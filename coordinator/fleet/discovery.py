@@ -8,7 +8,6 @@ and ignored; the browser keeps running for everyone else.
 from __future__ import annotations
 
 import logging
-from types import TracebackType
 
 from zeroconf import IPVersion, ServiceBrowser, ServiceStateChange, Zeroconf
 
@@ -37,12 +36,7 @@ class ZeroconfDiscovery:
     def __enter__(self) -> ZeroconfDiscovery:
         return self
 
-    def __exit__(
-        self,
-        exc_type: type[BaseException] | None,
-        exc: BaseException | None,
-        tb: TracebackType | None,
-    ) -> None:
+    def __exit__(self, *exc: object) -> None:
         self.close()
 
     def _on_change(

@@ -23,7 +23,6 @@ import subprocess
 import sys
 import time
 from pathlib import Path
-from types import TracebackType
 from typing import IO, Any
 
 from devtools.lab.errors import LabAgentError, LabStateError, LabTeardownError
@@ -111,12 +110,7 @@ class Lab:
         self.up()
         return self
 
-    def __exit__(
-        self,
-        exc_type: type[BaseException] | None,
-        exc: BaseException | None,
-        tb: TracebackType | None,
-    ) -> None:
+    def __exit__(self, *exc: object) -> None:
         self.down()
 
     def exec_argv(self, host: str, command: list[str]) -> list[str]:
