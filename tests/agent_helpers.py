@@ -32,6 +32,7 @@ from cryptography.hazmat.primitives.asymmetric import ec, ed25519
 from cryptography.x509.oid import NameOID
 from onnx import TensorProto, helper, numpy_helper
 
+from coordinator.trust.ca import CertificateAuthority
 from edge_agent.channel import ChannelHandler, FrameChannel, FrameServer
 from edge_agent.config import AgentConfig, TlsFiles
 from edge_agent.identity import Identity, load_identity
@@ -128,26 +129,11 @@ class TestCA:
         return cert_path, key_path
 
     def certify(self, csr_pem: str, name: str, role: str = ROLE_AGENT) -> str:
-        """PEM certificate for the key of a certificate request (the coordinator's job)."""
-        csr = x509.load_pem_x509_csr(csr_pem.encode())
-        now = dt.datetime.now(dt.UTC)
-        subject = x509.Name(
-            [
-                x509.NameAttribute(NameOID.COMMON_NAME, name),
-                x509.NameAttribute(NameOID.ORGANIZATIONAL_UNIT_NAME, role),
-            ]
-        )
-        cert = (
-            x509.CertificateBuilder()
-            .subject_name(subject)
-            .issuer_name(self.cert.subject)
-            .public_key(csr.public_key())
-            .serial_number(x509.random_serial_number())
-            .not_valid_before(now - dt.timedelta(minutes=5))
-            .not_valid_after(now + dt.timedelta(days=1))
-            .sign(self.key, self._hash())
-        )
-        return cert.public_bytes(serialization.Encoding.PEM).decode()
+        """PEM certificate for the key of a certificate request, issued by the coordinator's
+        own code (:class:`CertificateAuthority`, EC P-256 only) with this CA's key."""
+        assert isinstance(self.key, ec.EllipticCurvePrivateKey), "the coordinator's CA is EC"
+        issued = CertificateAuthority(self.key, self.cert).issue(csr_pem.encode(), name, role)
+        return issued.pem.decode()
 
     def sign(self, manifest: DeployManifest) -> DeployRequest:
         """A deploy request with this CA's signature over the manifest."""
