@@ -31,17 +31,10 @@ from pathlib import Path
 from typing import Any
 
 import numpy as np
-from pydantic import (
-    BaseModel,
-    ConfigDict,
-    NonNegativeFloat,
-    NonNegativeInt,
-    PositiveFloat,
-    PositiveInt,
-)
+from pydantic import NonNegativeFloat, NonNegativeInt, PositiveFloat, PositiveInt
 
 from edge_agent.config import RuntimeConfig
-from edge_agent.microbench import model_bytes, node_bytes
+from edge_agent.microbench import ProfileModel, model_bytes, node_bytes
 
 OPS = 256
 OP_MIX = ("MatMul", "Add", "Softmax", "Mul", "Sigmoid", "Neg", "Sqrt", "Abs")
@@ -57,10 +50,8 @@ CACHE_SPEEDUP = 1.5
 _CACHE_DIR = Path("/sys/devices/system/cpu/cpu0/cache")
 
 
-class MemoryProfile(BaseModel):
+class MemoryProfile(ProfileModel):
     """The memory roof, the cache level below it and the per-operator cost."""
-
-    model_config = ConfigDict(frozen=True, extra="forbid")
 
     memory_gbps: PositiveFloat
     stream_bytes: PositiveInt

@@ -48,10 +48,15 @@ MATMULS = 4
 _FLOAT = 1  # TensorProto.FLOAT
 
 
-class ComputeProfile(BaseModel):
-    """What ``fedshard profile`` measures and caches."""
+class ProfileModel(BaseModel):
+    """The base of the profile's models: frozen, unknown fields refused (a cache written by
+    another version is measured again)."""
 
     model_config = ConfigDict(frozen=True, extra="forbid")
+
+
+class ComputeProfile(ProfileModel):
+    """What ``fedshard profile`` measures and caches."""
 
     gflops: PositiveFloat
     memory_gbps: PositiveFloat | None = None
