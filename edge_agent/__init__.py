@@ -8,12 +8,20 @@
 - :mod:`edge_agent.identity`    key pair, certificates, deploy-signature verification
 - :mod:`edge_agent.tls`         TLS 1.3 contexts, peer name/role checks, revocation
 - :mod:`edge_agent.pairing`     the agent's side of pairing (code, CSR, grant)
+- :mod:`edge_agent.renewal`     certificate renewal before expiry
 - :mod:`edge_agent.microbench`  GFLOP/s micro-benchmark, cached profile
+- :mod:`edge_agent.membench`    memory roof, cache level, operator/call/TopK costs
 - :mod:`edge_agent.runtime`     ONNX Runtime sessions, memory measurement, warm-up
+- :mod:`edge_agent.onnx_limits` declared-size checks on a segment before ONNX Runtime parses it
 - :mod:`edge_agent.segments`    deploy checks and the loaded segments
 - :mod:`edge_agent.checks`      frame tensors against a segment's declared inputs
 - :mod:`edge_agent.channel`     data-plane transport (frame channels over TLS/TCP)
+- :mod:`edge_agent.frame_budget` the unfinished-frame budget a server's connections share
 - :mod:`edge_agent.pipeline`    data-plane request handling: queues, compute, forwarding
+- :mod:`edge_agent.routing`     who may send what to a stage; routed ids, the answers' claims
+- :mod:`edge_agent.compute`     a stage's compute: one request, a session step, or a batch
+- :mod:`edge_agent.batching`    queued requests of a stateless stage run as one batch
+- :mod:`edge_agent.sessions`    per-session state (a decoder's KV cache) between steps
 - :mod:`edge_agent.links`       persistent connections to the next agent
 - :mod:`edge_agent.probe`       link probe (latency, bandwidth)
 - :mod:`edge_agent.wire_errors` its exceptions to the wire's error codes (one table)

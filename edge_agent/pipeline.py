@@ -6,7 +6,8 @@ first agent prefixes the request id with the requester's verified name (so only 
 can claim the answer); each agent sends its ``forward`` tensors to the next; the last agent hands
 the result to the claiming connection. Errors after a request was accepted travel the same way,
 skipping compute; the first agent answers its own refusals, and link failures it sees, on the
-requester's connection. Every accepted request gets one answer.
+requester's connection. Every accepted request gets one answer. Who may send what, the routed
+ids and the claims are decided in :mod:`edge_agent.routing`; this module does the I/O.
 
 Per agent there are two bounded queues (compute and send) and one compute thread. A full compute
 queue stops the connection readers, so TCP pushes back on the previous agent: backpressure.
@@ -18,34 +19,22 @@ import asyncio
 import logging
 import ssl
 import time
-from collections import OrderedDict, deque
+from collections import deque
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass
 
 from edge_agent.channel import FrameChannel
 from edge_agent.checks import Array, check_planned, check_tensors
 from edge_agent.compute import StageRunner, Work, take_batch
-from edge_agent.errors import (
-    AgentError,
-    LinkError,
-    NoSegmentError,
-    PeerRejectedError,
-    RequestError,
-)
+from edge_agent.errors import AgentError, LinkError, NoSegmentError, PeerRejectedError, RequestError
 from edge_agent.links import Link
 from edge_agent.metrics import AgentMetrics
+from edge_agent.routing import AnswerDesk, request_id_of, routed_header, routed_id
 from edge_agent.segments import Deployed, SegmentStore
 from edge_agent.sessions import check_session_fields
 from edge_agent.tls import check_peer
 from edge_agent.wire_errors import error_header
-from protocols.deploy import (
-    MAX_CLAIMS,
-    ORIGIN_SEPARATOR,
-    PROBE_PREFIX,
-    ROLE_AGENT,
-    ROLE_COORDINATOR,
-    Hop,
-)
+from protocols.deploy import ORIGIN_SEPARATOR, PROBE_PREFIX, ROLE_AGENT, ROLE_COORDINATOR, Hop
 from protocols.errors import FrameError
 from protocols.frames import FrameHeader, FrameKind
 
@@ -53,10 +42,6 @@ log = logging.getLogger(__name__)
 
 LinkFactory = Callable[[Hop], Link]
 PEER_ROLES = frozenset({ROLE_AGENT, ROLE_COORDINATOR})
-PARKED_MAX = 64
-"""Answers kept for a claim that has not arrived yet (the claim normally arrives first)."""
-PARKED_SECONDS = 30.0
-_Parked = tuple[FrameHeader, Mapping[str, Array], float]
 
 
 @dataclass
@@ -65,11 +50,6 @@ class _Outgoing:
     header: FrameHeader
     tensors: Mapping[str, Array]
     origin: FrameChannel | None
-
-
-def request_id_of(routed: str) -> str:
-    """The requester's own request id in a routed id ``NAME|ID``."""
-    return routed.rpartition(ORIGIN_SEPARATOR)[2]
 
 
 class Pipeline:
@@ -87,14 +67,10 @@ class Pipeline:
         self._link_factory = link_factory
         self._compute_q: asyncio.Queue[Work] = asyncio.Queue(maxsize=queue_depth)
         self._send_q: asyncio.Queue[_Outgoing] = asyncio.Queue(maxsize=queue_depth)
-        self._claims: dict[str, FrameChannel] = {}
-        """Unanswered claims on the last stage: routed request id -> the claiming connection."""
-        self._open_claims: dict[FrameChannel, set[str]] = {}
-        """The same claims by connection (for the per-connection bound and the cleanup)."""
-        self._parked: OrderedDict[str, _Parked] = OrderedDict()
+        self._answers = AnswerDesk()
         self._held: deque[Work] = deque()
-        self._runner = StageRunner(metrics)
         """A request taken from the compute queue that did not fit the batch before it."""
+        self._runner = StageRunner(metrics)
         self._links: dict[Hop, Link] = {}
         self._tasks: list[asyncio.Task[None]] = []
 
@@ -147,8 +123,7 @@ class Pipeline:
         except (OSError, ssl.SSLError) as exc:
             log.info("data-plane connection from %s ended: %s", channel.peer.name, exc)
         finally:
-            for key in self._open_claims.pop(channel, set()):
-                self._claims.pop(key, None)
+            self._answers.drop(channel)
             await channel.close()
 
     async def _dispatch(
@@ -173,38 +148,13 @@ class Pipeline:
         if header.segment_index == len(chain) and manifest.is_last and not manifest.is_first:
             await self._answer_frame(channel, header, chain)
             return
-        admitted = await self._admit(channel, header, deployed)
-        if admitted is not None:
-            await self._accept(deployed, *admitted, tensors)
-
-    async def _admit(
-        self, channel: FrameChannel, header: FrameHeader, deployed: Deployed
-    ) -> tuple[FrameHeader, FrameChannel | None] | None:
-        """The request's header as this stage runs it (routed on the first stage) and the
-        requester's connection (first stage only); None when it was refused."""
-        index, chain = deployed.manifest.segment.index, deployed.manifest.chain
-        if header.segment_index != index:
-            await self._refuse(
-                channel,
-                header,
-                NoSegmentError(f"this agent runs segment {index}, not {header.segment_index}"),
-            )
-            return None
-        if index > 0:
-            check_peer(channel.peer, name=chain[index - 1].device, roles={ROLE_AGENT})
-            return header, None
-        if header.kind is not FrameKind.DATA or ORIGIN_SEPARATOR in header.request_id:
-            await self._refuse(
-                channel,
-                header,
-                RequestError(f"requesters may not send errors or {ORIGIN_SEPARATOR!r}"),
-            )
-            return None
-        routed = f"{channel.peer.name}{ORIGIN_SEPARATOR}{header.request_id}"
-        if len(routed) > 128:
-            await self._refuse(channel, header, RequestError("request id is too long"))
-            return None
-        return header.model_copy(update={"request_id": routed}), channel
+        try:
+            admitted = routed_header(channel.peer, header, manifest)
+        except RequestError as exc:
+            await self._refuse(channel, header, exc)
+            return
+        origin = channel if manifest.segment.index == 0 else None  # where the requester waits
+        await self._accept(deployed, admitted, origin, tensors)
 
     async def _accept(
         self,
@@ -252,25 +202,19 @@ class Pipeline:
                 raise PeerRejectedError(f"{channel.peer.name!r} may not send answers here")
             await self._to_requester(header, {})
             return
-        key = f"{channel.peer.name}{ORIGIN_SEPARATOR}{header.request_id}"
-        mine = self._open_claims.setdefault(channel, set())
         if header.failed:
             raise PeerRejectedError(f"{channel.peer.name!r} may not send errors here")
+        key = routed_id(channel.peer, header.request_id)
         if header.kind is FrameKind.RELEASE:  # the requester got its answer elsewhere
-            if key in mine:
-                mine.discard(key)
-                del self._claims[key]
+            self._answers.release(channel, key)
             return
-        if key in self._claims:
-            await self._refuse(channel, header, RequestError("request id already claimed"))
+        try:
+            parked = self._answers.claim(channel, key)
+        except RequestError as exc:
+            await self._refuse(channel, header, exc)
             return
-        if len(mine) >= MAX_CLAIMS:
-            await self._refuse(channel, header, RequestError(f"over {MAX_CLAIMS} open claims"))
-            return
-        self._claims[key] = channel
-        mine.add(key)
-        if (parked := self._parked.pop(key, None)) is not None:
-            await self._to_requester(parked[0], parked[1])
+        if parked is not None:  # the answer came before its claim
+            await self._write_answer(channel, *parked)
 
     async def _compute_loop(self) -> None:
         while True:
@@ -365,23 +309,9 @@ class Pipeline:
 
     async def _to_requester(self, header: FrameHeader, tensors: Mapping[str, Array]) -> None:
         """On the last stage: hand an answer to the connection that claimed it (or park it)."""
-        channel = self._claims.pop(header.request_id, None)
-        if channel is None:
-            self._park(header, tensors)
-            return
-        self._open_claims[channel].discard(header.request_id)
-        await self._write_answer(channel, header, tensors)
-
-    def _park(self, header: FrameHeader, tensors: Mapping[str, Array]) -> None:
-        """Keep an answer whose claim has not arrived (bounded in number and age)."""
-        now = time.monotonic()
-        while self._parked and (
-            len(self._parked) >= PARKED_MAX
-            or next(iter(self._parked.values()))[2] < now - PARKED_SECONDS
-        ):
-            lost, _ = self._parked.popitem(last=False)
-            log.warning("the answer for %s was never claimed; dropped", lost)
-        self._parked[header.request_id] = (header, tensors, now)
+        channel = self._answers.take(header, tensors)
+        if channel is not None:
+            await self._write_answer(channel, header, tensors)
 
     async def _write_answer(
         self, channel: FrameChannel, header: FrameHeader, tensors: Mapping[str, Array]

@@ -98,7 +98,7 @@ def test_first_stage_routes_requests_by_requester_name(tmp_path: Path) -> None:
 def test_last_stage_returns_results_to_the_claim(
     tmp_path: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:
-    monkeypatch.setattr("edge_agent.pipeline.MAX_CLAIMS", 1)  # answered claims must be freed
+    monkeypatch.setattr("edge_agent.routing.MAX_CLAIMS", 1)  # answered claims must be freed
     ca = TestCA(tmp_path)
     chain = [Hop(device=f"a{i}", host="127.0.0.1", data_port=9000 + i) for i in range(3)]
     store = _store(ca, name="a2")
