@@ -38,6 +38,7 @@ import tempfile
 import time
 import uuid
 from pathlib import Path
+from typing import Any, cast
 
 import numpy as np
 
@@ -57,6 +58,8 @@ from protocols.frames import FrameHeader  # noqa: E402
 
 SIZES = [(64 << 10, "64 KiB", 300), (1 << 20, "1 MiB", 100), (16 << 20, "16 MiB", 15)]
 MAX_FRAME = 64 << 20
+Row = dict[str, Any]
+"""One measured size: its label and the medians (ms, ratios, Gbit/s) by column name."""
 
 
 async def serve_tcp(port_file: Path, bind: str = "127.0.0.1") -> None:
@@ -96,7 +99,7 @@ def _serve_raw_conn(listener: socket.socket, ctx: ssl.SSLContext | None) -> None
     with sock:
         size_bytes = bytearray(8)
         while _recv_exact(sock, memoryview(size_bytes)):
-            buf = memoryview(np.empty(int.from_bytes(size_bytes, "little"), np.uint8)).cast("B")
+            buf = np.empty(int.from_bytes(size_bytes, "little"), np.uint8).data.cast("B")
             _recv_exact(sock, buf)
             sock.sendall(b"ok")
 
@@ -135,7 +138,7 @@ def serve_raw(port_file: Path, ca_dir: Path, bind: str = "127.0.0.1") -> None:
 
 
 def raw_round_trips(sock: socket.socket, size: int, repeats: int) -> list[float]:
-    data = memoryview(np.ones(size, np.uint8)).cast("B")
+    data = np.ones(size, np.uint8).data.cast("B")
     answer = memoryview(bytearray(2))
     times = []
     for _ in range(repeats):
@@ -167,8 +170,8 @@ def tls_crypto(ca: TestCA, size: int, repeats: int) -> list[float]:
                 end.do_handshake()
         s_in.write(c_out.read())
         c_in.write(s_out.read())
-    data = memoryview(np.ones(size, np.uint8)).cast("B")
-    sink = memoryview(np.empty(size, np.uint8)).cast("B")
+    data = np.ones(size, np.uint8).data.cast("B")
+    sink = np.empty(size, np.uint8).data.cast("B")
     times = []
     for _ in range(repeats):
         start = time.perf_counter()
@@ -177,7 +180,7 @@ def tls_crypto(ca: TestCA, size: int, repeats: int) -> list[float]:
             s_in.write(c_out.read())
         got = 0
         while got < size:
-            got += server.read(size - got, sink[got:])
+            got += cast(int, server.read(size - got, sink[got:]))  # with a buffer: a count
         times.append(time.perf_counter() - start)
     return times
 
@@ -202,7 +205,7 @@ async def measure(
     host: str = "127.0.0.1",
     ca: TestCA | None = None,
     sizes: list[tuple[int, str, int]] = SIZES,
-) -> list[dict[str, float]]:
+) -> list[Row]:
     """Interleaved round trips to ``host``; with ``ca``, also the CPU-only floors (crypto, copy)."""
     tls = await open_channel(host, tls_port, ctx, MAX_FRAME)
     tcp = await open_channel(host, tcp_port, None, MAX_FRAME)
@@ -210,7 +213,7 @@ async def measure(
     raw_tls = ctx.wrap_socket(socket.create_connection((host, raw_ports[1]), timeout=120))
     for raw in (raw_tcp, raw_tls):
         raw.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
-    rows = []
+    rows: list[Row] = []
     try:
         for size, label, repeats in sizes:
             n = max(3, int(repeats * scale))
@@ -233,7 +236,7 @@ async def measure(
             tls_s, tcp_s = statistics.median(tls_t), statistics.median(tcp_t)
             rows.append(
                 {
-                    "label": label,  # type: ignore[dict-item]
+                    "label": label,
                     "size": size,
                     "tls_ms": tls_s * 1e3,
                     "tcp_ms": tcp_s * 1e3,
@@ -280,7 +283,7 @@ def lab_client(config_path: Path) -> int:
     return 0
 
 
-def report(rows: list[dict[str, float]]) -> str:
+def report(rows: list[Row]) -> str:
     table = Table(title="fedshard hand-off per hop (median round trip: N-byte frame + ack)")
     columns = (
         "size",
@@ -354,7 +357,7 @@ def report(rows: list[dict[str, float]]) -> str:
     return "\n".join(lines)
 
 
-def loopback(tmp: Path, ca: TestCA, scale: float) -> list[dict[str, float]]:
+def loopback(tmp: Path, ca: TestCA, scale: float) -> list[Row]:
     """Agent, plain-TCP echo and raw echoes on 127.0.0.1; the interleaved rows."""
     port_file, raw_file = tmp / "tcp.port", tmp / "raw.port"
     server = subprocess.Popen([sys.executable, __file__, "--serve-tcp", str(port_file)])
@@ -379,7 +382,7 @@ def loopback(tmp: Path, ca: TestCA, scale: float) -> list[dict[str, float]]:
             proc.wait(10)
 
 
-def report_lab(rows: list[dict[str, float]], rates: list[float]) -> str:
+def report_lab(rows: list[Row], rates: list[float]) -> str:
     """The LAN table: the same round trips between two lab hosts, per link rate."""
     table = Table(title="hand-off per hop between two lab hosts (tbf on both links)")
     for col in handoff_lab.COLUMNS:
@@ -428,12 +431,10 @@ def cpu_name() -> str:
     return platform.processor() or platform.machine()
 
 
-def report_runs(
-    loop_runs: list[list[dict[str, float]]], lab_runs: list[list[dict[str, float]]]
-) -> str:
+def report_runs(loop_runs: list[list[Row]], lab_runs: list[list[Row]]) -> str:
     """TLS/TCP (data plane and raw sockets) as min-max over every run, per place and size."""
     runs = max(len(loop_runs), len(lab_runs))
-    keyed: dict[tuple[str, str], list[dict[str, float]]] = {}
+    keyed: dict[tuple[str, str], list[Row]] = {}
     for rows in loop_runs:
         for r in rows:
             keyed.setdefault(("loopback 127.0.0.1", str(r["label"])), []).append(r)
@@ -523,8 +524,8 @@ def main() -> int:
     if why_not and args.mode == "lab":
         print(f"lab mode cannot run: {why_not}", file=sys.stderr)
         return 2
-    loop_runs: list[list[dict[str, float]]] = []
-    lab_runs: list[list[dict[str, float]]] = []
+    loop_runs: list[list[Row]] = []
+    lab_runs: list[list[Row]] = []
     with tempfile.TemporaryDirectory() as tmp_name:
         tmp = Path(tmp_name)
         ca = TestCA(tmp / "ca")
@@ -555,9 +556,7 @@ def main() -> int:
     return 0
 
 
-def headlines(
-    loop_rows: list[dict[str, float]], lab_runs: list[list[dict[str, float]]]
-) -> list[Headline]:
+def headlines(loop_rows: list[Row], lab_runs: list[list[Row]]) -> list[Headline]:
     """TLS/TCP per hop for >= 1 MiB: on loopback (last run), and the worst of every lab run."""
     out = [
         Headline(f"TLS / TCP per hop, {r['label']}, loopback", r["tls_over_tcp"], "x", "<= 1.3")

@@ -106,7 +106,7 @@ def start_lab(tmp: Path, minilm: Path, decoder: Path) -> Iterator[Lab]:
     try:
         for name in names:
             lab.agents.append(start_agent(tmp, name, None, memory=f"{AGENT_MEMORY >> 20}MiB"))
-        _pair(lab)  # type: ignore[arg-type]
+        _pair(lab)
         caps = [arg for n in names for arg in ("--memory-cap", f"{n}={CAP}")]
         _cli(coordinator, "deploy", str(minilm), "--name", MINILM, *caps)
         _cli(coordinator, "deploy", str(decoder / "model.onnx"), "--name", DECODER,
