@@ -39,6 +39,7 @@ from pydantic import (
 
 from edge_agent.config import RuntimeConfig
 from hostkit.files import write_atomic
+from protocols.roofs import ROOF_FIELD_NAMES
 
 log = logging.getLogger(__name__)
 
@@ -87,7 +88,7 @@ class ComputeProfile(ProfileModel):
         return self.model_dump(include=set(ROOF_FIELDS))
 
 
-ROOF_FIELDS = ("gflops", "memory_gbps", "cache_bytes", "cache_gbps", "op_us", "call_us", "topk_ns")
+ROOF_FIELDS = ("gflops", *ROOF_FIELD_NAMES)
 """The measured roofs, as ``DeviceProfile`` and ``AgentStatus`` name them too."""
 
 
