@@ -108,7 +108,7 @@ def _train_config(args: argparse.Namespace, memory_bytes: int) -> TrainConfig | 
     if not args.train_superlink:
         raise ConfigError("--train-data needs --train-superlink")
     data = args.train_data
-    if not any(data.glob(pattern) for pattern in ("data.npz", "*.jsonl", "*.txt")):
+    if not any(next(data.glob(pattern), None) for pattern in ("data.npz", "*.jsonl", "*.txt")):
         raise ConfigError(f"--train-data {data} holds no data.npz, *.jsonl or *.txt")
     budget = parse_size(args.train_budget) if args.train_budget else memory_bytes
     config = TrainConfig(data, args.train_superlink, args.train_segments, budget)
