@@ -83,8 +83,8 @@ def test_text_records_without_segments_or_ca_train_on_the_coordinators_copy(
     data = tmp_path / "text"
     data.mkdir()
     (data / "notes.txt").write_text("one record\nanother record\n")
-    argv = _base(tmp_path) + ["--train-data", str(data), "--train-superlink", "127.0.0.1:9"]
-    config = config_from_args(_parse(argv + ["--train-storage", "2MiB"]))
+    argv = [*_base(tmp_path), "--train-data", str(data), "--train-superlink", "127.0.0.1:9"]
+    config = config_from_args(_parse([*argv, "--train-storage", "2MiB"]))
     assert config.training is not None and config.training.segments_dir is None
     assert config.training.storage_bytes == 2 << 20
     with agent_supernode(config) as node:
