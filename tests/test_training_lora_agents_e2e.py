@@ -14,6 +14,7 @@ anywhere in the coordinator's state dir or log.
 from __future__ import annotations
 
 import json
+import re
 from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
@@ -97,6 +98,31 @@ def test_the_merged_version_is_served_and_generates(lab: GenLab, run: dict[str, 
         done = api.post("/v1/completions", json=body)
         assert done.status_code == 200, done.text
         assert done.json()["usage"]["completion_tokens"] > 0
+
+
+def test_a_second_run_trains_the_fine_tuned_version_and_gets_only_what_changed(
+    lab: GenLab, run: dict[str, Any]
+) -> None:
+    """The agents follow the served version: the second run starts from the first one's
+    adapters merged, and each agent is sent only the files its copy lacks."""
+    with lab.coordinator.client(timeout=60) as api:
+        served = _active(api)
+        body = {"rounds": 1, "model": MODEL_ID, "secure_aggregation": False}
+        started = api.post("/v1/training/runs", json=body)
+        assert started.status_code == 200, started.text
+        status = _wait(api, started.json()["run_id"], 900)
+    assert status["status"] == "finished", (status, lab.coordinator.log()[-4000:])
+    print("second LoRA run on the agents:", json.dumps(status, indent=1))
+    assert status["baseline_loss"] == pytest.approx(run["status"]["final_loss"], rel=0.02)
+    manifest = f"deployments/{MODEL_ID}/v{served['plan_version']}/manifest.json"
+    for agent in lab.agents:
+        copy = agent.state_dir / "training" / "current"
+        assert (copy / "manifest.json").read_bytes() == (
+            lab.coordinator.state_dir / manifest
+        ).read_bytes()
+        found = re.findall(r"training copy \S+ offered: (\d+) files missing", agent.log())
+        first, *_, last = (int(n) for n in found)
+        assert first == 5 > last >= 2, found  # the manifest and the changed segments
 
 
 def _record_texts(dirs: list[Path]) -> list[bytes]:
