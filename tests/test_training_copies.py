@@ -162,3 +162,39 @@ def test_the_file_route_is_limited_to_the_largest_missing_file(tmp_path: Path) -
     )
     assert reply.status == 200 and len(TrainingCopyStatus.from_json(reply.body).missing) == 4
     assert route.body_limit() == len(SEGMENTS["seg0.onnx"])
+
+
+def test_the_control_plane_refuses_oversized_files_and_other_roles_before_the_body(
+    tmp_path: Path,
+) -> None:
+    """Through the real :class:`ControlServer`: a declared body over the largest missing file
+    is answered 413 without a byte of it sent; an agent-role peer gets 403."""
+    from edge_agent.control import ControlServer
+    from edge_agent.tls import Peer
+    from protocols.deploy import ROLE_AGENT, ROLE_COORDINATOR
+
+    ca = CertificateAuthority.open(tmp_path / "coordinator")
+    agent = _agent(tmp_path, ca)
+    version = _version(tmp_path / "v1", SEGMENTS)
+    agent.offer(
+        signed_offer(training_copy("m-v1", version, []), ca.sign).model_dump_json().encode()
+    )
+    server = ControlServer(training_routes(agent), 1 << 30)
+
+    async def ask(role: str, length: int) -> bytes:
+        async def on_connection(reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
+            await server.handle(reader, writer, Peer("c", role))
+            writer.close()
+
+        listener = await asyncio.start_server(on_connection, "127.0.0.1", 0)
+        port = listener.sockets[0].getsockname()[1]
+        try:
+            reader, writer = await asyncio.open_connection("127.0.0.1", port)
+            head = f"POST /v1/training/file HTTP/1.1\r\nContent-Length: {length}\r\n\r\n"
+            writer.write(head.encode())  # and no body
+            return await asyncio.wait_for(reader.read(), 10)
+        finally:
+            listener.close()
+
+    assert asyncio.run(ask(ROLE_COORDINATOR, 10 << 20)).startswith(b"HTTP/1.1 413")
+    assert asyncio.run(ask(ROLE_AGENT, 10)).startswith(b"HTTP/1.1 403")
