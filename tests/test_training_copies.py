@@ -14,10 +14,12 @@ from pathlib import Path
 
 import pytest
 from cryptography import x509
+from cryptography.hazmat.primitives.asymmetric import ec
 
 from coordinator.training.copies import send_copy, signed_offer, training_copy
 from coordinator.transport.agent_client import AgentAddress
 from coordinator.trust.ca import CertificateAuthority
+from edge_agent.control import Response
 from edge_agent.errors import IntegrityError, SignatureError, StorageError
 from edge_agent.training.copies import TrainingCopies, training_routes
 from protocols.errors import SchemaError
@@ -57,7 +59,8 @@ def _version(root: Path, segments: dict[str, bytes]) -> Path:
 
 def _agent(tmp: Path, ca: CertificateAuthority, storage: int = 1 << 20) -> TrainingCopies:
     key = x509.load_pem_x509_certificate(ca.cert_pem).public_key()
-    return TrainingCopies(tmp / "agent" / "training", storage, lambda: key)  # type: ignore[arg-type]
+    assert isinstance(key, ec.EllipticCurvePublicKey)
+    return TrainingCopies(tmp / "agent" / "training", storage, lambda: key)
 
 
 class _Loopback:
@@ -157,9 +160,11 @@ def test_the_file_route_is_limited_to_the_largest_missing_file(tmp_path: Path) -
     assert route.body_limit is not None and route.body_limit() == 0
     version = _version(tmp_path / "v1", SEGMENTS)
     offer = signed_offer(training_copy("m-v1", version, ["tokenizer.json"]), ca.sign)
-    reply = asyncio.run(
-        routes[("POST", "/v1/training/copy")].handler(offer.model_dump_json().encode())
-    )
+
+    async def post_offer() -> Response:
+        return await routes[("POST", "/v1/training/copy")].handler(offer.model_dump_json().encode())
+
+    reply = asyncio.run(post_offer())
     assert reply.status == 200 and len(TrainingCopyStatus.from_json(reply.body).missing) == 4
     assert route.body_limit() == len(SEGMENTS["seg0.onnx"])
 
