@@ -203,3 +203,20 @@ def test_the_control_plane_refuses_oversized_files_and_other_roles_before_the_bo
 
     assert asyncio.run(ask(ROLE_COORDINATOR, 10 << 20)).startswith(b"HTTP/1.1 413")
     assert asyncio.run(ask(ROLE_AGENT, 10)).startswith(b"HTTP/1.1 403")
+
+
+def test_a_rounds_segments_are_read_one_at_a_time_and_checked_again(tmp_path: Path) -> None:
+    """What the ClientApp trains from (``lora/train.py: SegmentFiles``): hashes checked once,
+    each file read only when indexed, and a file swapped after the check refused."""
+    from edge_agent.training.errors import PlanMismatchError
+    from edge_agent.training.lora.train import SegmentFiles
+
+    version = _version(tmp_path / "v1", SEGMENTS)
+    paths = [version / name for name in SEGMENTS]
+    files = SegmentFiles(paths, [hashlib.sha256(p.read_bytes()).hexdigest() for p in paths])
+    assert len(files) == 2 and len(files[:1]) == 1
+    assert list(files) == list(SEGMENTS.values())
+    paths[1].write_bytes(b"swapped after the check")
+    assert files[0] == SEGMENTS["seg0.onnx"]
+    with pytest.raises(PlanMismatchError):
+        files[1]
