@@ -220,3 +220,46 @@ def test_a_rounds_segments_are_read_one_at_a_time_and_checked_again(tmp_path: Pa
     assert files[0] == SEGMENTS["seg0.onnx"]
     with pytest.raises(PlanMismatchError):
         files[1]
+
+
+def test_the_copy_goes_to_keyed_agents_and_too_few_holders_fail_the_run(tmp_path: Path) -> None:
+    """Coordinator side: only agents with a node key are offered the copy, an agent that does
+    not train (404) is skipped, and fewer holders than the run needs fail it with reasons."""
+    from coordinator.config import AgentTrainingConfig
+    from coordinator.errors import AgentRefusedError
+    from coordinator.training.errors import TrainingRunError
+    from coordinator.training.target import PairedAgents
+
+    ca = CertificateAuthority.open(tmp_path / "coordinator")
+    version = _version(tmp_path / "v1", SEGMENTS)
+    offer = signed_offer(training_copy("m-v1", version, ["tokenizer.json"]), ca.sign)
+    trainers = {name: _agent(tmp_path / name, ca) for name in ("a", "b")}
+    asked: list[str] = []
+
+    class Client:
+        """The agents' handlers by device name (called from several threads at once)."""
+
+        def training_copy(
+            self, agent: AgentAddress, offer: TrainingCopyOffer
+        ) -> TrainingCopyStatus:
+            asked.append(agent.device)
+            if agent.device not in trainers:
+                raise AgentRefusedError(agent.device, 404, "NotFound", "no route")
+            return trainers[agent.device].offer(offer.model_dump_json().encode())
+
+        def training_file(self, agent: AgentAddress, data: bytes) -> TrainingCopyStatus:
+            assert len(data) <= trainers[agent.device].largest_missing()
+            return trainers[agent.device].receive(data)
+
+    devices = [AgentAddress(n, "127.0.0.1", 1) for n in ("a", "b", "plain", "unkeyed")]
+    keys = {"a": "ka", "b": "kb", "plain": "kp"}
+    paired = PairedAgents(
+        AgentTrainingConfig(9093, 2), "127.0.0.1", lambda: keys,
+        Client(), lambda: devices,  # type: ignore[arg-type]
+    )  # fmt: skip
+    assert sorted(paired.send_copy(offer, version, 2)) == ["a", "b"]
+    assert sorted(asked) == ["a", "b", "plain"], "no offer to an agent without a node key"
+    for agent in trainers.values():
+        assert (agent.current / "manifest.json").is_file()
+    with pytest.raises(TrainingRunError, match=r"2 paired agents hold .* needs 3.*plain: does not"):
+        paired.send_copy(offer, version, 3)
