@@ -21,7 +21,7 @@ from typing import Any
 
 import pytest
 from generation_lab import GenLab, decoder_lab
-from test_training_lora_e2e import _active, _wait
+from test_training_lora_e2e import _active, finished_run
 
 from coordinator.training.flower import free_port
 
@@ -58,13 +58,10 @@ def lab(
 
 @pytest.fixture(scope="module")
 def run(lab: GenLab) -> dict[str, Any]:
-    with lab.coordinator.client(timeout=60) as api:
+    with lab.coordinator.client() as api:
         before = _active(api)
-        body = {"rounds": 1, "model": MODEL_ID, "method": "lora", "lora": {"rank": 4}}
-        started = api.post("/v1/training/runs", json=body)
-        assert started.status_code == 200, started.text
-        status = _wait(api, started.json()["run_id"], 1200)
-    assert status["status"] == "finished", (status, lab.coordinator.log()[-4000:])
+    body = {"rounds": 1, "model": MODEL_ID, "method": "lora", "lora": {"rank": 4}}
+    status = finished_run(lab, body, 1200)
     print("LoRA run on the agents:", json.dumps(status, indent=1))  # README numbers (-s)
     return {"status": status, "before": before}
 
@@ -105,13 +102,9 @@ def test_a_second_run_trains_the_fine_tuned_version_and_gets_only_what_changed(
 ) -> None:
     """The agents follow the served version: the second run starts from the first one's
     adapters merged, and each agent is sent only the files its copy lacks."""
-    with lab.coordinator.client(timeout=60) as api:
+    with lab.coordinator.client() as api:
         served = _active(api)
-        body = {"rounds": 1, "model": MODEL_ID, "secure_aggregation": False}
-        started = api.post("/v1/training/runs", json=body)
-        assert started.status_code == 200, started.text
-        status = _wait(api, started.json()["run_id"], 900)
-    assert status["status"] == "finished", (status, lab.coordinator.log()[-4000:])
+    status = finished_run(lab, {"rounds": 1, "model": MODEL_ID, "secure_aggregation": False}, 900)
     print("second LoRA run on the agents:", json.dumps(status, indent=1))
     assert status["baseline_loss"] == pytest.approx(run["status"]["final_loss"], rel=0.02)
     manifest = f"deployments/{MODEL_ID}/v{served['plan_version']}/manifest.json"
