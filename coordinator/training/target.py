@@ -4,8 +4,10 @@
 fine-tunes what the target file (:class:`~protocols.training.TrainingTargetSpec`) names, with one
 local SuperNode per listed data directory, or, when the coordinator was given
 ``--superlink-port`` (:class:`PairedAgents`), with the paired agents' own SuperNodes: a
-SuperLink with node authentication admits exactly the keys they sent when they paired. Without a
-target, a run is refused with :class:`~coordinator.training.errors.NoTrainingTargetError` (409).
+SuperLink with node authentication admits exactly the keys they sent when they paired (a LoRA
+run first sends them the served version: :mod:`coordinator.training.copies`). Without a target,
+a run is refused with :class:`~coordinator.training.errors.NoTrainingTargetError` (409), except
+a LoRA run of a served model on paired agents, which needs none.
 ``fedshard demo`` writes one for the reference digits task (:mod:`devtools.digits`).
 
 When the target's ``model_id`` is served, the run trains the served version's own segments and
