@@ -9,7 +9,7 @@ from __future__ import annotations
 import contextlib
 import logging
 import signal
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 
 from rich.console import Console
 
@@ -112,7 +112,7 @@ def serve(config: CoordinatorConfig, console: Console) -> int:
                 deployer,
                 store,
                 config.training_target,
-                _paired_agents(config, pairing),
+                _paired_agents(config, pairing, agents, live),
             ),
             generation=generation,
             speculation=generation.speculation_stats.get,
@@ -141,11 +141,22 @@ def serve(config: CoordinatorConfig, console: Console) -> int:
     return 0
 
 
-def _paired_agents(config: CoordinatorConfig, pairing: Pairing) -> PairedAgents | None:
+def _paired_agents(
+    config: CoordinatorConfig,
+    pairing: Pairing,
+    client: AgentClient,
+    live: Callable[[], list[DeviceRecord]],
+) -> PairedAgents | None:
     """The agents API training runs go to (None: local SuperNodes on the reference data)."""
     if config.agent_training is None:
         return None
-    return PairedAgents(config.agent_training, config.interface, pairing.node_keys)
+    return PairedAgents(
+        config.agent_training,
+        config.interface,
+        pairing.node_keys,
+        client,
+        lambda: [address_of(r) for r in live()],
+    )
 
 
 @contextlib.contextmanager

@@ -100,6 +100,7 @@ class Agent:
                 ("GET", "/v1/pairing"): Route(self._pairing_offer, None),
                 ("POST", "/v1/pairing"): Route(self._pair, None),
                 ("GET", "/metrics"): Route(self._metrics, ANY_PEER),
+                **self._training_routes(),
             },
             config.max_deploy_bytes,
         )
@@ -223,6 +224,17 @@ class Agent:
             log.debug("%s-plane connection from %s closed at shutdown", plane, address)
         finally:
             self._connections.discard(task)
+
+    def _training_routes(self) -> dict[tuple[str, str], Route]:
+        """``/v1/training/copy`` and ``/file`` when the agent trains (no torch imported)."""
+        if self.config.training is None:
+            return {}
+        from edge_agent.training.copies import TrainingCopies, training_routes
+
+        train = self.config.training
+        root = self.config.state_dir / "training"
+        copies = TrainingCopies(root, train.storage_bytes, lambda: self.identity.ca_public_key)
+        return training_routes(copies)
 
     async def _serve_control(
         self, reader: asyncio.StreamReader, writer: asyncio.StreamWriter, peer: Peer

@@ -6,6 +6,7 @@ Light to import: ONNX Runtime, zeroconf and cryptography load inside the handler
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import logging
 import os
 from pathlib import Path
@@ -79,26 +80,41 @@ def _add_runtime_args(parser: argparse.ArgumentParser) -> None:
 def _add_train_args(parser: argparse.ArgumentParser) -> None:
     train = parser.add_argument_group("federated fine-tuning (needs fedshard[agent,train])")
     train.add_argument(
-        "--train-data", type=Path, help="directory with data.npz: also run a Flower SuperNode"
+        "--train-data",
+        type=Path,
+        help="data.npz, or text records (*.jsonl, *.txt): also run a Flower SuperNode",
     )
     train.add_argument("--train-superlink", help="HOST:PORT of the coordinator's SuperLink")
-    train.add_argument("--train-segments", type=Path, help="the version being fine-tuned")
+    train.add_argument(
+        "--train-segments",
+        type=Path,
+        help="the version being fine-tuned (default: the copy the coordinator sends each run)",
+    )
     train.add_argument("--train-budget", help="training memory budget (default: --memory)")
+    train.add_argument(
+        "--train-storage", help="largest version copy the coordinator may send (default 4GiB)"
+    )
 
 
 def _train_config(args: argparse.Namespace, memory_bytes: int) -> TrainConfig | None:
+    given = (args.train_superlink, args.train_segments, args.train_budget, args.train_storage)
     if args.train_data is None:
-        if args.train_superlink or args.train_segments or args.train_budget:
+        if any(given):
             raise ConfigError(
-                "--train-superlink, --train-segments and --train-budget need --train-data"
+                "--train-superlink, --train-segments, --train-budget and --train-storage "
+                "need --train-data"
             )
         return None
-    if not (args.train_superlink and args.train_segments and args.ca):
-        raise ConfigError("--train-data needs --train-superlink, --train-segments and --ca")
-    if not (args.train_data / "data.npz").is_file():
-        raise ConfigError(f"--train-data {args.train_data} holds no data.npz")
+    if not args.train_superlink:
+        raise ConfigError("--train-data needs --train-superlink")
+    data = args.train_data
+    if not any(next(data.glob(pattern), None) for pattern in ("data.npz", "*.jsonl", "*.txt")):
+        raise ConfigError(f"--train-data {data} holds no data.npz, *.jsonl or *.txt")
     budget = parse_size(args.train_budget) if args.train_budget else memory_bytes
-    return TrainConfig(args.train_data, args.train_superlink, args.train_segments, budget)
+    config = TrainConfig(data, args.train_superlink, args.train_segments, budget)
+    if args.train_storage:
+        config = dataclasses.replace(config, storage_bytes=parse_size(args.train_storage))
+    return config
 
 
 def config_from_args(args: argparse.Namespace) -> AgentConfig:

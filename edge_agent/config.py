@@ -47,13 +47,16 @@ class TrainConfig:
     """``--train-data``: also run a Flower SuperNode that fine-tunes on this device's data."""
 
     data_dir: Path
-    """Holds ``data.npz`` (x, y); it never leaves the device."""
+    """Holds ``data.npz`` (x, y) or text records (``*.jsonl``, ``*.txt``); never leaves."""
     superlink: str
     """``HOST:PORT`` of the coordinator's SuperLink (``fedshard train --superlink-port``)."""
-    segments_dir: Path
-    """The version being fine-tuned: its ``manifest.json`` and segment files."""
+    segments_dir: Path | None
+    """The version being fine-tuned: its ``manifest.json`` and segment files; None: the copy
+    the coordinator sends before each run (``STATE_DIR/training/current``)."""
     budget_bytes: int
     """Training-memory budget: decides which shards this device trains."""
+    storage_bytes: int = 4 << 30
+    """Largest copy of a version the coordinator may send (``--train-storage``)."""
 
 
 @dataclass(frozen=True)

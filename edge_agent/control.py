@@ -6,11 +6,14 @@ client certificate is asked for and only the pairing routes answer)::
     POST /v1/deploy   coordinator  body from protocols.deploy.encode_deploy_body -> DeployReport
     POST /v1/unload   coordinator  UnloadRequest                               -> AgentStatus
     POST /v1/probe    coordinator  ProbeRequest                                -> ProbeReport
+    POST /v1/training/copy  coordinator  TrainingCopyOffer                     -> TrainingCopyStatus
+    POST /v1/training/file  coordinator  one file of the offer (raw bytes)     -> TrainingCopyStatus
     GET  /v1/status   any peer                                                 -> AgentStatus
     GET  /metrics     any peer     Prometheus text format
 
 Before a byte of a body is read, the route, the caller's role and the body's declared size
-(deploy: the agent's deploy limit; every other route: 1 MiB) are checked. A connection that sends
+(deploy: the agent's deploy limit; a training file: the largest file the signed offer still
+lacks; every other route: 1 MiB) are checked. A connection that sends
 no request head within 30 s, or a body slower than 1 MiB/s after 30 s, is answered 408 and
 closed. Errors come back as :class:`protocols.deploy.ErrorReply` JSON with a 4xx or 5xx status.
 """
@@ -71,6 +74,9 @@ class Route:
     max_body_bytes: int | None = None
     """Largest body this route reads; None: :data:`SMALL_BODY_BYTES` (the deploy route passes
     the agent's deploy limit)."""
+    body_limit: Callable[[], int] | None = None
+    """When set, the largest body right now (asked before the body is read; a training file
+    may be as large as the largest file its signed offer still lacks)."""
 
 
 COORDINATOR_ONLY = frozenset({ROLE_COORDINATOR})
@@ -128,6 +134,8 @@ class ControlServer:
             log.warning("refused %s %s from %s: %s", method, path, peer.name, exc)
             return _error(403, type(exc).__name__, str(exc))
         limit = min(self._max_body, route.max_body_bytes or SMALL_BODY_BYTES)
+        if route.body_limit is not None:
+            limit = min(self._max_body, route.body_limit())
         if length > limit:
             raise HttpError(413, f"body of {length} bytes is over this route's {limit}-byte limit")
         body = await _read_body(reader, length)

@@ -11,6 +11,7 @@ everything the agent itself refuses raises one of these::
     │   ├── SignatureError     the coordinator's signature does not verify
     │   ├── WrongTargetError   the manifest is for another device, or the plan version is taken
     │   ├── BudgetError        predicted or measured memory over the agent's budget
+    │   ├── StorageError       a training copy is larger than the agent's training storage
     │   └── SegmentLoadError   ONNX Runtime cannot load it or run the warm-up (malformed ONNX)
     ├── RequestError           a data-plane request is refused           -> error frame
     │   ├── InputMismatchError names, dtypes, ranks or fixed dims differ from the segment's inputs
@@ -72,6 +73,12 @@ class WrongTargetError(DeployError):
 
 class BudgetError(DeployError):
     """The segment does not fit the agent's memory budget."""
+
+    http_status = 507
+
+
+class StorageError(DeployError):
+    """A training copy (the version a run fine-tunes) does not fit the training storage."""
 
     http_status = 507
 

@@ -123,17 +123,21 @@ def pairing_code(agent: AgentProc, timeout: float = 20.0) -> str:
 
 
 @contextlib.contextmanager
-def unpaired_agents(tmp: Path, names: list[str], memory: str) -> Iterator[list[AgentProc]]:
-    """Start unpaired agents (advertising over mDNS); always stop them."""
+def unpaired_agents(
+    tmp: Path, names: list[str], memory: str, extra: list[list[str]] | None = None
+) -> Iterator[list[AgentProc]]:
+    """Start unpaired agents (advertising over mDNS; the ``i``-th with ``extra[i]`` arguments
+    when given); always stop them."""
     started: list[AgentProc] = []
     try:
-        for name in names:
+        for i, name in enumerate(names):
             if started:  # reuse the first agent's measured profile
                 (tmp / f"state-{name}").mkdir(parents=True, exist_ok=True)
                 shutil.copy(
                     started[0].state_dir / "profile.json", tmp / f"state-{name}" / "profile.json"
                 )
-            started.append(start_agent(tmp, name, None, memory=memory))
+            args = extra[i] if extra else None
+            started.append(start_agent(tmp, name, None, memory=memory, extra=args))
         yield started
     finally:
         for agent in started:

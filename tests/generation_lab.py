@@ -42,14 +42,16 @@ def decoder_lab(
     cap: str | None,
     agents: int = 3,
     coordinator_args: list[str] | None = None,
+    agent_args: list[list[str]] | None = None,
 ) -> Iterator[GenLab]:
-    """Start ``agents`` agents of ``memory`` each, pair them, ``fedshard deploy`` the export
-    (under the planning ``cap`` per device, when given); stop everything."""
+    """Start ``agents`` agents of ``memory`` each (the ``i``-th with ``agent_args[i]``), pair
+    them, ``fedshard deploy`` the export (under the planning ``cap`` per device, when given);
+    stop everything."""
     suffix = secrets.token_hex(3)
     coordinator = start_coordinator(tmp, extra=coordinator_args)
     try:
         names = [f"g{i}-{suffix}" for i in range(agents)]
-        with unpaired_agents(tmp, names, memory) as procs:
+        with unpaired_agents(tmp, names, memory, agent_args) as procs:
             with coordinator.client() as api:
                 assert wait_for(
                     lambda: set(names) <= {d["name"] for d in api.get("/v1/devices").json()}, 15

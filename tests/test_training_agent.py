@@ -54,10 +54,11 @@ def test_train_flags_build_the_training_config(tmp_path: Path) -> None:
     ("extra", "message"),
     [
         (["--train-superlink", "127.0.0.1:1"], "need --train-data"),
-        (["--train-data", "DATA"], "needs --train-superlink, --train-segments and --ca"),
+        (["--train-storage", "1GiB"], "need --train-data"),
+        (["--train-data", "DATA"], "needs --train-superlink"),
         (
             ["--train-data", "EMPTY", "--train-superlink", "h:1", "--train-segments", "s"],
-            "holds no data.npz",
+            "holds no data.npz, \\*.jsonl or \\*.txt",
         ),
     ],
 )
@@ -69,6 +70,36 @@ def test_train_flags_are_checked(tmp_path: Path, extra: list[str], message: str)
     ]
     with pytest.raises(ConfigError, match=message):
         config_from_args(_parse(_base(tmp_path) + _tls(tmp_path) + extra))
+
+
+def test_text_records_without_segments_or_ca_train_on_the_coordinators_copy(
+    tmp_path: Path,
+) -> None:
+    """An unpaired agent with text records: no --ca, no --train-segments; its SuperNode reads
+    the copy the coordinator sends (``training/current``) and waits for pairing's CA."""
+    pytest.importorskip("flwr")
+    from edge_agent.training.supernode import agent_supernode
+
+    data = tmp_path / "text"
+    data.mkdir()
+    (data / "notes.txt").write_text("one record\nanother record\n")
+    argv = [*_base(tmp_path), "--train-data", str(data), "--train-superlink", "127.0.0.1:9"]
+    config = config_from_args(_parse([*argv, "--train-storage", "2MiB"]))
+    assert config.training is not None and config.training.segments_dir is None
+    assert config.training.storage_bytes == 2 << 20
+    with agent_supernode(config) as node:
+        work = (tmp_path / "state" / "training").resolve()
+        assert node.config.segments_dir == work / "current"
+        assert node.config.root_certificates == (tmp_path / "state" / "ca.pem").resolve()
+        time.sleep(1.5)
+        assert not node.alive(), "no SuperNode before the agent is paired"
+        (tmp_path / "state" / "ca.pem").write_bytes(b"")  # what pairing leaves
+        deadline = time.monotonic() + 10
+        while not node.alive() and time.monotonic() < deadline:
+            time.sleep(0.2)
+        assert node.alive(), node.log_path.read_text(errors="replace")
+        assert node.restarts == 0
+    assert not node.alive()
 
 
 def test_the_agents_supernode_runs_until_the_agent_stops(tmp_path: Path) -> None:

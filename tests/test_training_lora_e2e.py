@@ -61,6 +61,16 @@ def _wait(api: httpx.Client, run_id: str, timeout_s: float) -> dict[str, Any]:
     raise AssertionError(f"run {run_id} did not end within {timeout_s} s")
 
 
+def finished_run(lab: GenLab, body: dict[str, Any], timeout_s: float) -> dict[str, Any]:
+    """``POST /v1/training/runs`` with ``body``; its status once it finished (asserted)."""
+    with lab.coordinator.client(timeout=60) as api:
+        started = api.post("/v1/training/runs", json=body)
+        assert started.status_code == 200, started.text
+        status = _wait(api, started.json()["run_id"], timeout_s)
+    assert status["status"] == "finished", (status, lab.coordinator.log()[-4000:])
+    return status
+
+
 @pytest.fixture(scope="module")
 def run(lab: GenLab) -> dict[str, Any]:
     with lab.coordinator.client(timeout=60) as api:

@@ -4,8 +4,10 @@
 fine-tunes what the target file (:class:`~protocols.training.TrainingTargetSpec`) names, with one
 local SuperNode per listed data directory, or, when the coordinator was given
 ``--superlink-port`` (:class:`PairedAgents`), with the paired agents' own SuperNodes: a
-SuperLink with node authentication admits exactly the keys they sent when they paired. Without a
-target, a run is refused with :class:`~coordinator.training.errors.NoTrainingTargetError` (409).
+SuperLink with node authentication admits exactly the keys they sent when they paired (a LoRA
+run first sends them the served version: :mod:`coordinator.training.copies`). Without a target,
+a run is refused with :class:`~coordinator.training.errors.NoTrainingTargetError` (409), except
+a LoRA run of a served model on paired agents, which needs none.
 ``fedshard demo`` writes one for the reference digits task (:mod:`devtools.digits`).
 
 When the target's ``model_id`` is served, the run trains the served version's own segments and
@@ -35,6 +37,7 @@ from coordinator.training.lora.target import (
     DecoderPublisher,
     MethodRunner,
     local_lora_federation,
+    paired_lora_federation,
     served_lora_target,
 )
 from coordinator.training.manager import RunReporter, TrainingRuns
@@ -45,8 +48,10 @@ from coordinator.training.runner import (
     agent_federation,
 )
 from coordinator.training.version import Version
+from coordinator.transport.agent_client import AgentAddress, AgentClient
 from coordinator.trust.ca import CertificateAuthority
 from protocols.training import TrainingRunRequest, TrainingTargetSpec
+from protocols.training_copy import TrainingCopyOffer
 
 log = logging.getLogger(__name__)
 
@@ -137,6 +142,20 @@ class PairedAgents:
     """The coordinator's interface: the SuperLink listens there."""
     node_keys: Callable[[], Mapping[str, str]]
     """The paired agents' node-authentication keys by name (:meth:`Pairing.node_keys`)."""
+    client: AgentClient | None = None
+    """Control-plane client: a LoRA run sends the served version to the agents first."""
+    devices: Callable[[], list[AgentAddress]] = list
+    """The paired agents online now."""
+
+    def send_copy(self, offer: TrainingCopyOffer, segments: Path, needed: int) -> list[str]:
+        """Send a run's version to the online agents that have a node key; who holds it."""
+        from coordinator.training.copies import send_to_trainers
+
+        if self.client is None:
+            raise LoraTargetError("this coordinator cannot reach its agents' control planes")
+        keyed = self.node_keys()
+        agents = [a for a in self.devices() if a.device in keyed]
+        return send_to_trainers(self.client, agents, offer, segments, needed)
 
 
 def agents_target(target: TrainingTarget, clients: int) -> TrainingTarget:
@@ -154,8 +173,11 @@ def coordinator_runs(
     model_cache: Path | None = None,
 ) -> TrainingRuns:
     """The training-run manager the coordinator's API serves (refusing runs without a target)."""
-    if target_file is None:
+    if target_file is None and agents is None:
         return TrainingRuns(_Refusing(), ready=_no_target)
+    lora = lora_runner(state_dir, ca, deployer, store, target_file, agents, model_cache)
+    if target_file is None:  # paired agents, no digits task: only LoRA runs of served models
+        return TrainingRuns(MethodRunner(_Refusing(), lora), ready=_admission(lora, False))
     spec = load_target(target_file)
 
     def target() -> TrainingTarget:
@@ -170,15 +192,7 @@ def coordinator_runs(
     test_file = target_file.parent / spec.test_file if spec.test_file else Path("-")
     publish = LivePublisher(deployer, store, test_file, ca.cert_pem)
     runner = FlowerRunner(state_dir / "training", ca, target, settings, publish, federation)
-    lora = lora_runner(state_dir, ca, deployer, store, spec, target_file.parent, model_cache)
-
-    def ready(request: TrainingRunRequest) -> None:
-        if request.resolved_method == "lora":
-            if agents is not None:
-                raise LoraTargetError("LoRA runs on paired agents' SuperNodes are not wired yet")
-            lora.resolve(str(request.model))
-
-    return TrainingRuns(MethodRunner(runner, lora), ready=ready)
+    return TrainingRuns(MethodRunner(runner, lora), ready=_admission(lora, True))
 
 
 def lora_runner(
@@ -186,26 +200,50 @@ def lora_runner(
     ca: CertificateAuthority,
     deployer: Deployer,
     store: DeploymentStore,
-    spec: TrainingTargetSpec,
-    root: Path,
+    target_file: Path | None,
+    agents: PairedAgents | None,
     model_cache: Path | None,
 ) -> LoraRunner:
-    """The runner of ``method: lora`` requests (see :mod:`coordinator.training.lora.target`)."""
+    """The runner of ``method: lora`` requests (see :mod:`coordinator.training.lora.target`):
+    on the target's local text SuperNodes, or on the paired agents when there are any."""
     from partitioner.decoders.cache import default_cache_dir
 
-    data = tuple(root / d for d in spec.text_client_data)
+    data: tuple[Path, ...] = ()
+    if target_file is not None:
+        spec = load_target(target_file)
+        data = tuple(target_file.parent / d for d in spec.text_client_data)
+    clients = None if agents is None else agents.config.clients
 
     def resolve(model_id: str) -> LoraTarget:
-        return served_lora_target(model_id, state_dir, deployer, store, data, ())
+        return served_lora_target(model_id, state_dir, deployer, store, data, (), clients)
 
+    federation = local_lora_federation(ca)
+    if agents is not None:
+        port = agents.config.superlink_port
+        federation = paired_lora_federation(
+            ca, port, agents.host, agents.node_keys, agents.send_copy
+        )
     return LoraRunner(
         state_dir / "training",
         ca,
         resolve,
-        local_lora_federation(ca),
+        federation,
         DecoderPublisher(deployer, store, ca.cert_pem),
         model_cache or default_cache_dir(os.environ.get("FEDSHARD_CACHE")),
     )
+
+
+def _admission(lora: LoraRunner, shards: bool) -> Callable[[TrainingRunRequest], None]:
+    """The check of a request before it starts: a LoRA run's model must resolve; a shards run
+    needs a training target (``shards``)."""
+
+    def ready(request: TrainingRunRequest) -> None:
+        if request.resolved_method == "lora":
+            lora.resolve(str(request.model))
+        elif not shards:
+            _no_target()
+
+    return ready
 
 
 def _no_target(request: TrainingRunRequest | None = None) -> None:

@@ -34,6 +34,7 @@ from protocols.deploy import (
 )
 from protocols.errors import SchemaError
 from protocols.pairing import PairingGrant, PairingOffer
+from protocols.training_copy import TrainingCopyOffer, TrainingCopyStatus
 
 Model = TypeVar("Model", bound=FrozenModel)
 DEFAULT_TIMEOUT_S = 30.0
@@ -95,6 +96,17 @@ class AgentClient:
         """``POST /v1/certificate``: replace the agent's certificate before it expires."""
         body = renewal.model_dump_json().encode()
         return self._call(agent, "POST", "/v1/certificate", body, AgentStatus)
+
+    def training_copy(self, agent: AgentAddress, offer: TrainingCopyOffer) -> TrainingCopyStatus:
+        """``POST /v1/training/copy``: offer the signed version a run trains."""
+        body = offer.model_dump_json().encode()
+        return self._call(agent, "POST", "/v1/training/copy", body, TrainingCopyStatus)
+
+    def training_file(self, agent: AgentAddress, data: bytes) -> TrainingCopyStatus:
+        """``POST /v1/training/file``: one file the agent's pending copy lacks."""
+        return self._call(
+            agent, "POST", "/v1/training/file", data, TrainingCopyStatus, DEPLOY_TIMEOUT_S
+        )
 
     def _call(
         self,

@@ -168,42 +168,55 @@ class SupervisedSuperNode:
         self.restarts = 0
         self._lock = threading.Lock()
         self._stopping = threading.Event()
-        self._node = start_supernode(config)
+        self._node: SuperNodeProcess | None = None
+        if config.root_certificates.is_file():
+            self._node = start_supernode(config)
+        else:  # an unpaired agent: its SuperNode starts once pairing brought the CA
+            log.info("the SuperNode waits for pairing (%s)", config.root_certificates)
         self._thread = threading.Thread(target=self._watch, name="supernode-watch", daemon=True)
         self._thread.start()
 
     @property
     def node(self) -> SuperNodeProcess:
-        """The current SuperNode process."""
+        """The current SuperNode process (SuperNodeError before the first one started)."""
         with self._lock:
+            if self._node is None:
+                raise SuperNodeError("the SuperNode has not started: the agent is not paired")
             return self._node
 
     @property
     def log_path(self) -> Path:
         """The SuperNode's log (every restart appends to it)."""
-        return self.node.log_path
+        return self.config.work_dir / "supernode.log"
 
     def alive(self) -> bool:
         """Whether a SuperNode process is running now."""
-        return self.node.alive()
+        with self._lock:
+            return self._node is not None and self._node.alive()
 
     def stop(self) -> None:
         """Stop watching, then stop the SuperNode and its children."""
         self._stopping.set()
         self._thread.join(timeout=30)
-        self.node.stop()
+        with self._lock:
+            if self._node is not None:
+                self._node.stop()
 
     def _watch(self) -> None:
         while not self._stopping.wait(0.5):
-            node = self.node
-            if node.alive():
+            with self._lock:
+                node = self._node
+            if node is not None and node.alive():
                 continue
-            log.warning(
-                "SuperNode exited (%s); restarting in %.0f s", node.process.returncode,
-                self.restart_delay_s,
-            )  # fmt: skip
-            if self._stopping.wait(self.restart_delay_s):
-                return
+            if not self.config.root_certificates.is_file():
+                continue
+            if node is not None:
+                log.warning(
+                    "SuperNode exited (%s); restarting in %.0f s", node.process.returncode,
+                    self.restart_delay_s,
+                )  # fmt: skip
+                if self._stopping.wait(self.restart_delay_s):
+                    return
             with self._lock:
                 if self._stopping.is_set():
                     return
@@ -212,29 +225,37 @@ class SupervisedSuperNode:
                 except SuperNodeError as exc:
                     log.error("cannot restart the SuperNode: %s", exc)
                     continue
-                self.restarts += 1
+                self.restarts += node is not None
 
 
 @contextmanager
 def agent_supernode(config: AgentConfig) -> Iterator[SupervisedSuperNode]:
     """The SuperNode of an agent started with ``--train-data``, stopped when the agent stops.
 
-    It trusts the coordinator's CA (``--ca``) for the SuperLink's certificate, authenticates
-    with the agent's node key, and keeps its Flower home and feature cache under
-    ``STATE_DIR/training``. It is restarted whenever it exits, so the coordinator may start
-    runs (and register the key) later.
+    It trusts the coordinator's CA (``--ca``, or the one pairing leaves in the state dir: an
+    unpaired agent's SuperNode starts once it is paired) for the SuperLink's certificate,
+    authenticates with the agent's node key, and keeps its Flower home and feature cache under
+    ``STATE_DIR/training``. It trains on ``--train-segments`` or else on the copy of the served
+    version the coordinator sends before each run (:mod:`edge_agent.training.copies`). It is
+    restarted whenever it exits, so the coordinator may start runs (and register the key) later.
     """
-    train, tls = config.training, config.tls
-    if train is None or tls is None:
-        raise SuperNodeError("training needs --train-data and the coordinator's CA (--ca)")
+    from edge_agent.pairing import CA_FILE
+    from edge_agent.training.copies import CURRENT
+
+    train = config.training
+    if train is None:
+        raise SuperNodeError("training needs --train-data")
+    ca = config.tls.ca if config.tls is not None else config.state_dir / CA_FILE
     private_key, _ = make_node_key(node_key_dir(config.state_dir))
+    work_dir = (config.state_dir / "training").resolve()
+    segments = train.segments_dir.resolve() if train.segments_dir else work_dir / CURRENT
     node = SupervisedSuperNode(
         SuperNodeConfig(
             superlink=train.superlink,
-            root_certificates=tls.ca,
-            segments_dir=train.segments_dir.resolve(),
+            root_certificates=ca.resolve(),
+            segments_dir=segments,
             data_dir=train.data_dir.resolve(),
-            work_dir=(config.state_dir / "training").resolve(),
+            work_dir=work_dir,
             budget_bytes=train.budget_bytes,
             auth_private_key=private_key.resolve(),
         )

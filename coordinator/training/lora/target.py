@@ -2,9 +2,11 @@
 
 ``POST /v1/training/runs {"model": ID, "method": "lora"}`` fine-tunes the active version of
 served model ``ID`` (a decoder exported by ``fedshard export``). Its devices are the local
-SuperNodes of the training target's ``text_client_data`` (one per directory of text records);
-each SuperNode has its own node key, registered with the run's SuperLink, which admits no other
-node. The new version is verified (its manifest signature, against fedshard's CA) and rolled out
+SuperNodes of the training target's ``text_client_data`` (one per directory of text records),
+each with its own node key registered with the run's SuperLink, which admits no other node; or,
+with ``fedshard coordinator --superlink-port``, the paired agents' own SuperNodes
+(:func:`paired_lora_federation`), which get the served version from the coordinator first.
+The new version is verified (its manifest signature, against fedshard's CA) and rolled out
 live through the deployer; ``rollback`` returns to the version it was trained from.
 """
 
@@ -12,7 +14,7 @@ from __future__ import annotations
 
 import logging
 import threading
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator, Mapping
 from contextlib import ExitStack, contextmanager
 from pathlib import Path
 
@@ -26,6 +28,7 @@ from coordinator.training.version import Version
 from coordinator.trust.ca import CertificateAuthority
 from protocols.decoder import INPUT_IDS, MODEL_FILE, TOKENIZER_FILE
 from protocols.training import TrainingRunRequest
+from protocols.training_copy import TrainingCopyOffer
 
 log = logging.getLogger(__name__)
 
@@ -40,9 +43,12 @@ def served_lora_target(
     store: DeploymentStore,
     data_dirs: tuple[Path, ...],
     budgets: tuple[int, ...],
+    agents: int | None = None,
 ) -> LoraTarget:
-    """The active version of served decoder ``model_id``; UnknownModelError (404) when it is
-    not served, LoraTargetError (400) when it is no decoder or no device holds text."""
+    """The active version of served decoder ``model_id``, trained on one local SuperNode per
+    text dir or (``agents``) on that many paired agents' own SuperNodes; UnknownModelError
+    (404) when it is not served, LoraTargetError (400) when it is no decoder or no device holds
+    text."""
     active = store.active(model_id)
     version_dir = deployer.segment_dir(model_id, active.plan_version)
     source = Path(active.source)
@@ -51,7 +57,7 @@ def served_lora_target(
         raise LoraTargetError(f"{model_id}: its model file {model_file} is gone")
     record = store.model(model_id)
     tok_dir = Path(record.tokenizer_dir) if record.tokenizer_dir else model_file.parent
-    if not data_dirs:
+    if not data_dirs and agents is None:
         raise LoraTargetError(
             "no device holds text records: list text_client_data in the training target"
         )
@@ -61,7 +67,7 @@ def served_lora_target(
         model_file=model_file,
         tokenizer_file=tok_dir / TOKENIZER_FILE,
         versions_root=state_dir / "training" / "versions" / model_id,
-        population=len(data_dirs),
+        population=len(data_dirs) if agents is None else agents,
         data_dirs=data_dirs,
         budgets=budgets or tuple(1 << 30 for _ in data_dirs),
     )
@@ -103,6 +109,31 @@ def local_lora_federation(ca: CertificateAuthority) -> LoraFederation:
             stack.enter_context(
                 start_local_agents(link, segments, target.data_dirs, target.budgets, run_dir, keys)
             )
+            yield link
+
+    return start
+
+
+def paired_lora_federation(
+    ca: CertificateAuthority,
+    port: int,
+    host: str,
+    node_keys: Callable[[], Mapping[str, str]],
+    send: Callable[[TrainingCopyOffer, Path, int], list[str]],
+) -> LoraFederation:
+    """The paired agents' own SuperNodes train: the run's staged version is sent to them first
+    (:mod:`coordinator.training.copies`: signed, hash-checked, only missing files), then a
+    SuperLink on ``host:port`` admits the node keys of exactly the agents that hold it."""
+    from coordinator.training.copies import signed_offer, training_copy
+    from coordinator.training.runner import paired_superlink
+
+    @contextmanager
+    def start(run_dir: Path, segments: Path, target: LoraTarget) -> Iterator[SuperLink]:
+        copy_id = f"{target.model_id}-{target.version_dir.name}"
+        offer = signed_offer(training_copy(copy_id, segments, [TOKENIZER_FILE]), ca.sign)
+        held = set(send(offer, segments, target.population))
+        keys = {name: key for name, key in node_keys().items() if name in held}
+        with paired_superlink(run_dir, ca, keys, target.population, port, host) as link:
             yield link
 
     return start

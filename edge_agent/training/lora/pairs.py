@@ -16,6 +16,7 @@ not a formal record-level guarantee (the causal-LM objective's is one).
 
 from __future__ import annotations
 
+from collections.abc import Sequence
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -66,7 +67,7 @@ class PreparedPairs:
 
 
 def _batch(
-    plan: LoraPlan, blobs: list[bytes], pairs: Any, key: str, settings: LocalSettings
+    plan: LoraPlan, blobs: Sequence[bytes], pairs: Any, key: str, settings: LocalSettings
 ) -> PairBatch:
     from edge_agent.training.lora.train import TOKENIZER_FILE, cached_prefix
 

@@ -20,9 +20,10 @@ import io
 import json
 import logging
 import resource
+from collections.abc import Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING, Any, overload
 
 import numpy as np
 import onnx
@@ -85,8 +86,44 @@ def tokenize(texts: tuple[str, ...], tokenizer_path: Path, max_tokens: int) -> T
     return Tokens(ids, np.array([len(e) for e in encoded], dtype=np.int64))
 
 
-def load_version(plan: LoraPlan, segments_dir: Path) -> tuple[Manifest, list[bytes]]:
-    """The local segments' bytes, checked against the manifest and the plan's hashes."""
+class SegmentFiles(Sequence[bytes]):
+    """A version's segment files, hash-checked at load, read one at a time when indexed (so a
+    round never holds every segment's bytes at once); each read is checked against the hash
+    again, so a file replaced after the check is refused."""
+
+    def __init__(self, paths: Sequence[Path], digests: Sequence[str]) -> None:
+        self._paths = list(paths)
+        self._digests = list(digests)
+
+    def __len__(self) -> int:
+        return len(self._paths)
+
+    @overload
+    def __getitem__(self, index: int) -> bytes: ...
+
+    @overload
+    def __getitem__(self, index: slice) -> SegmentFiles: ...
+
+    def __getitem__(self, index: int | slice) -> bytes | SegmentFiles:
+        if isinstance(index, slice):
+            return SegmentFiles(self._paths[index], self._digests[index])
+        data = self._paths[index].read_bytes()
+        if hashlib.sha256(data).hexdigest() != self._digests[index]:
+            raise PlanMismatchError(f"{self._paths[index]} changed after it was checked")
+        return data
+
+
+def _file_sha256(path: Path) -> str:
+    try:
+        with path.open("rb") as fh:
+            return hashlib.file_digest(fh, "sha256").hexdigest()
+    except OSError as exc:
+        raise PlanMismatchError(f"{path}: unreadable segment: {exc}") from exc
+
+
+def load_version(plan: LoraPlan, segments_dir: Path) -> tuple[Manifest, SegmentFiles]:
+    """The local segments, checked against the manifest and the plan's hashes (streamed: no
+    segment is held in memory here)."""
     try:
         manifest = Manifest.from_json((segments_dir / MANIFEST_FILE).read_bytes())
     except (OSError, SchemaError) as exc:
@@ -94,17 +131,17 @@ def load_version(plan: LoraPlan, segments_dir: Path) -> tuple[Manifest, list[byt
     want = {s.index: s.sha256 for s in plan.segments}
     if [e.index for e in manifest.segments] != sorted(want):
         raise PlanMismatchError("the local version has other segments than the plan")
-    blobs = []
+    paths = []
     for entry in manifest.segments:
-        data = (segments_dir / entry.file).read_bytes()
-        digest = hashlib.sha256(data).hexdigest()
+        path = segments_dir / entry.file
+        digest = _file_sha256(path)
         if digest != entry.sha256 or digest != want[entry.index]:
             raise PlanMismatchError(f"segment {entry.index} differs from the server's version")
-        blobs.append(data)
+        paths.append(path)
     tok = segments_dir / TOKENIZER_FILE
     if not tok.is_file() or hashlib.sha256(tok.read_bytes()).hexdigest() != plan.tokenizer_sha256:
         raise PlanMismatchError(f"{tok}: missing or not the plan's tokenizer")
-    return manifest, blobs
+    return manifest, SegmentFiles(paths, [want[e.index] for e in manifest.segments])
 
 
 def _zeros_for(value: Any, batch: int) -> np.ndarray:
@@ -126,7 +163,7 @@ def _with_output(blob: bytes, name: str) -> tuple[bytes, bool]:
 
 
 def prefix_hidden(
-    blobs: list[bytes], tokens: Tokens, boundary: str, bidirectional: bool = False
+    blobs: Sequence[bytes], tokens: Tokens, boundary: str, bidirectional: bool = False
 ) -> np.ndarray:
     """The residual stream at ``boundary`` for every row: the segments up to the one that makes
     it run in ONNX Runtime, one at a time (``boundary`` may be inside a segment). An encoder
@@ -171,7 +208,7 @@ def prefix_hidden(
 
 
 def cached_prefix(
-    plan: LoraPlan, blobs: list[bytes], tokens: Tokens, data_sha: str, cache_dir: Path
+    plan: LoraPlan, blobs: Sequence[bytes], tokens: Tokens, data_sha: str, cache_dir: Path
 ) -> np.ndarray:
     """:func:`prefix_hidden`, cached by the frozen segments' hashes, boundary and data."""
     frozen = [s.sha256 for s in plan.segments if s.index <= plan.trainable[0]]
@@ -195,7 +232,7 @@ def cached_prefix(
 
 
 def trainable_initializers(
-    plan: LoraPlan, blobs: list[bytes], wanted: set[str]
+    plan: LoraPlan, blobs: Sequence[bytes], wanted: set[str]
 ) -> tuple[dict[str, np.ndarray], int]:
     """The ``wanted`` initializers of the trainable segments (by name), and the bytes of every
     float initializer of those segments (what the adapters are measured against)."""
