@@ -249,31 +249,57 @@ def _pool(dirs: Sequence[Path], out: Path) -> Path:
     return out
 
 
+def _devices(memory_mb: int) -> dict[str, Any]:
+    """:data:`DEVICES` with another memory budget each (a real decoder needs more)."""
+    return {"devices": [{**d, "memory_bytes": memory_mb * 1_000_000} for d in DEVICES["devices"]]}
+
+
 def main(argv: list[str] | None = None) -> int:
-    """Run the lab on an exported tiny decoder and print its measurements as JSON."""
+    """Run the lab on an exported decoder and print its measurements as JSON."""
     import argparse
 
-    from partitioner.decoders import tiny
+    from partitioner.decoders.progress import Steps
+    from partitioner.decoders.sources import load_source
 
     parser = argparse.ArgumentParser(prog="python -m devtools.lora_lab")
-    parser.add_argument("export_dir", type=Path)
+    parser.add_argument("export_dir", type=Path, help="a decoder export (fp32, int8 or int4)")
     parser.add_argument("work_dir", type=Path)
-    parser.add_argument("--model", choices=["tiny-llama", "tiny-gemma3"], default="tiny-llama")
+    parser.add_argument(
+        "--model", choices=["tiny-llama", "tiny-gemma3", "gemma3-270m"], default="tiny-llama"
+    )
+    parser.add_argument("--cache-dir", type=Path, default=Path.home() / ".cache" / "fedshard")
+    parser.add_argument("--device-memory-mb", type=int, default=16)
     parser.add_argument("--rounds", type=int, default=2)
     parser.add_argument("--per-device", type=int, default=100)
     parser.add_argument("--first-layer", type=int, default=2)
+    parser.add_argument("--rank", type=int, default=4)
     parser.add_argument("--noise-multiplier", type=float, default=1.0)
+    parser.add_argument("--max-tokens", type=int, default=24)
+    parser.add_argument("--batch-size", type=int, default=16)
+    parser.add_argument("--learning-rate", type=float, default=0.02)
+    parser.add_argument("--local-epochs", type=int, default=2)
     args = parser.parse_args(argv)
-    model, _ = tiny.llama() if args.model == "tiny-llama" else tiny.gemma3()
-    version = split_version(args.export_dir, args.work_dir / "v0001")
+    model = load_source(args.model, args.cache_dir, Steps()).model
+    version = _split(
+        args.export_dir / "model.onnx", args.export_dir / "tokenizer.json",
+        _devices(args.device_memory_mb), args.work_dir / "v0001",
+    )  # fmt: skip
     dp = RecordDp(noise_multiplier=args.noise_multiplier) if args.noise_multiplier else None
     setup = lora_setup(
         args.export_dir, version, model, args.first_layer, dp=dp,
-        max_tokens=24, batch_size=16, learning_rate=0.02, local_epochs=2,
+        settings=LoraSettings(rank=args.rank, alpha=2.0 * args.rank),
+        max_tokens=args.max_tokens, batch_size=args.batch_size,
+        learning_rate=args.learning_rate, local_epochs=args.local_epochs,
     )  # fmt: skip
     lab = run_rounds(setup, args.work_dir, args.rounds, args.per_device)
+    print(json.dumps(lab_summary(lab), indent=2))
+    return 0
+
+
+def lab_summary(lab: LabRun) -> dict[str, Any]:
+    """What a lab run measured, as JSON data."""
     last = lab.rounds[-1]
-    print(json.dumps({
+    return {
         "held_out_loss_before": token_mean(lab.baseline),
         "held_out_loss_after": token_mean(lab.final),
         "epsilon_per_device": [m.get("epsilon") for _, _, m in last],
@@ -282,8 +308,7 @@ def main(argv: list[str] | None = None) -> int:
         "peak_rss_bytes": [m["peak-rss-bytes"] for _, _, m in last],
         "seconds_per_round": lab.seconds_per_round,
         "train_records": [m["examples"] for _, _, m in last],
-    }, indent=2))  # fmt: skip
-    return 0
+    }
 
 
 if __name__ == "__main__":

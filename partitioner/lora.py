@@ -10,6 +10,11 @@ merging trained adapters into the initializers (``ModelProto`` in, ``ModelProto`
   reads and that has the hidden size as its last dimension).
 - :func:`merge_adapters`: ``W' = W + (alpha / rank) · B · A``, written in the initializer's own
   layout (transposed where the map says so). Only initializers of adapted layers change.
+
+Quantized served decoders (int8, int4) are mapped and merged through
+:mod:`partitioner.lora_quant`: the map points at the quantized data (a
+:class:`~protocols.lora.QuantRef` says how to dequantize it), and a merge re-quantizes
+``W_deq + (alpha / rank) · B · A`` in the served format.
 """
 
 from __future__ import annotations
@@ -23,6 +28,7 @@ import onnx
 from onnx import numpy_helper
 
 from partitioner.errors import GraphError
+from partitioner.lora_quant import QUANTIZED_MATMULS, dequantized, quantized_weights, requantized
 from protocols.lora import AdapterSpec, LoraSettings, WeightRef
 
 Adapters = Mapping[str, tuple[np.ndarray, np.ndarray]]
@@ -32,7 +38,8 @@ Adapters = Mapping[str, tuple[np.ndarray, np.ndarray]]
 def weight_map(
     named_params: Mapping[str, np.ndarray], model: onnx.ModelProto
 ) -> dict[str, list[WeightRef]]:
-    """Every float parameter of ``named_params`` -> the initializers equal to it or its transpose.
+    """Every float parameter of ``named_params`` -> the initializers equal to it or its
+    transpose, and the quantized initializers holding it (:func:`quantized_refs`).
 
     Raises :class:`GraphError` when a parameter is in no initializer (the graph would not be
     the model's).
@@ -62,10 +69,58 @@ def weight_map(
                 for init, array in by_shape.get(tuple(param.shape), [])
                 if np.allclose(array, param + 1.0, rtol=0, atol=1e-6)
             ]
-        if not refs:
-            raise GraphError(f"parameter {name} {param.shape} is in no initializer of the graph")
         out[name] = refs
+    for name, refs in quantized_refs(named_params, model).items():
+        out[name] = [*out[name], *refs]
+    missing = [name for name, refs in out.items() if not refs]
+    if missing:
+        shape = named_params[missing[0]].shape
+        raise GraphError(f"parameter {missing[0]} {shape} is in no initializer of the graph")
     return out
+
+
+def quantized_refs(
+    named_params: Mapping[str, np.ndarray], model: onnx.ModelProto
+) -> dict[str, list[WeightRef]]:
+    """Parameters -> the quantized initializers whose dequantized weight is the parameter (or
+    its transpose) to within one quantization step.
+
+    Matched by value, not by name: the quantizers rename what they quantize, and the float
+    export the names came from is not beside the served model. Each quantized weight is
+    dequantized once and compared with the parameters of its shape; two distinct weights differ
+    by far more than a step (their entries are about 127 steps wide in int8, 8 in int4).
+    """
+    inits = {t.name: t for t in model.graph.initializer}
+    by_shape: dict[tuple[int, ...], list[str]] = defaultdict(list)
+    for name, param in named_params.items():
+        by_shape[tuple(param.shape)].append(name)
+    out: dict[str, list[WeightRef]] = defaultdict(list)
+    for data, quant in quantized_weights(model).items():
+        shape = tuple(quant.shape)
+        flips = [(False, shape)] + ([(True, shape[::-1])] if len(shape) == 2 else [])
+        candidates = [(t, n) for t, sh in flips for n in by_shape.get(sh, [])]
+        if not candidates:
+            continue
+        weight = dequantized(quant, data, inits)
+        step = 1.01 * float(np.max(numpy_helper.to_array(inits[quant.scale]))) + 1e-7
+        for transpose, name in candidates:
+            param = named_params[name].T if transpose else named_params[name]
+            if _within(weight, param, step):
+                out[name].append(WeightRef(initializer=data, transpose=transpose, quantized=quant))
+    return out
+
+
+def _within(weight: np.ndarray, param: np.ndarray, step: float, rows: int = 4096) -> bool:
+    """``max |weight - param| <= step``, a slice first, then in row chunks (no big copies)."""
+    if weight.shape != param.shape:
+        return False
+    head = (slice(0, min(8, weight.shape[0])),)
+    if np.max(np.abs(weight[head] - param[head]), initial=0.0) > step:
+        return False
+    return all(
+        np.max(np.abs(weight[i : i + rows] - param[i : i + rows]), initial=0.0) <= step
+        for i in range(0, weight.shape[0], rows)
+    )
 
 
 def torch_params(model: Any) -> dict[str, np.ndarray]:
@@ -139,13 +194,19 @@ def layer_boundary(
             readers[name].append(node)
     weight = {r.initializer for r in wmap[key]}
     matmul = next(
-        (n for n in model.graph.node if n.op_type == "MatMul" and weight & set(n.input)), None
+        (
+            n
+            for n in model.graph.node
+            if n.op_type in ("MatMul", *QUANTIZED_MATMULS) and weight & set(n.input)
+        ),
+        None,
     )
     if matmul is None:
         raise GraphError(f"no MatMul reads the q_proj weight of layer {layer}")
     ref = next(r for r in wmap[key] if r.initializer in set(matmul.input))
     init = next(t for t in model.graph.initializer if t.name == ref.initializer)
-    hidden = int(init.dims[0] if ref.transpose else init.dims[1])
+    dims = ref.quantized.shape if ref.quantized else list(init.dims)
+    hidden = int(dims[0] if ref.transpose else dims[1])
     queue: deque[str] = deque(n for n in matmul.input if n not in weight)
     seen: set[str] = set()
     while queue:
@@ -228,14 +289,22 @@ def merged_initializers(
         ref = _ref_in(refs, set(index))
         if ref is None:
             continue
-        base = numpy_helper.to_array(index[ref.initializer])
+        base = (
+            dequantized(ref.quantized, ref.initializer, index)
+            if ref.quantized
+            else numpy_helper.to_array(index[ref.initializer])
+        )
         delta = scale * (np.asarray(b, np.float64) @ np.asarray(a, np.float64))
         delta = delta.T if ref.transpose else delta
         if delta.shape != base.shape:
             raise GraphError(f"{module}: update {delta.shape} != initializer {base.shape}")
         if ref.initializer in out:
             raise GraphError(f"{ref.initializer} is shared by two adapted layers")
-        out[ref.initializer] = (base.astype(np.float64) + delta).astype(base.dtype)
+        merged = (base.astype(np.float64) + delta).astype(base.dtype)
+        if ref.quantized is None:
+            out[ref.initializer] = merged
+        else:  # QLoRA: W_deq + scale·B·A, stored as the served weight was quantized
+            out.update(requantized(ref.quantized, ref.initializer, merged, index))
     return out
 
 

@@ -61,6 +61,36 @@ ENCODER_TARGETS: Final = ("query", "key", "value", "dense")
 Objective = Literal["causal-lm", "contrastive"]
 
 
+QuantScheme = Literal["linear", "matmul-nbits", "gather-block"]
+"""How a quantized weight is stored (ONNX Runtime's formats, see :mod:`protocols.quant`)."""
+
+
+class QuantRef(FrozenModel):
+    """How the initializer of a :class:`WeightRef` stores its weight when it is quantized.
+
+    - ``linear``: ``(q - zero_point) · scale`` (``quantize_dynamic``'s int8 ``MatMulInteger``
+      weights, per channel along ``axis``, and ``DequantizeLinear`` tables, per tensor).
+    - ``matmul-nbits``: ``MatMulNBits``' packed ``[N, blocks, blob]`` weight of ``bits`` bits,
+      ``scale`` ``[N, blocks]`` and packed zero points, blocks of ``block_size`` along K.
+    - ``gather-block``: ``GatherBlockQuantized``' ``[rows, cols]`` table, blocks of
+      ``block_size`` along ``axis``.
+    """
+
+    scheme: QuantScheme
+    scale: str = Field(min_length=1, max_length=512)
+    zero_point: str | None = Field(default=None, min_length=1, max_length=512)
+    axis: NonNegativeInt | None = None
+    """``linear``: the per-channel axis (None: one scale for the tensor); ``gather-block``:
+    the quantized axis."""
+    bits: PositiveInt = 8
+    block_size: PositiveInt | None = None
+    symmetric: bool = True
+    """The quantizer's mode (a merge re-quantizes the weight the same way)."""
+    shape: list[PositiveInt] = Field(min_length=1, max_length=8)
+    """The dequantized weight's shape, in the float initializer's layout (``MatMul``:
+    ``[in, out]``)."""
+
+
 class WeightRef(FrozenModel):
     """An ONNX initializer holding a torch parameter (or its transpose)."""
 
@@ -68,6 +98,9 @@ class WeightRef(FrozenModel):
     transpose: bool = False
     offset: float = 0.0
     """The initializer holds ``parameter + offset`` (Gemma's norms fold ``1 + weight``)."""
+    quantized: QuantRef | None = None
+    """Set when ``initializer`` holds the weight quantized (then the dequantized weight is the
+    parameter, up to the quantization step)."""
 
 
 class AdapterSpec(FrozenModel):

@@ -130,10 +130,13 @@ def local_name(name: str, first_layer: int) -> str | None:
 
 
 def _tied_head(weight_map: Mapping[str, Sequence[WeightRef]]) -> dict[str, list[WeightRef]]:
-    """A tied LM head has no ``lm_head.weight`` parameter: it reads the embedding's."""
+    """A tied LM head has no ``lm_head.weight`` parameter: it reads the embedding's, the head's
+    own (transposed) table first (a quantized decoder stores the head and the embedding table
+    each quantized its own way; the tail computes with what the served head does)."""
     out = {name: list(refs) for name, refs in weight_map.items()}
     if "lm_head.weight" not in out and "model.embed_tokens.weight" in out:
-        out["lm_head.weight"] = out["model.embed_tokens.weight"]
+        refs = out["model.embed_tokens.weight"]
+        out["lm_head.weight"] = sorted(refs, key=lambda r: not r.transpose)
     return out
 
 
@@ -182,7 +185,9 @@ def build_tail(plan: LoraPlan, initializers: Mapping[str, np.ndarray]) -> Any:
         if ref is None:
             raise PlanMismatchError(f"no local segment holds {name}")
         array = initializers[ref.initializer]
-        value = np.array(array.T if ref.transpose else array, np.float32) - ref.offset
+        value = np.ascontiguousarray(array.T if ref.transpose else array, np.float32)
+        if ref.offset:
+            value = value - np.float32(ref.offset)
         state[local] = torch.from_numpy(value)
     missing = {n for n, _ in tail.named_parameters()} - set(state)
     if missing:

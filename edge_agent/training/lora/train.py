@@ -45,6 +45,13 @@ log = logging.getLogger(__name__)
 TOKENIZER_FILE = "tokenizer.json"
 PREFIX_BATCH = 32
 FLOAT_TYPES = (onnx.TensorProto.FLOAT,)
+QUANTIZED_TYPES = (
+    onnx.TensorProto.INT8,
+    onnx.TensorProto.UINT8,
+    onnx.TensorProto.INT4,
+    onnx.TensorProto.UINT4,
+)
+"""Initializer types that hold quantized weights (counted as trained-segment bytes)."""
 
 
 @dataclass(frozen=True)
@@ -234,18 +241,41 @@ def cached_prefix(
 def trainable_initializers(
     plan: LoraPlan, blobs: Sequence[bytes], wanted: set[str]
 ) -> tuple[dict[str, np.ndarray], int]:
-    """The ``wanted`` initializers of the trainable segments (by name), and the bytes of every
-    float initializer of those segments (what the adapters are measured against)."""
+    """The ``wanted`` initializers of the trainable segments (by name; a quantized one
+    dequantized, as its plan reference says), and the bytes the weights of those segments are
+    stored in (float32 initializers and quantized weights with their scales and zero points:
+    what the adapters are measured against)."""
+    from protocols.quant import dequantize
+
+    quantized = {
+        ref.initializer: ref.quantized
+        for refs in plan.weight_map.values()
+        for ref in refs
+        if ref.quantized is not None
+    }
     arrays: dict[str, np.ndarray] = {}
     total = 0
     for index in plan.trainable:
         model = onnx.load_from_string(blobs[index])
+        inits = {t.name: t for t in model.graph.initializer}
         for tensor in model.graph.initializer:
-            if tensor.data_type not in FLOAT_TYPES:
+            if tensor.data_type in FLOAT_TYPES:
+                total += 4 * int(np.prod(tensor.dims))
+            elif tensor.data_type in QUANTIZED_TYPES:
+                total += len(tensor.raw_data) or tensor.ByteSize()
+            if tensor.name not in wanted or tensor.name in arrays:
                 continue
-            total += 4 * int(np.prod(tensor.dims))
-            if tensor.name in wanted and tensor.name not in arrays:
+            quant = quantized.get(tensor.name)
+            if quant is None:
                 arrays[tensor.name] = numpy_helper.to_array(tensor)
+                continue
+            zero = inits.get(quant.zero_point or "")
+            arrays[tensor.name] = dequantize(
+                quant,
+                numpy_helper.to_array(tensor),
+                numpy_helper.to_array(inits[quant.scale]),
+                None if zero is None else numpy_helper.to_array(zero),
+            )
     return arrays, total
 
 
