@@ -5,8 +5,8 @@ prints the plan and a similarity matrix, deploys Gemma 3 270M (int8) across them
 plan and a chat answer, fine-tunes the served Gemma with federated LoRA on three local devices'
 WordNet text (SecAgg+, record-level DP), prints the held-out loss before and after, the epsilon
 per device and a held-out question answered before and after, prints the console line, and
-stops every process it started (the training's Flower processes included) before it exits. The Gemma export is cached in
-``<repo>/.cache/fedshard`` (shared with the Gemma tests).
+stops every process it started (the training's Flower processes included) before it exits.
+The Gemma export is cached in ``<repo>/.cache/fedshard`` (shared with the Gemma tests).
 """
 
 from __future__ import annotations
