@@ -37,7 +37,7 @@ def test_the_map_finds_the_quantized_weight_by_value(weights: str) -> None:
     inits = {t.name: t for t in model.graph.initializer}
     step = float(np.max(numpy_helper.to_array(inits[ref.quantized.scale])))
     assert np.abs(dequantized(ref.quantized, ref.initializer, inits) - w.T).max() <= step
-    with pytest.raises(GraphError, match="other.weight"):  # another weight of the same shape
+    with pytest.raises(GraphError, match=r"other\.weight"):  # another weight of the same shape
         weight_map({"other.weight": w[::-1].copy()}, model)
 
 
