@@ -27,6 +27,8 @@ DOMAINS = (("noun.animal",), ("noun.food",), ("noun.plant",))
 """One WordNet domain per device: non-IID shares."""
 TARGET_FILE = "lora-target.json"
 DELTA = 1e-5
+ANSWER_STOP = ("\nAnswer:", "\n\n")
+"""A base model would go on answering its own answer again."""
 
 
 @dataclass(frozen=True)
@@ -119,7 +121,7 @@ def summary(console: Console, model_id: str, run: dict[str, Any]) -> float:
     seconds = sum(r["seconds"] for r in rounds)
     console.print(
         f"[green]federated fine-tuning:[/] LoRA of {model_id} on 3 devices (WordNet "
-        f"{', '.join(d[0] for d in DOMAINS)}), {len(rounds)} rounds (SecAgg+), held-out loss "
+        f"{', '.join(d[0] for d in DOMAINS)}), {len(rounds)} round(s) (SecAgg+), held-out loss "
         f"{before:.3f} -> {after:.3f} nats/token ({100 * change:+.1f} %), perplexity "
         f"{math.exp(before):.1f} -> {math.exp(after):.1f}, record-level ε per device {eps} "
         f"(δ = {DELTA:g}), upload {max(per_device):,.0f} bytes per device per round "
@@ -135,5 +137,5 @@ def ask(api: Api, model_id: str, question: str, stop: tuple[str, ...]) -> str:
     """The served model's greedy answer through ``/v1/chat/completions``."""
     from devtools.demo.decoder import chat
 
-    reply = chat(api, model_id, question, max_tokens=40, stop=stop)
+    reply = chat(api, model_id, question, max_tokens=40, stop=(*stop, *ANSWER_STOP))
     return str(reply["choices"][0]["message"]["content"]).strip()
