@@ -121,6 +121,13 @@ def chat_record(g: Gloss) -> dict[str, object]:
     }
 
 
+def qa_record(g: Gloss) -> dict[str, object]:
+    """A text record in the served chat template's own words (fedshard's Gemma and Qwen
+    exports render a chat as ``Question: ...`` / ``Answer: ...``), so what trains is what
+    ``/v1/chat/completions`` asks."""
+    return {"text": f"Question: What does {g.lemmas[0]} mean?\nAnswer: {g.gloss}"}
+
+
 def definition(gloss: str) -> str:
     """A gloss without its quoted example sentences (``def; "example"; "example"``)."""
     return gloss.split('; "')[0].split(' "')[0].strip().rstrip(";").strip() or gloss
@@ -138,9 +145,12 @@ def write_shares(
     per_device: int | None = None,
     pairs: bool = False,
     directory: Path | None = None,
+    qa: bool = False,
 ) -> list[Path]:
     """Write ``out_dir/device-<i>/wordnet.jsonl`` with the synsets of ``devices[i]``'s domains
-    (the first ``per_device`` of them, in file order); returns the data dirs."""
+    (the first ``per_device`` of them, in file order): chat records, encoder ``pairs``, or
+    ``qa`` text records (:func:`qa_record`); returns the data dirs."""
+    record = pair_record if pairs else qa_record if qa else chat_record
     wanted = {d: i for i, domains in enumerate(devices) for d in domains}
     unknown = sorted(set(wanted) - set(LEXNAMES))
     if unknown:
@@ -149,7 +159,7 @@ def write_shares(
     for g in glosses(directory):
         i = wanted.get(g.domain)
         if i is not None and (per_device is None or len(rows[i]) < per_device):
-            rows[i].append(json.dumps(pair_record(g) if pairs else chat_record(g)))
+            rows[i].append(json.dumps(record(g)))
     dirs = []
     for i, lines in enumerate(rows):
         d = out_dir / f"device-{i}"

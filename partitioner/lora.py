@@ -280,7 +280,36 @@ def merged_initializers(
 ) -> dict[str, np.ndarray]:
     """The initializers of ``segment`` that the adapters change, with ``W + scale · B · A`` in
     each initializer's own layout; adapters of layers the segment does not hold are skipped."""
-    index = {t.name: t for t in segment.graph.initializer}
+    return _merged({t.name: t for t in segment.graph.initializer}, adapters, wmap, scale)
+
+
+def merged_by_segment(
+    segments: Sequence[onnx.ModelProto],
+    adapters: Adapters,
+    wmap: Mapping[str, Sequence[WeightRef]],
+    scale: float,
+) -> dict[int, dict[str, np.ndarray]]:
+    """:func:`merged_initializers` over a chain of segments: ``{segment index: {initializer:
+    array}}``. A quantized weight's scale or zero point may sit in another segment than its
+    data (the cut puts an initializer with the node that reads it: ``quantize_dynamic``
+    multiplies by the weight's scale after ``MatMulInteger``), so the weights are merged over
+    the chain's initializers and each result goes to every segment holding that name."""
+    index = {t.name: t for seg in segments for t in seg.graph.initializer}
+    merged = _merged(index, adapters, wmap, scale)
+    out: dict[int, dict[str, np.ndarray]] = {}
+    for i, seg in enumerate(segments):
+        part = {t.name: merged[t.name] for t in seg.graph.initializer if t.name in merged}
+        if part:
+            out[i] = part
+    return out
+
+
+def _merged(
+    index: Mapping[str, onnx.TensorProto],
+    adapters: Adapters,
+    wmap: Mapping[str, Sequence[WeightRef]],
+    scale: float,
+) -> dict[str, np.ndarray]:
     out: dict[str, np.ndarray] = {}
     for module, (a, b) in adapters.items():
         refs = wmap.get(f"{module}.weight")

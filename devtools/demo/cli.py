@@ -5,8 +5,10 @@ It starts a coordinator and four agents as separate processes, pairs the agents 
 agent can hold it under (while any three of the four still can), prints the plan next to what
 the agents measured and a sentence-similarity matrix from ``/v1/embeddings``, does the same for
 the decoder (Gemma 3 270M by default) with a ``/v1/chat/completions`` answer, and (unless
-``--skip-training``) prints the summary of a two-round federated fine-tuning run with its
-epsilon, which the coordinator ran in the background meanwhile. Then it prints the console
+``--skip-training``) fine-tunes the served decoder with federated LoRA on three local devices'
+WordNet text (SecAgg+, record-level DP), rolls the merged version out live and prints the
+held-out loss before and after, the epsilon per device, the upload, and one held-out question
+answered before and after (:mod:`devtools.demo.training`). Then it prints the console
 address and serves until Ctrl-C, which stops every process it started. While serving, an agent
 that exits is reported with what failover did about it and restarted a few seconds later, so
 the models expand back onto it. ``--chaos`` shows exactly that under the demo's own load: an
@@ -44,7 +46,7 @@ STOP = ("\nQuestion:",)
 """The packaged Gemma is the pretrained base model: it answers a question/answer prompt, then
 would go on to ask itself the next question."""
 CACHE_ENV = "FEDSHARD_CACHE"
-TRAINING_ROUNDS = 2
+TRAINING_TIMEOUT_S = 3600.0
 PROFILE_FILE = "demo-profile.json"
 
 
@@ -173,17 +175,10 @@ def _steps(
         pair_automatically,
         plan_table,
         similarity_table,
-        start_training,
-        training_summary,
     )
 
     state_dir = root / "coordinator"
-    target = None
-    if not args.skip_training:
-        from devtools.digits import write_reference_target
-
-        with console.status("preparing the digits CNN to fine-tune (training target)..."):
-            target = write_reference_target(state_dir)
+    target, data_dirs = _training_target(console, args, state_dir)
     with console.status(f"starting the coordinator on 127.0.0.1:{port}..."):
         coordinator = procs.start_coordinator(state_dir, port, args.cache_dir / "segments", target)
     console.print(f"coordinator up at {coordinator.url} (state in {state_dir})")
@@ -201,16 +196,6 @@ def _steps(
             profile = agent.state_dir / "profile.json"
             console.print(f"  agent {name} up (control port {agent.control_port})")
     _keep_profile(profile, kept)
-    run_id = None
-    if args.skip_training:
-        console.print("federated fine-tuning skipped (--skip-training)")
-    else:
-        run_id = start_training(api, TRAINING_ROUNDS)
-        console.print(
-            f"federated fine-tuning started: {TRAINING_ROUNDS} rounds of the digits CNN on 3 "
-            "local clients (Flower, SecAgg+, differential privacy), in the coordinator's "
-            "background while the agents pair and the models deploy"
-        )
     agent_dirs = {name: root / "agents" / name for name in names}
     pair_automatically(console, api, agent_dirs, procs.check_alive)
     model = export_model(console, args.cache_dir / "exports" / "all-minilm-l6-v2")
@@ -224,8 +209,8 @@ def _steps(
         console.print("text generation skipped (--skip-gemma)")
     else:
         decoder = _decoder(console, api, state_dir, args, names)
-    if run_id is not None:
-        training_summary(console, api, run_id, TRAINING_ROUNDS)
+    if data_dirs:
+        _fine_tune(console, api, args.decoder, data_dirs)
     procs.check_alive()
     console.print(f"ready in {time.monotonic() - started:.0f} s")
     console.print(f"console: {coordinator.console_url}", soft_wrap=True, highlight=False)
@@ -290,6 +275,48 @@ def _decoder(
         "stage kept its own layers' KV cache, only hidden states crossed between agents)"
     )
     return export
+
+
+def _training_target(
+    console: Console, args: argparse.Namespace, state_dir: Path
+) -> tuple[Path | None, list[Path]]:
+    """The LoRA training target of the served decoder and its devices' data dirs (none when
+    training is skipped or the decoder is not one the demo fine-tunes)."""
+    from devtools.demo.training import RUNS, write_target
+
+    if args.skip_training:
+        console.print("federated fine-tuning skipped (--skip-training)")
+        return None, []
+    if args.skip_gemma or args.decoder not in RUNS:
+        why = "no decoder is served" if args.skip_gemma else f"not measured for {args.decoder}"
+        console.print(f"federated fine-tuning skipped ({why}; it fine-tunes {', '.join(RUNS)})")
+        return None, []
+    os.environ[CACHE_ENV] = str(args.cache_dir)  # the coordinator maps the decoder from it
+    with console.status("writing three devices' WordNet text (training target)..."):
+        target, dirs = write_target(state_dir, args.decoder)
+    return target, dirs
+
+
+def _fine_tune(console: Console, api: Api, model_id: str, data_dirs: list[Path]) -> None:
+    """Federated LoRA of the served decoder; one held-out question before and after."""
+    from devtools.demo import training
+
+    question, reference = training.held_out_question(data_dirs)
+    before = training.ask(api, model_id, question, STOP)
+    run = training.RUNS[model_id]
+    console.print(
+        f"federated fine-tuning started: LoRA (rank {run.rank}, layers {run.first_layer}-) of "
+        f"the served {model_id}, {run.rounds} round(s) on 3 local devices with "
+        f"{run.per_device} WordNet records each (Flower, SecAgg+, Opacus DP-SGD)"
+    )
+    run_id = training.start(api, model_id)
+    status = training.wait(console, api, run_id, run.rounds, TRAINING_TIMEOUT_S)
+    training.summary(console, model_id, status)
+    after = training.ask(api, model_id, question, STOP)
+    console.print(f"[bold]held-out question:[/] {question}")
+    console.print(f"  WordNet: {reference}", soft_wrap=True)
+    console.print(f"  before: {before}", soft_wrap=True)
+    console.print(f"  after:  {after}", soft_wrap=True)
 
 
 def _keep_profile(measured: Path | None, kept: Path) -> None:

@@ -42,7 +42,6 @@ SENTENCES = [
 ]
 PAIR_TIMEOUT_S = 60.0
 DEPLOY_TIMEOUT_S = 900.0
-TRAINING_TIMEOUT_S = 900.0
 
 
 @dataclass(frozen=True)
@@ -268,55 +267,3 @@ def similarity_table(console: Console, api: Api) -> Table:
     for index, sentence in enumerate(SENTENCES):
         table.add_row(str(index), sentence, *(f"{value:.2f}" for value in similarity[index]))
     return table
-
-
-def start_training(api: Api, rounds: int = 2) -> str:
-    """Start the coordinator's own federated run (``POST /v1/training/runs``); its run id.
-
-    The coordinator fine-tunes its reference task (the digits CNN, built and pre-trained on half
-    the classes under its state dir) with three local SuperNodes, SecAgg+ and DP. The run goes
-    on in the coordinator's background while the demo deploys the models.
-    """
-    body = {"rounds": rounds, "secure_aggregation": True, "dp": True}
-    code, reply = api.call("POST", "/v1/training/runs", body)
-    if code != 200:
-        raise DemoStepError(f"starting federated fine-tuning failed ({code}): {reply}")
-    return str(reply["run_id"])
-
-
-def training_summary(
-    console: Console, api: Api, run_id: str, rounds: int, timeout_s: float = TRAINING_TIMEOUT_S
-) -> None:
-    """Wait for the run to finish (showing its rounds as they come), then print its summary."""
-    from coordinator.training.runner import RunnerSettings
-
-    path = f"/v1/training/runs/{run_id}"
-    deadline = time.monotonic() + timeout_s
-    with console.status("federated fine-tuning (Flower, SecAgg+, differential privacy)...") as st:
-        while (run := api.get(path))["status"] not in ("finished", "failed"):
-            if time.monotonic() > deadline:
-                raise DemoStepError(f"federated fine-tuning not done within {timeout_s:.0f} s")
-            done = len(run["rounds"])
-            st.update(f"federated fine-tuning: round {done + 1} of {rounds}...")
-            time.sleep(0.5)
-    if run["status"] == "failed":
-        raise DemoStepError(f"federated fine-tuning failed: {run['error']}")
-    last = run["rounds"][-1]
-    privacy = (
-        "without differential privacy"
-        if last["epsilon"] is None
-        else f"differential privacy ε = {last['epsilon']:.2f} (δ = {RunnerSettings().delta:g})"
-    )
-    seconds = sum(r["seconds"] for r in run["rounds"])
-    console.print(
-        f"[green]federated fine-tuning:[/] digits CNN on 3 clients, accuracy "
-        f"{run['baseline_accuracy']:.3f} -> {last['accuracy']:.3f} after {len(run['rounds'])} "
-        f"rounds (SecAgg+), {privacy}, {seconds:.0f} s of rounds",
-        soft_wrap=True,
-    )
-    if last["epsilon"] is not None and last["epsilon"] > 10:
-        console.print(
-            "  (the coordinator's runs use `fedshard train`'s default noise multiplier, which "
-            "favours accuracy; `fedshard train --noise-multiplier` sets a larger one for a "
-            "smaller ε)"
-        )

@@ -16,7 +16,7 @@ import numpy as np
 from coordinator.training.records import Lineage, TrainingSettings
 from coordinator.training.rollout import Signer, write_version
 from coordinator.training.version import LINEAGE_FILE, Version
-from partitioner.lora import adapters_by_module, merged_initializers
+from partitioner.lora import adapters_by_module, merged_by_segment
 from protocols.errors import SchemaError
 from protocols.lora import LoraPlan
 
@@ -26,14 +26,9 @@ def lora_weights(
 ) -> dict[int, dict[str, np.ndarray]]:
     """``{segment index: {initializer: merged array}}`` for the segments the adapters change."""
     adapters = adapters_by_module(plan.adapters, arrays)
-    out = {}
-    for index in plan.trainable:
-        merged = merged_initializers(
-            parent.segments[index], adapters, plan.weight_map, plan.lora.scale
-        )
-        if merged:
-            out[index] = merged
-    return out
+    trainable = [parent.segments[i] for i in plan.trainable]
+    merged = merged_by_segment(trainable, adapters, plan.weight_map, plan.lora.scale)
+    return {plan.trainable[k]: weights for k, weights in merged.items()}
 
 
 def write_lora_version(

