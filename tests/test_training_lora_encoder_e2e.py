@@ -1,7 +1,7 @@
 """Contrastive LoRA of the served MiniLM through the real API: real Flower, real agents.
 
 A coordinator and three paired agents on 127.0.0.1 serve ``fedshard export minilm --pooled``
-(three segments under 70/30/30 MB planning caps). Two local SuperNodes hold WordNet pairs of
+(planning caps of 70 MB per agent). Two local SuperNodes hold WordNet pairs of
 one domain each (``{"anchor", "positive"}``). ``POST /v1/training/runs {"model": ID, "method":
 "lora"}`` runs one round (no SecAgg+, for time; record-level DP on); asserted: the run finishes
 and reports held-out recall@1 before and after, the merged version is served (new plan
@@ -12,7 +12,6 @@ the old ones.
 from __future__ import annotations
 
 import json
-import secrets
 import shutil
 from collections.abc import Iterator
 from pathlib import Path
@@ -21,25 +20,19 @@ from typing import Any
 import httpx
 import numpy as np
 import pytest
-from coordinator_helpers import (
-    CoordinatorProc,
-    pairing_code,
-    start_coordinator,
-    stop_process,
-    unpaired_agents,
-    wait_for,
-)
+from generation_lab import GenLab, decoder_lab
 from test_training_lora_e2e import _wait
 
 pytestmark = [pytest.mark.slow, pytest.mark.timeout(900)]
 
 MODEL_ID = "minilm-served"
-CAPS = ("70MB", "30MB", "30MB")
+CAP = "70MB"
+"""Per agent: MiniLM's 90 MB (its 46 MB word embeddings in one) take two or three segments."""
 TEXTS = ["dog, domestic dog, Canis familiaris", "an edible fruit", "a woody plant"]
 
 
 @pytest.fixture(scope="module")
-def lab(minilm_onnx: Path, tmp_path_factory: pytest.TempPathFactory) -> Iterator[CoordinatorProc]:
+def lab(minilm_onnx: Path, tmp_path_factory: pytest.TempPathFactory) -> Iterator[GenLab]:
     from devtools.wordnet import write_shares
     from partitioner.frontdoor import minilm_dir
 
@@ -53,26 +46,9 @@ def lab(minilm_onnx: Path, tmp_path_factory: pytest.TempPathFactory) -> Iterator
     target.write_text(
         json.dumps({"model_id": MODEL_ID, "text_client_data": [str(d) for d in dirs]})
     )
-    coordinator = start_coordinator(tmp, extra=["--training-target", str(target)])
-    try:
-        names = [f"e{i}-{secrets.token_hex(3)}" for i in range(3)]
-        with unpaired_agents(tmp, names, "512MiB") as procs:
-            with coordinator.client() as api:
-                assert wait_for(
-                    lambda: set(names) <= {d["name"] for d in api.get("/v1/devices").json()}, 15
-                )
-            for agent in procs:
-                paired = coordinator.cli("pair", agent.name, pairing_code(agent))
-                assert paired.returncode == 0, paired.stdout + paired.stderr
-            args = ["deploy", str(export / "model.onnx"), "--name", MODEL_ID]
-            args += ["--tokenizer", str(export)]
-            for name, cap in zip(names, CAPS, strict=True):
-                args += ["--memory-cap", f"{name}={cap}"]
-            deployed = coordinator.cli(*args)
-            assert deployed.returncode == 0, deployed.stdout + deployed.stderr + coordinator.log()
-            yield coordinator
-    finally:
-        stop_process(coordinator.proc)
+    args = ["--training-target", str(target)]
+    with decoder_lab(export, tmp, MODEL_ID, "512MiB", CAP, 3, args) as started:
+        yield started
 
 
 def _active(api: httpx.Client) -> dict[str, Any]:
@@ -87,15 +63,15 @@ def _embed(api: httpx.Client) -> np.ndarray:
     return np.array([d["embedding"] for d in done.json()["data"]])
 
 
-def test_a_lora_run_of_the_served_encoder_is_rolled_out(lab: CoordinatorProc) -> None:
-    with lab.client(timeout=120) as api:
+def test_a_lora_run_of_the_served_encoder_is_rolled_out(lab: GenLab) -> None:
+    with lab.coordinator.client(timeout=120) as api:
         before, base = _embed(api), _active(api)
         body = {"rounds": 1, "model": MODEL_ID, "method": "lora", "secure_aggregation": False,
                 "lora": {"rank": 4, "first_layer": 4}}  # fmt: skip
         started = api.post("/v1/training/runs", json=body)
         assert started.status_code == 200, started.text
         status = _wait(api, started.json()["run_id"], 800)
-        assert status["status"] == "finished", (status, lab.log()[-4000:])
+        assert status["status"] == "finished", (status, lab.coordinator.log()[-4000:])
         print("encoder LoRA run:", json.dumps(status, indent=1))  # the README's numbers
         assert 0 <= status["baseline_recall_at_1"] <= 1 and 0 <= status["final_recall_at_1"] <= 1
         assert len(status["epsilon_per_device"]) == 2 and all(

@@ -31,6 +31,7 @@ from coordinator.training.manager import Runner, RunReporter
 from coordinator.training.version import MANIFEST_FILE, Version
 from coordinator.trust.ca import CertificateAuthority
 from protocols.decoder import INPUT_IDS, MODEL_FILE, TOKENIZER_FILE
+from protocols.lora import MINILM_ENCODER
 from protocols.manifest import Manifest
 from protocols.training import TrainingRunRequest
 from protocols.training_copy import TrainingCopyOffer
@@ -81,15 +82,20 @@ def served_lora_target(
 
 
 def _tokenizer_file(model_id: str, tokenizer_dir: str | None, model_file: Path) -> Path:
-    """The served model's tokenizer: its deployment's, the one beside its model file, or the
-    one shipped with a model known by id (as ``/v1/embeddings`` finds it)."""
-    from coordinator.serving.embeddings import default_tokenizer_dir
-
+    """The served model's tokenizer: its deployment's, the one beside its model file, or (for
+    ``all-minilm-l6-v2``, as ``/v1/embeddings`` finds it) the one its package ships."""
     if tokenizer_dir:
         return Path(tokenizer_dir) / TOKENIZER_FILE
     beside = model_file.parent / TOKENIZER_FILE
-    known = default_tokenizer_dir(model_id)
-    return beside if beside.is_file() or known is None else Path(known) / TOKENIZER_FILE
+    if beside.is_file() or model_id != MINILM_ENCODER:
+        return beside
+    from partitioner.errors import GraphError
+    from partitioner.frontdoor import minilm_dir
+
+    try:
+        return minilm_dir() / TOKENIZER_FILE
+    except GraphError:
+        return beside
 
 
 def health_samples(version_dir: Path) -> dict[str, np.ndarray]:
