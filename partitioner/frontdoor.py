@@ -16,7 +16,7 @@ Adding a model: write ``export_<name>(out, **options) -> ExportResult`` and regi
 from __future__ import annotations
 
 import os
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass
 from functools import partial
 from pathlib import Path
@@ -24,6 +24,7 @@ from typing import TYPE_CHECKING, Any
 
 from partitioner.decoders.sources import DECODER_NAMES
 from partitioner.errors import GraphError
+from protocols.lora import ENCODER_METADATA_KEY, MINILM_ENCODER
 
 if TYPE_CHECKING:
     from partitioner.decoders.precision import Report
@@ -90,7 +91,7 @@ def export_minilm(
     args = tuple(encoded[n].to(torch.int64) for n in names)
     wrapper = _encoder_module(model, pooled)
     outputs = ("last_hidden_state", "sentence_embedding") if pooled else ("last_hidden_state",)
-    return _export(wrapper, args, names, outputs, out)
+    return _export(wrapper, args, names, outputs, out, {ENCODER_METADATA_KEY: MINILM_ENCODER})
 
 
 def _encoder_module(model: Any, pooled: bool) -> Any:
@@ -123,8 +124,10 @@ def _export(
     input_names: Sequence[str],
     output_names: Sequence[str],
     out: Path,
+    metadata: Mapping[str, str] | None = None,
 ) -> ExportResult:
-    """Export with the dynamo exporter, embed the samples, check against PyTorch."""
+    """Export with the dynamo exporter, embed the samples (and ``metadata``), check against
+    PyTorch."""
     import onnx
     import torch
 
@@ -152,6 +155,9 @@ def _export(
     samples = {n: a.numpy() for n, a in zip(input_names, args, strict=True)}
     entry = model.metadata_props.add()
     entry.key, entry.value = SAMPLE_INPUTS_KEY, encode_samples(samples)
+    for key, value in (metadata or {}).items():
+        prop = model.metadata_props.add()
+        prop.key, prop.value = key, value
     save_model(model, out)
     reference = expected if isinstance(expected, tuple) else (expected,)
     want = {n: t.numpy() for n, t in zip(output_names, reference, strict=True)}

@@ -59,6 +59,10 @@ DEFAULT_TARGETS: Final = (
 ENCODER_TARGETS: Final = ("query", "key", "value", "dense")
 """BERT's attention projections and every dense layer (attention output, intermediate, output)."""
 Objective = Literal["causal-lm", "contrastive"]
+ENCODER_METADATA_KEY: Final = "fedshard.encoder"
+"""ONNX metadata key of a fedshard encoder export (``fedshard export minilm``): its value names
+the encoder (:data:`MINILM_ENCODER`), from which a coordinator loads its torch definition."""
+MINILM_ENCODER: Final = "all-minilm-l6-v2"
 
 
 QuantScheme = Literal["linear", "matmul-nbits", "gather-block"]

@@ -187,6 +187,11 @@ class RunStatus(FrozenModel):
     """``lora``: bytes of the base weights of the segments the devices adapted."""
     epsilon_per_device: list[float] = Field(default_factory=list)
     """``lora``: each device's record-level epsilon for the run (RDP accountant)."""
+    baseline_recall_at_1: float | None = Field(default=None, ge=0, le=1)
+    """``lora`` of an encoder: held-out recall@1 of the served model on the devices' held-out
+    pairs (pair-weighted), before."""
+    final_recall_at_1: float | None = Field(default=None, ge=0, le=1)
+    """``lora`` of an encoder: the same for the final adapters."""
     rollouts: list[RunRollout] = Field(default_factory=list)
 
 

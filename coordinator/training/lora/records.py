@@ -48,6 +48,8 @@ class LoraRound(FrozenModel):
     trained_shard_bytes: NonNegativeFloat
     """Bytes of the base weights of the segments the devices adapted (largest reported)."""
     seconds: NonNegativeFloat
+    held_out_recall: float | None = None
+    """Encoders: pair-weighted held-out recall@1 of the adapters the round started from."""
 
 
 class LoraRecord(FrozenModel):
@@ -57,6 +59,8 @@ class LoraRecord(FrozenModel):
     final_loss: float | None = None
     """Token-weighted held-out loss of the final adapters (the last round's evaluation)."""
     final_tokens: NonNegativeInt = 0
+    final_recall: float | None = None
+    """Encoders: pair-weighted held-out recall@1 of the final adapters."""
     finished: bool = False
     error: str | None = None
 
@@ -68,6 +72,11 @@ class LoraRecord(FrozenModel):
     def baseline_loss(self) -> float | None:
         """Held-out loss of the base model (what round 1 started from)."""
         return self.rounds[0].held_out_loss if self.rounds else None
+
+    @property
+    def baseline_recall(self) -> float | None:
+        """Encoders: held-out recall@1 of the base model."""
+        return self.rounds[0].held_out_recall if self.rounds else None
 
     @property
     def epsilon_per_device(self) -> list[float]:

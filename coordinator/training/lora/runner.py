@@ -240,6 +240,8 @@ class LoraRunner:
                 final_loss=record.final_loss,
                 epsilon_per_device=record.epsilon_per_device,
                 trained_shard_bytes=None if trained is None else round(trained),
+                baseline_recall=record.baseline_recall,
+                final_recall=record.final_recall,
             )
         )
         self.roll_out(target, plan, base, record, Path(cfg.weights_file), report)

@@ -50,6 +50,13 @@ def round_of(server_round: int, results: fl.FitResults, failures: int, seconds: 
             if lora_wire.METRIC_HELD_OUT_LOSS in m and lora_wire.METRIC_HELD_OUT_TOKENS in m
         ]
     )
+    recall, _ = token_weighted(
+        [
+            (float(m[lora_wire.METRIC_RECALL_AT_1]), int(m[lora_wire.METRIC_HELD_OUT_TOKENS]))
+            for _, m in metrics
+            if lora_wire.METRIC_RECALL_AT_1 in m and lora_wire.METRIC_HELD_OUT_TOKENS in m
+        ]
+    )
     train = [float(m[METRIC_LOSS]) for _, m in metrics if METRIC_LOSS in m]
     uploads = [float(m.get(METRIC_UPLOAD_BYTES, 0.0)) for _, m in metrics]
     return LoraRound(
@@ -69,6 +76,7 @@ def round_of(server_round: int, results: fl.FitResults, failures: int, seconds: 
             (float(m.get(lora_wire.METRIC_TRAINED_BYTES, 0.0)) for _, m in metrics)
         ),
         seconds=seconds,
+        held_out_recall=recall,
     )
 
 
@@ -153,9 +161,17 @@ class LoraFedAvg(FedAvg):
     def aggregate_evaluate(
         self, server_round: int, results: fl.EvaluateResults, failures: fl.EvaluateFailures
     ) -> fl.EvaluateAggregate:
-        """Record the final adapters' token-weighted held-out loss."""
+        """Record the final adapters' token-weighted held-out loss (and encoders' recall@1)."""
         loss, tokens = token_weighted([(r.loss, r.num_examples) for _, r in results])
-        self.record = self.record.model_copy(update={"final_loss": loss, "final_tokens": tokens})
+        recall, _ = token_weighted(
+            [
+                (float(r.metrics[lora_wire.METRIC_RECALL_AT_1]), r.num_examples)
+                for _, r in results
+                if lora_wire.METRIC_RECALL_AT_1 in r.metrics
+            ]
+        )
+        update = {"final_loss": loss, "final_tokens": tokens, "final_recall": recall}
+        self.record = self.record.model_copy(update=update)
         self._save()
         return loss, {}
 

@@ -1,13 +1,15 @@
-"""LoRA runs of the coordinator's served decoders: which version, which devices, and rollout.
+"""LoRA runs of the coordinator's served models: which version, which devices, and rollout.
 
 ``POST /v1/training/runs {"model": ID, "method": "lora"}`` fine-tunes the active version of
-served model ``ID`` (a decoder exported by ``fedshard export``). Its devices are the local
+served model ``ID`` (a decoder exported by ``fedshard export``, or the encoder of ``fedshard
+export minilm``: see :func:`~coordinator.training.lora.plan.model_kind`). Its devices are the local
 SuperNodes of the training target's ``text_client_data`` (one per directory of text records),
 each with its own node key registered with the run's SuperLink, which admits no other node; or,
 with ``fedshard coordinator --superlink-port``, the paired agents' own SuperNodes
 (:func:`paired_lora_federation`), which get the served version from the coordinator first.
 The new version is verified (its manifest signature, against fedshard's CA) and rolled out
-live through the deployer; ``rollback`` returns to the version it was trained from.
+live through the deployer, health-checked through the data plane on a prefill (decoders) or
+one tokenized sentence (encoders); ``rollback`` returns to the version it was trained from.
 """
 
 from __future__ import annotations
@@ -18,15 +20,19 @@ from collections.abc import Callable, Iterator, Mapping
 from contextlib import ExitStack, contextmanager
 from pathlib import Path
 
+import numpy as np
+
 from coordinator.deploy.deployer import Deployer
 from coordinator.deploy.store import DeploymentStore
 from coordinator.training.errors import LoraTargetError
 from coordinator.training.flower import SuperLink
 from coordinator.training.lora.runner import LoraFederation, LoraTarget
 from coordinator.training.manager import Runner, RunReporter
-from coordinator.training.version import Version
+from coordinator.training.version import MANIFEST_FILE, Version
 from coordinator.trust.ca import CertificateAuthority
 from protocols.decoder import INPUT_IDS, MODEL_FILE, TOKENIZER_FILE
+from protocols.lora import MINILM_ENCODER
+from protocols.manifest import Manifest
 from protocols.training import TrainingRunRequest
 from protocols.training_copy import TrainingCopyOffer
 
@@ -34,6 +40,9 @@ log = logging.getLogger(__name__)
 
 HEALTH_PROMPT = (2, 3, 5, 7, 11, 13)
 """Token ids of the prefill a rolled-out decoder version is health-checked with."""
+ENCODER_HEALTH_IDS = (101, 1037, 2235, 3899, 102)
+"""``[CLS] a small dog [SEP]`` in BERT's uncased vocabulary: a rolled-out encoder version's
+health check (an embedding request's feeds)."""
 
 
 def served_lora_target(
@@ -45,18 +54,17 @@ def served_lora_target(
     budgets: tuple[int, ...],
     agents: int | None = None,
 ) -> LoraTarget:
-    """The active version of served decoder ``model_id``, trained on one local SuperNode per
+    """The active version of served model ``model_id``, trained on one local SuperNode per
     text dir or (``agents``) on that many paired agents' own SuperNodes; UnknownModelError
-    (404) when it is not served, LoraTargetError (400) when it is no decoder or no device holds
-    text."""
+    (404) when it is not served, LoraTargetError (400) when its model file is gone or no device
+    holds text (an export that is neither a decoder nor an encoder fails when planned)."""
     active = store.active(model_id)
     version_dir = deployer.segment_dir(model_id, active.plan_version)
     source = Path(active.source)
     model_file = source / MODEL_FILE if source.is_dir() else source
     if not model_file.is_file():
         raise LoraTargetError(f"{model_id}: its model file {model_file} is gone")
-    record = store.model(model_id)
-    tok_dir = Path(record.tokenizer_dir) if record.tokenizer_dir else model_file.parent
+    tokenizer_file = _tokenizer_file(model_id, store.model(model_id).tokenizer_dir, model_file)
     if not data_dirs and agents is None:
         raise LoraTargetError(
             "no device holds text records: list text_client_data in the training target"
@@ -65,7 +73,7 @@ def served_lora_target(
         model_id=model_id,
         version_dir=version_dir,
         model_file=model_file,
-        tokenizer_file=tok_dir / TOKENIZER_FILE,
+        tokenizer_file=tokenizer_file,
         versions_root=state_dir / "training" / "versions" / model_id,
         population=len(data_dirs) if agents is None else agents,
         data_dirs=data_dirs,
@@ -73,8 +81,37 @@ def served_lora_target(
     )
 
 
+def _tokenizer_file(model_id: str, tokenizer_dir: str | None, model_file: Path) -> Path:
+    """The served model's tokenizer: its deployment's, the one beside its model file, or (for
+    ``all-minilm-l6-v2``, as ``/v1/embeddings`` finds it) the one its package ships."""
+    if tokenizer_dir:
+        return Path(tokenizer_dir) / TOKENIZER_FILE
+    beside = model_file.parent / TOKENIZER_FILE
+    if beside.is_file() or model_id != MINILM_ENCODER:
+        return beside
+    from partitioner.errors import GraphError
+    from partitioner.frontdoor import minilm_dir
+
+    try:
+        return minilm_dir() / TOKENIZER_FILE
+    except GraphError:
+        return beside
+
+
+def health_samples(version_dir: Path) -> dict[str, np.ndarray]:
+    """The feeds a rolled-out version is health-checked with: a decoder's prefill (the
+    manifest lists KV sessions), or one sentence's ``input_ids``, mask and zero token types."""
+    manifest = Manifest.from_json((version_dir / MANIFEST_FILE).read_bytes())
+    if manifest.sessions is not None:
+        return {INPUT_IDS: np.asarray([HEALTH_PROMPT], dtype=np.int64)}
+    ids = np.asarray([ENCODER_HEALTH_IDS], dtype=np.int64)
+    fill = {"attention_mask": np.ones_like(ids), "token_type_ids": np.zeros_like(ids)}
+    names = [t.name for t in manifest.model.inputs]
+    return {n: ids if n == INPUT_IDS else fill[n] for n in names if n in fill or n == INPUT_IDS}
+
+
 class DecoderPublisher:
-    """Rolls a LoRA version out to its served decoder: signature verified, then deployed."""
+    """Rolls a LoRA version out to its served model: signature verified, then deployed."""
 
     def __init__(self, deployer: Deployer, store: DeploymentStore, ca_cert_pem: bytes) -> None:
         self.deployer = deployer
@@ -83,12 +120,10 @@ class DecoderPublisher:
 
     def __call__(self, model_id: str, version: Version) -> int:
         """Verify, deploy beside the live version, health-check, switch; the plan version."""
-        import numpy as np
-
         from coordinator.training.rollout import verify_signature
 
         verify_signature(version.path, self.ca_cert_pem)
-        samples = {INPUT_IDS: np.asarray([HEALTH_PROMPT], dtype=np.int64)}
+        samples = health_samples(version.path)
         objective = self.store.active(model_id).objective
         record = self.deployer.deploy_version(model_id, version.path, samples, objective)
         return record.plan_version
