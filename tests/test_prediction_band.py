@@ -36,7 +36,7 @@ from coordinator_helpers import (
 pytestmark = [pytest.mark.slow, pytest.mark.timeout(900)]
 
 BAND = (0.75, 1.33)
-OVERSUBSCRIBED = 1.5
+OVERSUBSCRIBED = 99.0
 """Above this many runnable processes per core (the 1-minute load average), stage times on
 this machine say nothing about the devices: the test is skipped, not failed."""
 CAPS = {"tiny-llama": "14MB", "tiny-gemma3": "16MB"}
@@ -102,6 +102,10 @@ def test_calibrated_predictions_are_within_the_band(
     first = _active_segments(lab, model_id)
     timing = json.loads((lab.coordinator.state_dir / "stage-timing.json").read_text())
     assert {a.name for a in lab.agents} <= set(timing["devices"])
+    # each agent measured its operator, call and TopK costs with its warm-up, and the stages
+    # were kept for the per-term fit
+    assert all(isinstance(s["costs"], dict) and s["costs"]["op_us"] > 0 for s in first)
+    assert len(timing["stages"]) >= 2
     lab.deploy(export, model_id, CAPS[model])
     second = _active_segments(lab, model_id)
     print(
@@ -111,9 +115,6 @@ def test_calibrated_predictions_are_within_the_band(
     )
     assert len(second) == 2 and all(r > 0 for r in _ratios(second))
     assert all(isinstance(s["predicted_prefill_s"], float) for s in second)
-    if not all(BAND[0] <= r <= BAND[1] for r in _ratios(second)):
-        # issue 18's target, not met reliably yet: the agents' operator cost (op_us) is measured
-        # at their start and moves 2.5x with the load, so a stage of many small operators
-        # (embedding and first layers) and one of bytes and TopK (the output head) are off by
-        # different factors that one correction per device cannot both fix (see the README)
-        pytest.xfail(f"{model}: calibrated predicted/measured {_ratios(second)} outside {BAND}")
+    assert all(BAND[0] <= r <= BAND[1] for r in _ratios(second)), (
+        f"{model}: calibrated predicted/measured {_ratios(second)} outside {BAND}"
+    )

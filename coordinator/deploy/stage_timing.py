@@ -1,24 +1,33 @@
-"""Per-device corrections from predicted to measured stage time, learnt at every deploy.
+"""Corrections from predicted to measured stage time, learnt at every deploy.
 
 At deploy time each agent times its own segment at the planned shapes in steady state (the
 median of its warm-up runs after the first) and reports it next to the plan's prediction
-(:class:`~protocols.deploy.DeployReport`). A device's *correction* is how much slower (above 1)
-or faster than its roofs it really runs: later plans price it with every roof scaled by it
-(:func:`corrected`), so the time of any work on it is multiplied by the correction.
+(:class:`~protocols.deploy.DeployReport`), together with its operator, call and ``TopK``
+costs measured again just before loading and just after the warm-up (``costs``): those move
+with the load by up to 2.5x within minutes, so an agent's start-up figures say little about
+the minute it warms up in. The agent's status then carries them, so the next plan is priced
+with the costs of the latest deploy.
 
-How the work of a model is spread over its units comes from the roofline itself: besides
-compute and bandwidth, each agent's profile measures what an operator, a segment run and a
-``TopK`` element cost, which is what small decode-step units are made of. Only for agents
-without a memory roof (priced by FLOPs alone) does the coordinator time every unit on its own
-machine when it cuts a small model (``fedshard split --calibrate``'s path,
-:func:`calibrates_at_deploy`) and spread the FLOP time by those shares. The per-device
-correction then only has to say how fast the device is, not how its stage is made up, so it
-still holds when a later plan gives the device other units.
+Roofline-priced devices (agents that announce a memory roof) are corrected **per term**
+(:mod:`coordinator.deploy.term_fit`): every measured stage is split into its compute part
+and its memory part (FLOPs or bytes over the start-up roofs, by which bounds each unit) and
+its fixed part (operators, ``TopK`` elements and one call at the costs measured with its
+warm-up); one factor per part, shared by the devices, is fitted on the last
+:data:`STAGE_WINDOW` stages, and later plans price every device with its compute roof and its
+bandwidths divided by the first two and its fixed costs multiplied by the third
+(:func:`term_corrected`). One factor per device could not: a stage of many small operators and
+a stage of bytes and ``TopK`` are off by different factors, and identical agents swap stages
+between deploys.
 
-The correction is the geometric mean of the measured/predicted ratios of the last
-:data:`WINDOW` deploys, each taken against the uncorrected roofs. It is kept per device in
-``STATE/stage-timing.json`` and clamped to [:data:`LOWEST`, :data:`HIGHEST`], so one odd
-measurement (a device that was briefly busy) cannot make a device look free or useless.
+Devices priced by FLOPs alone keep one correction each: the geometric mean of the
+measured/predicted ratios of their last :data:`WINDOW` deploys, each taken against the
+uncorrected roofs, clamped to [:data:`LOWEST`, :data:`HIGHEST`] (one odd measurement cannot
+make a device look free or useless); for them the coordinator times every unit of a small
+model on its own machine when it cuts it (``fedshard split --calibrate``'s path,
+:func:`calibrates_at_deploy`) and spreads the FLOP time by those shares.
+
+Both are kept in ``STATE/stage-timing.json`` (``fedshard.stage-timing/2``; files from before
+the per-term fit are still read).
 """
 
 from __future__ import annotations
@@ -37,7 +46,13 @@ from pydantic import Field, NonNegativeFloat, NonNegativeInt, PositiveFloat, Val
 
 from coordinator.deploy.plan import LiveDevice
 from coordinator.deploy.store import VersionRecord
-from coordinator.deploy.term_fit import TermFactors, TermSample, fit_terms, stage_terms
+from coordinator.deploy.term_fit import (
+    StageTerms,
+    TermFactors,
+    TermSample,
+    fit_terms,
+    stage_terms,
+)
 from protocols.base import FrozenModel
 from protocols.devices import DeviceList
 from protocols.problem import Roofs, Work
@@ -65,10 +80,10 @@ class StageTime:
     device: str
     predicted_s: float
     measured_s: float
-    terms: tuple[float, float] | None = None
-    """The prediction's streamed and fixed parts, uncorrected, the fixed one at the costs the
-    agent measured with the warm-up (:func:`~coordinator.deploy.term_fit.stage_terms`); None
-    for devices priced by FLOPs alone."""
+    terms: StageTerms | None = None
+    """The prediction's parts, uncorrected, the fixed one at the costs the agent measured with
+    the warm-up (:func:`~coordinator.deploy.term_fit.stage_terms`); None for devices priced
+    by FLOPs alone."""
     plan_version: int = 0
 
 
@@ -83,9 +98,14 @@ class StageSample(FrozenModel):
 
     device: str
     plan_version: NonNegativeInt
-    streamed_s: NonNegativeFloat
+    compute_s: NonNegativeFloat
+    memory_s: NonNegativeFloat
     fixed_s: NonNegativeFloat
     measured_s: PositiveFloat
+
+    def terms(self) -> StageTerms:
+        """The stage's predicted parts."""
+        return StageTerms(self.compute_s, self.memory_s, self.fixed_s)
 
 
 class TimingFile(FrozenModel):
@@ -123,12 +143,13 @@ def corrected(device: LiveDevice, factor: float) -> LiveDevice:
 
 
 def term_corrected(device: LiveDevice, factors: TermFactors) -> LiveDevice:
-    """``device`` with its compute and bandwidth roofs slowed by ``factors.streamed`` and its
-    operator, call and selection costs multiplied by ``factors.fixed``."""
-    k, f = factors.streamed, factors.fixed
+    """``device`` with its compute roof slowed by ``factors.compute``, its bandwidths by
+    ``factors.memory`` and its operator, call and selection costs multiplied by
+    ``factors.fixed``."""
+    k, f = factors.memory, factors.fixed
     return dataclasses.replace(
         device,
-        gflops=device.gflops / k,
+        gflops=device.gflops / factors.compute,
         memory_gbps=None if device.memory_gbps is None else device.memory_gbps / k,
         cache_gbps=None if device.cache_gbps is None else device.cache_gbps / k,
         op_us=device.op_us * f,
@@ -163,10 +184,7 @@ class StageTiming:
             return None
         newest = sorted({s.plan_version for s in stages}, reverse=True)
         return fit_terms(
-            [
-                TermSample(s.streamed_s, s.fixed_s, s.measured_s, newest.index(s.plan_version))
-                for s in stages
-            ]
+            [TermSample(s.terms(), s.measured_s, newest.index(s.plan_version)) for s in stages]
         )
 
     def apply(self, devices: Sequence[LiveDevice]) -> list[LiveDevice]:
@@ -191,9 +209,9 @@ class StageTiming:
                 if stage.predicted_s <= 0 or stage.measured_s < MIN_MEASURED_S:
                     continue
                 ratio = stage.measured_s / (stage.predicted_s / factor)
-                if stage.terms is not None and sum(stage.terms) > 0:
+                if stage.terms is not None and stage.terms.total_s > 0:
                     samples.append(_sample(stage, stage.terms))
-                    ratio = stage.measured_s / sum(stage.terms)
+                    ratio = stage.measured_s / stage.terms.total_s
                 old = devices.get(stage.device, DeviceTiming()).ratios
                 devices[stage.device] = DeviceTiming(ratios=[*old, ratio][-WINDOW:])
                 log.info(
@@ -225,12 +243,13 @@ class StageTiming:
         tmp.replace(self._path)
 
 
-def _sample(stage: StageTime, terms: tuple[float, float]) -> StageSample:
+def _sample(stage: StageTime, terms: StageTerms) -> StageSample:
     return StageSample(
         device=stage.device,
         plan_version=stage.plan_version,
-        streamed_s=terms[0],
-        fixed_s=terms[1],
+        compute_s=terms.compute_s,
+        memory_s=terms.memory_s,
+        fixed_s=terms.fixed_s,
         measured_s=stage.measured_s,
     )
 
