@@ -253,6 +253,8 @@ class Agent:
         self.metrics.segment_memory.labels(str(report.plan_version)).set(
             report.measured_memory_bytes
         )
+        if report.costs is not None:  # the status and the TXT record say the latest ones
+            self.profile = self.profile.model_copy(update=report.costs.model_dump())
         await self._announce()
         return json_response(report.model_dump_json())
 

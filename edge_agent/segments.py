@@ -31,6 +31,7 @@ from edge_agent.errors import (
     WrongTargetError,
 )
 from edge_agent.identity import Identity, verify_signature
+from edge_agent.membench import FixedCostProbe, mean_costs
 from edge_agent.onnx_limits import check_declared_sizes
 from edge_agent.runtime import (
     SegmentSession,
@@ -40,7 +41,13 @@ from edge_agent.runtime import (
     resident_bytes,
 )
 from edge_agent.sessions import SessionTable
-from protocols.deploy import DeployManifest, DeployReport, DeployRequest, signing_bytes
+from protocols.deploy import (
+    DeployManifest,
+    DeployReport,
+    DeployRequest,
+    FixedCosts,
+    signing_bytes,
+)
 from protocols.errors import FrameError
 from protocols.frames import decode_frame
 
@@ -88,6 +95,7 @@ class SegmentStore:
         self._runtime = runtime
         self._lock = threading.Lock()
         self._segments: dict[int, Deployed] = {}
+        self._costs: FixedCostProbe | None = None
 
     def get(self, plan_version: int) -> Deployed | None:
         """The segment of a plan version, if loaded."""
@@ -140,6 +148,7 @@ class SegmentStore:
                 )
             check_declared_sizes(segment, free, manifest.warmup_shapes)
             path = self._store_file(entry.sha256, segment)
+            costs_before = self._fixed_costs()
             release_freed_heap()  # else freed heap from earlier work hides what loading adds
             before = resident_bytes()
             peak_known = reset_peak_resident()
@@ -163,6 +172,7 @@ class SegmentStore:
             except DeployError:
                 self._drop_file(entry.sha256)
                 raise
+            costs = mean_costs(costs_before, self._fixed_costs())
             report = DeployReport(
                 device=self.identity.name,
                 plan_version=manifest.plan_version,
@@ -173,6 +183,7 @@ class SegmentStore:
                 load_s=session.load_s,
                 warmup_first_s=first,
                 warmup_s=median,
+                costs=costs,
             )
             axis = session.batch_axis() if table is None else None
             deployed = Deployed(manifest, session, report, table, axis is not None, axis)
@@ -199,6 +210,13 @@ class SegmentStore:
                     dropped.sessions.clear()
                 self._drop_file(dropped.manifest.segment.sha256)
             return dropped is not None
+
+    def _fixed_costs(self) -> FixedCosts:
+        """The operator, call and selection costs now (the benchmark sessions are built at the
+        first deploy and kept, so they are part of the baseline resident memory)."""
+        if self._costs is None:
+            self._costs = FixedCostProbe(self._runtime)
+        return self._costs.measure()
 
     def _store_file(self, sha256: str, segment: bytes | memoryview) -> Path:
         """Write verified segment bytes to the state dir (ORT loads them from there)."""

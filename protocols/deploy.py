@@ -197,6 +197,16 @@ class DeployRequest(FrozenModel):
     signature_hex: str = Field(pattern=r"^[0-9a-f]{2,1024}$")
 
 
+class FixedCosts(FrozenModel):
+    """The fixed costs an agent re-measures next to every warm-up (``fedshard profile``'s
+    ``op_us``, ``call_us`` and ``topk_ns``): they move with the load by up to 2.5x, so the
+    coordinator's corrections compare a stage with the costs of the same second."""
+
+    op_us: NonNegativeFloat
+    call_us: NonNegativeFloat
+    topk_ns: NonNegativeFloat
+
+
 class DeployReport(FrozenModel):
     """An agent's answer to a deploy: the plan's predictions next to what it measured."""
 
@@ -212,6 +222,9 @@ class DeployReport(FrozenModel):
     """First run after loading (includes one-off allocations)."""
     warmup_s: NonNegativeFloat
     """Median of the following warm-up runs: the measured stage time."""
+    costs: FixedCosts | None = None
+    """The fixed costs measured just before loading and just after the warm-up, averaged
+    (None from agents that predate it)."""
 
 
 class UnloadRequest(FrozenModel):

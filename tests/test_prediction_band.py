@@ -5,9 +5,12 @@ measuring its roofs the way ``fedshard profile`` does: compute, memory and cache
 the cost of an operator, of a segment run and of a ``TopK`` element) serve the tiny decoders
 under caps that force two stages (``tiny-llama``: the embedding and the output head, 7.8 MB
 each, plus the KV cache fit on no one device at 14 MB; ``tiny-gemma3`` likewise at 16 MB).
-The first deploy is priced by the roofline alone and teaches the coordinator each device's
-measured/predicted correction (:mod:`coordinator.deploy.stage_timing`); the deploy after it
-is priced with the corrections, and every stage's decode-step prediction must be within
+The first deploy is priced by the roofline alone; each agent measures its operator, call and
+``TopK`` costs again around its warm-up and reports them with its stage time, and the
+coordinator fits one correction per part of the prediction (compute, memory, fixed costs:
+:mod:`coordinator.deploy.term_fit`) on the measured stages. The deploy after it is priced
+with the latest costs and those corrections, and every stage's decode-step prediction must be
+within
 0.75-1.33x of the agent's own steady-state measurement (the median of its warm-up runs at
 the planned shapes). This is a ratio band, not a wall-time assert: both numbers come from the
 same machine in the same minute.
@@ -36,9 +39,10 @@ from coordinator_helpers import (
 pytestmark = [pytest.mark.slow, pytest.mark.timeout(900)]
 
 BAND = (0.75, 1.33)
-OVERSUBSCRIBED = 1.5
-"""Above this many runnable processes per core (the 1-minute load average), stage times on
-this machine say nothing about the devices: the test is skipped, not failed."""
+OVERSUBSCRIBED = 5.0
+"""Above this many runnable processes per core (the 1-minute load average) the test is
+skipped, not failed: stage times then say little about the devices. It passed at 3-4 per core
+(load 6-8 on two cores) since the agents measure their fixed costs with every warm-up."""
 CAPS = {"tiny-llama": "14MB", "tiny-gemma3": "16MB"}
 """Per model: the cap on each agent under which no one agent holds it."""
 
@@ -102,6 +106,10 @@ def test_calibrated_predictions_are_within_the_band(
     first = _active_segments(lab, model_id)
     timing = json.loads((lab.coordinator.state_dir / "stage-timing.json").read_text())
     assert {a.name for a in lab.agents} <= set(timing["devices"])
+    # each agent measured its operator, call and TopK costs with its warm-up, and the stages
+    # were kept for the per-term fit
+    assert all(isinstance(s["costs"], dict) and s["costs"]["op_us"] > 0 for s in first)
+    assert len(timing["stages"]) >= 2
     lab.deploy(export, model_id, CAPS[model])
     second = _active_segments(lab, model_id)
     print(
@@ -111,9 +119,6 @@ def test_calibrated_predictions_are_within_the_band(
     )
     assert len(second) == 2 and all(r > 0 for r in _ratios(second))
     assert all(isinstance(s["predicted_prefill_s"], float) for s in second)
-    if not all(BAND[0] <= r <= BAND[1] for r in _ratios(second)):
-        # issue 18's target, not met reliably yet: the agents' operator cost (op_us) is measured
-        # at their start and moves 2.5x with the load, so a stage of many small operators
-        # (embedding and first layers) and one of bytes and TopK (the output head) are off by
-        # different factors that one correction per device cannot both fix (see the README)
-        pytest.xfail(f"{model}: calibrated predicted/measured {_ratios(second)} outside {BAND}")
+    assert all(BAND[0] <= r <= BAND[1] for r in _ratios(second)), (
+        f"{model}: calibrated predicted/measured {_ratios(second)} outside {BAND}"
+    )

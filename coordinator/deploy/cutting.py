@@ -23,7 +23,7 @@ from protocols.deploy import ShapeLimits
 from protocols.errors import SchemaError
 from protocols.manifest import Manifest
 from protocols.plan import Objective, Plan
-from protocols.problem import PlanningProblem
+from protocols.problem import PlanningProblem, Work
 
 log = logging.getLogger(__name__)
 
@@ -61,6 +61,9 @@ class SplitOutcome:
     expected: Arrays
     limits: ShapeLimits | None = None
     """The planned shapes every stage enforces (see :mod:`coordinator.deploy.limits`)."""
+    unit_work: tuple[Work, ...] = ()
+    """The planned phase's work of every planning unit (empty when not planned here or not
+    priced by the roofline): what each stage's prediction is made of."""
 
 
 def version_outcome(version_dir: Path, out: Path, samples: Arrays) -> SplitOutcome:
@@ -129,7 +132,9 @@ def split_and_run(
     state = state_names(manifest)
     expected = {o.name: known[o.name] for o in manifest.model.outputs if o.name not in state}
     limits = planned_limits(manifest, binding)
-    return SplitOutcome(manifest, out, samples, warmups, expected, limits)
+    works = [u.work for u in result.problem.units]
+    unit_work = tuple(w for w in works if w is not None) if None not in works else ()
+    return SplitOutcome(manifest, out, samples, warmups, expected, limits, unit_work)
 
 
 def _split_at_largest_shapes(

@@ -84,9 +84,8 @@ class Deployer:
         if not command.model_path.is_file():
             raise DeployError(f"no model file at {command.model_path}")
         with self._lock:
-            live = self._live_devices()
-            if self._timing is not None:
-                live = self._timing.apply(live)
+            raw = self._live_devices()
+            live = raw if self._timing is None else self._timing.apply(raw)
             links = self._links()
             requester = None if self._requester_links is None else self._requester_links()
             devices = device_list(live, links, command.memory_caps, command.strict_caps, requester)
@@ -95,7 +94,9 @@ class Deployer:
             split = split_and_run(command, devices, out, self._segment_cache)
             version = self._install(command, plan_version, split, live)
             if self._timing is not None:
-                self._timing.record(stage_times(version), {d.name: d.correction for d in live})
+                ranges = [s.units for s in split.manifest.segments]
+                stages = stage_times(version, split.unit_work, ranges, raw)
+                self._timing.record(stages, {d.name: d.correction for d in live})
             return version
 
     def replan(self, version: VersionRecord, trigger: str) -> VersionRecord:
@@ -316,6 +317,7 @@ def _placements(
             measured_memory_bytes=report.measured_memory_bytes,
             warmup_s=report.warmup_s,
             load_s=report.load_s,
+            costs=report.costs,
         )
         for seg, report in zip(manifest.segments, reports, strict=True)
     ]

@@ -1,24 +1,33 @@
-"""Per-device corrections from predicted to measured stage time, learnt at every deploy.
+"""Corrections from predicted to measured stage time, learnt at every deploy.
 
 At deploy time each agent times its own segment at the planned shapes in steady state (the
 median of its warm-up runs after the first) and reports it next to the plan's prediction
-(:class:`~protocols.deploy.DeployReport`). A device's *correction* is how much slower (above 1)
-or faster than its roofs it really runs: later plans price it with every roof scaled by it
-(:func:`corrected`), so the time of any work on it is multiplied by the correction.
+(:class:`~protocols.deploy.DeployReport`), together with its operator, call and ``TopK``
+costs measured again just before loading and just after the warm-up (``costs``): those move
+with the load by up to 2.5x within minutes, so an agent's start-up figures say little about
+the minute it warms up in. The agent's status then carries them, so the next plan is priced
+with the costs of the latest deploy.
 
-How the work of a model is spread over its units comes from the roofline itself: besides
-compute and bandwidth, each agent's profile measures what an operator, a segment run and a
-``TopK`` element cost, which is what small decode-step units are made of. Only for agents
-without a memory roof (priced by FLOPs alone) does the coordinator time every unit on its own
-machine when it cuts a small model (``fedshard split --calibrate``'s path,
-:func:`calibrates_at_deploy`) and spread the FLOP time by those shares. The per-device
-correction then only has to say how fast the device is, not how its stage is made up, so it
-still holds when a later plan gives the device other units.
+Roofline-priced devices (agents that announce a memory roof) are corrected **per term**
+(:mod:`coordinator.deploy.term_fit`): every measured stage is split into its compute part
+and its memory part (FLOPs or bytes over the start-up roofs, by which bounds each unit) and
+its fixed part (operators, ``TopK`` elements and one call at the costs measured with its
+warm-up); one factor per part, shared by the devices, is fitted on the last
+:data:`STAGE_WINDOW` stages, and later plans price every device with its compute roof and its
+bandwidths divided by the first two and its fixed costs multiplied by the third
+(:func:`term_corrected`). One factor per device could not: a stage of many small operators and
+a stage of bytes and ``TopK`` are off by different factors, and identical agents swap stages
+between deploys.
 
-The correction is the geometric mean of the measured/predicted ratios of the last
-:data:`WINDOW` deploys, each taken against the uncorrected roofs. It is kept per device in
-``STATE/stage-timing.json`` and clamped to [:data:`LOWEST`, :data:`HIGHEST`], so one odd
-measurement (a device that was briefly busy) cannot make a device look free or useless.
+Devices priced by FLOPs alone keep one correction each: the geometric mean of the
+measured/predicted ratios of their last :data:`WINDOW` deploys, each taken against the
+uncorrected roofs, clamped to [:data:`LOWEST`, :data:`HIGHEST`] (one odd measurement cannot
+make a device look free or useless); for them the coordinator times every unit of a small
+model on its own machine when it cuts it (``fedshard split --calibrate``'s path,
+:func:`calibrates_at_deploy`) and spreads the FLOP time by those shares.
+
+Both are kept in ``STATE/stage-timing.json`` (``fedshard.stage-timing/2``; files from before
+the per-term fit are still read).
 """
 
 from __future__ import annotations
@@ -31,13 +40,22 @@ import threading
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 from pathlib import Path
+from typing import Literal
 
-from pydantic import Field, PositiveFloat, ValidationError
+from pydantic import Field, NonNegativeFloat, NonNegativeInt, PositiveFloat, ValidationError
 
 from coordinator.deploy.plan import LiveDevice
 from coordinator.deploy.store import VersionRecord
+from coordinator.deploy.term_fit import (
+    StageTerms,
+    TermFactors,
+    TermSample,
+    fit_terms,
+    stage_terms,
+)
 from protocols.base import FrozenModel
 from protocols.devices import DeviceList
+from protocols.problem import Roofs, Work
 
 log = logging.getLogger(__name__)
 
@@ -49,6 +67,9 @@ WINDOW = 5
 LOWEST = 0.05
 HIGHEST = 20.0
 MIN_MEASURED_S = 1e-6
+STAGE_WINDOW = 8
+"""Measured stages the per-term fit keeps (all devices together)."""
+TIMING_FORMAT: Literal["fedshard.stage-timing/2"] = "fedshard.stage-timing/2"
 """Stage times below this (1 us) are timer noise and teach nothing."""
 
 
@@ -59,6 +80,11 @@ class StageTime:
     device: str
     predicted_s: float
     measured_s: float
+    terms: StageTerms | None = None
+    """The prediction's parts, uncorrected, the fixed one at the costs the agent measured with
+    the warm-up (:func:`~coordinator.deploy.term_fit.stage_terms`); None for devices priced
+    by FLOPs alone."""
+    plan_version: int = 0
 
 
 class DeviceTiming(FrozenModel):
@@ -67,10 +93,29 @@ class DeviceTiming(FrozenModel):
     ratios: list[PositiveFloat] = Field(default_factory=list, max_length=WINDOW)
 
 
-class TimingFile(FrozenModel):
-    """``STATE/stage-timing.json``."""
+class StageSample(FrozenModel):
+    """One measured stage of a roofline-priced device, for the per-term fit."""
 
+    device: str
+    plan_version: NonNegativeInt
+    compute_s: NonNegativeFloat
+    memory_s: NonNegativeFloat
+    fixed_s: NonNegativeFloat
+    measured_s: PositiveFloat
+
+    def terms(self) -> StageTerms:
+        """The stage's predicted parts."""
+        return StageTerms(self.compute_s, self.memory_s, self.fixed_s)
+
+
+class TimingFile(FrozenModel):
+    """``STATE/stage-timing.json`` (files without ``format``, from before the per-term fit,
+    still read: they have no ``stages``)."""
+
+    format: Literal["fedshard.stage-timing/2"] = TIMING_FORMAT
     devices: dict[str, DeviceTiming] = Field(default_factory=dict)
+    stages: list[StageSample] = Field(default_factory=list, max_length=STAGE_WINDOW)
+    """The latest measured stages of every roofline-priced device, oldest first."""
 
 
 def correction_of(timing: DeviceTiming) -> float:
@@ -97,6 +142,22 @@ def corrected(device: LiveDevice, factor: float) -> LiveDevice:
     )
 
 
+def term_corrected(device: LiveDevice, factors: TermFactors) -> LiveDevice:
+    """``device`` with its compute roof slowed by ``factors.compute``, its bandwidths by
+    ``factors.memory`` and its operator, call and selection costs multiplied by
+    ``factors.fixed``."""
+    k, f = factors.memory, factors.fixed
+    return dataclasses.replace(
+        device,
+        gflops=device.gflops / factors.compute,
+        memory_gbps=None if device.memory_gbps is None else device.memory_gbps / k,
+        cache_gbps=None if device.cache_gbps is None else device.cache_gbps / k,
+        op_us=device.op_us * f,
+        call_us=device.call_us * f,
+        topk_ns=device.topk_ns * f,
+    )
+
+
 class StageTiming:
     """The corrections of every device, persisted in the coordinator's state directory."""
 
@@ -115,20 +176,42 @@ class StageTiming:
         with self._lock:
             return {name: correction_of(t) for name, t in self._file.devices.items()}
 
+    def term_factors(self) -> TermFactors | None:
+        """The per-term factors fitted on the latest measured stages (None before any)."""
+        with self._lock:
+            stages = list(self._file.stages)
+        if not stages:
+            return None
+        newest = sorted({s.plan_version for s in stages}, reverse=True)
+        return fit_terms(
+            [TermSample(s.terms(), s.measured_s, newest.index(s.plan_version)) for s in stages]
+        )
+
     def apply(self, devices: Sequence[LiveDevice]) -> list[LiveDevice]:
-        """``devices`` as later plans should see them: each with its correction applied."""
-        return [corrected(d, self.factor(d.name)) for d in devices]
+        """``devices`` as later plans should see them: roofline-priced ones with the per-term
+        factors (once any stage was measured), the others with their own correction."""
+        factors = self.term_factors()
+        return [
+            term_corrected(d, factors)
+            if factors is not None and d.memory_gbps is not None
+            else corrected(d, self.factor(d.name))
+            for d in devices
+        ]
 
     def record(self, stages: Sequence[StageTime], applied: Mapping[str, float]) -> None:
         """Learn from the measured stages of a deploy planned with the ``applied`` corrections
         (a prediction made with correction ``c`` is ``c`` times the uncorrected one)."""
         with self._lock:
             devices = dict(self._file.devices)
+            samples = list(self._file.stages)
             for stage in stages:
                 factor = applied.get(stage.device, 1.0)
                 if stage.predicted_s <= 0 or stage.measured_s < MIN_MEASURED_S:
                     continue
                 ratio = stage.measured_s / (stage.predicted_s / factor)
+                if stage.terms is not None and stage.terms.total_s > 0:
+                    samples.append(_sample(stage, stage.terms))
+                    ratio = stage.measured_s / stage.terms.total_s
                 old = devices.get(stage.device, DeviceTiming()).ratios
                 devices[stage.device] = DeviceTiming(ratios=[*old, ratio][-WINDOW:])
                 log.info(
@@ -139,7 +222,7 @@ class StageTiming:
                     stage.measured_s / stage.predicted_s,
                     correction_of(devices[stage.device]),
                 )
-            self._file = TimingFile(devices=devices)
+            self._file = TimingFile(devices=devices, stages=samples[-STAGE_WINDOW:])
             self._save()
 
     def _load(self) -> TimingFile:
@@ -160,12 +243,52 @@ class StageTiming:
         tmp.replace(self._path)
 
 
-def stage_times(version: VersionRecord) -> list[StageTime]:
-    """Each placed segment's predicted and measured (steady-state warm-up) stage time."""
-    return [
-        StageTime(device=p.device, predicted_s=p.predicted_compute_s, measured_s=p.warmup_s)
-        for p in version.segments
-    ]
+def _sample(stage: StageTime, terms: StageTerms) -> StageSample:
+    return StageSample(
+        device=stage.device,
+        plan_version=stage.plan_version,
+        compute_s=terms.compute_s,
+        memory_s=terms.memory_s,
+        fixed_s=terms.fixed_s,
+        measured_s=stage.measured_s,
+    )
+
+
+def stage_times(
+    version: VersionRecord,
+    unit_work: Sequence[Work] = (),
+    unit_ranges: Sequence[tuple[int, int]] = (),
+    devices: Sequence[LiveDevice] = (),
+) -> list[StageTime]:
+    """Each placed segment's predicted and measured (steady-state warm-up) stage time; with
+    the plan's ``unit_work``, each segment's ``unit_ranges`` and the uncorrected ``devices``,
+    the prediction's two parts too (for roofline-priced devices)."""
+    by_name = {d.name: d for d in devices}
+    out = []
+    for i, p in enumerate(version.segments):
+        device = by_name.get(p.device)
+        terms = None
+        if device is not None and device.memory_gbps is not None and i < len(unit_ranges):
+            lo, hi = unit_ranges[i]
+            if hi <= len(unit_work):
+                terms = stage_terms(unit_work[lo:hi], roofs_of(device), p.costs)
+        out.append(
+            StageTime(p.device, p.predicted_compute_s, p.warmup_s, terms, version.plan_version)
+        )
+    return out
+
+
+def roofs_of(device: LiveDevice) -> Roofs:
+    """The roofs ``device`` is priced by."""
+    return Roofs(
+        gflops=device.gflops,
+        memory_gbps=device.memory_gbps,
+        cache_bytes=device.cache_bytes,
+        cache_gbps=device.cache_gbps,
+        op_us=device.op_us,
+        call_us=device.call_us,
+        topk_ns=device.topk_ns,
+    )
 
 
 def calibrates_at_deploy(model_path: Path, devices: DeviceList | None = None) -> bool:

@@ -26,7 +26,7 @@ from coordinator.generation.draft_model import check_draft_model
 from coordinator.generation.speculative import Speculative
 from hostkit.files import write_atomic
 from protocols.base import FrozenModel
-from protocols.deploy import ShapeLimits
+from protocols.deploy import FixedCosts, ShapeLimits
 from protocols.errors import SchemaError
 from protocols.manifest import TensorInfo
 from protocols.plan import Objective
@@ -57,6 +57,9 @@ class Placement(FrozenModel):
     warmup_s: NonNegativeFloat
     """Stage time the agent measured in the warm-up (median)."""
     load_s: NonNegativeFloat
+    costs: FixedCosts | None = None
+    """The operator, call and selection costs the agent measured with the warm-up (None from
+    agents, and records, that predate it)."""
 
 
 class VersionRecord(FrozenModel):

@@ -1,0 +1,130 @@
+"""Per-term corrections of the roofline, fitted on the stages the agents measured.
+
+A stage's predicted time has three parts that go wrong for different reasons
+(:func:`stage_terms`):
+
+- the **compute** part, ``flops / compute`` of its units bound by compute, priced by the
+  ``MatMul`` roof an agent measured at its start (its best run: a real encoder stage's
+  products, softmaxes and normalisations run slower than the benchmark's best);
+- the **memory** part, ``bytes / bandwidth`` of its units bound by memory, priced by the
+  ``ReduceSum`` roofs measured at start; a real stage reads its weights through other kernels
+  (a decode step's output head is a matrix-vector product: about 1.3x the time the
+  ``ReduceSum``'s cache speed says, here);
+- the **fixed** part, ``ops x op_us + topk_elements x topk_ns + call_us``, priced by costs
+  the agent measures again next to every warm-up (``DeployReport.costs``), since they move
+  with the load by up to 2.5x in a few minutes; a real node still costs more or less than an
+  operator of the benchmark's chain.
+
+One correction per device cannot fix them all: tiny-llama's first stage is almost all fixed
+cost, its last almost all bytes, and MiniLM's stages are compute. So the coordinator fits one
+factor per part, shared by every device (a device's own speed is in its roofs), by least
+squares on the relative errors of the recent stages (:func:`fit_terms`): ``measured ~
+compute x k_compute + memory x k_memory + fixed x k_fixed``. A weak pull towards 1 decides
+what the stages leave open (a part none of them has); newer deploys weigh more.
+
+Pure functions over plain numbers; the planner sees only the devices' roofs scaled by the
+factors (:func:`coordinator.deploy.stage_timing.term_corrected`), so it stays exact.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from dataclasses import dataclass
+
+import numpy as np
+
+from protocols.deploy import FixedCosts
+from protocols.problem import Roofs, Work
+
+PULL = 0.01
+"""Weight of the pull of each factor towards 1, against the mean squared share of the parts
+in the stages (it decides only what the stages leave open)."""
+AGE_WEIGHT = 0.5
+"""A stage of the deploy before the newest weighs this much, the one before that its square."""
+LOWEST = 0.05
+HIGHEST = 20.0
+
+
+@dataclass(frozen=True)
+class StageTerms:
+    """A stage's predicted time in its three parts, seconds (uncorrected)."""
+
+    compute_s: float
+    memory_s: float
+    fixed_s: float
+
+    @property
+    def total_s(self) -> float:
+        """The whole prediction."""
+        return self.compute_s + self.memory_s + self.fixed_s
+
+
+@dataclass(frozen=True)
+class TermSample:
+    """One measured stage: its predicted parts and its measured time."""
+
+    terms: StageTerms
+    measured_s: float
+    age: int = 0
+    """How many deploys ago it was measured (0: the newest)."""
+
+
+@dataclass(frozen=True)
+class TermFactors:
+    """How much slower than predicted each part runs."""
+
+    compute: float = 1.0
+    memory: float = 1.0
+    fixed: float = 1.0
+
+
+def stage_terms(work: Sequence[Work], roofs: Roofs, costs: FixedCosts | None) -> StageTerms:
+    """The parts of a stage made of ``work``'s units under ``roofs``, the fixed one priced with
+    ``costs`` (the agent's measurement of the same second) when given, else with the roofs' own
+    ``op_us``, ``call_us`` and ``topk_ns``. With ``costs`` None they add up to the stage's
+    roofline time (:func:`partitioner.roofline.stage_seconds`)."""
+    fixed = costs or FixedCosts(op_us=roofs.op_us, call_us=roofs.call_us, topk_ns=roofs.topk_ns)
+    compute = memory = 0.0
+    for w in work:
+        flops_s = float(w.flops) / (roofs.gflops * 1e9)
+        gbps = roofs.bandwidth_gbps(w.bytes_read)
+        bytes_s = 0.0 if gbps is None else float(w.bytes_read) / (gbps * 1e9)
+        if bytes_s > flops_s:
+            memory += bytes_s
+        else:
+            compute += flops_s
+    ops = sum(w.ops for w in work)
+    selected = sum(w.topk_elements for w in work)
+    fixed_s = ops * fixed.op_us / 1e6 + selected * fixed.topk_ns / 1e9 + fixed.call_us / 1e6
+    return StageTerms(compute, memory, fixed_s)
+
+
+def fit_terms(samples: Sequence[TermSample]) -> TermFactors:
+    """The factors minimising the weighted squared relative error of ``samples`` plus a pull
+    (:data:`PULL`) of each factor towards 1, each within [:data:`LOWEST`, :data:`HIGHEST`]
+    (a factor out of range is pinned at its bound and the others fitted again)."""
+    usable = [s for s in samples if s.measured_s > 0 and s.terms.total_s > 0]
+    if not usable:
+        return TermFactors()
+    shares = np.array(
+        [[s.terms.compute_s, s.terms.memory_s, s.terms.fixed_s] for s in usable]
+    ) / np.array([[s.measured_s] for s in usable])
+    weights = np.array([AGE_WEIGHT**s.age for s in usable])
+    gram = shares.T @ (shares * weights[:, None])
+    right = shares.T @ weights
+    pull = PULL * float(np.trace(gram)) / 3  # scaled to the data: a stage 10x off is fixed
+    pinned: dict[int, float] = {}
+    while True:
+        free = [i for i in range(3) if i not in pinned]
+        if not free:
+            return TermFactors(pinned[0], pinned[1], pinned[2])
+        rhs = right[free] + pull
+        for i, value in pinned.items():
+            rhs -= gram[free, i] * value
+        solved = np.linalg.solve(gram[np.ix_(free, free)] + pull * np.eye(len(free)), rhs)
+        factors = dict(pinned) | {i: float(v) for i, v in zip(free, solved, strict=True)}
+        outside = [i for i in free if not LOWEST <= factors[i] <= HIGHEST]
+        if not outside:
+            return TermFactors(factors[0], factors[1], factors[2])
+        worst = max(outside, key=lambda i: abs(factors[i] - 1.0))
+        pinned[worst] = min(HIGHEST, max(LOWEST, factors[worst]))
