@@ -42,7 +42,7 @@ from pydantic import Field, NonNegativeFloat, NonNegativeInt, PositiveFloat, mod
 from protocols.base import FrozenModel
 from protocols.constants import DEFAULT_QUEUE_DEPTH, PROBLEM_FORMAT, ROOFLINE_PROBLEM_FORMAT
 from protocols.links import Link, Requester, check_links, check_requester
-from protocols.roofs import ROOF_FIELD_NAMES, RoofFields
+from protocols.roofs import ROOF_FIELD_NAMES, RoofFields, roof_values
 
 
 class Work(FrozenModel):
@@ -104,7 +104,7 @@ class ProblemDevice(RoofFields, _ProblemDeviceHead):
         """The device's roofs (None without a compute roof)."""
         if self.gflops is None:
             return None
-        return Roofs(gflops=self.gflops, **{f: getattr(self, f) for f in ROOF_FIELD_NAMES})
+        return Roofs(gflops=self.gflops, **roof_values(self))
 
 
 _ROOF_FIELDS = ("gflops", *ROOF_FIELD_NAMES)

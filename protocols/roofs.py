@@ -10,6 +10,8 @@ fields from the last base to the first, so the JSON keeps the head first.
 
 from __future__ import annotations
 
+from typing import Any
+
 from pydantic import NonNegativeFloat, NonNegativeInt, PositiveFloat
 
 from protocols.base import FrozenModel
@@ -36,3 +38,8 @@ class RoofFields(FrozenModel):
 
 ROOF_FIELD_NAMES = tuple(RoofFields.model_fields)
 """The names of the roofs beyond compute, in their order."""
+
+
+def roof_values(source: object) -> dict[str, Any]:
+    """``source``'s roofs beyond compute by name, for building another model that carries them."""
+    return {name: getattr(source, name) for name in ROOF_FIELD_NAMES}

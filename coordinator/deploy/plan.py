@@ -29,6 +29,7 @@ from protocols.frames import FrameHeader, encode_frame
 from protocols.links import Link as DeviceLink
 from protocols.links import Requester, RequesterLink
 from protocols.manifest import Manifest
+from protocols.roofs import roof_values
 
 Signer = Callable[[bytes], bytes]
 DEFAULT_BANDWIDTH_MBPS = 1000.0
@@ -87,12 +88,7 @@ def device_list(
                 memory_bytes=min(free, cap) if cap is not None else free,
                 gflops=device.gflops,
                 bandwidth_mbps=DEFAULT_BANDWIDTH_MBPS,
-                memory_gbps=device.memory_gbps,
-                cache_bytes=device.cache_bytes,
-                cache_gbps=device.cache_gbps,
-                op_us=device.op_us,
-                call_us=device.call_us,
-                topk_ns=device.topk_ns,
+                **roof_values(device),
             )
         )
     names = {d.name for d in devices}

@@ -56,6 +56,7 @@ from coordinator.deploy.term_fit import (
 from protocols.base import FrozenModel
 from protocols.devices import DeviceList
 from protocols.problem import Roofs, Work
+from protocols.roofs import roof_values
 
 log = logging.getLogger(__name__)
 
@@ -280,15 +281,7 @@ def stage_times(
 
 def roofs_of(device: LiveDevice) -> Roofs:
     """The roofs ``device`` is priced by."""
-    return Roofs(
-        gflops=device.gflops,
-        memory_gbps=device.memory_gbps,
-        cache_bytes=device.cache_bytes,
-        cache_gbps=device.cache_gbps,
-        op_us=device.op_us,
-        call_us=device.call_us,
-        topk_ns=device.topk_ns,
-    )
+    return Roofs(gflops=device.gflops, **roof_values(device))
 
 
 def calibrates_at_deploy(model_path: Path, devices: DeviceList | None = None) -> bool:
