@@ -1,4 +1,5 @@
-"""Atomic file writes: readers see the old content or the new, and a crash never leaves a torn file.
+"""Atomic file writes (readers see the old content or the new, and a crash never leaves a torn
+file) and file digests.
 
 The coordinator's state dir and the agent's state files are written only through
 :func:`write_atomic`.
@@ -6,6 +7,7 @@ The coordinator's state dir and the agent's state files are written only through
 
 from __future__ import annotations
 
+import hashlib
 import os
 import tempfile
 from pathlib import Path
@@ -53,3 +55,9 @@ def sweep_temp_files(directory: Path) -> list[Path]:
             path.unlink(missing_ok=True)
             removed.append(path)
     return removed
+
+
+def file_sha256(path: Path) -> str:
+    """Hex SHA-256 of a file, streamed (the file is never held in memory whole)."""
+    with path.open("rb") as fh:
+        return hashlib.file_digest(fh, "sha256").hexdigest()

@@ -8,8 +8,9 @@ from typing import TYPE_CHECKING
 
 import onnx
 
+from hostkit.files import file_sha256
 from partitioner.decoding import segment_state, unit_state_bytes
-from partitioner.modelio import file_sha256, initializer_bytes
+from partitioner.modelio import initializer_bytes
 from partitioner.phases import stage_prefill_s
 from partitioner.segment_files import WrittenSegment
 from protocols.manifest import (

@@ -233,12 +233,3 @@ def _external_chunks(tensor: TensorProto, source: Path | None) -> Iterator[bytes
 
 def _read_all(tensor: TensorProto, source: Path | None) -> bytes:
     return b"".join(_external_chunks(tensor, source))
-
-
-def file_sha256(path: Path) -> str:
-    """Hex SHA-256 of a file, read in chunks."""
-    digest = hashlib.sha256()
-    with path.open("rb") as fh:
-        for chunk in iter(lambda: fh.read(_CHUNK), b""):
-            digest.update(chunk)
-    return digest.hexdigest()

@@ -11,7 +11,8 @@ from typing import TYPE_CHECKING
 import onnx
 from onnx import external_data_helper
 
-from partitioner.modelio import file_sha256, save_model
+from hostkit.files import file_sha256
+from partitioner.modelio import save_model
 from partitioner.segment_cache import SegmentCache
 from partitioner.segments import SegmentSpec, build_segment, plan_segments
 from partitioner.shapes import symbolic_types

@@ -13,6 +13,7 @@ from pathlib import Path
 
 import onnx
 
+from hostkit.files import file_sha256
 from partitioner.calibrate import (
     DEFAULT_RUNS,
     DEFAULT_THREADS,
@@ -31,7 +32,7 @@ from partitioner.errors import GraphError, InfeasiblePlanError
 from partitioner.frontier import Frontier, build_frontier
 from partitioner.graph import GraphIndex, index_graph
 from partitioner.manifests import build_manifest
-from partitioner.modelio import file_sha256, load_model
+from partitioner.modelio import load_model
 from partitioner.phases import prefill_work
 from partitioner.problem_from_graph import build_problem
 from partitioner.roofline import unit_work

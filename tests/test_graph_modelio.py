@@ -10,10 +10,10 @@ import pytest
 from graph_helpers import OPSET, block_stack
 from onnx import TensorProto, helper, numpy_helper
 
+from hostkit.files import file_sha256
 from partitioner.errors import GraphError
 from partitioner.modelio import (
     EXTERNAL_DATA_SHA256_KEY,
-    file_sha256,
     initializer_bytes,
     load_model,
 )

@@ -14,9 +14,9 @@ import onnx
 import pytest
 from graph_helpers import block_stack, kitchen_feeds, kitchen_sink
 
+from hostkit.files import file_sha256
 from partitioner import split_cli
 from partitioner.frontdoor import ExportResult
-from partitioner.modelio import file_sha256
 from partitioner.runtime_memory import RuntimeMemory
 from protocols.manifest import Manifest
 

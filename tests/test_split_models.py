@@ -15,8 +15,9 @@ import numpy as np
 import onnx
 import pytest
 
+from hostkit.files import file_sha256
 from partitioner.errors import InfeasiblePlanError
-from partitioner.modelio import file_sha256, initializer_bytes, load_model
+from partitioner.modelio import initializer_bytes, load_model
 from partitioner.runtime_memory import RuntimeMemory
 from partitioner.split import Analysis, SplitOptions, SplitResult, analyse, split_model
 from partitioner.verify import verify_chain

@@ -18,6 +18,7 @@ from typing import Any
 
 import numpy as np
 
+from hostkit.files import file_sha256
 from partitioner.decoders.progress import Steps
 from partitioner.decoders.sources import DecoderSource
 from partitioner.errors import GraphError
@@ -335,7 +336,6 @@ def _save_export(model: Any, path: Path, traced: Path) -> None:
         EXTERNAL_DATA_MARGIN_BYTES,
         EXTERNAL_DATA_SHA256_KEY,
         PROTOBUF_LIMIT_BYTES,
-        file_sha256,
         initializer_bytes,
         save_model,
     )

@@ -23,7 +23,6 @@ query, key, value and dense layers). An ONNX file with neither ``decoder.json`` 
 
 from __future__ import annotations
 
-import hashlib
 import logging
 from pathlib import Path
 from typing import Any, Final, Literal
@@ -33,7 +32,7 @@ from google.protobuf.message import DecodeError
 from pydantic import Field, ValidationError
 
 from coordinator.training.errors import LoraTargetError
-from hostkit.files import write_atomic
+from hostkit.files import file_sha256, write_atomic
 from protocols.base import FrozenModel
 from protocols.decoder import DECODER_FILE, TOKENIZER_FILE, DecoderInfo
 from protocols.errors import SchemaError
@@ -168,15 +167,6 @@ def build_base(model_file: Path, cache_dir: Path) -> LoraBase:
         shapes={k: list(v.shape) for k, v in params.items()},
         objective=objective,
     )
-
-
-def file_sha256(path: Path) -> str:
-    """SHA-256 of a file, read in chunks."""
-    digest = hashlib.sha256()
-    with path.open("rb") as fh:
-        for chunk in iter(lambda: fh.read(1 << 20), b""):
-            digest.update(chunk)
-    return digest.hexdigest()
 
 
 def lora_base(model_file: Path, cache_root: Path, model_cache: Path) -> LoraBase:

@@ -32,6 +32,7 @@ from onnx import numpy_helper
 from edge_agent.training.errors import PlanMismatchError
 from edge_agent.training.local import MANIFEST_FILE, LocalSettings
 from edge_agent.training.text_data import load_text
+from hostkit.files import file_sha256
 from protocols.errors import SchemaError
 from protocols.lora import LoraPlan
 from protocols.manifest import Manifest
@@ -122,8 +123,7 @@ class SegmentFiles(Sequence[bytes]):
 
 def _file_sha256(path: Path) -> str:
     try:
-        with path.open("rb") as fh:
-            return hashlib.file_digest(fh, "sha256").hexdigest()
+        return file_sha256(path)
     except OSError as exc:
         raise PlanMismatchError(f"{path}: unreadable segment: {exc}") from exc
 
