@@ -33,6 +33,7 @@ from pathlib import Path
 from edge_agent.control import COORDINATOR_ONLY, Response, Route, json_response
 from edge_agent.errors import IntegrityError, SignatureError, StorageError
 from edge_agent.identity import PublicKey, verify_signature
+from hostkit.files import write_atomic
 from protocols.training_copy import (
     TrainingCopy,
     TrainingCopyOffer,
@@ -128,12 +129,7 @@ class TrainingCopies:
     def _write_blob(self, digest: str, data: bytes) -> None:
         blobs = self.root / BLOBS
         blobs.mkdir(parents=True, exist_ok=True, mode=0o700)
-        tmp = blobs / f".{digest}.{secrets.token_hex(4)}.tmp"
-        with open(tmp, "wb") as out:
-            out.write(data)
-            out.flush()
-            os.fsync(out.fileno())
-        tmp.replace(blobs / digest)
+        write_atomic(blobs / digest, data)
 
     def _drop_all_but(self, copy: TrainingCopy) -> None:
         """Remove every earlier copy, ``current``, and each kept file ``copy`` does not list."""
