@@ -95,7 +95,10 @@ class SegmentStore:
         self._runtime = runtime
         self._lock = threading.Lock()
         self._segments: dict[int, Deployed] = {}
-        self._costs: FixedCostProbe | None = None
+        # built and run once here, not at the first deploy, so that the benchmark sessions and
+        # their arenas are part of the baseline resident memory, not of a segment's or of serving
+        self._costs = FixedCostProbe(runtime)
+        self._costs.measure()
 
     def get(self, plan_version: int) -> Deployed | None:
         """The segment of a plan version, if loaded."""
@@ -212,10 +215,8 @@ class SegmentStore:
             return dropped is not None
 
     def _fixed_costs(self) -> FixedCosts:
-        """The operator, call and selection costs now (the benchmark sessions are built at the
-        first deploy and kept, so they are part of the baseline resident memory)."""
-        if self._costs is None:
-            self._costs = FixedCostProbe(self._runtime)
+        """The operator, call and selection costs now (on the benchmark sessions built with
+        the store, which are part of the baseline resident memory)."""
         return self._costs.measure()
 
     def _store_file(self, sha256: str, segment: bytes | memoryview) -> Path:

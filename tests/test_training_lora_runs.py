@@ -264,6 +264,21 @@ def test_fedshard_train_model_posts_a_valid_lora_request() -> None:
     assert off["dp"] is False
 
 
+def _decoder_manifest() -> Any:
+    """A one-segment manifest of a decoder (it lists KV sessions): health-checked by prefill."""
+    from protocols.manifest import DEFAULT_SESSIONS, Manifest, ModelInfo, SegmentEntry
+
+    segment = SegmentEntry(
+        index=0, device="d0", file="segment_0.onnx", sha256="0" * 64, inputs=[], outputs=[],
+        param_bytes=1, predicted_memory_bytes=1, predicted_compute_s=0.0,
+    )  # fmt: skip
+    model = ModelInfo(name="toy", sha256="0" * 64, param_bytes=1, inputs=[], outputs=[])
+    return Manifest(
+        model=model, objective="throughput", bottleneck_s=0.0, latency_s=0.0,
+        segments=[segment], sessions=DEFAULT_SESSIONS,
+    )  # fmt: skip
+
+
 def test_a_version_is_deployed_only_when_its_signature_verifies(tmp_path: Path) -> None:
     from types import SimpleNamespace
 
@@ -284,14 +299,15 @@ def test_a_version_is_deployed_only_when_its_signature_verifies(tmp_path: Path) 
     publish = DecoderPublisher(Deployer(), store, ca.cert_pem)  # type: ignore[arg-type]
     version: Any = SimpleNamespace(path=tmp_path / "v0002")
     version.path.mkdir()
-    (version.path / "manifest.json").write_bytes(b"{}")
+    manifest = _decoder_manifest().to_json().encode()
+    (version.path / "manifest.json").write_bytes(manifest)
     with pytest.raises(RolloutError, match="unsigned"):
         publish("m", version)
-    (version.path / "manifest.json.sig").write_bytes(other.sign(b"{}"))
+    (version.path / "manifest.json.sig").write_bytes(other.sign(manifest))
     with pytest.raises(RolloutError, match="does not verify"):
         publish("m", version)
     assert deployed == []
-    (version.path / "manifest.json.sig").write_bytes(ca.sign(b"{}"))
+    (version.path / "manifest.json.sig").write_bytes(ca.sign(manifest))
     assert publish("m", version) == 7 and deployed == [version.path]
 
 
