@@ -12,7 +12,6 @@ fewer agents holding the copy than the run needs fails the run before anything s
 
 from __future__ import annotations
 
-import hashlib
 import logging
 from collections.abc import Callable, Sequence
 from concurrent.futures import ThreadPoolExecutor
@@ -21,6 +20,7 @@ from pathlib import Path
 from coordinator.errors import AgentError, AgentRefusedError
 from coordinator.training.errors import TrainingRunError
 from coordinator.transport.agent_client import AgentAddress, AgentClient
+from hostkit.files import file_sha256
 from protocols.manifest import Manifest
 from protocols.training_copy import (
     COPY_MANIFEST,
@@ -44,8 +44,8 @@ def training_copy(copy_id: str, segments_dir: Path, extra: Sequence[str] = ()) -
     names = [COPY_MANIFEST, *(e.file for e in manifest.segments), *extra]
     files = []
     for name in names:
-        data = (segments_dir / name).read_bytes()
-        files.append(CopyFile(name=name, sha256=hashlib.sha256(data).hexdigest(), size=len(data)))
+        path = segments_dir / name
+        files.append(CopyFile(name=name, sha256=file_sha256(path), size=path.stat().st_size))
     return TrainingCopy(copy_id=copy_id, files=files)
 
 
