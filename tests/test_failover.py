@@ -224,6 +224,27 @@ def test_lost_device_replans_on_the_rest_then_expands_when_it_returns(harness: H
     ]
 
 
+def test_a_device_back_while_its_replan_runs_is_expanded_onto_after(harness: Harness) -> None:
+    """The device returns while the re-plan without it is under way (so no plan lacked it yet
+    when it came back): once the re-plan settles, the model still expands back onto it."""
+    failover = harness.failover
+    harness.during = [lambda: failover.device_back("b")]
+    harness.plans = [["a", "c"], ["a", "b", "c"]]
+    failover.device_lost("b", "ping refused")
+    assert failover.run_pending() == 2
+    assert harness.replans[1] == (2, "expand: b returned")
+    assert [p.device for p in failover.current("enc", 0.0).segments] == ["a", "b", "c"]
+    assert harness.kinds() == ["lost", "recovering", "back", "replanned", "expanded"]
+
+
+def test_a_device_still_gone_after_the_replan_is_not_expanded_onto(harness: Harness) -> None:
+    failover = harness.failover
+    harness.plans = [["a", "c"]]
+    failover.device_lost("b", "ping refused")
+    assert failover.run_pending() == 1  # no expand queued: b has not come back
+    assert harness.kinds() == ["lost", "recovering", "replanned"]
+
+
 def test_devices_left_cannot_hold_it_refuses_with_reason_then_recovers(harness: Harness) -> None:
     failover = harness.failover
     harness.plans = [DeployError("no arrangement of the 2 devices holds 'enc'"), ["a", "b", "c"]]

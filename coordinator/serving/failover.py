@@ -101,6 +101,8 @@ class Failover:
         self._conditions: dict[str, Condition] = {}
         self._degraded: dict[str, frozenset[str]] = {}
         """Per model, devices lost since its last plan that used every device."""
+        self._gone: set[str] = set()
+        """Devices lost and not back yet (one that returns mid-re-plan is expanded onto after)."""
         self._jobs: queue.Queue[tuple[str, str]] = queue.Queue()
         self._queued: set[tuple[str, str]] = set()
         self._events: collections.deque[FailoverEvent] = collections.deque(maxlen=MAX_EVENTS)
@@ -175,6 +177,7 @@ class Failover:
         self._record("lost", device=name, detail=reason)
         with self._lock:
             self._losses += 1
+            self._gone.add(name)
         affected = [v for v in self._active_versions() if name in _devices(v)]
         self._lose(affected, name, f"device {name} was lost ({reason})")
 
@@ -182,6 +185,7 @@ class Failover:
         """``name`` answers steadily again: expand the plans that lost it, retry unavailable."""
         self._record("back", device=name)
         with self._lock:
+            self._gone.discard(name)
             for model_id, condition in self._conditions.items():
                 if condition.state == "unavailable":
                     self._enqueue("recover", model_id)
@@ -295,7 +299,7 @@ class Failover:
                 reason = f"{condition.reason}; the devices left cannot serve it: {exc}"
                 self._give_up(model_id, reason)
             return
-        self._settle(model_id, version, condition.lost)
+        self._settle(model_id, version, condition.lost, recovered=True)
         self._record("replanned", model_id, version, ", ".join(_devices(version)))
 
     def _expand(self, model_id: str) -> None:
@@ -313,7 +317,14 @@ class Failover:
         self._settle(model_id, new, frozenset())
         self._record("expanded", model_id, new, ", ".join(_devices(new)))
 
-    def _settle(self, model_id: str, version: VersionRecord | None, lost: frozenset[str]) -> None:
+    def _settle(
+        self,
+        model_id: str,
+        version: VersionRecord | None,
+        lost: frozenset[str],
+        *,
+        recovered: bool = False,
+    ) -> None:
         with self._changed:
             self._conditions.pop(model_id, None)
             if version is not None:
@@ -321,6 +332,8 @@ class Failover:
                     _devices(version)
                 )
                 self._degraded[model_id] = frozenset(missing)
+                if recovered and missing - self._gone:  # back while the re-plan ran without it
+                    self._enqueue("expand", model_id)
             self._changed.notify_all()
 
     def _give_up(self, model_id: str, reason: str) -> None:
