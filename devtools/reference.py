@@ -45,3 +45,22 @@ def greedy_reference(export: Path, prompt: str, max_tokens: int) -> tuple[str, i
     new = decoder.greedy(ids, max_tokens, stop_ids=decoder.info.eos_token_ids)
     new = [i for i in new if i not in decoder.info.eos_token_ids]
     return str(tokenizer.decode(new)), len(new)
+
+
+def greedy_chat_reference(
+    export: Path, question: str, max_tokens: int, stop: Sequence[str] = ()
+) -> str:
+    """The greedy answer to one user message from the whole model in one ONNX Runtime session,
+    with the prompt rendered by the served chat template exactly as the coordinator renders it,
+    cut before the first ``stop`` string as ``/v1/chat/completions`` cuts it."""
+    from coordinator.generation.tokenizer import ChatTokenizer
+    from partitioner.decoders.ort_runner import OrtDecoder
+
+    decoder = OrtDecoder(export)
+    eos = set(decoder.info.eos_token_ids)
+    tokenizer = ChatTokenizer.from_file(export, decoder.info)
+    prompt = tokenizer.encode(tokenizer.render_chat([{"role": "user", "content": question}]))
+    new = [i for i in decoder.greedy(prompt, max_tokens, stop_ids=eos) if i not in eos]
+    text = tokenizer.decode(new)
+    cuts = [text.find(s) for s in stop if s in text]
+    return text[: min(cuts)] if cuts else text

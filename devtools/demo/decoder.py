@@ -20,6 +20,8 @@ from devtools.demo.steps import Api, DemoStepError
 from protocols.decoder import DECODER_FILE, MODEL_FILE, DecoderInfo
 
 DEPLOY_TIMEOUT_S = 900.0
+CHAT_TOKENS = 48
+"""The demo's answers: at most this many new tokens."""
 CAP_SHARE = 0.8
 """Each device's planning cap as a share of the model's weights: with the tied embedding held
 by both the first and the last stage, no two devices can hold the model; three can, so the
@@ -85,7 +87,7 @@ def deploy_decoder(
 
 
 def chat(
-    api: Api, model_id: str, question: str, max_tokens: int = 48, stop: Sequence[str] = ()
+    api: Api, model_id: str, question: str, max_tokens: int = CHAT_TOKENS, stop: Sequence[str] = ()
 ) -> dict[str, Any]:
     """One greedy chat completion (not streamed); the response body."""
     body: dict[str, Any] = {
