@@ -1,4 +1,4 @@
-"""Device profile: the two roofs (compute and memory bandwidth), cached in the state dir.
+"""Device profile: the roofs (compute, memory bandwidth, 4-bit products), cached in the state dir.
 
 Both micro-benchmarks run in ONNX Runtime with the agent's own thread settings, since that is
 what will run the segments. The models are written as raw protobuf (the agent does not depend
@@ -14,6 +14,8 @@ on the ``onnx`` package).
   the best of the trials (wall time: a streaming read waits on memory, not on the core).
 - **Operator, call and selection costs**: see :mod:`edge_agent.membench` (the fixed costs of
   a kernel launch, of a segment run and of a ``TopK`` element, which dominate small segments).
+- **One-row 4-bit products** (a decode step of an int4 decoder): see
+  :mod:`edge_agent.gemvbench`.
 """
 
 from __future__ import annotations
@@ -75,6 +77,8 @@ class ComputeProfile(ProfileModel):
     """Fixed cost of one segment run (``session.run`` of one input and output), microseconds."""
     topk_ns: NonNegativeFloat | None = None
     """Cost of a ``TopK`` per element it selects from, nanoseconds."""
+    gemv_gflops: PositiveFloat | None = None
+    """GFLOP/s of a one-row 4-bit weight product (:mod:`edge_agent.gemvbench`)."""
     intra_op_threads: PositiveInt
     inter_op_threads: PositiveInt
     onnxruntime_version: str
@@ -117,24 +121,37 @@ def model_bytes(
     kinds = types or {}
     graph = b"".join(
         [
-            *(_field(1, node) for node in nodes),
-            _field(2, name.encode()),
-            *(_field(11, _value_info(n, shape, kinds.get(n, _FLOAT))) for n, shape in inputs),
-            *(_field(12, _value_info(n, shape, kinds.get(n, _FLOAT))) for n, shape in outputs),
+            *(field_bytes(1, node) for node in nodes),
+            field_bytes(2, name.encode()),
+            *(
+                field_bytes(11, value_info_bytes(n, shape, kinds.get(n, _FLOAT)))
+                for n, shape in inputs
+            ),
+            *(
+                field_bytes(12, value_info_bytes(n, shape, kinds.get(n, _FLOAT)))
+                for n, shape in outputs
+            ),
         ]
     )
-    opset = _field(1, b"") + _varint_field(2, 17)
-    return _varint_field(1, 8) + _field(2, b"fedshard") + _field(7, graph) + _field(8, opset)
+    opset = field_bytes(1, b"") + varint_field_bytes(2, 17)
+    return (
+        varint_field_bytes(1, 8)
+        + field_bytes(2, b"fedshard")
+        + field_bytes(7, graph)
+        + field_bytes(8, opset)
+    )
 
 
 def measure_profile(runtime: RuntimeConfig) -> ComputeProfile:
     """Both roofs, the cache level and the operator cost with the agent's thread settings
     (about two seconds)."""
+    from edge_agent.gemvbench import measure_gemv_gflops
     from edge_agent.membench import measure_memory
 
     compute = measure_gflops(runtime)
     memory = measure_memory(runtime)
-    return compute.model_copy(update=memory.model_dump())
+    gemv = measure_gemv_gflops(runtime)
+    return compute.model_copy(update={**memory.model_dump(), "gemv_gflops": gemv})
 
 
 def measure_gflops(
@@ -201,6 +218,7 @@ def load_or_measure(
                 and cached.op_us is not None
                 and cached.call_us is not None
                 and cached.topk_ns is not None
+                and cached.gemv_gflops is not None
                 and cached.intra_op_threads == runtime.intra_op_threads
                 and cached.inter_op_threads == runtime.inter_op_threads
                 and cached.onnxruntime_version == ort.__version__
@@ -230,11 +248,13 @@ def _varint(value: int) -> bytes:
             return bytes(out)
 
 
-def _varint_field(number: int, value: int) -> bytes:
+def varint_field_bytes(number: int, value: int) -> bytes:
+    """A protobuf varint field."""
     return _varint(number << 3) + _varint(value)
 
 
-def _field(number: int, payload: bytes) -> bytes:
+def field_bytes(number: int, payload: bytes) -> bytes:
+    """A protobuf length-delimited field."""
     return _varint(number << 3 | 2) + _varint(len(payload)) + payload
 
 
@@ -242,18 +262,21 @@ def node_bytes(op: str, inputs: list[str], outputs: list[str], name: str) -> byt
     """A serialized ``NodeProto`` without attributes."""
     return b"".join(
         [
-            *(_field(1, i.encode()) for i in inputs),
-            *(_field(2, o.encode()) for o in outputs),
-            _field(3, name.encode()),
-            _field(4, op.encode()),
+            *(field_bytes(1, i.encode()) for i in inputs),
+            *(field_bytes(2, o.encode()) for o in outputs),
+            field_bytes(3, name.encode()),
+            field_bytes(4, op.encode()),
         ]
     )
 
 
-def _value_info(name: str, shape: Sequence[int | str], elem_type: int = _FLOAT) -> bytes:
+def value_info_bytes(name: str, shape: Sequence[int | str], elem_type: int = _FLOAT) -> bytes:
+    """A serialized ``ValueInfoProto``: a tensor's name, element type and shape."""
     dims = b"".join(
-        _field(1, _field(2, d.encode()) if isinstance(d, str) else _varint_field(1, d))
+        field_bytes(
+            1, field_bytes(2, d.encode()) if isinstance(d, str) else varint_field_bytes(1, d)
+        )
         for d in shape
     )
-    tensor_type = _varint_field(1, elem_type) + _field(2, dims)
-    return _field(1, name.encode()) + _field(2, _field(1, tensor_type))
+    tensor_type = varint_field_bytes(1, elem_type) + field_bytes(2, dims)
+    return field_bytes(1, name.encode()) + field_bytes(2, field_bytes(1, tensor_type))

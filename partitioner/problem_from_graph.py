@@ -136,6 +136,7 @@ def _roofs(device: DeviceSpec) -> dict[str, object]:
         "op_us": device.op_us,
         "call_us": device.call_us,
         "topk_ns": device.topk_ns,
+        "gemv_gflops": device.gemv_gflops,
     }
 
 

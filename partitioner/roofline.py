@@ -23,10 +23,11 @@ Everything here is pure: graph index, frontier, shape table and units in, number
 
 from __future__ import annotations
 
+import math
 from collections.abc import Sequence
 from dataclasses import dataclass
 
-from partitioner.costs import ShapeTable, tensor_proto_bytes
+from partitioner.costs import ShapeTable, node_flops, tensor_proto_bytes
 from partitioner.frontier import Frontier
 from partitioner.graph import GraphIndex
 from partitioner.units import StaticClosures, UnitPlan
@@ -121,9 +122,32 @@ def unit_work(
             bytes_read=moved.total,
             ops=moved.ops,
             topk_elements=moved.topk_elements,
+            gemv_flops=min(
+                unit.flops, _gemv_flops(index, frontier.order[unit.start : unit.end], table)
+            ),
         )
         for unit, moved in zip(units.units, traffic, strict=True)
     ]
+
+
+GEMV_ROWS = 4
+"""A 4-bit product over at most this many rows runs at the device's ``gemv_gflops`` (a decode
+step, or a speculative pass of a few tokens); over more (a prefill) at its ``gflops``."""
+
+
+def _gemv_flops(index: GraphIndex, nodes: Sequence[int], table: ShapeTable) -> int:
+    """FLOPs of the nodes' ``MatMulNBits`` over at most :data:`GEMV_ROWS` rows."""
+    total = 0
+    for node_id in nodes:
+        node = index.nodes[node_id]
+        inputs = index.node_inputs[node_id]
+        if node.op_type != "MatMulNBits" or not inputs:
+            continue
+        dims = table.dims_of(inputs[0])
+        rows = math.prod(dims[:-1]) if dims else 1
+        if rows <= GEMV_ROWS:
+            total += node_flops(node, inputs, table)
+    return total
 
 
 def stage_seconds(work: Sequence[Work], roofs: Roofs) -> float:

@@ -105,6 +105,11 @@ class DecoderInfo(FrozenModel):
     trailing_positions: PositiveInt | None = None
     """How many trailing positions' top-k the graph returns in ``trailing_top_logits`` /
     ``trailing_top_ids``; None for graphs exported without them (no speculative decoding)."""
+    rows_independent: bool = True
+    """Whether a position's outputs do not depend on the other positions run in the same pass.
+    False for ``quantize_dynamic``'s int8, whose ``DynamicQuantizeLinear`` picks one
+    activation scale for the whole pass: verifying k drafted tokens in one pass would then not
+    give the tokens one-at-a-time decoding gives, so speculative decoding is off for it."""
 
     @property
     def kv_bytes_per_token(self) -> int:

@@ -277,6 +277,7 @@ class AgentStatus(FrozenModel):
     op_us: float | None = None
     call_us: float | None = None
     topk_ns: float | None = None
+    gemv_gflops: float | None = None
     paired: bool
     segments: list[LoadedSegment] = Field(default_factory=list)
 

@@ -56,6 +56,9 @@ class Work(FrozenModel):
     """Operators (kernel launches) it runs: each costs the device's ``op_us`` on top."""
     topk_elements: NonNegativeInt = 0
     """Elements its ``TopK`` operators select from: each costs the device's ``topk_ns``."""
+    gemv_flops: NonNegativeInt = 0
+    """The part of ``flops`` done by 4-bit weight products over at most a few rows (a decode
+    step's ``MatMulNBits``): priced at the device's ``gemv_gflops``."""
 
 
 class Unit(FrozenModel):
@@ -115,6 +118,15 @@ class Roofs(RoofFields):
 
     gflops: PositiveFloat
 
+    def compute_s(self, work: Work) -> float:
+        """Seconds of ``work``'s FLOPs: its one-row 4-bit products at ``gemv_gflops`` (when
+        measured), the rest at ``gflops``."""
+        gemv = min(work.gemv_flops, work.flops) if self.gemv_gflops is not None else 0
+        seconds = float(work.flops - gemv) / (self.gflops * 1e9)
+        if self.gemv_gflops is not None:
+            seconds += float(gemv) / (self.gemv_gflops * 1e9)
+        return seconds
+
     def bandwidth_gbps(self, bytes_read: int) -> float | None:
         """The bandwidth ``bytes_read`` bytes are read at: the cache's if they fit in it."""
         if self.cache_gbps is not None and bytes_read <= self.cache_bytes:
@@ -124,11 +136,12 @@ class Roofs(RoofFields):
 
 def roofline_s(work: Work, roofs: Roofs) -> float:
     """Seconds of ``work`` under ``roofs``: the larger of compute time and memory time, plus
-    the operators' fixed cost and the selections': ``max(flops / (gflops 1e9), bytes_read /
-    (gbps 1e9)) + ops * op_us / 1e6 + topk_elements * topk_ns / 1e9``, where ``gbps`` is
-    ``cache_gbps`` when ``bytes_read <= cache_bytes`` and ``memory_gbps`` otherwise (without
-    either, the compute time alone)."""
-    busy = float(work.flops) / (roofs.gflops * 1e9)
+    the operators' fixed cost and the selections': ``max(compute, bytes_read / (gbps 1e9)) +
+    ops * op_us / 1e6 + topk_elements * topk_ns / 1e9``, where compute is
+    :meth:`Roofs.compute_s` (``flops / (gflops 1e9)``, one-row 4-bit products at
+    ``gemv_gflops``) and ``gbps`` is ``cache_gbps`` when ``bytes_read <= cache_bytes`` and
+    ``memory_gbps`` otherwise (without either, the compute time alone)."""
+    busy = roofs.compute_s(work)
     gbps = roofs.bandwidth_gbps(work.bytes_read)
     if gbps is not None:
         busy = max(busy, float(work.bytes_read) / (gbps * 1e9))

@@ -36,6 +36,8 @@ class DeviceProfile(FrozenModel):
     """Fixed cost of one run of a segment (``session.run``), microseconds."""
     topk_ns: NonNegativeFloat | None = None
     """Cost of a ``TopK`` per element it selects from, nanoseconds."""
+    gemv_gflops: PositiveFloat | None = None
+    """Compute roof of a one-row 4-bit weight product (``MatMulNBits``), GFLOP/s."""
     providers: list[ProviderName] = Field(
         default_factory=lambda: ["CPUExecutionProvider"], max_length=8
     )

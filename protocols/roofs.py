@@ -34,6 +34,10 @@ class RoofFields(FrozenModel):
     """Fixed cost of running a stage's segment once, microseconds."""
     topk_ns: NonNegativeFloat = 0.0
     """Cost of a ``TopK`` per element it selects from, nanoseconds."""
+    gemv_gflops: PositiveFloat | None = None
+    """Compute roof of a product with 4-bit weights (``MatMulNBits``) over one row, as a
+    decode step runs it: the kernel unpacks and scales every weight for a single row, so it
+    runs far below the ``MatMul`` roof (about 10x here). None: priced at the compute roof."""
 
 
 ROOF_FIELD_NAMES = tuple(RoofFields.model_fields)

@@ -19,10 +19,10 @@ from protocols.profile import AgentState, Announcement, DeviceProfile
 
 MAX_ENTRY_BYTES: Final = 255
 MAX_TXT_ENTRIES: Final = 64
-"""Most entries a record may have (an agent sends 17 at most)."""
+"""Most entries a record may have (an agent sends 18 at most)."""
 MAX_RECORD_BYTES: Final = 4096
 """Most bytes a whole record may have, with one length byte per entry (an agent's fit in
-17 x 256)."""
+18 x 256)."""
 
 # TXT key -> model field. Every profile key is required; state keys are optional.
 _PROFILE_KEYS: Final = {
@@ -44,6 +44,7 @@ _OPTIONAL_PROFILE_KEYS: Final = {
     "opus": "op_us",
     "callus": "call_us",
     "topkns": "topk_ns",
+    "gemv": "gemv_gflops",
 }
 """Profile keys older agents do not send: left out when unset, absent means unknown."""
 _STATE_KEYS: Final = {"paired": "paired", "seg": "segment_sha256", "plv": "plan_version"}
@@ -164,6 +165,7 @@ _PARSERS: Final[dict[str, Callable[[str], object]]] = {
     "op_us": _parse_float,
     "call_us": _parse_float,
     "topk_ns": _parse_float,
+    "gemv_gflops": _parse_float,
     "providers": _parse_list,
     "control_port": _parse_int,
     "data_port": _parse_int,

@@ -4,6 +4,8 @@ from __future__ import annotations
 
 import asyncio
 from collections.abc import Sequence
+from pathlib import Path
+from typing import Any
 
 import numpy as np
 import pytest
@@ -18,6 +20,7 @@ from coordinator.generation.sampling import SamplingParams, nucleus, probabiliti
 from coordinator.generation.speculative import (
     Speculation,
     SpeculationStats,
+    Speculative,
     accept,
     trailing_candidates,
 )
@@ -232,3 +235,25 @@ def test_a_stage_lost_mid_speculation_replays_to_the_same_text() -> None:
     replays = [c for c in chain.calls if "~" in c[0]]
     assert replays and replays[0][1] == 0 and replays[0][2] > len(prompt)  # history, re-prefilled
     assert chain.held == {}  # the session was ended on the new chain
+
+
+@pytest.mark.parametrize("mode", ["auto", "lookup"])
+def test_a_graph_whose_rows_are_coupled_is_never_speculated(
+    mode: Speculative, tmp_path: Path
+) -> None:
+    """int8 (``rows_independent: false``): verifying k tokens in one pass would not decode as
+    k passes do, so the coordinator decodes it one token a pass whatever the setting says."""
+    from generation_helpers import decoder_info
+
+    from coordinator.deploy.store import DeploymentStore, ModelRecord
+    from coordinator.serving.decoder import DecoderModels
+
+    def unused(*_: object) -> Any:
+        raise AssertionError("no chain is needed to choose the speculation")
+
+    models = DecoderModels(DeploymentStore(tmp_path), unused, unused, unused)
+    record = ModelRecord(model_id="m", speculative=mode)
+    info = decoder_info().model_copy(update={"trailing_positions": 4})
+    assert models._speculation("m", record, info) is not None
+    coupled = info.model_copy(update={"rows_independent": False})
+    assert models._speculation("m", record, coupled) is None

@@ -17,6 +17,7 @@ import onnx
 import pytest
 from onnx import TensorProto, helper
 
+from partitioner.decoders.ort_runner import read_info
 from partitioner.decoders.precision import WEIGHTS, Weights, model_weights, quantize_decoder
 from partitioner.modelio import initializer_bytes, load_model
 from partitioner.segment_files import write_segments
@@ -95,7 +96,10 @@ def test_conversion_keeps_the_interface_and_stores_weights_smaller(
     out = converted(exports, name, weights, tmp_path_factory)
     model = onnx.load(str(out / MODEL_FILE))
     assert model_weights(model) == weights
-    assert (out / DECODER_FILE).read_text() == (exports[name] / DECODER_FILE).read_text()
+    info, source_info = _info(out), _info(exports[name])
+    assert info.rows_independent == (weights != "int8") and source_info.rows_independent
+    assert info.model_copy(update={"rows_independent": True}) == source_info
+    assert read_info(out / MODEL_FILE) == info  # the graph's own copy says the same
     assert _io(model) == _io(source)  # KV cache and frames stay float32
     ops = {n.op_type for n in model.graph.node}
     ratio = initializer_bytes(model) / initializer_bytes(source)
@@ -112,6 +116,29 @@ def test_conversion_keeps_the_interface_and_stores_weights_smaller(
     else:
         assert any(t.data_type == TensorProto.FLOAT16 for t in model.graph.initializer)
         assert 0.45 < ratio < 0.55
+
+
+@pytest.mark.parametrize("weights", WEIGHTS)
+def test_only_int8_couples_the_rows_of_a_pass(
+    exports: Exports, weights: Weights, tmp_path_factory: pytest.TempPathFactory
+) -> None:
+    """What ``rows_independent`` says is so: a token's candidates from a pass of one row equal
+    those from a pass that also runs the token before it, except in int8, whose
+    ``DynamicQuantizeLinear`` picks one activation scale for the whole pass."""
+    from partitioner.decoders.ort_runner import OrtDecoder
+
+    decoder = OrtDecoder(converted(exports, "tiny-llama", weights, tmp_path_factory))
+    ids = [1, 17, 301, 45, 9, 230, 77]
+    decoder.prefill(ids[:-2])
+    decoder.step(ids[-2:-1])
+    alone = decoder.step(ids[-1:]).top_logits
+    decoder.prefill(ids[:-2])
+    together = decoder.step(ids[-2:]).top_logits
+    gap = float(np.abs(alone - together).max())
+    if decoder.info.rows_independent:
+        assert gap < 1e-3, gap
+    else:
+        assert weights == "int8" and gap > 1e-3, gap
 
 
 @pytest.mark.parametrize("weights", WEIGHTS)

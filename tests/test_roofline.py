@@ -28,7 +28,7 @@ from edge_agent.membench import (
 )
 from partitioner.planner import evaluate, plan
 from partitioner.roofline import bound_by, unit_traffic
-from partitioner.split import analyse
+from partitioner.split import analyse, analysis_work
 from protocols.errors import SchemaError
 from protocols.plan import Objective
 from protocols.problem import PlanningProblem, Roofs, Work, roofline_s
@@ -50,6 +50,38 @@ def test_roofline_takes_the_larger_roof_plus_operator_cost() -> None:
     small = Work(flops=0, bytes_read=1000)  # fits the cache: 50 GB/s, not 10
     assert roofline_s(small, roofs) == pytest.approx(1000 / 50e9)
     assert roofline_s(decode, Roofs(gflops=100.0)) == pytest.approx(2e-5)
+
+
+def test_one_row_4bit_products_are_priced_at_their_own_roof() -> None:
+    roofs = Roofs(gflops=100.0, gemv_gflops=10.0)
+    step = Work(flops=10**9, bytes_read=0, gemv_flops=8 * 10**8)
+    assert roofline_s(step, roofs) == pytest.approx(2e8 / 1e11 + 8e8 / 1e10)
+    assert roofline_s(step, Roofs(gflops=100.0)) == pytest.approx(1e-2)  # not measured
+    assert roofline_s(Work(flops=10**9, bytes_read=0), roofs) == pytest.approx(1e-2)
+
+
+@pytest.mark.parametrize(("rows", "one_row"), [(1, True), (4, True), (64, False)])
+def test_a_4bit_product_counts_as_one_row_work_only_over_a_few_rows(
+    rows: int, one_row: bool
+) -> None:
+    from onnxruntime.quantization.matmul_nbits_quantizer import MatMulNBitsQuantizer
+
+    weight = numpy_helper.from_array(np.ones((64, 32), np.float32) / 8, "w")
+    graph = helper.make_graph(
+        [helper.make_node("MatMul", ["x", "w"], ["y"], name="mm")],
+        "g",
+        [helper.make_tensor_value_info("x", TensorProto.FLOAT, ["rows", 64])],
+        [helper.make_tensor_value_info("y", TensorProto.FLOAT, ["rows", 32])],
+        [weight],
+    )
+    model = helper.make_model(graph, opset_imports=[helper.make_opsetid("", 17)])
+    quantizer = MatMulNBitsQuantizer(model, block_size=32, is_symmetric=False)
+    quantizer.process()
+    quantized = quantizer.model.model
+    assert [n.op_type for n in quantized.graph.node] == ["MatMulNBits"]
+    [work] = analysis_work(analyse(quantized, dims={"rows": rows}))
+    assert work.flops == 2 * rows * 64 * 32
+    assert work.gemv_flops == (work.flops if one_row else 0)
 
 
 def test_cache_level_is_the_largest_probe_still_faster_than_the_roof() -> None:

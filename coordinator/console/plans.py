@@ -256,6 +256,7 @@ def _slowed(spec: DeviceSpec, factor: float) -> DeviceSpec:
     return spec.model_copy(
         update={
             "gflops": spec.gflops / factor,
+            "gemv_gflops": None if spec.gemv_gflops is None else spec.gemv_gflops / factor,
             "memory_gbps": None if spec.memory_gbps is None else spec.memory_gbps / factor,
             "cache_gbps": None if spec.cache_gbps is None else spec.cache_gbps / factor,
             "op_us": spec.op_us * factor,

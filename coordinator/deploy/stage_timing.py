@@ -134,6 +134,7 @@ def corrected(device: LiveDevice, factor: float) -> LiveDevice:
     return dataclasses.replace(
         device,
         gflops=device.gflops / factor,
+        gemv_gflops=None if device.gemv_gflops is None else device.gemv_gflops / factor,
         memory_gbps=None if device.memory_gbps is None else device.memory_gbps / factor,
         cache_gbps=None if device.cache_gbps is None else device.cache_gbps / factor,
         op_us=device.op_us * factor,
@@ -151,6 +152,7 @@ def term_corrected(device: LiveDevice, factors: TermFactors) -> LiveDevice:
     return dataclasses.replace(
         device,
         gflops=device.gflops / factors.compute,
+        gemv_gflops=None if device.gemv_gflops is None else device.gemv_gflops / factors.compute,
         memory_gbps=None if device.memory_gbps is None else device.memory_gbps / k,
         cache_gbps=None if device.cache_gbps is None else device.cache_gbps / k,
         op_us=device.op_us * f,

@@ -86,7 +86,7 @@ def stage_terms(work: Sequence[Work], roofs: Roofs, costs: FixedCosts | None) ->
     fixed = costs or FixedCosts(op_us=roofs.op_us, call_us=roofs.call_us, topk_ns=roofs.topk_ns)
     compute = memory = 0.0
     for w in work:
-        flops_s = float(w.flops) / (roofs.gflops * 1e9)
+        flops_s = roofs.compute_s(w)
         gbps = roofs.bandwidth_gbps(w.bytes_read)
         bytes_s = 0.0 if gbps is None else float(w.bytes_read) / (gbps * 1e9)
         if bytes_s > flops_s:

@@ -271,6 +271,8 @@ class DecoderModels:
     def _speculation(
         self, model_id: str, record: ModelRecord, info: DecoderInfo
     ) -> Speculation | None:
+        if not info.rows_independent:  # one pass of k tokens would not decode as k passes do
+            return None
         draft = self._draft(record) if record.speculative in ("draft", "auto") else None
         drafters = drafter_for(record.speculative, draft)
         positions = info.trailing_positions or 1

@@ -370,8 +370,11 @@ def _fine_tune(console: Console, api: Api, model_id: str, data_dirs: list[Path])
 
 def _keep_profile(measured: Path | None, kept: Path) -> None:
     """Keep this machine's measured profile for later runs: their agents plan with the same
-    GFLOP/s, so a later run cuts the models the same way and reuses the cached segments."""
-    if measured is None or kept.is_file() or not measured.is_file():
+    GFLOP/s, so a later run cuts the models the same way and reuses the cached segments. A kept
+    profile the agents measured again (one that lacks a newer roof) is replaced."""
+    if measured is None or not measured.is_file():
+        return
+    if kept.is_file() and kept.read_bytes() == measured.read_bytes():
         return
     kept.parent.mkdir(parents=True, exist_ok=True)
     partial = kept.with_suffix(".partial")

@@ -34,7 +34,7 @@ def export_decoder(
     """``fedshard export NAME OUT --weights W --no-score`` unless ``OUT`` already holds the
     export; returns ``OUT``. (Scoring the precision against float32 is the export's own report,
     see the README; the demo skips it.)"""
-    if (out / DECODER_FILE).is_file() and (out / MODEL_FILE).is_file():
+    if _current_export(out, weights):
         console.print(f"[green]{name}[/] ({weights}) already exported in {out}")
         return out
     command = [
@@ -48,6 +48,14 @@ def export_decoder(
         raise DemoStepError(f"`{' '.join(command)}` failed with exit code {done.returncode}")
     console.print(f"[green]exported {name}[/] in {time.monotonic() - started:.0f} s")
     return out
+
+
+def _current_export(out: Path, weights: str) -> bool:
+    """Whether ``out`` holds a whole export that says how its rows depend on each other (an
+    int8 export made before :attr:`DecoderInfo.rows_independent` is made again)."""
+    if not ((out / DECODER_FILE).is_file() and (out / MODEL_FILE).is_file()):
+        return False
+    return weights != "int8" or "rows_independent" in (out / DECODER_FILE).read_text()
 
 
 def decoder_info(export: Path) -> DecoderInfo:

@@ -36,11 +36,14 @@ import onnx
 from partitioner.decoders.progress import Steps
 from partitioner.decoders.weights import WEIGHTS, Weights
 from partitioner.errors import GraphError
-from protocols.decoder import MODEL_FILE
+from protocols.decoder import DECODER_FILE, DECODER_METADATA_KEY, MODEL_FILE, DecoderInfo
 
 __all__ = ["WEIGHTS", "Weights", "default_weights", "parse_weights", "quantize_decoder"]
 
 WEIGHTS_METADATA_KEY = "fedshard.weights"
+ROW_COUPLED: frozenset[Weights] = frozenset({"int8"})
+"""Precisions whose graphs quantize activations once per pass (see
+:attr:`protocols.decoder.DecoderInfo.rows_independent`)."""
 """Metadata key naming the precision a decoder's weights were stored in."""
 
 BLOCK_SIZE = 32
@@ -119,11 +122,19 @@ def quantize_model(model: onnx.ModelProto, weights: Weights) -> onnx.ModelProto:
             result = _nbits(fold_weight_transposes(model), 4, ("MatMul", "Gather"))
         else:
             result = model
+    if weights in ROW_COUPLED:
+        metadata = [(k, _rows_coupled(v) if k == DECODER_METADATA_KEY else v) for k, v in metadata]
     del result.metadata_props[:]
     for key, value in [*metadata, (WEIGHTS_METADATA_KEY, weights)]:
         entry = result.metadata_props.add()
         entry.key, entry.value = key, value
     return result
+
+
+def _rows_coupled(info_json: str) -> str:
+    """A ``decoder.json`` document marked ``rows_independent: false``."""
+    info = DecoderInfo.from_json(info_json.encode())
+    return info.model_copy(update={"rows_independent": False}).to_json()
 
 
 def report(source: onnx.ModelProto, converted: onnx.ModelProto) -> Report:
@@ -161,6 +172,9 @@ def quantize_decoder(
     for item in src_dir.iterdir():
         if item.is_file() and not item.name.startswith((MODEL_FILE, ".")):
             shutil.copy2(item, dst_dir / item.name)
+    info_file = dst_dir / DECODER_FILE
+    if weights in ROW_COUPLED and info_file.is_file():
+        info_file.write_text(_rows_coupled(info_file.read_text()) + "\n")
     with steps.step(f"loading {src_model}"):
         model = onnx.load(str(src_model), load_external_data=True)
     source = _shapes_only(model)

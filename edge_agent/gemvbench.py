@@ -1,0 +1,117 @@
+"""The one-row 4-bit product roof: ``MatMulNBits`` over a single row, as a decode step runs it.
+
+A decode step of an int4 decoder multiplies one row by every weight matrix of its layers. ONNX
+Runtime's ``MatMulNBits`` unpacks and scales each 4-bit weight for that one row, so it runs far
+below the float32 ``MatMul`` roof of :mod:`edge_agent.microbench` and below the memory roof too
+(measured here, one thread, a 1536 x 8960 weight: 22.7 GFLOP/s at one row, 26 at four, 121 at
+64, against 209 for float32 ``MatMul``). The planner prices a decode step's 4-bit products at
+this roof (``gemv_gflops``).
+
+The model is a chain of :data:`PRODUCTS` ``[1, K] x [K, K]`` products with 4-bit weights in
+blocks of :data:`BLOCK` (what ``fedshard export --weights int4`` writes), their weights
+together larger than a core's caches; written as raw protobuf like the other micro-benchmarks.
+"""
+
+from __future__ import annotations
+
+import time
+
+import numpy as np
+
+from edge_agent.config import RuntimeConfig
+from edge_agent.microbench import field_bytes, value_info_bytes, varint_field_bytes
+
+K = 2048
+PRODUCTS = 8
+BLOCK = 32
+BITS = 4
+_UINT8 = 2  # TensorProto.UINT8
+_FLOAT = 1
+_INT_ATTRIBUTE = 2  # AttributeProto.INT
+MS_DOMAIN = "com.microsoft"
+
+
+def gemv_model_bytes(k: int = K, count: int = PRODUCTS) -> bytes:
+    """A serialized model: ``y = x @ W0 @ W1 ...`` with ``count`` 4-bit ``k x k`` weights."""
+    rng = np.random.default_rng(0)
+    blocks = k // BLOCK
+    nodes, weights = [], []
+    previous = "x"
+    for i in range(count):
+        out = "y" if i == count - 1 else f"h{i}"
+        packed = rng.integers(0, 256, size=(k, blocks, BLOCK * BITS // 8), dtype=np.uint8)
+        scales = (rng.random(k * blocks, dtype=np.float32) + 0.5) / (8.0 * k**0.5)
+        weights += [_tensor(f"w{i}", packed, _UINT8), _tensor(f"s{i}", scales, _FLOAT)]
+        nodes.append(_nbits_node(previous, f"w{i}", f"s{i}", out, k))
+        previous = out
+    graph = b"".join(
+        [
+            *(field_bytes(1, node) for node in nodes),
+            field_bytes(2, b"fedshard_gemv"),
+            *(field_bytes(5, tensor) for tensor in weights),
+            field_bytes(11, value_info_bytes("x", [1, k])),
+            field_bytes(12, value_info_bytes("y", [1, k])),
+        ]
+    )
+    opsets = field_bytes(8, field_bytes(1, b"") + varint_field_bytes(2, 17))
+    opsets += field_bytes(8, field_bytes(1, MS_DOMAIN.encode()) + varint_field_bytes(2, 1))
+    return varint_field_bytes(1, 8) + field_bytes(2, b"fedshard") + field_bytes(7, graph) + opsets
+
+
+def measure_gemv_gflops(runtime: RuntimeConfig, budget_s: float = 0.5, trials: int = 10) -> float:
+    """GFLOP/s of the chain at one row with the agent's thread settings (best trial, counting
+    the smaller of wall time and CPU time per thread, as the ``MatMul`` roof does)."""
+    import onnxruntime as ort
+
+    from edge_agent.runtime import session_options
+
+    session = ort.InferenceSession(
+        gemv_model_bytes(), session_options(runtime), providers=["CPUExecutionProvider"]
+    )
+    feeds = {"x": np.random.default_rng(1).standard_normal((1, K), dtype=np.float32)}
+    flops = 2.0 * K * K * PRODUCTS
+    session.run(None, feeds)
+    start = time.perf_counter()
+    session.run(None, feeds)
+    runs = max(1, int(budget_s / trials / max(time.perf_counter() - start, 1e-6)))
+    best = 0.0
+    for _ in range(trials):
+        start, cpu_start = time.perf_counter(), time.process_time()
+        for _ in range(runs):
+            session.run(None, feeds)
+        wall = time.perf_counter() - start
+        busy = min(wall, max((time.process_time() - cpu_start) / runtime.intra_op_threads, 1e-9))
+        best = max(best, flops * runs / busy / 1e9)
+    return round(best, 3)
+
+
+def _nbits_node(x: str, weight: str, scales: str, out: str, k: int) -> bytes:
+    attributes = [("K", k), ("N", k), ("bits", BITS), ("block_size", BLOCK)]
+    return b"".join(
+        [
+            *(field_bytes(1, name.encode()) for name in (x, weight, scales)),
+            field_bytes(2, out.encode()),
+            field_bytes(3, f"nbits_{out}".encode()),
+            field_bytes(4, b"MatMulNBits"),
+            *(field_bytes(5, _int_attribute(name, value)) for name, value in attributes),
+            field_bytes(7, MS_DOMAIN.encode()),
+        ]
+    )
+
+
+def _int_attribute(name: str, value: int) -> bytes:
+    return (
+        field_bytes(1, name.encode())
+        + varint_field_bytes(3, value)
+        + (varint_field_bytes(20, _INT_ATTRIBUTE))
+    )
+
+
+def _tensor(name: str, array: np.ndarray, data_type: int) -> bytes:
+    dims = b"".join(varint_field_bytes(1, d) for d in array.shape)
+    return (
+        dims
+        + varint_field_bytes(2, data_type)
+        + field_bytes(8, name.encode())
+        + field_bytes(9, array.tobytes())
+    )
