@@ -143,9 +143,9 @@ def test_default_demo_serves_qwen_no_agent_can_hold_and_fine_tunes_gemma(tmp_pat
     hold it, answering as the whole model does in one session; Gemma served and fine-tuned."""
     pytest.importorskip("transformers")
     out, _, pids, _ = _run_demo(tmp_path)
-    assert "no agent can hold qwen2.5-coder-1.5b (int4) alone in its memory budget" in " ".join(
-        out.split()
-    ), out
+    text = " ".join(out.split())
+    assert "no agent can hold qwen2.5-coder-1.5b (int4) alone in its memory budget" in text, out
+    assert "nor half of it under its planning cap" in text, out
     assert "plan: qwen2.5-coder-1.5b" in out and "plan: gemma3-270m" in out
     answer = re.search(r"^qwen2.5-coder-1.5b: (.+)$", out, re.MULTILINE)
     assert answer is not None and len(answer.group(1).split()) >= 5, out

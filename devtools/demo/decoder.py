@@ -26,6 +26,10 @@ CAP_SHARE = 0.8
 """Each device's planning cap as a share of the model's weights: with the tied embedding held
 by both the first and the last stage, no two devices can hold the model; three can, so the
 demo's four agents still serve it after losing one."""
+LARGE_SHARE = 0.45
+"""The cap of a model larger than an agent's whole budget (Qwen 1.5B): under half of it on
+each agent, so it runs split over agents none of which holds half of it, as on 512 MiB
+devices; three such caps still hold it with its KV cache after losing an agent."""
 
 
 def export_decoder(
@@ -65,11 +69,11 @@ def decoder_info(export: Path) -> DecoderInfo:
 
 def decoder_caps(export: Path, names: Sequence[str], budget_bytes: int) -> dict[str, int]:
     """Planning caps under which no one device can hold the model (and, where its embedding
-    is tied, no two): none when the weights alone exceed every device's budget."""
+    is tied, no two); a model whose weights exceed every budget is capped at under half of
+    its weights on each device (:data:`LARGE_SHARE`)."""
     weights = (export / MODEL_FILE).stat().st_size
-    if weights > budget_bytes:
-        return {}
-    return {name: int(CAP_SHARE * weights) for name in names}
+    share = LARGE_SHARE if weights > budget_bytes else CAP_SHARE
+    return {name: int(share * weights) for name in names}
 
 
 def deploy_decoder(

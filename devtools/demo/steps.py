@@ -131,9 +131,14 @@ def budgets_table(
     Without caps (the model's weights exceed every budget by themselves) the budgets are what
     no agent can hold it under."""
     weights = model.stat().st_size
-    limits = caps or dict.fromkeys(names, parse_size(AGENT_MEMORY))
+    budget = parse_size(AGENT_MEMORY)
+    limits = caps or dict.fromkeys(names, budget)
     left = sum(limits.values()) - max(limits.values())
     why = "under its planning cap" if caps else "in its memory budget"
+    if weights > budget:
+        why = f"in its memory budget ({budget / 1e6:.0f} MB)"
+        if caps:
+            why += f", nor half of it under its planning cap ({max(caps.values()) / 1e6:.0f} MB)"
     table = Table(
         title=f"{len(limits)} agents on 127.0.0.1; {model_name}: {weights / 1e6:.0f} MB of weights",
         caption=f"no agent can hold {model_name} alone {why}; after losing any one agent the "
