@@ -126,7 +126,33 @@ class Deployer:
     ) -> VersionRecord:
         """Roll out an already-cut version (``manifest.json`` plus segment files, e.g. one that
         federated fine-tuning wrote) on the devices its manifest names, without re-planning:
-        loaded beside the live version, health-checked on ``samples``, then switched to."""
+        loaded beside the live version, health-checked on ``samples``, then switched to.
+
+        When that fails (a device has no room for a changed segment beside the live one) and
+        the version carries its whole model (a merged LoRA run), the whole model is planned
+        afresh on the devices' free memory, as a deploy is; every segment is then new."""
+        try:
+            return self._deploy_cut(model_id, version_dir, samples, objective)
+        except DeployError as exc:
+            whole = version_dir / "model.onnx"
+            if not whole.is_file():
+                raise
+            log.warning("%s did not roll out as cut (%s); planning it afresh", version_dir, exc)
+            active = self._store.active(model_id)
+            command = DeployCommand(
+                model_path=whole,
+                model_id=model_id,
+                objective=objective,
+                memory_caps=active.memory_caps,
+                tokenizer_dir=self._store.model(model_id).tokenizer_dir,
+                trigger=f"rollout of {version_dir.name}: re-planned ({exc})",
+                strict_caps=False,
+            )
+            return self.deploy(command)
+
+    def _deploy_cut(
+        self, model_id: str, version_dir: Path, samples: Arrays, objective: Objective
+    ) -> VersionRecord:
         with self._lock:
             live = self._live_devices()
             plan_version = self._store.reserve_plan_version()
