@@ -31,6 +31,7 @@ from protocols.deploy import (
 from protocols.frames import decode_frame
 from protocols.links import Link
 from protocols.manifest import Manifest, ModelInfo, SegmentEntry, TensorInfo
+from protocols.plan import Objective
 from protocols.profile import AgentState, Announcement, DeviceProfile
 
 SHA = "0" * 64
@@ -311,3 +312,55 @@ def test_store_versions_and_rollback_errors(tmp_path: Path) -> None:
     store._put(broken)  # an active version that is not on record
     with pytest.raises(NotServableError):
         store.active("m")
+
+
+class _CutRefused(Deployer):
+    """A deployer whose devices refuse the version as cut; it records the fresh plan asked."""
+
+    asked: list[DeployCommand]
+
+    def _deploy_cut(self, *_: Any) -> VersionRecord:
+        raise DeployError("pushing segments failed: a: a refused (507 BudgetError)")
+
+    def deploy(self, command: DeployCommand) -> VersionRecord:
+        self.asked.append(command)
+        return self._store.active(command.model_id)
+
+
+@pytest.mark.parametrize("whole", [True, False])
+def test_a_rollout_that_does_not_fit_as_cut_is_planned_afresh_from_its_whole_model(
+    tmp_path: Path, whole: bool
+) -> None:
+    """A merged LoRA version carries its whole model: when a device has no room for a changed
+    segment beside the live one, it is planned like a deploy (the live version's caps and
+    tokenizer kept); a version without a whole model fails with the devices' reason."""
+    store = DeploymentStore(tmp_path)
+    placement = Placement(
+        index=0, device="a", host="127.0.0.1", control_port=1, data_port=1, sha256="0" * 64,
+        param_bytes=1, predicted_memory_bytes=1, predicted_compute_s=0.0,
+        measured_memory_bytes=1, warmup_s=0.0, load_s=0.0,
+    )  # fmt: skip
+    live = VersionRecord(
+        model_id="m", plan_version=store.reserve_plan_version(), state="active",
+        created_at=1.0, source="m.onnx", objective="throughput",
+        inputs=[TensorInfo(name="x", dtype="float32", shape=[1])],
+        outputs=[TensorInfo(name="y", dtype="float32", shape=[1])],
+        segments=[placement], health_max_abs_diff=0.0, memory_caps={"a": 7},
+    )  # fmt: skip
+    store.activate(live, "tok")
+    version = tmp_path / "v0001"
+    version.mkdir()
+    if whole:
+        (version / "model.onnx").write_bytes(b"merged")
+    deployer = _CutRefused(tmp_path, store, None, list, list, bytes, None)  # type: ignore[arg-type]
+    deployer.asked = []
+    if not whole:
+        with pytest.raises(DeployError, match="507 BudgetError"):
+            deployer.deploy_version("m", version, {}, Objective.THROUGHPUT)
+        assert deployer.asked == []
+        return
+    assert deployer.deploy_version("m", version, {}, Objective.THROUGHPUT) == live
+    [command] = deployer.asked
+    assert command.model_path == version / "model.onnx" and command.model_id == "m"
+    assert dict(command.memory_caps) == {"a": 7} and command.tokenizer_dir == "tok"
+    assert not command.strict_caps and "507 BudgetError" in command.trigger
