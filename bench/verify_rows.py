@@ -5,8 +5,10 @@ once, not k times: a decode step bound by reading weights then costs about the s
 rows as at one. This measures that premise for one weight matrix of Qwen2.5-Coder-1.5B's MLP
 (1536 x 8960), one ONNX Runtime thread as the agents run, in each precision fedshard exports:
 float32 ``MatMul``, int8 ``DynamicQuantizeLinear`` + ``MatMulInteger`` (``quantize_dynamic``)
-and int4 ``MatMulNBits`` (``MatMulNBitsQuantizer``). The precisions and row counts are timed
-round-robin in one run (best of the rounds), so load on the machine hits them alike.
+and int4 ``MatMulNBits`` (``MatMulNBitsQuantizer``) at ``accuracy_level`` 4 (int8 activations,
+what ``fedshard export`` writes) and 0 (weights unpacked to float32, the quantizer's default).
+The precisions and row counts are timed round-robin in one run (best of the rounds), so load on
+the machine hits them alike.
 
     .venv/bin/python bench/verify_rows.py [--rounds N]
 """
@@ -29,7 +31,7 @@ from rich.table import Table
 RESULTS = Path(__file__).parent / "results" / "verify_rows.md"
 K, N = 1536, 8960
 ROWS = (1, 2, 4, 8, 64)
-PRECISIONS = ("fp32", "int8", "int4")
+PRECISIONS = ("fp32", "int8", "int4", "int4 (level 0)")
 CALLS = 5
 
 
@@ -53,11 +55,7 @@ def quantized(precision: str, directory: Path) -> bytes:
     """The model in ``precision``, with ONNX Runtime's own quantizers."""
     model = matmul_model()
     if precision == "int4":
-        from onnxruntime.quantization.matmul_nbits_quantizer import MatMulNBitsQuantizer
-
-        quantizer = MatMulNBitsQuantizer(model, block_size=32, is_symmetric=False)
-        quantizer.process()
-        return bytes(quantizer.model.model.SerializeToString())
+        return quantized_nbits(model, 4)
     if precision == "int8":
         from onnxruntime.quantization import QuantType, quantize_dynamic
 
@@ -65,7 +63,21 @@ def quantized(precision: str, directory: Path) -> bytes:
         onnx.save(model, str(source))
         quantize_dynamic(str(source), str(target), weight_type=QuantType.QInt8)
         return target.read_bytes()
+    if precision == "int4 (level 0)":
+        return quantized_nbits(model, 0)
     return bytes(model.SerializeToString())
+
+
+def quantized_nbits(model: onnx.ModelProto, accuracy_level: int) -> bytes:
+    """``MatMulNBitsQuantizer``'s 4-bit model (blocks of 32, zero points) at ``accuracy_level``
+    (4, what ``fedshard export`` writes: int8 activations; 0: weights unpacked to float32)."""
+    from onnxruntime.quantization.matmul_nbits_quantizer import MatMulNBitsQuantizer
+
+    quantizer = MatMulNBitsQuantizer(
+        model, block_size=32, is_symmetric=False, accuracy_level=accuracy_level
+    )
+    quantizer.process()
+    return bytes(quantizer.model.model.SerializeToString())
 
 
 def session(model: bytes) -> Any:
@@ -138,8 +150,15 @@ def report(best: dict[tuple[str, int], float], rounds: int) -> None:
     write_headlines(
         "verify_rows",
         [
-            Headline(f"{p}: a pass of 4 rows against one row", best[p, 4] / best[p, 1], "x")
-            for p in PRECISIONS
+            *(
+                Headline(f"{p}: a pass of 4 rows against one row", best[p, 4] / best[p, 1], "x")
+                for p in PRECISIONS
+            ),
+            Headline(
+                "int4 one row: accuracy level 4 against 0 (time)",
+                best["int4", 1] / best["int4 (level 0)", 1],
+                "x",
+            ),
         ],
     )
 

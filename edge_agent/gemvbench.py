@@ -25,6 +25,8 @@ K = 2048
 PRODUCTS = 8
 BLOCK = 32
 BITS = 4
+ACCURACY_LEVEL = 4
+"""int8 activations times 4-bit weights, as ``fedshard export --weights int4`` writes them."""
 _UINT8 = 2  # TensorProto.UINT8
 _FLOAT = 1
 _INT_ATTRIBUTE = 2  # AttributeProto.INT
@@ -87,6 +89,7 @@ def measure_gemv_gflops(runtime: RuntimeConfig, budget_s: float = 0.5, trials: i
 
 def _nbits_node(x: str, weight: str, scales: str, out: str, k: int) -> bytes:
     attributes = [("K", k), ("N", k), ("bits", BITS), ("block_size", BLOCK)]
+    attributes.append(("accuracy_level", ACCURACY_LEVEL))
     return b"".join(
         [
             *(field_bytes(1, name.encode()) for name in (x, weight, scales)),

@@ -79,6 +79,9 @@ class ComputeProfile(ProfileModel):
     """Cost of a ``TopK`` per element it selects from, nanoseconds."""
     gemv_gflops: PositiveFloat | None = None
     """GFLOP/s of a one-row 4-bit weight product (:mod:`edge_agent.gemvbench`)."""
+    gemv_accuracy_level: NonNegativeInt | None = None
+    """The ``MatMulNBits`` kernel it was measured with (a cache measured with another one is
+    measured again)."""
     intra_op_threads: PositiveInt
     inter_op_threads: PositiveInt
     onnxruntime_version: str
@@ -145,13 +148,19 @@ def model_bytes(
 def measure_profile(runtime: RuntimeConfig) -> ComputeProfile:
     """Both roofs, the cache level and the operator cost with the agent's thread settings
     (about two seconds)."""
-    from edge_agent.gemvbench import measure_gemv_gflops
+    from edge_agent.gemvbench import ACCURACY_LEVEL, measure_gemv_gflops
     from edge_agent.membench import measure_memory
 
     compute = measure_gflops(runtime)
     memory = measure_memory(runtime)
     gemv = measure_gemv_gflops(runtime)
-    return compute.model_copy(update={**memory.model_dump(), "gemv_gflops": gemv})
+    return compute.model_copy(
+        update={
+            **memory.model_dump(),
+            "gemv_gflops": gemv,
+            "gemv_accuracy_level": ACCURACY_LEVEL,
+        }
+    )
 
 
 def measure_gflops(
@@ -206,6 +215,8 @@ def load_or_measure(
     """The cached profile when it was measured with the same settings, else a fresh measurement."""
     import onnxruntime as ort
 
+    from edge_agent.gemvbench import ACCURACY_LEVEL
+
     path = state_dir / PROFILE_FILE
     if not remeasure and path.exists():
         try:
@@ -219,6 +230,7 @@ def load_or_measure(
                 and cached.call_us is not None
                 and cached.topk_ns is not None
                 and cached.gemv_gflops is not None
+                and cached.gemv_accuracy_level == ACCURACY_LEVEL
                 and cached.intra_op_threads == runtime.intra_op_threads
                 and cached.inter_op_threads == runtime.inter_op_threads
                 and cached.onnxruntime_version == ort.__version__

@@ -23,7 +23,7 @@ from dataclasses import dataclass
 from partitioner.costs import ShapeTable, node_flops
 from partitioner.frontier import Frontier
 from partitioner.graph import GraphIndex
-from partitioner.runtime_memory import resident_weight_bytes
+from partitioner.runtime_memory import packed_extra_bytes, resident_weight_bytes
 
 DEFAULT_MAX_UNITS = 128
 DEFAULT_MIN_UNITS = 8
@@ -218,6 +218,8 @@ def build_units(
     closures = StaticClosures(index)
     node_cost = [node_flops(n, index.node_inputs[i], table) for i, n in enumerate(index.nodes)]
     weights = {name: resident_weight_bytes(t) for name, t in index.initializers.items()}
+    for name, extra in packed_extra_bytes(index.nodes, index.initializers).items():
+        weights[name] += extra
     total_flops = max(1, sum(node_cost[n] for n in frontier.order))
     total_weights = max(1, sum(weights.values()))
     costs = [

@@ -37,7 +37,9 @@ def test_int4_segments_predicted_within_the_band_of_what_agents_hold(
     export = tmp_path / "int4"
     quantize_decoder(gemma_export_dir, export, "int4")
     model = load_model(export / "model.onnx")
-    budget = initializer_bytes(model) // 2
+    # int4 products of int8 activations keep two more copies of their scales once loaded
+    # (partitioner.runtime_memory.PACKED_SCALE_COPIES): a little over half of the stored size
+    budget = int(initializer_bytes(model) * 0.56)
     devices = DeviceList.from_obj(
         {
             "devices": [

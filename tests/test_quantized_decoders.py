@@ -20,6 +20,7 @@ from onnx import TensorProto, helper
 from partitioner.decoders.ort_runner import read_info
 from partitioner.decoders.precision import WEIGHTS, Weights, model_weights, quantize_decoder
 from partitioner.modelio import initializer_bytes, load_model
+from partitioner.runtime_memory import packed_extra_bytes
 from partitioner.segment_files import write_segments
 from partitioner.split import analyse
 from partitioner.verify import (
@@ -97,7 +98,7 @@ def test_conversion_keeps_the_interface_and_stores_weights_smaller(
     model = onnx.load(str(out / MODEL_FILE))
     assert model_weights(model) == weights
     info, source_info = _info(out), _info(exports[name])
-    assert info.rows_independent == (weights != "int8") and source_info.rows_independent
+    assert info.rows_independent == (weights == "fp16") and source_info.rows_independent
     assert info.model_copy(update={"rows_independent": True}) == source_info
     assert read_info(out / MODEL_FILE) == info  # the graph's own copy says the same
     assert _io(model) == _io(source)  # KV cache and frames stay float32
@@ -123,8 +124,9 @@ def test_only_int8_couples_the_rows_of_a_pass(
     exports: Exports, weights: Weights, tmp_path_factory: pytest.TempPathFactory
 ) -> None:
     """What ``rows_independent`` says is so: a token's candidates from a pass of one row equal
-    those from a pass that also runs the token before it, except in int8, whose
-    ``DynamicQuantizeLinear`` picks one activation scale for the whole pass."""
+    those from a pass that also runs the token before it; int8, whose ``DynamicQuantizeLinear``
+    picks one activation scale for the whole pass, visibly does not (int4's one-row kernel
+    differs only at larger widths than the tiny model's: Qwen 1.5B, see the README)."""
     from partitioner.decoders.ort_runner import OrtDecoder
 
     decoder = OrtDecoder(converted(exports, "tiny-llama", weights, tmp_path_factory))
@@ -135,10 +137,11 @@ def test_only_int8_couples_the_rows_of_a_pass(
     decoder.prefill(ids[:-2])
     together = decoder.step(ids[-2:]).top_logits
     gap = float(np.abs(alone - together).max())
+    assert decoder.info.rows_independent == (weights in ("fp32", "fp16"))
     if decoder.info.rows_independent:
         assert gap < 1e-3, gap
-    else:
-        assert weights == "int8" and gap > 1e-3, gap
+    if weights == "int8":
+        assert gap > 1e-3, gap
 
 
 @pytest.mark.parametrize("weights", WEIGHTS)
@@ -157,10 +160,13 @@ def test_cut_at_every_unit_boundary_matches_the_whole_model(
     info = _info(export)
     assert len(units.units) >= info.num_layers
     # every stored byte is some unit's or shared, counted at its stored size (scales and
-    # zero points included); only small constants several units recompute count twice
+    # zero points included) plus the scale copies int4's kernel packs; only small constants
+    # several units recompute count twice
     stored = sum(u.weight_bytes for u in units.units) + sum(s.nbytes for s in units.shared)
+    packed = packed_extra_bytes(analysis.index.nodes, analysis.index.initializers)
+    assert bool(packed) == (weights == "int4")
     if weights != "fp16":
-        total = initializer_bytes(analysis.model)
+        total = initializer_bytes(analysis.model) + sum(packed.values())
         assert total <= stored <= total + (64 << 10)
     written = write_segments(analysis, units.boundaries, tmp_path, source_dir=export)
     assert len(written) == len(units.units)

@@ -56,10 +56,12 @@ def export_decoder(
 
 def _current_export(out: Path, weights: str) -> bool:
     """Whether ``out`` holds a whole export that says how its rows depend on each other (an
-    int8 export made before :attr:`DecoderInfo.rows_independent` is made again)."""
+    int8 or int4 export made before :attr:`DecoderInfo.rows_independent`, and before int4's
+    faster kernel, is made again)."""
     if not ((out / DECODER_FILE).is_file() and (out / MODEL_FILE).is_file()):
         return False
-    return weights != "int8" or "rows_independent" in (out / DECODER_FILE).read_text()
+    marked = "rows_independent" in (out / DECODER_FILE).read_text()
+    return weights not in ("int8", "int4") or marked
 
 
 def decoder_info(export: Path) -> DecoderInfo:

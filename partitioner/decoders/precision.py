@@ -10,8 +10,9 @@ No quantizer is written here; each precision is one of ONNX Runtime's own:
   followed by ``DequantizeLinear``. (``MatMulNBits`` at 8 bits ran 5-6x slower than this on
   tiny-llama here, and slower than float32.)
 - ``int4``: :class:`~onnxruntime.quantization.matmul_nbits_quantizer.MatMulNBitsQuantizer`,
-  4 bits, blocks of :data:`BLOCK_SIZE`, with zero points: ``MatMul`` → ``MatMulNBits``, the
-  embedding ``Gather`` → ``GatherBlockQuantized``.
+  4 bits, blocks of :data:`BLOCK_SIZE`, with zero points, ``accuracy_level``
+  :data:`ACCURACY_LEVEL`: ``MatMul`` → ``MatMulNBits``, the embedding ``Gather`` →
+  ``GatherBlockQuantized``.
 
 :func:`quantize_model` is ``ModelProto`` in, ``ModelProto`` out; :func:`quantize_decoder` is
 the thin file layer over a ``fedshard.decoder/1`` directory (weights of models over 2 GB go to
@@ -41,12 +42,22 @@ from protocols.decoder import DECODER_FILE, DECODER_METADATA_KEY, MODEL_FILE, De
 __all__ = ["WEIGHTS", "Weights", "default_weights", "parse_weights", "quantize_decoder"]
 
 WEIGHTS_METADATA_KEY = "fedshard.weights"
-ROW_COUPLED: frozenset[Weights] = frozenset({"int8"})
-"""Precisions whose graphs quantize activations once per pass (see
-:attr:`protocols.decoder.DecoderInfo.rows_independent`)."""
+ROW_COUPLED: frozenset[Weights] = frozenset({"int8", "int4"})
+"""Precisions whose graphs do not compute a row the same in passes of different sizes (see
+:attr:`protocols.decoder.DecoderInfo.rows_independent`): int8 quantizes activations once per
+pass; int4 at :data:`ACCURACY_LEVEL` runs one row through another kernel than several (Qwen
+1.5B: a token's top logit 0.067 apart alone and in a two-token pass)."""
 """Metadata key naming the precision a decoder's weights were stored in."""
 
 BLOCK_SIZE = 32
+ACCURACY_LEVEL = 4
+"""``MatMulNBits``' ``accuracy_level``: 4 multiplies int8 activations (quantized per row and
+block inside the kernel) by the 4-bit weights, where 0 unpacks every weight to float32 first.
+Measured on a 1536 x 8960 Qwen weight, one thread (``bench/verify_rows.py``): one row 0.39 ms
+against 1.10-1.18 (2.8x faster, what a decode step runs), four rows 0.87 ms against 3.77. The
+price: one row goes through another kernel than several, so a pass that verifies drafted tokens
+would not decode as one-token passes do, and int4 graphs decode without speculation
+(:data:`ROW_COUPLED`)."""
 """Weights per quantization block along the reduced axis (one scale and zero point each)."""
 
 DEFAULT_WEIGHTS: dict[str, Weights] = {
@@ -296,6 +307,7 @@ def _nbits(model: onnx.ModelProto, bits: int, ops: tuple[str, ...]) -> onnx.Mode
         bits=bits,
         block_size=BLOCK_SIZE,
         is_symmetric=False,
+        accuracy_level=ACCURACY_LEVEL,
         op_types_to_quantize=ops,
         quant_axes=(("MatMul", 0), ("Gather", 1)),
     )
