@@ -2,10 +2,10 @@
 
 A decode step of an int4 decoder multiplies one row by every weight matrix of its layers. ONNX
 Runtime's ``MatMulNBits`` unpacks and scales each 4-bit weight for that one row, so it runs far
-below the float32 ``MatMul`` roof of :mod:`edge_agent.microbench` and below the memory roof too
-(measured here, one thread, a 1536 x 8960 weight: 22.7 GFLOP/s at one row, 26 at four, 121 at
-64, against 209 for float32 ``MatMul``). The planner prices a decode step's 4-bit products at
-this roof (``gemv_gflops``).
+below the float32 ``MatMul`` roof of :mod:`edge_agent.microbench` (measured here, one thread, a
+1536 x 8960 weight at ``accuracy_level`` 0: 22.7 GFLOP/s at one row, 26 at four, 121 at 64,
+against 209 for float32 ``MatMul``; this chain at level 4, what the export writes: 69.5). The
+planner prices a decode step's 4-bit products at this roof (``gemv_gflops``).
 
 The model is a chain of :data:`PRODUCTS` ``[1, K] x [K, K]`` products with 4-bit weights in
 blocks of :data:`BLOCK` (what ``fedshard export --weights int4`` writes), their weights
@@ -14,12 +14,15 @@ together larger than a core's caches; written as raw protobuf like the other mic
 
 from __future__ import annotations
 
-import time
-
 import numpy as np
 
 from edge_agent.config import RuntimeConfig
-from edge_agent.microbench import field_bytes, value_info_bytes, varint_field_bytes
+from edge_agent.microbench import (
+    best_gflops,
+    field_bytes,
+    value_info_bytes,
+    varint_field_bytes,
+)
 
 K = 2048
 PRODUCTS = 8
@@ -71,25 +74,14 @@ def measure_gemv_gflops(runtime: RuntimeConfig, budget_s: float = 0.5, trials: i
         gemv_model_bytes(), session_options(runtime), providers=["CPUExecutionProvider"]
     )
     feeds = {"x": np.random.default_rng(1).standard_normal((1, K), dtype=np.float32)}
-    flops = 2.0 * K * K * PRODUCTS
-    session.run(None, feeds)
-    start = time.perf_counter()
-    session.run(None, feeds)
-    runs = max(1, int(budget_s / trials / max(time.perf_counter() - start, 1e-6)))
-    best = 0.0
-    for _ in range(trials):
-        start, cpu_start = time.perf_counter(), time.process_time()
-        for _ in range(runs):
-            session.run(None, feeds)
-        wall = time.perf_counter() - start
-        busy = min(wall, max((time.process_time() - cpu_start) / runtime.intra_op_threads, 1e-9))
-        best = max(best, flops * runs / busy / 1e9)
-    return round(best, 3)
+    return best_gflops(session, feeds, 2.0 * K * K * PRODUCTS, runtime, budget_s, trials)
 
 
 def _nbits_node(x: str, weight: str, scales: str, out: str, k: int) -> bytes:
-    attributes = [("K", k), ("N", k), ("bits", BITS), ("block_size", BLOCK)]
-    attributes.append(("accuracy_level", ACCURACY_LEVEL))
+    attributes = [
+        ("K", k), ("N", k), ("bits", BITS), ("block_size", BLOCK),
+        ("accuracy_level", ACCURACY_LEVEL),
+    ]  # fmt: skip
     return b"".join(
         [
             *(field_bytes(1, name.encode()) for name in (x, weight, scales)),
@@ -106,7 +98,7 @@ def _int_attribute(name: str, value: int) -> bytes:
     return (
         field_bytes(1, name.encode())
         + varint_field_bytes(3, value)
-        + (varint_field_bytes(20, _INT_ATTRIBUTE))
+        + varint_field_bytes(20, _INT_ATTRIBUTE)
     )
 
 

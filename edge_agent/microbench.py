@@ -180,7 +180,29 @@ def measure_gflops(
         "x": rng.standard_normal((MATRIX, MATRIX), dtype=np.float32),
         "w": (rng.standard_normal((MATRIX, MATRIX), dtype=np.float32) / MATRIX**0.5),
     }
-    flops = 2.0 * MATRIX**3 * MATMULS
+    best = best_gflops(session, feeds, 2.0 * MATRIX**3 * MATMULS, runtime, budget_s, trials)
+    return ComputeProfile(
+        gflops=best,
+        intra_op_threads=runtime.intra_op_threads,
+        inter_op_threads=runtime.inter_op_threads,
+        onnxruntime_version=ort.__version__,
+        machine=platform.machine(),
+        matrix=MATRIX,
+        trials=trials,
+        measured_at=dt.datetime.now(dt.UTC).isoformat(timespec="seconds"),
+    )
+
+
+def best_gflops(
+    session: Any,
+    feeds: dict[str, np.ndarray],
+    flops: float,
+    runtime: RuntimeConfig,
+    budget_s: float,
+    trials: int,
+) -> float:
+    """GFLOP/s of ``session`` on ``feeds`` (``flops`` a run): the best of ``trials`` trials
+    of about ``budget_s / trials`` seconds each, rounded to 3 decimals."""
     session.run(None, feeds)
     start = time.perf_counter()
     session.run(None, feeds)
@@ -197,16 +219,7 @@ def measure_gflops(
         # processes; wall time is the bound when they are not saturated.
         busy = min(wall, max((time.process_time() - cpu_start) / threads, 1e-9))
         best = max(best, flops * runs / busy / 1e9)
-    return ComputeProfile(
-        gflops=round(best, 3),
-        intra_op_threads=runtime.intra_op_threads,
-        inter_op_threads=runtime.inter_op_threads,
-        onnxruntime_version=ort.__version__,
-        machine=platform.machine(),
-        matrix=MATRIX,
-        trials=trials,
-        measured_at=dt.datetime.now(dt.UTC).isoformat(timespec="seconds"),
-    )
+    return round(best, 3)
 
 
 def load_or_measure(

@@ -42,23 +42,23 @@ from protocols.decoder import DECODER_FILE, DECODER_METADATA_KEY, MODEL_FILE, De
 __all__ = ["WEIGHTS", "Weights", "default_weights", "parse_weights", "quantize_decoder"]
 
 WEIGHTS_METADATA_KEY = "fedshard.weights"
+"""Metadata key naming the precision a decoder's weights were stored in."""
+
+BLOCK_SIZE = 32
+"""Weights per quantization block along the reduced axis (one scale and zero point each)."""
+ACCURACY_LEVEL = 4
+"""``MatMulNBits``' ``accuracy_level``: 4 multiplies int8 activations (quantized per row and
+block inside the kernel) by the 4-bit weights, where 0 unpacks every weight to float32 first.
+Measured on a 1536 x 8960 Qwen weight, one thread: one row 0.39 ms against 1.10-1.18 (a scratch
+script) and 0.65 ms against 1.45 (``bench/verify_rows.py``), what a decode step runs; four rows
+0.87-0.90 ms against 3.77-3.80. The price: one row goes through another kernel than several,
+so a pass that verifies drafted tokens would not decode as one-token passes do, and int4
+graphs decode without speculation (:data:`ROW_COUPLED`)."""
 ROW_COUPLED: frozenset[Weights] = frozenset({"int8", "int4"})
 """Precisions whose graphs do not compute a row the same in passes of different sizes (see
 :attr:`protocols.decoder.DecoderInfo.rows_independent`): int8 quantizes activations once per
 pass; int4 at :data:`ACCURACY_LEVEL` runs one row through another kernel than several (Qwen
 1.5B: a token's top logit 0.067 apart alone and in a two-token pass)."""
-"""Metadata key naming the precision a decoder's weights were stored in."""
-
-BLOCK_SIZE = 32
-ACCURACY_LEVEL = 4
-"""``MatMulNBits``' ``accuracy_level``: 4 multiplies int8 activations (quantized per row and
-block inside the kernel) by the 4-bit weights, where 0 unpacks every weight to float32 first.
-Measured on a 1536 x 8960 Qwen weight, one thread (``bench/verify_rows.py``): one row 0.39 ms
-against 1.10-1.18 (2.8x faster, what a decode step runs), four rows 0.87 ms against 3.77. The
-price: one row goes through another kernel than several, so a pass that verifies drafted tokens
-would not decode as one-token passes do, and int4 graphs decode without speculation
-(:data:`ROW_COUPLED`)."""
-"""Weights per quantization block along the reduced axis (one scale and zero point each)."""
 
 DEFAULT_WEIGHTS: dict[str, Weights] = {
     "gemma3-270m": "int8",
