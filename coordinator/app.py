@@ -116,6 +116,7 @@ def serve(config: CoordinatorConfig, console: Console) -> int:
             ),
             generation=generation,
             speculation=generation.speculation_stats.get,
+            speculation_off=generation.speculation_off,
         )
     )
     server = uvicorn.Server(

@@ -9,6 +9,7 @@ CoordinatorError
 ├── AgentError              an agent could not be reached or refused a request
 │   └── AgentRefusedError   it answered with an error (status and message kept)
 ├── DeployError             a deployment could not be planned, pushed or checked
+│   └── NoRoomError         a cut version's devices cannot take it as cut (offline, no room)
 ├── RollbackError           there is no earlier version to switch back to
 ├── RequestError            an inference request is malformed (4xx)
 │   ├── UnknownModelError   no deployment has that model id (404)
@@ -25,6 +26,8 @@ The HTTP API translates these at its boundary (see :mod:`coordinator.http.servin
 """
 
 from __future__ import annotations
+
+from protocols.errors import ControlErrorCode
 
 
 class CoordinatorError(Exception):
@@ -62,7 +65,7 @@ class AgentError(CoordinatorError):
 class AgentRefusedError(AgentError):
     """An agent answered a control-plane request with an error reply."""
 
-    def __init__(self, device: str, status: int, error: str, message: str) -> None:
+    def __init__(self, device: str, status: int, error: ControlErrorCode, message: str) -> None:
         super().__init__(f"{device} refused ({status} {error}): {message}")
         self.device = device
         self.status = status
@@ -71,6 +74,11 @@ class AgentRefusedError(AgentError):
 
 class DeployError(CoordinatorError):
     """A deployment could not be planned, split, pushed or health-checked."""
+
+
+class NoRoomError(DeployError):
+    """A version cut for named devices cannot be placed as cut: one of them is not online, or
+    refused a segment for its memory budget. Planning the version afresh may still fit."""
 
 
 class RollbackError(CoordinatorError):

@@ -52,7 +52,7 @@ from protocols.deploy import (
     UnloadRequest,
     decode_deploy_body,
 )
-from protocols.errors import SchemaError
+from protocols.errors import ControlErrorCode, SchemaError
 from protocols.pairing import PairingGrant, PairingOffer
 from protocols.profile import AgentState, Announcement, DeviceProfile
 
@@ -289,7 +289,9 @@ class Agent:
 
     async def _pairing_offer(self, body: bytes) -> Response:
         if self.identity.paired:
-            reply = ErrorReply(error="Paired", message="this agent is already paired")
+            reply = ErrorReply(
+                error=ControlErrorCode.ALREADY_PAIRED, message="this agent is already paired"
+            )
             return Response(410, reply.model_dump_json().encode())
         if self._offer is None:
             self._offer = pairing_offer(self.identity, self._grant_key)

@@ -27,8 +27,9 @@ from dataclasses import dataclass
 
 from edge_agent.errors import DeployError, LinkError, PairingError, PeerRejectedError
 from edge_agent.tls import Peer, check_peer
+from edge_agent.wire_errors import control_code_of
 from protocols.deploy import ROLE_AGENT, ROLE_COORDINATOR, ErrorReply
-from protocols.errors import ProtocolError
+from protocols.errors import ControlErrorCode, ProtocolError
 
 log = logging.getLogger(__name__)
 
@@ -89,6 +90,10 @@ class HttpError(Exception):
     def __init__(self, status: int, message: str) -> None:
         super().__init__(message)
         self.status = status
+        self.code = _HTTP_CODES.get(status, ControlErrorCode.BAD_REQUEST)
+
+
+_HTTP_CODES = {408: ControlErrorCode.TIMEOUT, 413: ControlErrorCode.TOO_LARGE}
 
 
 class ControlServer:
@@ -111,7 +116,7 @@ class ControlServer:
         try:
             response = await self._respond(reader, peer)
         except HttpError as exc:
-            response = _error(exc.status, "HttpError", str(exc))
+            response = _error(exc.status, exc.code, str(exc))
         head = (
             f"HTTP/1.1 {response.status} {_REASONS.get(response.status, 'Error')}\r\n"
             f"Content-Type: {response.content_type}\r\n"
@@ -126,13 +131,13 @@ class ControlServer:
         method, path, length = await self._read_head(reader)
         route = self._routes.get((method, path.split("?", 1)[0]))
         if route is None:
-            return _error(404, "NotFound", f"no route {method} {path}")
+            return _error(404, ControlErrorCode.NOT_FOUND, f"no route {method} {path}")
         try:
             if route.roles is not None:
                 check_peer(peer, roles=route.roles)
         except PeerRejectedError as exc:
             log.warning("refused %s %s from %s: %s", method, path, peer.name, exc)
-            return _error(403, type(exc).__name__, str(exc))
+            return _error(403, control_code_of(exc), str(exc))
         limit = min(self._max_body, route.max_body_bytes or SMALL_BODY_BYTES)
         if route.body_limit is not None:
             limit = min(self._max_body, route.body_limit())
@@ -143,12 +148,12 @@ class ControlServer:
             return await route.handler(body)
         except (DeployError, PairingError) as exc:
             log.warning("refused %s %s from %s: %s", method, path, peer.name, exc)
-            return _error(exc.http_status, type(exc).__name__, str(exc))
+            return _error(exc.http_status, control_code_of(exc), str(exc))
         except ProtocolError as exc:
             log.warning("bad %s %s from %s: %s", method, path, peer.name, exc)
-            return _error(400, type(exc).__name__, str(exc))
+            return _error(400, control_code_of(exc), str(exc))
         except LinkError as exc:
-            return _error(502, type(exc).__name__, str(exc))
+            return _error(502, control_code_of(exc), str(exc))
 
     async def _read_head(self, reader: asyncio.StreamReader) -> tuple[str, str, int]:
         try:
@@ -210,5 +215,5 @@ def json_response(model_json: str, status: int = 200) -> Response:
     return Response(status, model_json.encode())
 
 
-def _error(status: int, error: str, message: str) -> Response:
+def _error(status: int, error: ControlErrorCode, message: str) -> Response:
     return Response(status, ErrorReply(error=error, message=message).model_dump_json().encode())

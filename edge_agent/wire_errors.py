@@ -1,8 +1,10 @@
-"""The agent's side of typed wire errors: its exceptions to :class:`WireErrorCode` and back.
+"""The agent's side of typed wire errors: its exceptions to :class:`WireErrorCode` and back,
+and to :class:`ControlErrorCode` for the control plane's replies.
 
 An error frame carries ``kind="error"``, a code and the exception's message; the class name never
-crosses the wire. :data:`CODES` is the one table (most specific first); :func:`error_header`
-turns a request's header into the error frame that answers it.
+crosses the wire. :data:`CODES` is the data plane's one table (most specific first) and
+:data:`CONTROL_CODES` the control plane's; :func:`error_header` turns a request's header into the
+error frame that answers it.
 """
 
 from __future__ import annotations
@@ -10,19 +12,34 @@ from __future__ import annotations
 from typing import Final
 
 from edge_agent.errors import (
+    BudgetError,
     ContextLengthError,
+    DeployError,
     ExecutionError,
     InputMismatchError,
+    IntegrityError,
     LinkError,
     NoSegmentError,
+    PairingError,
     PeerRejectedError,
     RemoteRequestError,
     RequestError,
+    SegmentLoadError,
     SessionLimitError,
     SessionStateError,
     ShapeLimitError,
+    SignatureError,
+    StorageError,
+    WrongTargetError,
 )
-from protocols.errors import FrameError, FrameTooLargeError, TensorSpecError, WireErrorCode
+from protocols.errors import (
+    ControlErrorCode,
+    FrameError,
+    FrameTooLargeError,
+    ProtocolError,
+    TensorSpecError,
+    WireErrorCode,
+)
 from protocols.frames import FrameHeader, FrameKind
 
 MAX_MESSAGE: Final = 4096
@@ -48,6 +65,29 @@ CODES: Final[tuple[tuple[type[Exception], WireErrorCode], ...]] = (
 def code_of(exc: BaseException) -> WireErrorCode:
     """The wire code for ``exc`` (:attr:`WireErrorCode.INTERNAL` for anything not listed)."""
     return next((code for kind, code in CODES if isinstance(exc, kind)), WireErrorCode.INTERNAL)
+
+
+CONTROL_CODES: Final[tuple[tuple[type[Exception], ControlErrorCode], ...]] = (
+    (IntegrityError, ControlErrorCode.INTEGRITY),
+    (SignatureError, ControlErrorCode.SIGNATURE),
+    (WrongTargetError, ControlErrorCode.WRONG_TARGET),
+    (BudgetError, ControlErrorCode.OVER_BUDGET),
+    (StorageError, ControlErrorCode.STORAGE),
+    (SegmentLoadError, ControlErrorCode.SEGMENT_LOAD),
+    (DeployError, ControlErrorCode.REFUSED),
+    (PairingError, ControlErrorCode.PAIRING),
+    (PeerRejectedError, ControlErrorCode.PEER_REJECTED),
+    (ProtocolError, ControlErrorCode.BAD_REQUEST),
+    (LinkError, ControlErrorCode.LINK_DOWN),
+)
+"""The control plane's table, most specific first, as :data:`CODES` is the data plane's."""
+
+
+def control_code_of(exc: BaseException) -> ControlErrorCode:
+    """The control-plane code for ``exc`` (:attr:`ControlErrorCode.REFUSED` if not listed)."""
+    return next(
+        (code for kind, code in CONTROL_CODES if isinstance(exc, kind)), ControlErrorCode.REFUSED
+    )
 
 
 def error_header(header: FrameHeader, exc: BaseException, **update: object) -> FrameHeader:

@@ -66,7 +66,7 @@ from typing import Final, Literal, Self
 from pydantic import Field, NonNegativeFloat, NonNegativeInt, PositiveInt, model_validator
 
 from protocols.base import FrozenModel
-from protocols.errors import SchemaError
+from protocols.errors import ControlErrorCode, SchemaError
 from protocols.manifest import SegmentEntry, SessionLimits
 
 DEPLOY_FORMAT: Final = "fedshard.deploy/1"
@@ -303,8 +303,8 @@ class CertificateRenewal(FrozenModel):
 class ErrorReply(FrozenModel):
     """Body of every non-2xx control-plane reply."""
 
-    error: str
-    """The error's type name, e.g. ``SignatureError``."""
+    error: ControlErrorCode
+    """What was refused, as a code (never a class name)."""
     message: str
 
 

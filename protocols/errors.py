@@ -14,8 +14,9 @@ class and turn it into a clear reply::
     └── SchemaError                JSON documents: manifest, plan, problem, DEVICES.json
 
 An error that crosses the data plane travels as a :class:`WireErrorCode` in the frame header
-(``kind="error"``, ``error_code``, ``error`` message), never as a Python class name; each side
-keeps one table between its own exceptions and these codes.
+(``kind="error"``, ``error_code``, ``error`` message), and one that crosses the control plane as
+a :class:`ControlErrorCode` in an ``ErrorReply``; never as a Python class name. Each side keeps
+one table between its own exceptions and these codes.
 """
 
 from __future__ import annotations
@@ -54,6 +55,42 @@ class WireErrorCode(StrEnum):
     """A stage could not reach the next agent of the chain."""
     INTERNAL = "internal"
     """Anything else that went wrong on the agent."""
+
+
+class ControlErrorCode(StrEnum):
+    """Why an agent refused a control-plane request: the ``error`` of a
+    :class:`protocols.deploy.ErrorReply` (its HTTP status says how bad; this says what)."""
+
+    BAD_REQUEST = "bad_request"
+    """The HTTP request or its JSON body could not be read (malformed, cut off, no length)."""
+    TOO_LARGE = "too_large"
+    """The request head or body is over the route's size limit (refused before it is read)."""
+    TIMEOUT = "timeout"
+    """The request head or body did not arrive in time."""
+    NOT_FOUND = "not_found"
+    """No such route."""
+    PEER_REJECTED = "peer_rejected"
+    """The caller's certificate has the wrong name or role for this route."""
+    INTEGRITY = "integrity"
+    """A segment's bytes do not hash to its manifest's SHA-256."""
+    SIGNATURE = "signature"
+    """The manifest's signature is missing, malformed or does not verify."""
+    WRONG_TARGET = "wrong_target"
+    """The manifest names another device, or its plan version is already loaded."""
+    OVER_BUDGET = "over_budget"
+    """The segment does not fit the agent's memory budget beside what it already holds."""
+    STORAGE = "storage"
+    """A training copy does not fit the agent's training storage."""
+    SEGMENT_LOAD = "segment_load"
+    """ONNX Runtime could not load the segment or run its warm-up."""
+    REFUSED = "refused"
+    """Any other refused deploy, unload or training request."""
+    PAIRING = "pairing"
+    """A pairing grant does not fit this agent."""
+    ALREADY_PAIRED = "already_paired"
+    """A pairing offer was asked of an agent that is already paired."""
+    LINK_DOWN = "link_down"
+    """The agent could not reach the device a probe named."""
 
 
 class ProtocolError(Exception):

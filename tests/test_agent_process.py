@@ -226,7 +226,7 @@ def test_agent_role_cannot_deploy(env: Env) -> None:
     request = env.ca.sign(manifest_for(0, seg, chain, plan_version=7))
     with control_client(env.ca, "a1-impostor", "agent") as client:
         response = deploy(client, env.procs[0], request, seg)
-        assert response.status_code == 403 and response.json()["error"] == "PeerRejectedError"
+        assert response.status_code == 403 and response.json()["error"] == "peer_rejected"
         assert client.get(env.procs[0].url("/v1/status")).status_code == 200
     env.assert_serves()
 
@@ -254,10 +254,10 @@ def _bad_deploy(env: Env, mutate: str) -> httpx.Response:
 @pytest.mark.parametrize(
     ("mutate", "status", "error"),
     [
-        ("hash", 400, "IntegrityError"),
-        ("signature", 403, "SignatureError"),
-        ("budget", 507, "BudgetError"),
-        ("onnx", 422, "SegmentLoadError"),
+        ("hash", 400, "integrity"),
+        ("signature", 403, "signature"),
+        ("budget", 507, "over_budget"),
+        ("onnx", 422, "segment_load"),
     ],
 )
 def test_bad_segments_are_refused(env: Env, mutate: str, status: int, error: str) -> None:

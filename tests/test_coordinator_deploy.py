@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import re
 from pathlib import Path
 from typing import Any
 
@@ -17,7 +18,14 @@ from coordinator.deploy.cutting import DeployCommand
 from coordinator.deploy.deployer import Deployer
 from coordinator.deploy.plan import LiveDevice, device_list, forward_names, max_abs_diff
 from coordinator.deploy.store import DeploymentStore, Placement, VersionRecord
-from coordinator.errors import DeployError, NotServableError, RollbackError, UnknownModelError
+from coordinator.errors import (
+    AgentRefusedError,
+    DeployError,
+    NoRoomError,
+    NotServableError,
+    RollbackError,
+    UnknownModelError,
+)
 from coordinator.fleet.registry import DeviceRecord
 from coordinator.transport.agent_client import AgentAddress
 from coordinator.trust.ca import CertificateAuthority
@@ -28,6 +36,7 @@ from protocols.deploy import (
     decode_deploy_body,
     signing_bytes,
 )
+from protocols.errors import ControlErrorCode
 from protocols.frames import decode_frame
 from protocols.links import Link
 from protocols.manifest import Manifest, ModelInfo, SegmentEntry, TensorInfo
@@ -106,10 +115,17 @@ def test_max_abs_diff() -> None:
 class FakeAgents:
     """Checks what a real agent checks first (signature, hash, target), records the rest."""
 
-    def __init__(self, ca_pem: bytes, budget: int, refuse: str | None = None) -> None:
+    def __init__(
+        self,
+        ca_pem: bytes,
+        budget: int,
+        refuse: str | None = None,
+        why: ControlErrorCode = ControlErrorCode.SEGMENT_LOAD,
+    ) -> None:
         self.ca_key = x509.load_pem_x509_certificate(ca_pem).public_key()
         self.budget = budget
         self.refuse = refuse
+        self.why = why
         self.deployed: dict[str, dict[int, Any]] = {}
         self.unloaded: list[tuple[str, int]] = []
 
@@ -140,7 +156,7 @@ class FakeAgents:
         assert set(feeds) == set(manifest.segment.inputs)
         assert manifest.segment.device == agent.device
         if agent.device == self.refuse:
-            raise DeployError(f"{agent.device} refused")
+            raise AgentRefusedError(agent.device, 422, self.why, "refused")
         self.deployed.setdefault(agent.device, {})[manifest.plan_version] = manifest
         return DeployReport(
             device=agent.device,
@@ -244,11 +260,15 @@ def test_failed_health_check_unloads_and_keeps_the_live_version(tmp_path: Path) 
     assert all(2 not in held for held in agents.deployed.values())
 
 
-def test_refused_push_unloads_the_others(tmp_path: Path) -> None:
-    agents = FakeAgents(CertificateAuthority.open(tmp_path).cert_pem, 64 << 20, refuse="d1")
+@pytest.mark.parametrize("why", [ControlErrorCode.SEGMENT_LOAD, ControlErrorCode.OVER_BUDGET])
+def test_refused_push_unloads_the_others(tmp_path: Path, why: ControlErrorCode) -> None:
+    """Only a refusal for memory is "no room" (which a rollout may answer by re-planning)."""
+    ca_pem = CertificateAuthority.open(tmp_path).cert_pem
+    agents = FakeAgents(ca_pem, 64 << 20, refuse="d1", why=why)
     deployer, store = _deployer(tmp_path, agents, healthy=True)
-    with pytest.raises(DeployError, match="d1 refused"):
+    with pytest.raises(DeployError, match=f"d1 refused .*{why}") as raised:
         deployer.deploy(_command(tmp_path))
+    assert isinstance(raised.value, NoRoomError) == (why is ControlErrorCode.OVER_BUDGET)
     assert all(not held for held in agents.deployed.values())
     with pytest.raises(UnknownModelError):
         store.active("stack")
@@ -318,22 +338,34 @@ class _CutRefused(Deployer):
     """A deployer whose devices refuse the version as cut; it records the fresh plan asked."""
 
     asked: list[DeployCommand]
+    refusal: DeployError
 
     def _deploy_cut(self, *_: Any) -> VersionRecord:
-        raise DeployError("pushing segments failed: a: a refused (507 BudgetError)")
+        raise self.refusal
 
     def deploy(self, command: DeployCommand) -> VersionRecord:
         self.asked.append(command)
         return self._store.active(command.model_id)
 
 
-@pytest.mark.parametrize("whole", [True, False])
+NO_ROOM = NoRoomError("pushing segments failed: a: a refused (507 over_budget)")
+
+
+@pytest.mark.parametrize(
+    ("whole", "refusal"),
+    [
+        (True, NO_ROOM),
+        (False, NO_ROOM),
+        (True, DeployError("health check: the chain differs from the model by 3")),
+    ],
+)
 def test_a_rollout_that_does_not_fit_as_cut_is_planned_afresh_from_its_whole_model(
-    tmp_path: Path, whole: bool
+    tmp_path: Path, whole: bool, refusal: DeployError
 ) -> None:
     """A merged LoRA version carries its whole model: when a device has no room for a changed
     segment beside the live one, it is planned like a deploy (the live version's caps and
-    tokenizer kept); a version without a whole model fails with the devices' reason."""
+    tokenizer kept); a version without a whole model, or one that failed for another reason
+    (its health check), fails with that reason."""
     store = DeploymentStore(tmp_path)
     placement = Placement(
         index=0, device="a", host="127.0.0.1", control_port=1, data_port=1, sha256="0" * 64,
@@ -354,8 +386,9 @@ def test_a_rollout_that_does_not_fit_as_cut_is_planned_afresh_from_its_whole_mod
         (version / "model.onnx").write_bytes(b"merged")
     deployer = _CutRefused(tmp_path, store, None, list, list, bytes, None)  # type: ignore[arg-type]
     deployer.asked = []
-    if not whole:
-        with pytest.raises(DeployError, match="507 BudgetError"):
+    deployer.refusal = refusal
+    if not whole or refusal is not NO_ROOM:
+        with pytest.raises(DeployError, match=re.escape(str(refusal))):
             deployer.deploy_version("m", version, {}, Objective.THROUGHPUT)
         assert deployer.asked == []
         return
@@ -363,4 +396,4 @@ def test_a_rollout_that_does_not_fit_as_cut_is_planned_afresh_from_its_whole_mod
     [command] = deployer.asked
     assert command.model_path == version / "model.onnx" and command.model_id == "m"
     assert dict(command.memory_caps) == {"a": 7} and command.tokenizer_dir == "tok"
-    assert not command.strict_caps and "507 BudgetError" in command.trigger
+    assert not command.strict_caps and "507 over_budget" in command.trigger

@@ -246,7 +246,7 @@ def test_a_graph_whose_rows_are_coupled_is_never_speculated(
     from generation_helpers import decoder_info
 
     from coordinator.deploy.store import DeploymentStore, ModelRecord
-    from coordinator.serving.decoder import DecoderModels
+    from coordinator.serving.decoder import DecoderModels, not_in_effect
 
     def unused(*_: object) -> Any:
         raise AssertionError("no chain is needed to choose the speculation")
@@ -257,3 +257,18 @@ def test_a_graph_whose_rows_are_coupled_is_never_speculated(
     assert models._speculation("m", record, info) is not None
     coupled = info.model_copy(update={"rows_independent": False})
     assert models._speculation("m", record, coupled) is None
+    assert not_in_effect(mode, info, no_draft=False) is None
+    assert "a token a pass" in str(not_in_effect(mode, coupled, no_draft=False))
+
+
+def test_the_console_is_told_why_a_setting_is_not_in_effect() -> None:
+    from generation_helpers import decoder_info
+
+    from coordinator.serving.decoder import not_in_effect
+
+    info = decoder_info().model_copy(update={"trailing_positions": 4})
+    assert not_in_effect("off", info.model_copy(update={"rows_independent": False}), True) is None
+    assert not_in_effect("auto", info, no_draft=True) is None  # prompt lookup needs no draft
+    assert not_in_effect("draft", info, no_draft=True) == "its draft model could not be loaded"
+    one = info.model_copy(update={"trailing_positions": 1})
+    assert "one position a pass" in str(not_in_effect("lookup", one, False))

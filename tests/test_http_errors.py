@@ -26,6 +26,7 @@ from coordinator.errors import (
 from coordinator.fleet.registry import DeviceRegistry
 from coordinator.http.app import Services, create_app
 from coordinator.http.errors import CATALOGUE, INTERNAL, entry_of
+from protocols.errors import ControlErrorCode
 
 TOKEN = "catalogue-token"
 AUTH = {"Authorization": f"Bearer {TOKEN}"}
@@ -39,7 +40,7 @@ def _instance(kind: type[CoordinatorError]) -> CoordinatorError:
     if issubclass(kind, TooManyAttemptsError | CapacityError | UnavailableError):
         return kind(f"{kind.__name__} happened", 2.5)
     if issubclass(kind, AgentRefusedError):
-        return kind("d1", 500, "Boom", "agent said no")
+        return kind("d1", 500, ControlErrorCode.REFUSED, "agent said no")
     return kind(f"{kind.__name__} happened")
 
 

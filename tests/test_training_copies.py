@@ -229,6 +229,7 @@ def test_the_copy_goes_to_keyed_agents_and_too_few_holders_fail_the_run(tmp_path
     from coordinator.errors import AgentRefusedError
     from coordinator.training.errors import TrainingRunError
     from coordinator.training.target import PairedAgents
+    from protocols.errors import ControlErrorCode
 
     ca = CertificateAuthority.open(tmp_path / "coordinator")
     version = _version(tmp_path / "v1", SEGMENTS)
@@ -244,7 +245,7 @@ def test_the_copy_goes_to_keyed_agents_and_too_few_holders_fail_the_run(tmp_path
         ) -> TrainingCopyStatus:
             asked.append(agent.device)
             if agent.device not in trainers:
-                raise AgentRefusedError(agent.device, 404, "NotFound", "no route")
+                raise AgentRefusedError(agent.device, 404, ControlErrorCode.NOT_FOUND, "no route")
             return trainers[agent.device].offer(offer.model_dump_json().encode())
 
         def training_file(self, agent: AgentAddress, data: bytes) -> TrainingCopyStatus:

@@ -15,11 +15,14 @@ from hypothesis import strategies as st
 from coordinator import errors as coord
 from coordinator.transport.wire_errors import REMOTE, remote_error
 from edge_agent import errors as agent
-from edge_agent.wire_errors import CODES, code_of, error_header
+from edge_agent.wire_errors import CODES, CONTROL_CODES, code_of, control_code_of, error_header
+from protocols.deploy import ErrorReply
 from protocols.errors import (
+    ControlErrorCode,
     FrameTooLargeError,
     MalformedFrameError,
     ProtocolError,
+    SchemaError,
     TensorSpecError,
     TruncatedFrameError,
     WireErrorCode,
@@ -149,3 +152,29 @@ def test_a_prefix_is_still_checked_before_the_header() -> None:
     with pytest.raises(TruncatedFrameError):
         decode_frame(too_long)
     assert struct.calcsize("<4sIQ") == PREFIX.size
+
+
+# ------------------------------------------------------------------- the control plane's codes
+
+
+def test_every_refusal_of_the_agent_has_its_own_control_code() -> None:
+    """The control plane's table is complete and unambiguous: every ``DeployError`` subclass
+    the agent raises has its own code, and a class name is never a code."""
+    leaves = agent.DeployError.__subclasses__()
+    codes = {control_code_of(kind("x")) for kind in leaves}
+    assert len(codes) == len(leaves) and ControlErrorCode.REFUSED not in codes
+    assert control_code_of(agent.DeployError("x")) is ControlErrorCode.REFUSED
+    assert control_code_of(agent.PairingError("x")) is ControlErrorCode.PAIRING
+    assert control_code_of(MalformedFrameError("x")) is ControlErrorCode.BAD_REQUEST
+    assert all(kind.__name__ != code for kind, code in CONTROL_CODES)
+
+
+@FUZZ
+@given(st.sampled_from(list(ControlErrorCode)), messages)
+def test_error_replies_round_trip_and_class_names_are_refused(
+    code: ControlErrorCode, message: str
+) -> None:
+    reply = ErrorReply(error=code, message=message)
+    assert ErrorReply.from_json(reply.model_dump_json().encode()) == reply
+    with pytest.raises(SchemaError):
+        ErrorReply.from_json(json.dumps({"error": "BudgetError", "message": message}).encode())

@@ -30,10 +30,17 @@ from coordinator.deploy.stage_timing import (
     stage_times,
 )
 from coordinator.deploy.store import DeploymentStore, Placement, VersionRecord, now
-from coordinator.errors import AgentError, CoordinatorError, DeployError
+from coordinator.errors import (
+    AgentError,
+    AgentRefusedError,
+    CoordinatorError,
+    DeployError,
+    NoRoomError,
+)
 from coordinator.fleet.registry import DeviceRecord
 from coordinator.transport.agent_client import AgentAddress, AgentClient
 from protocols.deploy import DeployReport, Hop, ShapeLimits
+from protocols.errors import ControlErrorCode
 from protocols.links import Link as DeviceLink
 from protocols.links import RequesterLink
 from protocols.manifest import Manifest
@@ -128,12 +135,14 @@ class Deployer:
         federated fine-tuning wrote) on the devices its manifest names, without re-planning:
         loaded beside the live version, health-checked on ``samples``, then switched to.
 
-        When that fails (a device has no room for a changed segment beside the live one) and
-        the version carries its whole model (a merged LoRA run), the whole model is planned
-        afresh on the devices' free memory, as a deploy is; every segment is then new."""
+        When it cannot be placed as cut (:class:`NoRoomError`: a device is offline or has no
+        room for a changed segment beside the live one) and the version carries its whole
+        model (a merged LoRA run), the whole model is planned afresh on the devices' free
+        memory, as a deploy is; every segment is then new. Any other failure (a health check,
+        a signature) is raised as it is."""
         try:
             return self._deploy_cut(model_id, version_dir, samples, objective)
-        except DeployError as exc:
+        except NoRoomError as exc:
             whole = version_dir / "model.onnx"
             if not whole.is_file():
                 raise
@@ -161,7 +170,7 @@ class Deployer:
             split = version_outcome(version_dir, out, samples)
             missing = sorted({s.device for s in split.manifest.segments} - {d.name for d in live})
             if missing:
-                raise DeployError(f"devices of {version_dir.name} are not online: {missing}")
+                raise NoRoomError(f"devices of {version_dir.name} are not online: {missing}")
             split = replace(split, limits=self._kept_limits(model_id))
             # a version that carries its whole model (a merged LoRA run) re-plans from it
             whole = version_dir / "model.onnx"
@@ -283,11 +292,13 @@ class Deployer:
             with self._busy_lock:
                 self._busy -= devices
         failures = [(a, f.exception()) for a, f in zip(addresses, futures, strict=True)]
-        errors = [f"{a.device}: {e}" for a, e in failures if e is not None]
-        if errors:
+        refused = [e for _, e in failures if e is not None]
+        if refused:
             pushed = [a for a, e in failures if e is None]
             self._unload(pushed, plan_version)
-            raise DeployError("pushing segments failed: " + "; ".join(errors))
+            kind = NoRoomError if all(map(_over_budget, refused)) else DeployError
+            errors = [f"{a.device}: {e}" for a, e in failures if e is not None]
+            raise kind("pushing segments failed: " + "; ".join(errors))
         return [f.result() for f in futures]
 
     def _check(self, chain: list[Hop], plan_version: int, split: SplitOutcome) -> float:
@@ -348,3 +359,8 @@ def _placements(
         )
         for seg, report in zip(manifest.segments, reports, strict=True)
     ]
+
+
+def _over_budget(exc: BaseException) -> bool:
+    """Whether an agent refused a segment for its memory budget."""
+    return isinstance(exc, AgentRefusedError) and exc.error == ControlErrorCode.OVER_BUDGET

@@ -47,6 +47,8 @@ class Services:
     """Decoder models for ``/v1/chat/completions`` and ``/v1/completions`` (absent: no routes)."""
     speculation: Callable[[str], SpeculationStats | None] | None = None
     """A decoder's speculative decoding counters by model id (the console shows them)."""
+    speculation_off: Callable[[str], str | None] | None = None
+    """Why a decoder's speculative decoding setting is not in effect (None: it is)."""
     agents: AgentClient | None = None
     """Control-plane client (the console reads the agents' metrics with it)."""
     state_dir: Path | None = None

@@ -71,6 +71,8 @@ class ConsoleModel(BaseModel):
     previous: int | None
     speculative: str = "off"
     """A decoder's speculative decoding setting (``off|lookup|draft|auto``)."""
+    speculation_off: str | None = None
+    """Why that setting is not in effect (e.g. a quantized graph that decodes a token a pass)."""
     draft_model: str | None = None
     """The draft model's export directory, when one is set."""
     acceptance_rate: float | None = None
@@ -82,17 +84,21 @@ class ConsoleModel(BaseModel):
 
 
 def console_model(
-    record: ModelRecord, speculation: Callable[[str], SpeculationStats | None] | None
+    record: ModelRecord,
+    speculation: Callable[[str], SpeculationStats | None] | None,
+    speculation_off: Callable[[str], str | None] | None = None,
 ) -> ConsoleModel:
     """A model's console entry, with a decoder's speculative decoding counters."""
     kind = model_kind(record.versions[-1]) if record.versions else "encoder"
     stats = speculation(record.model_id) if speculation is not None else None
+    off = speculation_off(record.model_id) if speculation_off is not None else None
     return ConsoleModel(
         model_id=record.model_id,
         kind=kind,
         active=record.active,
         previous=record.previous,
         speculative=record.speculative if kind == "decoder" else "off",
+        speculation_off=off if kind == "decoder" else None,
         draft_model=record.draft_model if kind == "decoder" else None,
         acceptance_rate=stats.acceptance_rate if stats is not None else None,
         tokens_per_s=stats.tokens_per_s if stats is not None else None,
@@ -259,7 +265,8 @@ def console_router(services: Services, live: LiveMetrics) -> APIRouter:
         if services.serving is None:
             return []
         return [
-            console_model(m, services.speculation) for m in services.serving.store.book().models
+            console_model(m, services.speculation, services.speculation_off)
+            for m in services.serving.store.book().models
         ]
 
     @api.get("/plan/{model_id}")

@@ -32,6 +32,7 @@ from coordinator.generation.feeds import Arrays, step_inputs
 from coordinator.generation.speculative import (
     Speculation,
     SpeculationStats,
+    Speculative,
     drafter_for,
     trailing_candidates,
 )
@@ -271,15 +272,29 @@ class DecoderModels:
     def _speculation(
         self, model_id: str, record: ModelRecord, info: DecoderInfo
     ) -> Speculation | None:
-        if not info.rows_independent:  # one pass of k tokens would not decode as k passes do
-            return None
         draft = self._draft(record) if record.speculative in ("draft", "auto") else None
+        if not_in_effect(record.speculative, info, draft is None) is not None:
+            return None
         drafters = drafter_for(record.speculative, draft)
-        positions = info.trailing_positions or 1
-        if drafters is None or positions < 2:  # off, or a graph without trailing candidates
+        if drafters is None:
             return None
         stats = self.speculation_stats.setdefault(model_id, SpeculationStats())
-        return Speculation(drafters, positions, stats)
+        return Speculation(drafters, info.trailing_positions or 1, stats)
+
+    def speculation_off(self, model_id: str) -> str | None:
+        """Why ``model_id``'s speculative decoding setting is not in effect, in words (None:
+        it is, or the setting is off, or no decoder is deployed under that id)."""
+        try:
+            record = self._store.model(model_id)
+        except CoordinatorError:
+            return None
+        if record.speculative == "off" or record.tokenizer_dir is None:
+            return None
+        loaded = self._load(model_id, Path(record.tokenizer_dir))
+        if loaded is None:
+            return None
+        draft = self._draft(record) if record.speculative == "draft" else None
+        return not_in_effect(record.speculative, loaded[1], draft is None)
 
     def _draft(self, record: ModelRecord) -> DraftModel | None:
         """The record's draft model, loaded once (None: none set, or it failed to load)."""
@@ -305,6 +320,20 @@ class DecoderModels:
                 info = DecoderInfo.from_json(path.read_bytes())
                 self._loaded[key] = (ChatTokenizer.from_file(directory, info), info)
             return self._loaded[key]
+
+
+def not_in_effect(setting: Speculative, info: DecoderInfo, no_draft: bool) -> str | None:
+    """Why speculative decoding ``setting`` cannot run on a decoder described by ``info``
+    (``no_draft``: its draft model is not loaded), in words; None when it can or is off."""
+    if setting == "off":
+        return None
+    if not info.rows_independent:
+        return "its quantized graph decodes a token a pass (k in one pass differ from k passes)"
+    if (info.trailing_positions or 1) < 2:
+        return "its graph gives candidates for one position a pass"
+    if setting == "draft" and no_draft:
+        return "its draft model could not be loaded"
+    return None
 
 
 def planned_context(

@@ -83,8 +83,7 @@ class AgentClient:
         """``GET /metrics``: the agent's Prometheus text exposition."""
         status, data = _request(agent, "GET", "/metrics", b"", self._ctx, 10.0, check=True)
         if status != 200:
-            message = data[:200].decode(errors="replace")
-            raise AgentRefusedError(agent.device, status, "HttpError", message)
+            raise _refusal(agent, status, data)
         return data.decode("utf-8", errors="replace")
 
     def revocations(self, agent: AgentAddress, revoked: Revocations) -> AgentStatus:
@@ -160,10 +159,18 @@ def _request(
 
 
 def _parse(agent: AgentAddress, status: int, data: bytes, model: type[Model]) -> Model:
+    if status != 200:
+        raise _refusal(agent, status, data)
     try:
-        if status != 200:
-            reply = ErrorReply.from_json(data)
-            raise AgentRefusedError(agent.device, status, reply.error, reply.message)
         return model.from_json(data)
     except SchemaError as exc:
         raise AgentError(f"{agent.device} sent an unreadable reply ({status}): {exc}") from exc
+
+
+def _refusal(agent: AgentAddress, status: int, data: bytes) -> AgentError:
+    """The error for a non-200 reply: its code and message, or that it could not be read."""
+    try:
+        reply = ErrorReply.from_json(data)
+    except SchemaError as exc:
+        return AgentError(f"{agent.device} sent an unreadable reply ({status}): {exc}")
+    return AgentRefusedError(agent.device, status, reply.error, reply.message)

@@ -71,6 +71,7 @@ function renderSentenceKey(sentences) {
 async function speculationLine(modelId) {
   const m = (await loadModels()).find(x => x.model_id === modelId);
   if (!m || m.speculative === "off") return "Speculative decoding: off.";
+  if (m.speculation_off) return `Speculative decoding: ${m.speculative}, not in effect: ${m.speculation_off}.`;
   const rate = m.acceptance_rate === null ? "no drafts yet" :
     `${Math.round(m.acceptance_rate * 100)}% of drafted tokens accepted`;
   const speed = m.tokens_per_s === null ? "" : `, ${m.tokens_per_s.toFixed(1)} tokens/s`;
