@@ -32,6 +32,10 @@ from protocols.quant import dequantize
 
 QUANTIZED_MATMULS = ("MatMulInteger", "MatMulNBits")
 """The operators a quantized decoder multiplies its weights with."""
+REDUCED_INT8_MAX = 64
+REDUCED_UINT8_MAX = 127
+"""The largest magnitudes of ``reduce_range`` int8 and uint8 data (``quant_utils``'
+``ONNX_INT_TYPE_REDUCED_RANGE``)."""
 QUANT_SUFFIX = "_quantized"
 """ONNX Runtime's ``TENSOR_NAME_QUANT_SUFFIX`` (``<w>_quantized``, ``<w>_scale``)."""
 
@@ -60,15 +64,16 @@ def _ref_of(node: onnx.NodeProto, inits: Mapping[str, onnx.TensorProto]) -> tupl
         shape = list(inits[data].dims)
         return data, QuantRef(
             scheme="linear", scale=scale, zero_point=zp, axis=axis, shape=shape,
-            symmetric=_zero_is_symmetric(inits.get(zp or "")),
+            symmetric=_zero_is_symmetric(inits.get(zp or "")), bits=linear_bits(inits[data]),
         )  # fmt: skip
     if node.op_type == "DequantizeLinear":
         data, scale, zp = node.input[0], node.input[1], _optional(node, 2)
         axis = attrs.get("axis", 1) if len(inits[scale].dims) == 1 else None
         shape = list(inits[data].dims) if data in inits else [1]  # gathered rows: see below
+        bits = linear_bits(inits[data]) if data in inits else 8
         return data, QuantRef(
             scheme="linear", scale=scale, zero_point=zp, axis=axis, shape=shape,
-            symmetric=_zero_is_symmetric(inits.get(zp or "")),
+            symmetric=_zero_is_symmetric(inits.get(zp or "")), bits=bits,
         )  # fmt: skip
     if node.op_type == "MatMulNBits":
         zp = _optional(node, 3)
@@ -82,6 +87,19 @@ def _ref_of(node: onnx.NodeProto, inits: Mapping[str, onnx.TensorProto]) -> tupl
         axis=attrs.get("quantize_axis", 1), bits=attrs.get("bits", 4),
         block_size=attrs.get("block_size", 128), shape=list(inits[data].dims), symmetric=zp is None,
     )  # fmt: skip
+
+
+def linear_bits(data: onnx.TensorProto) -> int:
+    """8, or 7 for 8-bit data quantized in ONNX Runtime's reduced range (``reduce_range``:
+    int8 in [-64, 64], uint8 in [0, 127]). ``quantize_data`` maps a tensor's (or channel's)
+    largest magnitude to the range's end, so a full-range tensor always holds a value past
+    the reduced one; an all-zero tensor counts as reduced (what fedshard's int8 writes)."""
+    q = numpy_helper.to_array(data)
+    if q.dtype == np.int8:
+        return 7 if int(np.abs(q.astype(np.int16)).max(initial=0)) <= REDUCED_INT8_MAX else 8
+    if q.dtype == np.uint8:
+        return 7 if int(q.max(initial=0)) <= REDUCED_UINT8_MAX else 8
+    return 8
 
 
 def quantized_weights(model: onnx.ModelProto) -> dict[str, QuantRef]:
@@ -155,11 +173,12 @@ def _linear(ref: QuantRef, weight: np.ndarray, qtype: int) -> tuple[np.ndarray, 
     """``quantize_dynamic``'s weight quantization: ``quantize_data`` per channel (or tensor)."""
     from onnxruntime.quantization.quant_utils import quantize_data
 
+    reduced = ref.bits == 7
     if ref.axis is None:
-        zp, scale, q = quantize_data(weight.flatten(), qtype, ref.symmetric, reduce_range=False)
+        zp, scale, q = quantize_data(weight.flatten(), qtype, ref.symmetric, reduce_range=reduced)
         return np.asarray(q), np.asarray(scale, np.float32), np.asarray(zp)
     channels = [
-        quantize_data(weight.take(i, ref.axis).flatten(), qtype, ref.symmetric, reduce_range=False)
+        quantize_data(weight.take(i, ref.axis).flatten(), qtype, ref.symmetric, reduced)
         for i in range(weight.shape[ref.axis])
     ]
     view = list(weight.shape)

@@ -87,6 +87,8 @@ class QuantRef(FrozenModel):
     """``linear``: the per-channel axis (None: one scale for the tensor); ``gather-block``:
     the quantized axis."""
     bits: PositiveInt = 8
+    """Bits per value: 4 or 8 (``matmul-nbits``, ``gather-block``); ``linear``: 8, or 7 for
+    int8 data in ONNX Runtime's reduced range (``reduce_range``), re-quantized the same way."""
     block_size: PositiveInt | None = None
     symmetric: bool = True
     """The quantizer's mode (a merge re-quantizes the weight the same way)."""

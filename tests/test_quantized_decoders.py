@@ -18,7 +18,15 @@ import pytest
 from onnx import TensorProto, helper
 
 from partitioner.decoders.ort_runner import read_info
-from partitioner.decoders.precision import WEIGHTS, Weights, model_weights, quantize_decoder
+from partitioner.decoders.precision import (
+    SCHEMES,
+    WEIGHTS,
+    Weights,
+    model_scheme,
+    model_weights,
+    quantize_decoder,
+)
+from partitioner.lora_quant import linear_bits
 from partitioner.modelio import initializer_bytes, load_model
 from partitioner.runtime_memory import packed_extra_bytes
 from partitioner.segment_files import write_segments
@@ -97,6 +105,7 @@ def test_conversion_keeps_the_interface_and_stores_weights_smaller(
     out = converted(exports, name, weights, tmp_path_factory)
     model = onnx.load(str(out / MODEL_FILE))
     assert model_weights(model) == weights
+    assert model_scheme(out / MODEL_FILE) == SCHEMES.get(weights)
     info, source_info = _info(out), _info(exports[name])
     assert info.rows_independent == (weights == "fp16") and source_info.rows_independent
     assert info.model_copy(update={"rows_independent": True}) == source_info
@@ -114,6 +123,9 @@ def test_conversion_keeps_the_interface_and_stores_weights_smaller(
     elif weights == "int8":
         assert {"MatMulInteger", "DequantizeLinear"} <= ops and not float_matmuls
         assert ratio < 0.3
+        inits = {t.name: t for t in model.graph.initializer}
+        int8 = [inits[n.input[1]] for n in model.graph.node if n.op_type == "MatMulInteger"]
+        assert int8 and {linear_bits(t) for t in int8} == {7}  # no u8s8 saturation on AVX2
     else:
         assert any(t.data_type == TensorProto.FLOAT16 for t in model.graph.initializer)
         assert 0.45 < ratio < 0.55

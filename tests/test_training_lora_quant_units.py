@@ -50,8 +50,8 @@ def test_a_merge_writes_the_scale_to_the_segment_that_holds_it() -> None:
     for tensor in model.graph.initializer:
         (second if tensor.name == ref.scale else first).graph.initializer.append(tensor)
     wmap = weight_map({"m.weight": w}, model)
-    a = np.full((2, K), 0.1, np.float32)
-    b = np.full((N, 2), 0.1, np.float32)
+    a = np.full((2, K), 0.2, np.float32)  # moves the weight by 0.16: 7-bit steps are ~0.005
+    b = np.full((N, 2), 0.2, np.float32)
     merged = merged_by_segment([first, second], {"m": (a, b)}, wmap, 2.0)
     assert set(merged) == {0, 1}
     assert ref.scale in merged[1] and data in merged[0] and ref.scale not in merged[0]
@@ -59,6 +59,8 @@ def test_a_merge_writes_the_scale_to_the_segment_that_holds_it() -> None:
     after = {**index, **{k: numpy_helper.from_array(v, k) for m in merged.values()
                          for k, v in m.items()}}  # fmt: skip
     got = dequantized(ref, data, after)
+    assert ref.bits == 7  # fedshard's int8 weights use the reduced range; so does the merge
+    assert np.abs(numpy_helper.to_array(after[data]).astype(np.int16)).max() <= 64
     want = dequantized(ref, data, index) + 2.0 * (b @ a).T
     step = float(np.max(numpy_helper.to_array(after[ref.scale])))
     assert np.abs(got - want).max() <= step

@@ -55,13 +55,15 @@ def export_decoder(
 
 
 def _current_export(out: Path, weights: str) -> bool:
-    """Whether ``out`` holds a whole export that says how its rows depend on each other (an
-    int8 or int4 export made before :attr:`DecoderInfo.rows_independent`, and before int4's
-    faster kernel, is made again)."""
+    """Whether ``out`` holds a whole export whose weights are stored the current way (an int8
+    or int4 export recorded under an older :data:`~partitioner.decoders.precision.SCHEMES`
+    entry, or under none, is made again)."""
+    from partitioner.decoders.precision import SCHEMES, model_scheme, parse_weights
+
     if not ((out / DECODER_FILE).is_file() and (out / MODEL_FILE).is_file()):
         return False
-    marked = "rows_independent" in (out / DECODER_FILE).read_text()
-    return weights not in ("int8", "int4") or marked
+    scheme = SCHEMES.get(parse_weights(weights))
+    return scheme is None or model_scheme(out / MODEL_FILE) == scheme
 
 
 def decoder_info(export: Path) -> DecoderInfo:

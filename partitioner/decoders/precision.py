@@ -5,10 +5,11 @@ No quantizer is written here; each precision is one of ONNX Runtime's own:
 - ``fp16``: :func:`onnxruntime.transformers.float16.convert_float_to_float16` with the graph's
   inputs and outputs kept float32 (the KV cache and the frames between agents stay float32).
 - ``int8``: :func:`onnxruntime.quantization.quantize_dynamic`, int8 weights per output
-  channel: every ``MatMul`` with a constant weight becomes ``MatMulInteger`` (activations
-  quantized at run time by ``DynamicQuantizeLinear``), the embedding an int8 ``Gather``
-  followed by ``DequantizeLinear``. (``MatMulNBits`` at 8 bits ran 5-6x slower than this on
-  tiny-llama here, and slower than float32.)
+  channel in a 7-bit range (:data:`INT8_REDUCE_RANGE`): every ``MatMul`` with a constant
+  weight becomes ``MatMulInteger`` (activations quantized at run time by
+  ``DynamicQuantizeLinear``), the embedding an int8 ``Gather`` followed by
+  ``DequantizeLinear``. (``MatMulNBits`` at 8 bits ran 5-6x slower than this on tiny-llama
+  here, and slower than float32.)
 - ``int4``: :class:`~onnxruntime.quantization.matmul_nbits_quantizer.MatMulNBitsQuantizer`,
   4 bits, blocks of :data:`BLOCK_SIZE`, with zero points, ``accuracy_level``
   :data:`ACCURACY_LEVEL`: ``MatMul`` → ``MatMulNBits``, the embedding ``Gather`` →
@@ -54,6 +55,22 @@ script) and 0.65 ms against 1.45 (``bench/verify_rows.py``), what a decode step 
 0.87-0.90 ms against 3.77-3.80. The price: one row goes through another kernel than several,
 so a pass that verifies drafted tokens would not decode as one-token passes do, and int4
 graphs decode without speculation (:data:`ROW_COUPLED`)."""
+INT8_REDUCE_RANGE = True
+"""int8 weights use 7 of their 8 bits (``quantize_dynamic(reduce_range=True)``, ONNX Runtime's
+documented remedy for saturation). On x86 CPUs without VNNI (AVX2 only: AMD Zen 2, older Intel)
+its u8s8 ``MatMulInteger`` kernel adds pairs of products in 16 bits (``VPMADDUBSW``), which
+saturate with full-range weights. Gemma 3 270M, 128 tokens: full range scored perplexity 143
+(fp32 20.1) and 34% top-1 agreement on an AVX2-only AMD EPYC, against 20.08 and 90.6% on a
+CPU with VNNI; 7-bit weights score 20.85 and 87.5% on the AVX2-only one (u8u8 weights: 20.60
+and 82.8%)."""
+SCHEME_METADATA_KEY = "fedshard.weights.scheme"
+"""Metadata key naming how a quantized decoder's weights were stored (see :data:`SCHEMES`)."""
+SCHEMES: dict[Weights, str] = {
+    "int8": "quantize_dynamic per-channel s8, 7-bit range",
+    "int4": f"MatMulNBits block {BLOCK_SIZE}, accuracy_level {ACCURACY_LEVEL}",
+}
+"""The current storage scheme of each quantized precision: an export recorded under another
+(or none: made before the scheme was recorded) is out of date and made again by the demo."""
 ROW_COUPLED: frozenset[Weights] = frozenset({"int8", "int4"})
 """Precisions whose graphs do not compute a row the same in passes of different sizes (see
 :attr:`protocols.decoder.DecoderInfo.rows_independent`): int8 quantizes activations once per
@@ -136,10 +153,17 @@ def quantize_model(model: onnx.ModelProto, weights: Weights) -> onnx.ModelProto:
     if weights in ROW_COUPLED:
         metadata = [(k, _rows_coupled(v) if k == DECODER_METADATA_KEY else v) for k, v in metadata]
     del result.metadata_props[:]
-    for key, value in [*metadata, (WEIGHTS_METADATA_KEY, weights)]:
+    scheme = [(SCHEME_METADATA_KEY, SCHEMES[weights])] if weights in SCHEMES else []
+    for key, value in [*metadata, (WEIGHTS_METADATA_KEY, weights), *scheme]:
         entry = result.metadata_props.add()
         entry.key, entry.value = key, value
     return result
+
+
+def model_scheme(model_file: Path) -> str | None:
+    """The storage scheme recorded in the decoder ``model_file``'s metadata (None: none is)."""
+    model = onnx.load(str(model_file), load_external_data=False)
+    return next((p.value for p in model.metadata_props if p.key == SCHEME_METADATA_KEY), None)
 
 
 def _rows_coupled(info_json: str) -> str:
@@ -330,6 +354,7 @@ def _dynamic_int8(model: onnx.ModelProto) -> onnx.ModelProto:
             op_types_to_quantize=["MatMul", "Gather"],
             per_channel=True,
             weight_type=QuantType.QInt8,
+            reduce_range=INT8_REDUCE_RANGE,
             use_external_data_format=True,
         )
         return onnx.load(str(out), load_external_data=True)
