@@ -227,6 +227,9 @@ class TrainingTargetSpec(FrozenModel):
     """Training-memory budget of each local SuperNode, in bytes."""
     text_client_data: list[str] = Field(default_factory=list)
     """Text data directories of the local SuperNodes of LoRA runs, one each."""
+    text_client_cache: str | None = Field(default=None, min_length=1)
+    """Where those SuperNodes keep what later runs can reuse (the frozen prefix's activations
+    of their records), one sub-directory each; None: in the coordinator's state dir."""
 
     @model_validator(mode="after")
     def _one_budget_per_client(self) -> Self:

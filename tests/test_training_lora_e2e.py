@@ -125,6 +125,20 @@ def test_the_new_version_is_served_and_generates(lab: GenLab, run: dict[str, Any
     assert lineage["rounds"] == ROUNDS and 0 < lineage["epsilon"] <= 8.0
 
 
+def test_each_local_device_keeps_its_prefix_cache_after_the_run(
+    lab: GenLab, run: dict[str, Any]
+) -> None:
+    """The frozen prefix's activations of each device's records outlive the run (in the
+    coordinator's state dir for its local SuperNodes), so a later run on the same segments
+    and records reads them instead of running the prefix again."""
+    from coordinator.training.target import LOCAL_CACHE
+
+    root = lab.coordinator.state_dir / "training" / LOCAL_CACHE
+    cached = {d.name: sorted(d.glob("lora-prefix-*.npy")) for d in root.iterdir()}
+    assert sorted(cached) == ["agent-0", "agent-1", "agent-2"], cached
+    assert all(len(files) == 2 for files in cached.values()), cached  # train and held out
+
+
 def test_rollback_returns_to_the_base(lab: GenLab, run: dict[str, Any]) -> None:
     with lab.coordinator.client(timeout=120) as api:
         back = api.post(f"/v1/deployments/{MODEL_ID}/rollback")

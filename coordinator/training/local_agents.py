@@ -26,9 +26,11 @@ def start_local_agents(
     budgets: Sequence[int],
     work_dir: Path,
     auth_keys: Sequence[Path] = (),
+    cache_root: Path | None = None,
 ) -> Iterator[list[subprocess.Popen[bytes]]]:
     """Start one SuperNode per data dir (the ``i``-th authenticated with ``auth_keys[i]``,
-    when given); stop them all on exit."""
+    when given, and caching under ``cache_root/agent-i``, when given: kept between runs);
+    stop them all on exit."""
     procs: list[subprocess.Popen[bytes]] = []
     keys: list[Path | None] = list(auth_keys) or [None] * len(data_dirs)
     # each SuperNode gets its share of the cores, so that they do not oversubscribe them
@@ -56,6 +58,8 @@ def start_local_agents(
             ]
             if keys[i] is not None:
                 cmd += ["--auth-private-key", str(keys[i])]
+            if cache_root is not None:
+                cmd += ["--cache-dir", str(cache_root / f"agent-{i}")]
             cmd += ["--threads", str(threads)]
             try:
                 with (node_dir / "agent.log").open("wb") as log_file:

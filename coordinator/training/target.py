@@ -195,6 +195,10 @@ def coordinator_runs(
     return TrainingRuns(MethodRunner(runner, lora), ready=_admission(lora, True))
 
 
+LOCAL_CACHE = "local-cache"
+"""Under the coordinator's ``training`` dir: the local SuperNodes' caches, kept between runs."""
+
+
 def lora_runner(
     state_dir: Path,
     ca: CertificateAuthority,
@@ -209,13 +213,18 @@ def lora_runner(
     from partitioner.decoders.cache import default_cache_dir
 
     data: tuple[Path, ...] = ()
+    cache = state_dir / "training" / LOCAL_CACHE
     if target_file is not None:
         spec = load_target(target_file)
         data = tuple(target_file.parent / d for d in spec.text_client_data)
+        if spec.text_client_cache is not None:
+            cache = target_file.parent / spec.text_client_cache
     clients = None if agents is None else agents.config.clients
 
     def resolve(model_id: str) -> LoraTarget:
-        return served_lora_target(model_id, state_dir, deployer, store, data, (), clients)
+        return served_lora_target(
+            model_id, state_dir, deployer, store, data, (), clients, cache_root=cache
+        )
 
     federation = local_lora_federation(ca)
     if agents is not None:

@@ -335,7 +335,7 @@ def _training_target(
         return None, []
     os.environ[CACHE_ENV] = str(args.cache_dir)  # the coordinator maps the decoder from it
     with console.status("writing three devices' WordNet text (training target)..."):
-        target, dirs = write_target(state_dir, _trained_decoder(args))
+        target, dirs = write_target(state_dir, _trained_decoder(args), args.cache_dir / "lora")
     return target, dirs
 
 

@@ -50,15 +50,18 @@ RUNS: dict[str, DemoRun] = {
 README for its measured time)."""
 
 
-def write_target(state_dir: Path, model_id: str) -> tuple[Path, list[Path]]:
+def write_target(state_dir: Path, model_id: str, cache: Path) -> tuple[Path, list[Path]]:
     """The coordinator's training target (the served ``model_id``, one local SuperNode per
-    WordNet share) and the shares' data dirs."""
+    WordNet share, each caching under ``cache``, kept between demo runs as a device keeps its
+    own) and the shares' data dirs."""
     from devtools.wordnet import write_shares
 
     root = state_dir / "lora-demo"
     dirs = write_shares(root / "data", DOMAINS, per_device=RUNS[model_id].per_device, qa=True)
     spec = TrainingTargetSpec(
-        model_id=model_id, text_client_data=[str(d.relative_to(root)) for d in dirs]
+        model_id=model_id,
+        text_client_data=[str(d.relative_to(root)) for d in dirs],
+        text_client_cache=str(cache.resolve()),
     )
     write_atomic(root / TARGET_FILE, spec.model_dump_json(indent=2).encode())
     return root / TARGET_FILE, dirs

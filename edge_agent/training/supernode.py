@@ -68,6 +68,8 @@ class SuperNodeConfig:
     threads: int | None = None
     """CPU threads of the training processes (``OMP_NUM_THREADS``); None: all cores. Several
     SuperNodes on one machine each get a share, so that they do not oversubscribe the cores."""
+    cache_dir: Path | None = None
+    """What later runs reuse (the frozen prefix's activations); None: ``work_dir/cache``."""
 
 
 @dataclass
@@ -117,7 +119,7 @@ def start_supernode(config: SuperNodeConfig) -> SuperNodeProcess:
         [
             f"segments-dir={_quote(str(config.segments_dir))}",
             f"data-dir={_quote(str(config.data_dir))}",
-            f"cache-dir={_quote(str(config.work_dir / 'cache'))}",
+            f"cache-dir={_quote(str(config.cache_dir or config.work_dir / 'cache'))}",
             f"budget-bytes={int(config.budget_bytes)}",
         ]
     )
@@ -285,6 +287,7 @@ def main(argv: list[str] | None = None) -> int:
         "--auth-private-key", type=Path, help="node-authentication key (OpenSSH EC P-256)"
     )
     parser.add_argument("--threads", type=int, help="CPU threads of the training processes")
+    parser.add_argument("--cache-dir", type=Path, help="what later runs reuse (default: work dir)")
     args = parser.parse_args(argv)
     node = start_supernode(
         SuperNodeConfig(
@@ -296,6 +299,7 @@ def main(argv: list[str] | None = None) -> int:
             budget_bytes=args.budget_bytes,
             auth_private_key=args.auth_private_key,
             threads=args.threads,
+            cache_dir=args.cache_dir,
         )
     )
 

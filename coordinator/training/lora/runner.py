@@ -64,6 +64,9 @@ class LoraTarget:
     data_dirs: tuple[Path, ...] = ()
     """Local SuperNodes to start, one per text data dir (empty: agents connect their own)."""
     budgets: tuple[int, ...] = ()
+    cache_root: Path | None = None
+    """Where the local SuperNodes keep what later runs reuse (``agent-I`` each); None: in the
+    run's own directory."""
 
 
 LoraFederation = Callable[[Path, Path, LoraTarget], AbstractContextManager[SuperLink]]

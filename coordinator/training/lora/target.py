@@ -53,6 +53,7 @@ def served_lora_target(
     data_dirs: tuple[Path, ...],
     budgets: tuple[int, ...],
     agents: int | None = None,
+    cache_root: Path | None = None,
 ) -> LoraTarget:
     """The active version of served model ``model_id``, trained on one local SuperNode per
     text dir or (``agents``) on that many paired agents' own SuperNodes; UnknownModelError
@@ -78,6 +79,7 @@ def served_lora_target(
         population=len(data_dirs) if agents is None else agents,
         data_dirs=data_dirs,
         budgets=budgets or tuple(1 << 30 for _ in data_dirs),
+        cache_root=cache_root,
     )
 
 
@@ -142,7 +144,15 @@ def local_lora_federation(ca: CertificateAuthority) -> LoraFederation:
                 authenticated_superlink(run_dir, ca, len(target.data_dirs))
             )
             stack.enter_context(
-                start_local_agents(link, segments, target.data_dirs, target.budgets, run_dir, keys)
+                start_local_agents(
+                    link,
+                    segments,
+                    target.data_dirs,
+                    target.budgets,
+                    run_dir,
+                    keys,
+                    cache_root=target.cache_root,
+                )
             )
             yield link
 
