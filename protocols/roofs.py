@@ -47,3 +47,24 @@ ROOF_FIELD_NAMES = tuple(RoofFields.model_fields)
 def roof_values(source: object) -> dict[str, Any]:
     """``source``'s roofs beyond compute by name, for building another model that carries them."""
     return {name: getattr(source, name) for name in ROOF_FIELD_NAMES}
+
+
+def slowed_roofs(device: object, compute: float, memory: float, fixed: float) -> dict[str, Any]:
+    """The roofs of ``device`` (a device spec, a live device; ``gflops`` too) on which work
+    takes ``compute`` times as long at the compute roofs, ``memory`` times at the bandwidths
+    and ``fixed`` times in the fixed costs: the values to replace them with (a correction, a
+    what-if slowdown)."""
+    roofs = {"gflops": getattr(device, "gflops"), **roof_values(device)}  # noqa: B009
+
+    def over(name: str, factor: float) -> float | None:
+        return None if roofs[name] is None else float(roofs[name]) / factor
+
+    return {
+        "gflops": float(roofs["gflops"]) / compute,
+        "gemv_gflops": over("gemv_gflops", compute),
+        "memory_gbps": over("memory_gbps", memory),
+        "cache_gbps": over("cache_gbps", memory),
+        "op_us": float(roofs["op_us"]) * fixed,
+        "call_us": float(roofs["call_us"]) * fixed,
+        "topk_ns": float(roofs["topk_ns"]) * fixed,
+    }

@@ -324,6 +324,7 @@ def test_plan_route_shows_units_memory_and_the_bottleneck(
         "active": 1,
         "previous": None,
         "speculative": "off",  # an encoder does not generate
+        "speculation_off": None,
         "draft_model": None,
         "acceptance_rate": None,
         "tokens_per_s": None,

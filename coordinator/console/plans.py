@@ -26,6 +26,7 @@ from protocols.links import Link as DeviceLink
 from protocols.links import Requester, RequesterLink
 from protocols.manifest import Manifest
 from protocols.plan import Objective, Plan
+from protocols.roofs import slowed_roofs
 
 if TYPE_CHECKING:
     from partitioner.split import Analysis
@@ -253,17 +254,7 @@ def _slowed(spec: DeviceSpec, factor: float) -> DeviceSpec:
     """``spec`` with every roof scaled so any work takes ``factor`` times as long."""
     if factor == 1.0:
         return spec
-    return spec.model_copy(
-        update={
-            "gflops": spec.gflops / factor,
-            "gemv_gflops": None if spec.gemv_gflops is None else spec.gemv_gflops / factor,
-            "memory_gbps": None if spec.memory_gbps is None else spec.memory_gbps / factor,
-            "cache_gbps": None if spec.cache_gbps is None else spec.cache_gbps / factor,
-            "op_us": spec.op_us * factor,
-            "call_us": spec.call_us * factor,
-            "topk_ns": spec.topk_ns * factor,
-        }
-    )
+    return spec.model_copy(update=slowed_roofs(spec, factor, factor, factor))
 
 
 def what_if(analysis: Analysis, devices: DeviceList, objective: Objective, name: str) -> Plan:

@@ -56,7 +56,7 @@ from coordinator.deploy.term_fit import (
 from protocols.base import FrozenModel
 from protocols.devices import DeviceList
 from protocols.problem import Roofs, Work
-from protocols.roofs import roof_values
+from protocols.roofs import roof_values, slowed_roofs
 
 log = logging.getLogger(__name__)
 
@@ -131,34 +131,16 @@ def corrected(device: LiveDevice, factor: float) -> LiveDevice:
     """``device`` with its roofs scaled so every work takes ``factor`` times as long."""
     if factor == 1.0:
         return device
-    return dataclasses.replace(
-        device,
-        gflops=device.gflops / factor,
-        gemv_gflops=None if device.gemv_gflops is None else device.gemv_gflops / factor,
-        memory_gbps=None if device.memory_gbps is None else device.memory_gbps / factor,
-        cache_gbps=None if device.cache_gbps is None else device.cache_gbps / factor,
-        op_us=device.op_us * factor,
-        call_us=device.call_us * factor,
-        topk_ns=device.topk_ns * factor,
-        correction=factor,
-    )
+    slowed = slowed_roofs(device, factor, factor, factor)
+    return dataclasses.replace(device, **slowed, correction=factor)
 
 
 def term_corrected(device: LiveDevice, factors: TermFactors) -> LiveDevice:
     """``device`` with its compute roof slowed by ``factors.compute``, its bandwidths by
     ``factors.memory`` and its operator, call and selection costs multiplied by
     ``factors.fixed``."""
-    k, f = factors.memory, factors.fixed
-    return dataclasses.replace(
-        device,
-        gflops=device.gflops / factors.compute,
-        gemv_gflops=None if device.gemv_gflops is None else device.gemv_gflops / factors.compute,
-        memory_gbps=None if device.memory_gbps is None else device.memory_gbps / k,
-        cache_gbps=None if device.cache_gbps is None else device.cache_gbps / k,
-        op_us=device.op_us * f,
-        call_us=device.call_us * f,
-        topk_ns=device.topk_ns * f,
-    )
+    slowed = slowed_roofs(device, factors.compute, factors.memory, factors.fixed)
+    return dataclasses.replace(device, **slowed)
 
 
 class StageTiming:
