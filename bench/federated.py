@@ -81,10 +81,11 @@ class ModeRuns:
 
 def export_dir(model: str) -> Path:
     """The cached export of ``model`` (exported once, into ``.cache/fedshard/exports``)."""
+    from partitioner.decoders.precision import current_export, default_weights
     from partitioner.frontdoor import export_decoder
 
     out = CACHE / "exports" / model
-    if not (out / "decoder.json").is_file():
+    if not current_export(out, default_weights(model)):
         export_decoder(model, out, cache_dir=CACHE)
     return out
 

@@ -22,6 +22,7 @@ from partitioner.decoders.precision import (
     SCHEMES,
     WEIGHTS,
     Weights,
+    current_export,
     model_scheme,
     model_weights,
     quantize_decoder,
@@ -106,6 +107,8 @@ def test_conversion_keeps_the_interface_and_stores_weights_smaller(
     model = onnx.load(str(out / MODEL_FILE))
     assert model_weights(model) == weights
     assert model_scheme(out / MODEL_FILE) == SCHEMES.get(weights)
+    assert current_export(out, weights) and current_export(exports[name], "fp32")
+    assert not current_export(exports[name], weights) or weights not in SCHEMES  # none recorded
     info, source_info = _info(out), _info(exports[name])
     assert info.rows_independent == (weights == "fp16") and source_info.rows_independent
     assert info.model_copy(update={"rows_independent": True}) == source_info

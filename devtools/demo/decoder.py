@@ -17,6 +17,7 @@ from rich.console import Console
 
 from devtools.demo.procs import fedshard_command
 from devtools.demo.steps import Api, DemoStepError
+from partitioner.decoders.precision import current_export, parse_weights
 from protocols.decoder import DECODER_FILE, MODEL_FILE, DecoderInfo
 
 DEPLOY_TIMEOUT_S = 900.0
@@ -38,7 +39,7 @@ def export_decoder(
     """``fedshard export NAME OUT --weights W --no-score`` unless ``OUT`` already holds the
     export; returns ``OUT``. (Scoring the precision against float32 is the export's own report,
     see the README; the demo skips it.)"""
-    if _current_export(out, weights):
+    if current_export(out, parse_weights(weights)):
         console.print(f"[green]{name}[/] ({weights}) already exported in {out}")
         return out
     command = [
@@ -52,18 +53,6 @@ def export_decoder(
         raise DemoStepError(f"`{' '.join(command)}` failed with exit code {done.returncode}")
     console.print(f"[green]exported {name}[/] in {time.monotonic() - started:.0f} s")
     return out
-
-
-def _current_export(out: Path, weights: str) -> bool:
-    """Whether ``out`` holds a whole export whose weights are stored the current way (an int8
-    or int4 export recorded under an older :data:`~partitioner.decoders.precision.SCHEMES`
-    entry, or under none, is made again)."""
-    from partitioner.decoders.precision import SCHEMES, model_scheme, parse_weights
-
-    if not ((out / DECODER_FILE).is_file() and (out / MODEL_FILE).is_file()):
-        return False
-    scheme = SCHEMES.get(parse_weights(weights))
-    return scheme is None or model_scheme(out / MODEL_FILE) == scheme
 
 
 def decoder_info(export: Path) -> DecoderInfo:

@@ -166,6 +166,16 @@ def model_scheme(model_file: Path) -> str | None:
     return next((p.value for p in model.metadata_props if p.key == SCHEME_METADATA_KEY), None)
 
 
+def current_export(export_dir: Path, weights: Weights) -> bool:
+    """Whether ``export_dir`` holds a whole decoder export in ``weights`` stored the current way
+    (an int8 or int4 export recorded under an older :data:`SCHEMES` entry, or under none, is
+    out of date: a cache should export it again)."""
+    if not ((export_dir / DECODER_FILE).is_file() and (export_dir / MODEL_FILE).is_file()):
+        return False
+    scheme = SCHEMES.get(parse_weights(weights))
+    return scheme is None or model_scheme(export_dir / MODEL_FILE) == scheme
+
+
 def _rows_coupled(info_json: str) -> str:
     """A ``decoder.json`` document marked ``rows_independent: false``."""
     info = DecoderInfo.from_json(info_json.encode())
