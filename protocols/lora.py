@@ -59,6 +59,12 @@ DEFAULT_TARGETS: Final = (
 ENCODER_TARGETS: Final = ("query", "key", "value", "dense")
 """BERT's attention projections and every dense layer (attention output, intermediate, output)."""
 Objective = Literal["causal-lm", "contrastive"]
+MAX_REPLY_WEIGHT: Final = 1000
+"""Most records one device's reply weighs in the average without DP (SecAgg+'s max_weight)."""
+DP_REPLY_WEIGHT: Final = 1
+"""Under record-level DP every device's reply weighs the same (its record count stays private)."""
+
+
 ENCODER_METADATA_KEY: Final = "fedshard.encoder"
 """ONNX metadata key of a fedshard encoder export (``fedshard export minilm``): its value names
 the encoder (:data:`MINILM_ENCODER`), from which a coordinator loads its torch definition."""
@@ -185,3 +191,16 @@ class LoraPlan(FrozenModel):
     def num_arrays(self) -> int:
         """How many arrays travel with each message (A and B per adapter)."""
         return 2 * len(self.adapters)
+
+
+def reply_weight(plan: LoraPlan, records: int) -> int:
+    """The FedAvg weight a device gives its adapters: :data:`DP_REPLY_WEIGHT` under DP, else its
+    training records, capped at :data:`MAX_REPLY_WEIGHT`."""
+    return DP_REPLY_WEIGHT if plan.dp is not None else min(records, MAX_REPLY_WEIGHT)
+
+
+def max_reply_weight(plan: LoraPlan) -> float:
+    """SecAgg+'s ``max_weight`` for a plan: each device scales its vector by ``weight /
+    max_weight`` before quantizing it to 2**22 levels over [-8, 8], so a maximum above what any
+    reply weighs throws precision away (1000 for replies that weigh 1: a 4e-3 step on adapters)."""
+    return float(DP_REPLY_WEIGHT if plan.dp is not None else MAX_REPLY_WEIGHT)

@@ -122,3 +122,44 @@ def test_merge_matches_the_adapted_linear_layer() -> None:
     want = x @ w.T + settings.scale * (x @ a.T) @ b.T
     np.testing.assert_allclose(got, want, rtol=1e-5, atol=1e-5)
     assert [n.op_type for n in merged.graph.node] == ["MatMul"], "only initializers change"
+
+
+def _secaggplus_mean(
+    replies: list[np.ndarray], weights: list[int], max_weight: float
+) -> np.ndarray:
+    """The weighted mean SecAgg+ hands the strategy, by Flower's own arithmetic (the client mod
+    scales by ``weight / max_weight`` and quantizes; the workflow sums, dequantizes, divides)."""
+    from flwr.common.secure_aggregation.quantization import dequantize, quantize
+
+    clip, levels = 8.0, 4194304  # SecAggPlusWorkflow's defaults, which the LoRA run keeps
+    total_q, total = 0, np.zeros_like(replies[0], dtype=np.int64)
+    for reply, weight in zip(replies, weights, strict=True):
+        q_ratio = round(weight / max_weight * levels)
+        total_q += q_ratio
+        total += quantize([reply * (q_ratio / levels)], clip, levels)[0]
+    (summed,) = dequantize([total], clip, levels)
+    return (summed - (len(replies) - 1) * clip) * (levels / total_q)
+
+
+def test_secagg_keeps_the_adapters_precision_under_dp() -> None:
+    from protocols.lora import LoraPlan, RecordDp, SegmentRef, max_reply_weight, reply_weight
+
+    sha = "0" * 64
+    plain = LoraPlan(
+        run="r", architecture="LlamaForCausalLM", config="{}", first_layer=0, boundary="h",
+        segments=[SegmentRef(index=0, sha256=sha)], trainable=[0], weight_map={},
+        adapters=[AdapterSpec(module="model.layers.0.self_attn.q_proj", out_features=3,
+                              in_features=2)],
+        tokenizer_sha256=sha,
+    )  # fmt: skip
+    private = plain.model_copy(update={"dp": RecordDp()})
+    assert reply_weight(private, 5000) == 1 and reply_weight(plain, 40) == 40
+    assert reply_weight(plain, 5000) <= max_reply_weight(plain)
+    rng = np.random.default_rng(0)
+    replies = [rng.normal(0, 0.02, 4096).astype(np.float32) for _ in range(3)]
+    exact = np.mean(replies, axis=0)
+    weights = [reply_weight(private, 40) for _ in replies]
+    kept = np.abs(_secaggplus_mean(replies, weights, max_reply_weight(private)) - exact).max()
+    wasted = np.abs(_secaggplus_mean(replies, weights, 1000.0) - exact).max()
+    assert kept < 1e-5, kept
+    assert wasted > 1e-3, wasted  # what a max_weight of 1000 did to replies that weigh 1

@@ -36,6 +36,7 @@ from protocols.lora import (
     METRIC_HELD_OUT_TOKENS,
     METRIC_TRAINED_BYTES,
     LoraPlan,
+    reply_weight,
 )
 from protocols.training import (
     METRIC_ACCURACY,
@@ -138,8 +139,7 @@ class ShardClient(NumPyClient):
         if result.epsilon is not None:
             metrics[METRIC_EPSILON] = result.epsilon
         metrics.update(result.extra)  # an encoder's held-out recall@1
-        weight = 1 if plan.dp is not None else result.examples
-        return result.arrays, weight, metrics
+        return result.arrays, reply_weight(plan, result.examples), metrics
 
     def evaluate(
         self, parameters: NDArrays, config: dict[str, Scalar]

@@ -34,7 +34,7 @@ from coordinator.training.server_app import RUN_FILE_KEY, save_weights
 from coordinator.training.strategy import failure_reasons
 from partitioner.lora import initial_adapters
 from protocols import lora as lora_wire
-from protocols.lora import LORA_PLAN_KEY, LoraPlan
+from protocols.lora import LORA_PLAN_KEY, LoraPlan, max_reply_weight
 from protocols.training import METRIC_LOSS, METRIC_UPLOAD_BYTES
 
 log = logging.getLogger(__name__)
@@ -180,15 +180,16 @@ class LoraFedAvg(FedAvg):
         return None
 
 
-def workflow_for(cfg: LoraRunConfig) -> DefaultWorkflow:
-    """The legacy workflow, with SecAgg+ over the fit replies when the run asks for it."""
+def workflow_for(cfg: LoraRunConfig, plan: LoraPlan) -> DefaultWorkflow:
+    """The legacy workflow, with SecAgg+ over the fit replies when the run asks for it (its
+    ``max_weight`` what the plan's replies weigh at most, so no quantization level is wasted)."""
     if not cfg.secagg:
         return DefaultWorkflow()
     return DefaultWorkflow(
         fit_workflow=SecAggPlusWorkflow(
             num_shares=cfg.num_shares,
             reconstruction_threshold=cfg.reconstruction_threshold,
-            max_weight=1000.0,
+            max_weight=max_reply_weight(plan),
             timeout=cfg.stage_timeout_s,
         )
     )
@@ -207,7 +208,7 @@ def main(grid: Grid, context: Context) -> None:
         context=context, config=ServerConfig(num_rounds=cfg.rounds), strategy=strategy
     )
     try:
-        workflow_for(cfg)(grid, legacy)
+        workflow_for(cfg, plan)(grid, legacy)
         strategy.check_recorded(cfg.rounds)
     except TrainingRunError:
         raise
