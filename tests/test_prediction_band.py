@@ -9,11 +9,15 @@ The first deploy is priced by the roofline alone; each agent measures its operat
 ``TopK`` costs again around its warm-up and reports them with its stage time, and the
 coordinator fits one correction per part of the prediction (compute, memory, fixed costs:
 :mod:`coordinator.deploy.term_fit`) on the measured stages. The deploy after it is priced
-with the latest costs and those corrections, and every stage's decode-step prediction must be
-within
-0.75-1.33x of the agent's own steady-state measurement (the median of its warm-up runs at
-the planned shapes). This is a ratio band, not a wall-time assert: both numbers come from the
-same machine in the same minute.
+with the latest costs and those corrections; it is deployed :data:`CALIBRATED_DEPLOYS` times,
+each priced on what the ones before it measured, and every stage's decode-step prediction must
+be within 0.75-1.33x of the agent's own steady-state measurement (the median of its warm-up
+runs at the planned shapes) in the median of those deploys. This is a ratio band, not a
+wall-time assert: both numbers come from the same machine in the same minute. The median is
+there because a prediction is made from the deploy before it: on a shared two-core machine one
+deploy's minute can run 1.6x faster or slower than the next (CI once measured tiny-llama at
+1.59x and 1.91x after a slow deploy, and at 0.98x and 1.01x on a quiet machine), and one such
+minute must not decide whether the calibration holds.
 """
 
 from __future__ import annotations
@@ -21,6 +25,7 @@ from __future__ import annotations
 import json
 import os
 import secrets
+import statistics
 from collections.abc import Iterator
 from dataclasses import dataclass
 from pathlib import Path
@@ -39,6 +44,7 @@ from coordinator_helpers import (
 pytestmark = [pytest.mark.slow, pytest.mark.timeout(900)]
 
 BAND = (0.75, 1.33)
+CALIBRATED_DEPLOYS = 3
 OVERSUBSCRIBED = 5.0
 """Above this many runnable processes per core (the 1-minute load average) the test is
 skipped, not failed: stage times then say little about the devices. It passed at 3-4 per core
@@ -110,15 +116,20 @@ def test_calibrated_predictions_are_within_the_band(
     # were kept for the per-term fit
     assert all(isinstance(s["costs"], dict) and s["costs"]["op_us"] > 0 for s in first)
     assert len(timing["stages"]) >= 2
-    lab.deploy(export, model_id, CAPS[model])
-    second = _active_segments(lab, model_id)
+    calibrated = []
+    for _ in range(CALIBRATED_DEPLOYS):
+        lab.deploy(export, model_id, CAPS[model])
+        calibrated.append(_active_segments(lab, model_id))
+    runs = [_ratios(segments) for segments in calibrated]
+    medians = [statistics.median(stage) for stage in zip(*runs, strict=True)]
     print(
         f"{model} predicted/measured per stage: roofline alone {_ratios(first)}, "
-        f"calibrated {_ratios(second)}; prefill predicted "
-        f"{[s['predicted_prefill_s'] for s in second]} s"
+        f"calibrated {runs} (median {medians}); prefill predicted "
+        f"{[s['predicted_prefill_s'] for s in calibrated[-1]]} s"
     )
-    assert len(second) == 2 and all(r > 0 for r in _ratios(second))
-    assert all(isinstance(s["predicted_prefill_s"], float) for s in second)
-    assert all(BAND[0] <= r <= BAND[1] for r in _ratios(second)), (
-        f"{model}: calibrated predicted/measured {_ratios(second)} outside {BAND}"
+    assert all(len(segments) == 2 for segments in calibrated)
+    assert all(r > 0 for ratios in runs for r in ratios)
+    assert all(isinstance(s["predicted_prefill_s"], float) for s in calibrated[-1])
+    assert all(BAND[0] <= r <= BAND[1] for r in medians), (
+        f"{model}: calibrated predicted/measured {runs}, median {medians}, outside {BAND}"
     )
