@@ -49,8 +49,11 @@ def masked_vector_bytes(plan: LoraPlan) -> int:
     return sum(len(ndarray_to_bytes(np.zeros(a.shape, np.int64))) for a in arrays)
 
 
-def run_flower(setup: LoraSetup, work: Path, rounds: int, per_device: int, seed: int) -> FlowerRun:
-    """One SecAgg+ run of ``setup.plan`` on three local SuperNodes (see the module doc)."""
+def run_flower(
+    setup: LoraSetup, work: Path, rounds: int, per_device: int, seed: int, model_id: str
+) -> FlowerRun:
+    """One SecAgg+ run of ``setup.plan`` (of decoder ``model_id``) on three local SuperNodes
+    (see the module doc)."""
     from coordinator.training.lora.runner import LoraTarget, follow, stage_segments, start_lora_run
     from coordinator.training.lora.target import local_lora_federation
     from coordinator.trust.ca import CertificateAuthority
@@ -62,11 +65,11 @@ def run_flower(setup: LoraSetup, work: Path, rounds: int, per_device: int, seed:
     tokenizer = setup.version_dir / "tokenizer.json"
     segments = stage_segments(setup.version_dir, tokenizer, run_dir / "segments")
     target = LoraTarget(
-        model_id="tiny-llama", version_dir=setup.version_dir, model_file=Path("unused"),
+        model_id=model_id, version_dir=setup.version_dir, model_file=Path("unused"),
         tokenizer_file=tokenizer, versions_root=work / "versions", population=POPULATION,
         data_dirs=tuple(dirs), budgets=tuple(1 << 30 for _ in dirs),
     )  # fmt: skip
-    request = TrainingRunRequest(rounds=rounds, model="tiny-llama", method="lora")
+    request = TrainingRunRequest(rounds=rounds, model=model_id, method="lora")
     federation = local_lora_federation(CertificateAuthority.open(work / "ca"))
     with federation(run_dir, segments, target) as link:
         cfg, flower_run = start_lora_run(

@@ -56,9 +56,11 @@ class LoraSetup:
     model: Any
 
 
-def split_version(export_dir: Path, out_dir: Path) -> Path:
-    """``fedshard split`` the export onto :data:`DEVICES`; copy its tokenizer next to it."""
-    return _split(export_dir / "model.onnx", export_dir / "tokenizer.json", DEVICES, out_dir)
+def split_version(export_dir: Path, out_dir: Path, memory_mb: int | None = None) -> Path:
+    """``fedshard split`` the export onto :data:`DEVICES` (each with ``memory_mb`` MB when
+    given: a real decoder needs more); copy its tokenizer next to it."""
+    devices = DEVICES if memory_mb is None else _devices(memory_mb)
+    return _split(export_dir / "model.onnx", export_dir / "tokenizer.json", devices, out_dir)
 
 
 def split_encoder(onnx_path: Path, out_dir: Path) -> Path:
@@ -192,9 +194,10 @@ class LabRun:
 
 
 def token_mean(results: Sequence[tuple[float, int, dict[str, Any]]]) -> float:
-    """Token-weighted mean of the devices' held-out losses."""
-    tokens = sum(n for _, n, _ in results)
-    return sum(loss * n for loss, n, _ in results) / tokens
+    """Token-weighted mean of the devices' held-out losses (a device without held-out tokens
+    reports a NaN loss and weighs nothing)."""
+    held = [(loss, n) for loss, n, _ in results if n > 0]
+    return sum(loss * n for loss, n in held) / sum(n for _, n in held)
 
 
 def run_rounds(
@@ -280,10 +283,7 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--local-epochs", type=int, default=2)
     args = parser.parse_args(argv)
     model = load_source(args.model, args.cache_dir, Steps()).model
-    version = _split(
-        args.export_dir / "model.onnx", args.export_dir / "tokenizer.json",
-        _devices(args.device_memory_mb), args.work_dir / "v0001",
-    )  # fmt: skip
+    version = split_version(args.export_dir, args.work_dir / "v0001", args.device_memory_mb)
     dp = RecordDp(noise_multiplier=args.noise_multiplier) if args.noise_multiplier else None
     setup = lora_setup(
         args.export_dir, version, model, args.first_layer, dp=dp,
