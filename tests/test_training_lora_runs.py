@@ -19,7 +19,7 @@ from coordinator.fleet.registry import DeviceRegistry
 from coordinator.training.errors import LoraTargetError, TrainingRunError
 from coordinator.training.lora.plan import first_layer_of, lora_settings
 from coordinator.training.lora.records import LoraRecord, LoraRound, LoraRunConfig, token_weighted
-from coordinator.training.lora.runner import _RoundReports, run_round
+from coordinator.training.lora.runner import _RoundReports, check_converged, run_round
 from coordinator.training.lora.server_app import LoraFedAvg
 from coordinator.training.lora.target import MethodRunner
 from coordinator.training.manager import RunReporter, TrainingRuns
@@ -327,3 +327,17 @@ def test_following_a_run_whose_round_failed_raises_its_reason(tmp_path: Path) ->
     assert seen and seen[0].error is not None
     LoraRecord(finished=True, final_loss=1.0).save(record)
     assert follow(link, record, seen.append, 30, lambda: False).final_loss == 1.0
+
+
+def test_a_run_whose_training_diverged_is_not_rolled_out() -> None:
+    """Merged NaN adapters would pass the deploy's health check (the chain is compared with the
+    version's own outputs), so the runner refuses them before merging."""
+    healthy = [np.ones((4, 8), np.float32), np.zeros((8, 4), np.float32)]
+    finished = LoraRecord(final_loss=3.2, final_tokens=40, finished=True)
+    check_converged(finished, healthy)
+    check_converged(LoraRecord(finished=True), healthy)  # no held-out records: nothing to judge
+    blown = [healthy[0], np.full((8, 4), np.nan, np.float32)]
+    with pytest.raises(TrainingRunError, match=r"diverged \(1 of 2 adapter arrays"):
+        check_converged(finished, blown)
+    with pytest.raises(ValidationError):  # a record cannot even hold a loss that is not finite
+        LoraRecord(final_loss=float("inf"), finished=True)

@@ -6,7 +6,9 @@
    target, each with its own registered key); ``flwr run`` of
    :mod:`coordinator.training.lora.server_app`, whose record is followed round by round.
 3. A run that ends without an aggregate (or with an error) fails with the reason; nothing is
-   written or rolled out.
+   written or rolled out. So does a run whose training diverged (:func:`check_converged`:
+   adapters not finite): merged, its NaNs would pass the deploy's
+   health check, which compares the chain with the version's own outputs.
 4. The final adapters are merged (:func:`~.lora_version.write_lora_version`) into a new signed
    version, which also carries the whole merged model (so a failover can re-plan it), its
    ``decoder.json``, tokenizer and :data:`~.lora_plan.LORA_BASE_FILE`; the publisher verifies
@@ -23,6 +25,8 @@ from collections.abc import Callable
 from contextlib import AbstractContextManager
 from dataclasses import dataclass
 from pathlib import Path
+
+import numpy as np
 
 from coordinator.errors import CoordinatorError
 from coordinator.training.driver import secagg_parameters
@@ -172,6 +176,18 @@ def start_lora_run(
     return cfg, run_id
 
 
+def check_converged(record: LoraRecord, arrays: list[np.ndarray]) -> None:
+    """Raise :class:`TrainingRunError` when the run's final adapters are not finite (the
+    training diverged): such a run is not merged or rolled out. (A record cannot hold a loss
+    that is not finite.)"""
+    bad = [i for i, a in enumerate(arrays) if not np.isfinite(a).all()]
+    if bad:
+        raise TrainingRunError(
+            f"the training diverged ({len(bad)} of {len(arrays)} adapter arrays not finite, "
+            f"final held-out loss {record.final_loss}); nothing was rolled out"
+        )
+
+
 class _RoundReports:
     """Reports each round once its after-loss is known (the next round's, or the final one)."""
 
@@ -247,7 +263,9 @@ class LoraRunner:
                 final_recall=record.final_recall,
             )
         )
-        self.roll_out(target, plan, base, record, Path(cfg.weights_file), report)
+        arrays = load_weights(Path(cfg.weights_file))
+        check_converged(record, arrays)
+        self.roll_out(target, plan, base, record, arrays, report)
 
     def roll_out(
         self,
@@ -255,7 +273,7 @@ class LoraRunner:
         plan: LoraPlan,
         base: LoraBase,
         record: LoraRecord,
-        weights_file: Path,
+        arrays: list[np.ndarray],
         report: RunReporter,
     ) -> None:
         """Merge, sign, and roll the new version out (see the module doc)."""
@@ -264,7 +282,6 @@ class LoraRunner:
         parent = Version.load(target.version_dir)
         out = next_version_dir(target.versions_root)
         eps = record.epsilon_per_device
-        arrays = load_weights(weights_file)
         version = write_lora_version(
             parent, plan, arrays, out, rounds=len(record.rounds),
             clients_per_round=[r.clients for r in record.rounds],
