@@ -12,7 +12,7 @@ import numpy as np
 import onnx
 import pytest
 
-from coordinator.training.lora.plan import LORA_BASE_FILE, build_plan, lora_base
+from coordinator.training.lora.plan import LORA_BASE_FILE, LoraTuning, build_plan, lora_base
 from coordinator.training.lora.version import write_lora_version
 from coordinator.training.lora.whole import write_whole_model
 from coordinator.training.version import Version
@@ -43,6 +43,8 @@ def test_a_lora_version_carries_a_whole_model_that_replans(
         lab.plan.model_copy(update={"max_tokens": 24, "batch_size": 16, "learning_rate": 0.02,
                                     "local_epochs": 2}).to_json()
     )  # fmt: skip
+    plain = build_plan("r", parent_dir, tiny_llama_dir / "tokenizer.json", base, options, False)
+    assert plain.dp is None and plain.learning_rate == LoraTuning().plain_learning_rate < 0.02
 
     rng = np.random.default_rng(0)
     arrays = [rng.normal(0, 0.05, a.shape).astype(np.float32) for a in lab.initial]
