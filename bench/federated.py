@@ -349,7 +349,7 @@ def headlines(modes: list[ModeRuns]) -> list[Headline]:
         )
     )
     share = float(np.mean(by["FedAvg"].upload_bytes) / np.mean(by["FedAvg"].trained_bytes))
-    out.append(Headline("upload per round / trained segments' weights", share, "x", "<= 0.02"))
+    out.append(Headline("upload per round / trained segments' weights", 100 * share, "%", "<= 2"))
     return out
 
 
