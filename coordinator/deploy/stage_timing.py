@@ -68,10 +68,10 @@ WINDOW = 5
 LOWEST = 0.05
 HIGHEST = 20.0
 MIN_MEASURED_S = 1e-6
+"""Stage times below this (1 us) are timer noise and teach nothing."""
 STAGE_WINDOW = 8
 """Measured stages the per-term fit keeps (all devices together)."""
 TIMING_FORMAT: Literal["fedshard.stage-timing/2"] = "fedshard.stage-timing/2"
-"""Stage times below this (1 us) are timer noise and teach nothing."""
 
 
 @dataclass(frozen=True)
