@@ -100,35 +100,34 @@ def _gathered_only(
     gathered: dict[str, tuple[str, float | None]] = {}
     other: set[str] = set()
     for node_id in nodes:
-        node = index.nodes[node_id]
-        inputs = index.node_inputs[node_id]
-        for position, name in enumerate(inputs):
+        for position, name in enumerate(index.node_inputs[node_id]):
             if name not in initializers:
                 continue
-            share = _block_gather_share(index, node_id, name, table, position)
-            if node.op_type in _GATHERS and position == 0 and name not in gathered:
-                gathered[name] = (node.output[0], None)
-            elif share is not None and name not in gathered:
-                gathered[name] = (node.output[0], share)
+            read = _gather_read(index, node_id, position, table)
+            if read is not None and name not in gathered:
+                gathered[name] = read
             else:
                 other.add(name)
     return {name: read for name, read in gathered.items() if name not in other}
 
 
-def _block_gather_share(
-    index: GraphIndex, node_id: int, name: str, table: ShapeTable, position: int
-) -> float | None:
-    """The share of ``name``'s rows a ``GatherBlockQuantized`` node reads (None for any other
-    node or input)."""
+def _gather_read(
+    index: GraphIndex, node_id: int, position: int, table: ShapeTable
+) -> tuple[str, float | None] | None:
+    """How node ``node_id`` reads its input at ``position`` by rows, as in
+    :func:`_gathered_only`'s values; None when it reads the whole input."""
     node = index.nodes[node_id]
+    if node.op_type in _GATHERS and position == 0:
+        return node.output[0], None
     if node.op_type != _BLOCK_GATHER or position not in _BLOCK_GATHER_TABLES:
         return None
+    inputs = index.node_inputs[node_id]
     axis = int(next((a.i for a in node.attribute if a.name == "gather_axis"), 0))
-    dims = index.initializers[name].dims
-    rows = table.elements(index.node_inputs[node_id][1])
+    dims = index.initializers[inputs[position]].dims
+    rows = table.elements(inputs[1])
     if not dims or not 0 <= axis < len(dims) or dims[axis] <= 0 or rows <= 0:
         return None
-    return min(1.0, rows / int(dims[axis]))
+    return node.output[0], min(1.0, rows / int(dims[axis]))
 
 
 def _boundary_bytes(
