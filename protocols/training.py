@@ -79,6 +79,8 @@ MAX_API_ROUNDS: Final = 1000
 
 TrainingMethod = Literal["shards", "lora"]
 MAX_LORA_RANK: Final = 64
+MAX_LORA_LEARNING_RATE: Final = 1.0
+MAX_LORA_LOCAL_EPOCHS: Final = 20
 
 
 class LoraOptions(FrozenModel):
@@ -86,7 +88,8 @@ class LoraOptions(FrozenModel):
 
     ``first_layer`` (default: the second half of the decoder's layers) is the first decoder
     layer that gets adapters; every layer from it on does, on ``target_modules`` (default:
-    the attention and MLP projections).
+    the attention and MLP projections). ``learning_rate`` and ``local_epochs`` override the
+    coordinator's local-training defaults for this run.
     """
 
     rank: PositiveInt = Field(default=8, le=MAX_LORA_RANK)
@@ -94,6 +97,13 @@ class LoraOptions(FrozenModel):
     """Default: twice the rank."""
     first_layer: NonNegativeInt | None = None
     target_modules: list[str] | None = Field(default=None, min_length=1, max_length=16)
+    learning_rate: PositiveFloat | None = Field(default=None, le=MAX_LORA_LEARNING_RATE)
+    """The devices' Adam learning rate. Default: the coordinator's ``LoraTuning`` (its
+    ``learning_rate`` for a decoder under DP, ``plain_learning_rate`` for one without,
+    ``encoder_learning_rate`` for an encoder)."""
+    local_epochs: PositiveInt | None = Field(default=None, le=MAX_LORA_LOCAL_EPOCHS)
+    """Epochs a device trains over its records each round. Default: the coordinator's
+    ``LoraTuning.local_epochs``."""
 
 
 class TrainingRunRequest(FrozenModel):

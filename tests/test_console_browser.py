@@ -11,6 +11,7 @@ the ServerApp) and watch its charts gain a point per round. Screenshots go to
 
 from __future__ import annotations
 
+import math
 import re
 import secrets
 import shutil
@@ -367,3 +368,57 @@ def test_keyboard_and_phone_width(page, lab: Lab) -> None:  # type: ignore[no-un
     shot(page, "11-phone-plan")
     page.set_viewport_size({"width": 1280, "height": 900})
     assert page.outside == []  # type: ignore[attr-defined]
+
+
+def _lora_runs() -> dict[str, object]:
+    """Two finished LoRA runs as ``GET /v1/training/runs`` lists them: a decoder's (held-out
+    loss) and an encoder's (held-out recall@1 too), one round each."""
+    from protocols.training import RunList, RunRound, RunStatus
+
+    one = [RunRound(round=1, loss=3.0, accuracy=None, epsilon=1.5, clients=3,
+                    bytes_uploaded=4096, seconds=2.0)]  # fmt: skip
+    decoder = RunStatus(
+        run_id="lora-decoder", status="finished", model_id="tiny-llama", method="lora",
+        rounds=one, baseline_loss=5.22, final_loss=2.38, epsilon_per_device=[1.5] * 3,
+    )  # fmt: skip
+    encoder = decoder.model_copy(
+        update={"run_id": "lora-encoder", "model_id": MODEL_ID, "baseline_loss": 1.2,
+                "final_loss": 0.8, "baseline_recall_at_1": 0.412, "final_recall_at_1": 0.655}
+    )  # fmt: skip
+    return RunList(runs=[decoder, encoder]).model_dump(mode="json")
+
+
+def test_training_page_shows_a_lora_runs_outcome(chromium: Path, tmp_path: Path) -> None:
+    """The summary line of a decoder's run gives held-out loss and perplexity before → after,
+    an encoder's its held-out recall@1 (and contrastive loss, no perplexity). Light: a bare
+    coordinator serves the console; the page's run list is answered with the records above."""
+    ARTIFACTS.mkdir(exist_ok=True)
+    coordinator = start_coordinator(tmp_path)
+    try:
+        with playwright_api.sync_playwright() as p:
+            browser = p.chromium.launch(
+                executable_path=str(chromium), headless=True, args=CHROMIUM_ARGS
+            )
+            page = browser.new_page(viewport={"width": 1280, "height": 900})
+            runs = _lora_runs()
+            page.route(
+                "**/v1/training/runs",
+                lambda route: (
+                    route.fulfill(json=runs) if route.request.method == "GET" else route.continue_()
+                ),
+            )
+            page.goto(f"{coordinator.url}/?token={coordinator.token}")
+            tab(page, "Training")
+            summary = page.locator("#train-summary")
+            page.locator("#train-run").select_option("lora-decoder")
+            ppl = f"{math.exp(5.22):.1f} → {math.exp(2.38):.1f}"
+            expect(summary).to_contain_text(f"held-out loss 5.220 → 2.380 (perplexity {ppl})")
+            expect(summary).not_to_contain_text("recall@1")
+            page.locator("#train-run").select_option("lora-encoder")
+            expect(summary).to_contain_text("held-out recall@1 41.2 % → 65.5 %")
+            expect(summary).to_contain_text("held-out contrastive loss 1.200 → 0.800")
+            expect(summary).not_to_contain_text("perplexity")
+            shot(page, "12-training-lora-outcome")
+            browser.close()
+    finally:
+        stop_process(coordinator.proc)

@@ -18,6 +18,10 @@ from pathlib import Path
 from typing import Any, NamedTuple
 
 DEFAULT_STATE_DIR = Path.home() / ".fedshard" / "coordinator"
+SHARDS_LOCAL_EPOCHS = 2
+"""``--local-epochs`` of a run without ``--model`` (with it, the coordinator decides)."""
+SHARDS_LEARNING_RATE = 0.003
+"""``--lr`` of a run without ``--model`` (with it, the coordinator decides)."""
 
 
 class LocalTask(NamedTuple):
@@ -58,8 +62,20 @@ def register(subparsers: Any, reference_task: ReferenceTask | None = None) -> No
         help="segment indices that may be trained (default: the last two)",
     )
     p.add_argument("--delta", type=float, default=1e-5, help="DP delta for the reported epsilon")
-    p.add_argument("--local-epochs", type=int, default=2)
-    p.add_argument("--lr", type=float, default=0.003, help="client SGD learning rate")
+    p.add_argument(
+        "--local-epochs",
+        type=int,
+        help=f"epochs a client trains each round (default {SHARDS_LOCAL_EPOCHS}; "
+        "--model: the coordinator's default)",
+    )
+    p.add_argument(
+        "--lr",
+        "--learning-rate",
+        dest="lr",
+        type=float,
+        help=f"client learning rate (default {SHARDS_LEARNING_RATE}; --model: the "
+        "coordinator's default for the model and DP setting)",
+    )
     p.add_argument("--batch-size", type=int, default=32)
     p.add_argument("--clients", type=int, default=3, help="clients per round (default 3)")
     p.add_argument(
@@ -126,6 +142,10 @@ def handler(args: argparse.Namespace) -> int:
 def _check(args: argparse.Namespace) -> str | None:
     if args.rounds < 1:
         return "--rounds must be at least 1"
+    if (args.local_epochs is not None and args.local_epochs < 1) or (
+        args.lr is not None and args.lr <= 0
+    ):
+        return "--local-epochs and --learning-rate must be positive"
     if args.model is not None:
         return "--model runs on the coordinator's devices: no --version" if args.version else None
     if args.clip <= 0 or args.noise_multiplier < 0:
@@ -174,8 +194,8 @@ def _train(args: argparse.Namespace, console: Any) -> int:
         noise_multiplier=args.noise_multiplier if dp else None,
         delta=args.delta,
         trainable_shards=sorted(shards),
-        local_epochs=args.local_epochs,
-        learning_rate=args.lr,
+        local_epochs=SHARDS_LOCAL_EPOCHS if args.local_epochs is None else args.local_epochs,
+        learning_rate=SHARDS_LEARNING_RATE if args.lr is None else args.lr,
         batch_size=args.batch_size,
         min_clients=args.clients,
     )

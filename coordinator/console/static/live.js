@@ -229,7 +229,7 @@ function renderRun(run) {
   $("train-summary").innerHTML = `Run <strong>${esc(run.run_id)}</strong>: ${esc(run.status)},
     ${run.model_id ? `LoRA of ${esc(run.model_id)}, ` : ""}${rounds.length} round(s) done${
       last && last.accuracy !== null ? `, accuracy ${(last.accuracy * 100).toFixed(1)} %` : ""}${
-      run.final_loss != null ? `, held-out loss ${run.baseline_loss.toFixed(3)} → ${run.final_loss.toFixed(3)}` : ""}.
+      loraOutcome(run).map(part => `, ${part}`).join("")}.
     ${run.error ? `<span class="error-text">${esc(run.error)}</span>` : ""}`;
   const by = f => rounds.map(r => [r.round, f(r)]);
   Charts.line($("train-loss"), [{name: "loss", points: by(r => r.loss)}], {empty: "waiting for round 1"});
@@ -245,4 +245,28 @@ function renderRun(run) {
     <td>${r.loss.toFixed(4)}</td><td>${r.accuracy === null ? "–" : (r.accuracy * 100).toFixed(1) + " %"}</td>
     <td>${r.epsilon === null ? "–" : r.epsilon.toFixed(2)}</td><td>${r.clients}</td>
     <td>${mb(r.bytes_uploaded)}</td><td>${r.seconds.toFixed(1)} s</td></tr>`).join("");
+}
+
+// What a LoRA run's summary says of its held-out outcome, before → after ("–" for an end not
+// known): an encoder's (contrastive) recall@1 and loss, a decoder's loss and perplexity
+// (e^loss). A run carrying recall@1 is an encoder's; a shards run carries none of these.
+function loraOutcome(run) {
+  const side = (value, format) => value == null ? "–" : format(value);
+  const change = (before, after, format) => `${side(before, format)} → ${side(after, format)}`;
+  const perplexity = loss => {
+    const p = Math.exp(loss);
+    return p < 1e4 ? p.toFixed(1) : p.toExponential(2);
+  };
+  const parts = [];
+  const encoder = run.baseline_recall_at_1 != null || run.final_recall_at_1 != null;
+  if (encoder) {
+    parts.push(`held-out recall@1 ${change(run.baseline_recall_at_1, run.final_recall_at_1,
+      v => `${(v * 100).toFixed(1)} %`)}`);
+  }
+  if (run.baseline_loss != null || run.final_loss != null) {
+    const loss = change(run.baseline_loss, run.final_loss, v => v.toFixed(3));
+    parts.push(encoder ? `held-out contrastive loss ${loss}` : `held-out loss ${loss} ` +
+      `(perplexity ${change(run.baseline_loss, run.final_loss, perplexity)})`);
+  }
+  return parts.map(esc);
 }

@@ -22,6 +22,10 @@ def lora_body(args: argparse.Namespace) -> dict[str, Any]:
         lora["alpha"] = args.alpha
     if args.first_layer is not None:
         lora["first_layer"] = args.first_layer
+    if args.lr is not None:
+        lora["learning_rate"] = args.lr
+    if args.local_epochs is not None:
+        lora["local_epochs"] = args.local_epochs
     return {
         "rounds": args.rounds,
         "model": args.model,

@@ -280,20 +280,29 @@ def build_plan(
         adapters=specs,
         lora=settings,
         dp=record_dp,
-        local_epochs=tuning.local_epochs,
         batch_size=tuning.batch_size,
         tokenizer_sha256=file_sha256(tokenizer_file),
         objective=base.objective,
-        **_objective_tuning(base.objective, tuning, dp),
+        **local_training(options, base.objective, tuning, dp),
     )
 
 
-def _objective_tuning(objective: Objective, tuning: LoraTuning, dp: bool) -> dict[str, Any]:
-    """Record length and learning rate of the objective's plans (with or without DP)."""
+def local_training(
+    options: LoraOptions | None, objective: Objective, tuning: LoraTuning, dp: bool
+) -> dict[str, Any]:
+    """Record length, learning rate and local epochs of a plan: the request's learning rate and
+    epochs where it sets them, else ``tuning``'s for the objective (and, for a decoder, with or
+    without DP)."""
     if objective == "contrastive":
-        return {
-            "max_tokens": tuning.encoder_max_tokens,
-            "learning_rate": tuning.encoder_learning_rate,
-        }
-    rate = tuning.learning_rate if dp else tuning.plain_learning_rate
-    return {"max_tokens": tuning.max_tokens, "learning_rate": rate}
+        max_tokens, rate = tuning.encoder_max_tokens, tuning.encoder_learning_rate
+    else:
+        max_tokens = tuning.max_tokens
+        rate = tuning.learning_rate if dp else tuning.plain_learning_rate
+    options = options or LoraOptions()
+    return {
+        "max_tokens": max_tokens,
+        "learning_rate": rate if options.learning_rate is None else options.learning_rate,
+        "local_epochs": (
+            tuning.local_epochs if options.local_epochs is None else options.local_epochs
+        ),
+    }
