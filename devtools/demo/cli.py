@@ -8,13 +8,14 @@ the decoder (Qwen2.5-Coder-1.5B-Instruct in int4 by default, which no agent can 
 ``/v1/chat/completions`` answer checked against the whole model in one ONNX Runtime session, and
 (unless ``--skip-training``) fine-tunes a served chat model with federated LoRA on three local
 devices' WordNet text (SecAgg+, record-level DP): the decoder itself where the demo has measured
-its training (Gemma 3 270M, tiny-llama), else Gemma 3 270M, which it then serves as well. It rolls
-the merged version out live and prints the held-out loss before and after, the epsilon per
-device, the upload, and one held-out question answered before and after
-(:mod:`devtools.demo.training`). Then it prints the console
-address and serves until Ctrl-C, which stops every process it started. While serving, an agent
-that exits is reported with what failover did about it and restarted a few seconds later, so
-the models expand back onto it. ``--chaos`` shows exactly that under the demo's own load: an
+its training (Gemma 3 270M, tiny-llama), else Gemma 3 270M, which it then serves as well. The
+demo is ready (it prints the console address) once every model serves and that run has
+started; the run goes on while they serve, rolls the merged version out live and the demo
+prints the held-out loss before and after, the epsilon per device, the upload, and one held-out
+question answered before and after (:mod:`devtools.demo.training`). Then it serves until
+Ctrl-C, which stops every process it started. While serving, an agent that exits is reported
+with what failover did about it and restarted a few seconds later, so the models expand back
+onto it. ``--chaos`` shows exactly that under the demo's own load: an
 agent killed mid-stream, no request lost. Exports are kept in the cache dir, so a second run
 starts faster.
 """
@@ -27,6 +28,7 @@ import os
 import shutil
 import tempfile
 import time
+from dataclasses import dataclass
 from pathlib import Path
 from typing import TYPE_CHECKING
 
@@ -215,6 +217,7 @@ def _steps(
         console.print("text generation skipped (--skip-gemma)")
     else:
         decoder = _decoder(console, api, state_dir, args.decoder, args.cache_dir, names)
+    fine_tuning = None
     if data_dirs:
         trained = _trained_decoder(args)
         if trained != args.decoder:
@@ -223,10 +226,14 @@ def _steps(
                 f"the demo serves and fine-tunes {trained} as well"
             )
             _decoder(console, api, state_dir, trained, args.cache_dir, names, check=False)
-        _fine_tune(console, api, trained, data_dirs)
+        fine_tuning = _start_fine_tuning(console, api, trained, data_dirs)
     procs.check_alive()
     console.print(f"ready in {time.monotonic() - started:.0f} s")
     console.print(f"console: {coordinator.console_url}", soft_wrap=True, highlight=False)
+    if fine_tuning is not None:
+        console.print("(its Training page follows the fine-tuning run live)")
+        _finish_fine_tuning(console, api, fine_tuning)
+        console.print(f"fine-tuned and rolled out in {time.monotonic() - started:.0f} s")
     return _serve(console, args, api, procs, model, decoder)
 
 
@@ -346,25 +353,47 @@ def _trained_decoder(args: argparse.Namespace) -> str:
     return str(args.decoder) if args.decoder in RUNS else TRAINED_INSTEAD
 
 
-def _fine_tune(console: Console, api: Api, model_id: str, data_dirs: list[Path]) -> None:
-    """Federated LoRA of the served decoder; one held-out question before and after."""
+@dataclass(frozen=True)
+class FineTuning:
+    """A started fine-tuning run of the demo and its held-out question, asked before it."""
+
+    model_id: str
+    run_id: str
+    question: str
+    reference: str
+    before: str
+
+
+def _start_fine_tuning(
+    console: Console, api: Api, model_id: str, data_dirs: list[Path]
+) -> FineTuning:
+    """Ask one held-out question, then start federated LoRA of the served decoder."""
     from devtools.demo import training
 
     question, reference = training.held_out_question(data_dirs)
     before = training.ask(api, model_id, question, STOP)
     run = training.RUNS[model_id]
+    run_id = training.start(api, model_id)
     console.print(
         f"federated fine-tuning started: LoRA (rank {run.rank}, layers {run.first_layer}-) of "
         f"the served {model_id}, {run.rounds} round(s) on 3 local devices with "
-        f"{run.per_device} WordNet records each (Flower, SecAgg+, Opacus DP-SGD)"
+        f"{run.per_device} WordNet records each (Flower, SecAgg+, Opacus DP-SGD); every model "
+        "serves meanwhile"
     )
-    run_id = training.start(api, model_id)
-    status = training.wait(console, api, run_id, run.rounds, TRAINING_TIMEOUT_S)
-    training.summary(console, model_id, status)
-    after = training.ask(api, model_id, question, STOP)
-    console.print(f"[bold]held-out question:[/] {question}")
-    console.print(f"  WordNet: {reference}", soft_wrap=True)
-    console.print(f"  before: {before}", soft_wrap=True)
+    return FineTuning(model_id, run_id, question, reference, before)
+
+
+def _finish_fine_tuning(console: Console, api: Api, started: FineTuning) -> None:
+    """Wait for the run and its live rollout; the held-out question answered again."""
+    from devtools.demo import training
+
+    run = training.RUNS[started.model_id]
+    status = training.wait(console, api, started.run_id, run.rounds, TRAINING_TIMEOUT_S)
+    training.summary(console, started.model_id, status)
+    after = training.ask(api, started.model_id, started.question, STOP)
+    console.print(f"[bold]held-out question:[/] {started.question}")
+    console.print(f"  WordNet: {started.reference}", soft_wrap=True)
+    console.print(f"  before: {started.before}", soft_wrap=True)
     console.print(f"  after:  {after}", soft_wrap=True)
 
 
