@@ -248,30 +248,44 @@ def _print_version(console: Console, version: dict[str, Any]) -> None:
     from rich.table import Table
 
     table = Table(title=f"{version['model_id']} v{version['plan_version']}: plan next to reality")
-    for column in (
-        "segment",
-        "device",
-        "predicted MB",
-        "measured MB",
-        "predicted ms",
-        "warm-up ms",
-        "pred./meas.",
-        "prefill ms",
-    ):
+    for column in ("segment", "device", *PLACEMENT_COLUMNS):
         table.add_column(column, justify="right")
     for p in version["segments"]:
         table.add_row(str(p["index"]), p["device"], *placement_cells(p))
     console.print(table)
 
 
+PLACEMENT_COLUMNS = (
+    "pred. MB",
+    "KV MB",
+    "meas. MB",
+    "MB pred./meas.",
+    "pred. ms",
+    "meas. ms",
+    "ms pred./meas.",
+    "prefill ms",
+)
+"""The headers of :func:`placement_cells`."""
+
+
 def placement_cells(placement: dict[str, Any]) -> list[str]:
-    """A placement's plan-next-to-reality cells: predicted and measured memory (MB) and stage
-    time (ms), their ratio, and the predicted prefill (ms; ``-`` for encoders)."""
+    """A placement's plan-next-to-reality cells (:data:`PLACEMENT_COLUMNS`): the memory the
+    plan predicts loading the segment takes next to the memory it reserves for the sessions'
+    KV cache (allocated per session, so not in the measured resident memory after loading), the
+    measured memory and the ratio of the first to it; the predicted and measured stage time (ms)
+    and their ratio; the predicted prefill (ms; ``-`` for encoders)."""
     prefill = placement.get("predicted_prefill_s")
     predicted, measured = placement["predicted_compute_s"], placement["warmup_s"]
+    state = int(placement.get("state_bytes", 0))
+    loaded, resident = (
+        placement["predicted_memory_bytes"] - state,
+        placement["measured_memory_bytes"],
+    )
     return [
-        f"{placement['predicted_memory_bytes'] / 1e6:.1f}",
-        f"{placement['measured_memory_bytes'] / 1e6:.1f}",
+        f"{loaded / 1e6:.1f}",
+        f"{state / 1e6:.1f}",
+        f"{resident / 1e6:.1f}",
+        f"{loaded / resident:.2f}" if resident > 0 else "-",
         f"{predicted * 1e3:.2f}",
         f"{measured * 1e3:.2f}",
         f"{predicted / measured:.2f}" if measured > 0 else "-",

@@ -18,6 +18,7 @@ from graph_helpers import block_stack
 from pairing_helpers import request_code
 from test_coordinator_api import _csr
 
+from coordinator.commands import PLACEMENT_COLUMNS, placement_cells
 from coordinator.console import ASSETS, asset_text
 from coordinator.console.plans import deployed_view, what_if_devices
 from coordinator.console.stages import Counters, StageSampler, StageTarget, parse_counters, rates
@@ -223,6 +224,22 @@ def test_deployed_view_marks_the_slowest_measured_stage() -> None:
     assert view.bottleneck_index == 1 and view.bottleneck_basis == "measured"
     assert [s.budget_bytes for s in view.stages] == [10**8, 2 * 10**8, None]
     assert view.stages[0].unit_start is None and view.total_units is None
+
+
+def test_deployed_view_carries_the_kv_reserve_apart_from_what_loading_takes() -> None:
+    version = _version(Path("/nowhere.onnx"), ["a"], [0.002])
+    reserved = version.model_copy(
+        update={"segments": [version.segments[0].model_copy(update={"state_bytes": 1_500_000})]}
+    )
+    (stage,) = deployed_view(reserved, None, {}).stages
+    assert (stage.predicted_memory_bytes, stage.state_bytes) == (5_000_000, 1_500_000)
+    (old,) = deployed_view(version, None, {}).stages
+    assert old.state_bytes == 0, "records that predate the field reserve nothing"
+    cells = dict(
+        zip(PLACEMENT_COLUMNS, placement_cells(reserved.segments[0].model_dump()), strict=True)
+    )
+    assert (cells["pred. MB"], cells["KV MB"], cells["meas. MB"]) == ("3.5", "1.5", "6.0")
+    assert cells["MB pred./meas."] == "0.58" and cells["ms pred./meas."] == "1.00"
 
 
 def test_what_if_devices_checks_names_and_drops() -> None:

@@ -49,6 +49,9 @@ class StageView(BaseModel):
     budget_bytes: int | None
     """The memory the device may use (its announced budget, or the what-if's)."""
     predicted_memory_bytes: int
+    state_bytes: int = 0
+    """Of ``predicted_memory_bytes``, the sessions' reserved KV cache (allocated per session,
+    so not in the memory measured after loading)."""
     measured_memory_bytes: int | None = None
     """Resident memory the agent measured after loading (deployed versions only)."""
     predicted_compute_s: float
@@ -148,6 +151,7 @@ def deployed_view(
                 last_unit=_unit_name(unit_names, end - 1) if end is not None else None,
                 budget_bytes=budgets.get(p.device),
                 predicted_memory_bytes=p.predicted_memory_bytes,
+                state_bytes=p.state_bytes,
                 measured_memory_bytes=p.measured_memory_bytes,
                 predicted_compute_s=p.predicted_compute_s,
                 predicted_prefill_s=entry.predicted_prefill_s if entry is not None else None,

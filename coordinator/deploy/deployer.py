@@ -350,6 +350,7 @@ def _placements(
             sha256=seg.sha256,
             param_bytes=seg.param_bytes,
             predicted_memory_bytes=seg.predicted_memory_bytes,
+            state_bytes=seg.state_bytes,
             predicted_compute_s=seg.predicted_compute_s,
             predicted_prefill_s=seg.predicted_prefill_s,
             measured_memory_bytes=report.measured_memory_bytes,

@@ -48,6 +48,10 @@ class Placement(FrozenModel):
     sha256: str
     param_bytes: NonNegativeInt
     predicted_memory_bytes: NonNegativeInt
+    state_bytes: NonNegativeInt = 0
+    """Of ``predicted_memory_bytes``, what the plan reserves for the sessions' state (a
+    decoder's KV cache): allocated per session, so not in ``measured_memory_bytes`` (0 in
+    records that predate it)."""
     predicted_compute_s: NonNegativeFloat
     """The plan's stage time: one request, or for a decoder one decode step."""
     predicted_prefill_s: NonNegativeFloat | None = None

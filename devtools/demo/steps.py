@@ -21,7 +21,7 @@ import numpy as np
 from rich.console import Console
 from rich.table import Table
 
-from coordinator.commands import placement_cells
+from coordinator.commands import PLACEMENT_COLUMNS, placement_cells
 from protocols.pairing import CODE_FILE
 from protocols.sizes import parse_size
 
@@ -220,21 +220,13 @@ def plan_table(api: Api, state_dir: Path, model_id: str = MODEL_ID) -> Table:
     table = Table(
         title=f"plan: {model_id} v{version['plan_version']} ({version['objective']}), "
         f"health check max |diff| {version['health_max_abs_diff']:.1e}",
-        caption="pred.: the planner's prediction; meas.: what the agent measured (resident "
-        "memory after loading, stage time in the warm-up: one request, or one decode step of "
-        "a decoder); prefill: the stage's predicted time for a 64-token prompt",
+        caption="pred.: the planner's prediction (MB: loading the segment); KV: the memory it "
+        "reserves for the sessions' KV cache, allocated per session; meas.: what the agent "
+        "measured (resident memory after loading, stage time in the warm-up: one request, or "
+        "one decode step of a decoder); prefill: the stage's predicted time for a 64-token "
+        "prompt",
     )
-    for column in (
-        "segment",
-        "device",
-        "units",
-        "pred. MB",
-        "meas. MB",
-        "pred. ms",
-        "meas. ms",
-        "pred./meas.",
-        "prefill ms",
-    ):
+    for column in ("segment", "device", "units", *PLACEMENT_COLUMNS):
         table.add_column(column, justify="right", no_wrap=column == "device")
     for p in version["segments"]:
         first, end = units.get(p["index"], (0, 0))

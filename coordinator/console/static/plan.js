@@ -82,6 +82,12 @@ function timeNote(s, view) {
   return parts.length ? `<p class="stage-note">${parts.join(" · ")}</p>` : "";
 }
 
+// The memory the plan predicts loading a stage takes: what the agent measures after loading
+// (the sessions' KV reserve is allocated per session and drawn as its own bar).
+function loaded(s) {
+  return s.predicted_memory_bytes - (s.state_bytes || 0);
+}
+
 function renderStages(box, view) {
   const memMax = Math.max(...view.stages.flatMap(s =>
     [s.budget_bytes || 0, s.predicted_memory_bytes, s.measured_memory_bytes || 0]));
@@ -92,7 +98,7 @@ function renderStages(box, view) {
       <h4>Stage ${s.index + 1}: ${esc(s.device)}${s.bottleneck ? ' <span class="badge">bottleneck</span>' : ""}</h4>
       <p class="units">${unitText(s, view.total_units)}</p>
       <svg class="chart bars memory-bars" role="img"
-        aria-label="Memory on ${esc(s.device)}: budget ${mb(s.budget_bytes)}, predicted ${mb(s.predicted_memory_bytes)}, measured ${mb(s.measured_memory_bytes)}"></svg>
+        aria-label="Memory on ${esc(s.device)}: budget ${mb(s.budget_bytes)}, predicted ${mb(loaded(s))} to load${s.state_bytes ? ` and ${mb(s.state_bytes)} reserved for the sessions' KV cache` : ""}, measured ${mb(s.measured_memory_bytes)}"></svg>
       <svg class="chart bars time-bars" role="img"
         aria-label="Stage time on ${esc(s.device)}: predicted ${ms(s.predicted_compute_s)}, measured ${ms(s.measured_compute_s)}"></svg>
       ${timeNote(s, view)}
@@ -101,7 +107,9 @@ function renderStages(box, view) {
   view.stages.forEach((s, k) => {
     Charts.hbars(cards[k].querySelector(".memory-bars"), [
       {label: "budget", value: s.budget_bytes, cls: "budget", text: mb(s.budget_bytes)},
-      {label: "predicted", value: s.predicted_memory_bytes, cls: "predicted", text: mb(s.predicted_memory_bytes)},
+      {label: "predicted", value: loaded(s), cls: "predicted", text: mb(loaded(s))},
+      ...(s.state_bytes ? [{label: "KV reserve", value: s.state_bytes, cls: "kv",
+        text: mb(s.state_bytes)}] : []),
       ...(view.plan_version ? [{label: "measured", value: s.measured_memory_bytes, cls: "measured",
         text: mb(s.measured_memory_bytes)}] : []),
     ], memMax);
