@@ -62,6 +62,7 @@ def serve(config: CoordinatorConfig, console: Console) -> int:
         replan=lambda version, why: deployer.replan(version, why),
         abort=lambda plan_version, why: router.abort(plan_version, why),
         probe=lambda names: liveness.probe(names),
+        release=lambda version, lost: deployer.release(version, lost),
     )
     router = Router(store, plane, ctx, lambda: pairing.book().revoked_names, failover)
     liveness = Liveness(

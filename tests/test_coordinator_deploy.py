@@ -274,6 +274,33 @@ def test_refused_push_unloads_the_others(tmp_path: Path, why: ControlErrorCode) 
         store.active("stack")
 
 
+def test_release_unloads_a_broken_version_and_a_previous_one_that_lost_a_device(
+    tmp_path: Path,
+) -> None:
+    """Failover frees a version that lost a device (and a rollback target that lost it too)
+    on the devices left, so the re-plan has their memory; the lost device is not asked."""
+    agents = FakeAgents(CertificateAuthority.open(tmp_path).cert_pem, budget=64 << 20)
+    deployer, store = _deployer(tmp_path, agents, healthy=True)
+    first = deployer.deploy(_command(tmp_path))
+    second = deployer.deploy(_command(tmp_path))
+    lost = first.segments[0].device
+    assert lost in {p.device for p in second.segments}
+    agents.unloaded.clear()
+    deployer.release(second, {lost})
+    left = {(p.device, v.plan_version) for v in (first, second) for p in v.segments}
+    assert sorted(agents.unloaded) == sorted(d for d in left if d[0] != lost)
+    model = store.model("stack")
+    assert model.previous is None and model.active == second.plan_version
+    assert [v.state for v in model.versions] == ["retired", "active"]
+    with pytest.raises(RollbackError):
+        store.rollback("stack")
+    agents.unloaded.clear()
+    third = deployer.deploy(_command(tmp_path))
+    deployer.release(third, {"elsewhere"})  # the previous one (second) did not use it
+    assert {v for _, v in agents.unloaded} == {third.plan_version}
+    assert store.model("stack").previous == second.plan_version
+
+
 def test_infeasible_plan_is_a_deploy_error(tmp_path: Path) -> None:
     agents = FakeAgents(CertificateAuthority.open(tmp_path).cert_pem, budget=100_000)
     deployer, _ = _deployer(tmp_path, agents, healthy=True)

@@ -153,10 +153,17 @@ class Harness:
     clock: list[float] = field(default_factory=lambda: [0.0])
     during: list[Callable[[], None]] = field(default_factory=list)
     """Run at the start of the next re-plans (things that happen while it runs)."""
+    released: list[tuple[int, frozenset[str]]] = field(default_factory=list)
+    """Versions freed before their re-plan, with the devices they lost."""
 
     def __post_init__(self) -> None:
         self.failover = Failover(
-            self.store, self._replan, self._abort, self._probe, clock=lambda: self.clock[0]
+            self.store,
+            self._replan,
+            self._abort,
+            self._probe,
+            release=lambda version, lost: self.released.append((version.plan_version, lost)),
+            clock=lambda: self.clock[0],
         )
 
     def _replan(self, version: VersionRecord, why: str) -> VersionRecord:
@@ -257,6 +264,27 @@ def test_devices_left_cannot_hold_it_refuses_with_reason_then_recovers(harness: 
     failover.run_pending()
     assert [p.device for p in failover.current("enc", 0.0).segments] == ["a", "b", "c"]
     assert "unavailable" in harness.kinds() and failover.conditions() == {}
+
+
+def test_a_broken_version_is_released_once_before_its_replans(harness: Harness) -> None:
+    """Its memory is what the re-plan needs; a re-plan tried again does not release it again,
+    and an expansion (the live version still serves) releases nothing."""
+    failover = harness.failover
+    harness.plans = [DeployError("no arrangement of the 2 devices holds 'enc'"), ["a", "b", "c"]]
+    failover.device_lost("b", "stopped answering")
+    failover.run_pending()
+    assert harness.released == [(1, frozenset({"b"}))]
+    failover.device_back("b")  # tried again with b
+    failover.run_pending()
+    assert failover.current("enc", 0.0).plan_version == 2
+    assert harness.released == [(1, frozenset({"b"}))]
+    harness.plans = [["a", "b"], ["a", "b", "c"]]
+    failover.device_lost("c", "stopped answering")
+    failover.run_pending()
+    failover.device_back("c")
+    failover.run_pending()
+    assert [p.device for p in failover.current("enc", 0.0).segments] == ["a", "b", "c"]
+    assert harness.released == [(1, frozenset({"b"})), (2, frozenset({"c"}))]
 
 
 def test_a_replan_that_fails_as_another_device_goes_is_tried_again(harness: Harness) -> None:
@@ -458,6 +486,7 @@ def test_request_in_flight_on_a_lost_chain_is_answered_by_the_new_version(
         lambda version, why: _activate(store, _version(2, ["echo"], [echo.port])),
         lambda plan_version, why: router.abort(plan_version, why),  # type: ignore[union-attr]
         lambda names: {n: None for n in names},
+        release=lambda version, lost: None,
     )
     router = Router(store, plane, ctx, guard=failover)
     try:

@@ -12,7 +12,7 @@ from __future__ import annotations
 import logging
 import shutil
 import threading
-from collections.abc import Callable, Mapping, Sequence
+from collections.abc import Callable, Collection, Mapping, Sequence
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import replace
 from pathlib import Path
@@ -123,6 +123,22 @@ class Deployer:
             strict_caps=False,
         )
         return self.deploy(command)
+
+    def release(self, version: VersionRecord, lost: Collection[str]) -> None:
+        """Unload ``version``, which lost the devices ``lost`` and cannot serve, from the devices
+        that still hold it; so too the model's previous version if it used one of them (it is
+        retired: a rollback to it could not serve either). A failover's re-plan needs their
+        memory: a model that fills its devices does not fit beside its own broken copy."""
+        doomed = [version]
+        with self._lock:
+            record = self._store.model(version.model_id)
+            kept = record.version(record.previous) if record.previous else None
+            if kept is not None and set(lost) & {p.device for p in kept.segments}:
+                retired = self._store.retire_previous(version.model_id)
+                doomed += [retired] if retired is not None else []
+        for broken in doomed:
+            holders = [_placement_address(p) for p in broken.segments if p.device not in lost]
+            self._unload(holders, broken.plan_version)
 
     def segment_dir(self, model_id: str, plan_version: int) -> Path:
         """Where the manifest and segment files of a deployed version are kept."""

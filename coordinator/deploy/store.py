@@ -174,6 +174,21 @@ class DeploymentStore:
             self._put(updated)
             return retired
 
+    def retire_previous(self, model_id: str) -> VersionRecord | None:
+        """Retire ``model_id``'s previous version, if it has one, and return it (a version that
+        cannot serve any more: a rollback has nothing to go back to then)."""
+        with self._lock:
+            record = next((m for m in self._book.models if m.model_id == model_id), None)
+            previous = record.version(record.previous) if record and record.previous else None
+            if record is None or previous is None:
+                return None
+            versions = [
+                _with_state(v, "retired") if v.plan_version == previous.plan_version else v
+                for v in record.versions
+            ]
+            self._put(record.model_copy(update={"previous": None, "versions": versions}))
+            return previous
+
     def rollback(self, model_id: str) -> VersionRecord:
         """Switch ``model_id`` back to its previous version; returns the version now active."""
         with self._lock:

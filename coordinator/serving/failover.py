@@ -8,6 +8,9 @@ abort, a probe), so it can be tested with fakes.
 - **Lost device.** Every model whose active version uses it becomes *recovering*: the version
   is marked unusable, the requests in flight on its chain are aborted (the router retries them
   on the next version), and a re-plan runs on a worker thread, one at a time.
+- **Before the re-plan** the broken version (and the previous one, if it used a lost device)
+  is unloaded from the devices left: it cannot serve, and a model that fills its devices
+  would not fit beside its own broken copy.
 - **Re-plan succeeded.** The new version is active; waiting requests go there.
 - **Re-plan failed** (the devices left cannot hold the model): the model is *unavailable* and
   requests get :class:`~coordinator.errors.UnavailableError` (503 with the reason and
@@ -45,6 +48,8 @@ MAX_EVENTS = 500
 Replan = Callable[[VersionRecord, str], VersionRecord]
 """Deploy the model of a version again on the devices online now, with a reason; the new
 active version. Raises CoordinatorError."""
+Release = Callable[[VersionRecord, frozenset[str]], None]
+"""Free what a version that lost devices still holds on the others (before its re-plan)."""
 Probe = Callable[[Collection[str]], Mapping[str, AgentStatus | None]]
 """Ping devices now; each one's status, or None when it is lost."""
 EventKind = Literal[
@@ -86,11 +91,16 @@ class Failover:
         replan: Replan,
         abort: Callable[[int, str], None],
         probe: Probe,
+        *,
+        release: Release,
         clock: Callable[[], float] = time.monotonic,
         wall: Callable[[], float] = time.time,
     ) -> None:
         self._store = store
         self._replan = replan
+        self._release = release
+        self._released: set[int] = set()
+        """Broken versions already released (a re-plan may be tried again)."""
         self._abort = abort
         self._probe = probe
         self._clock = clock
@@ -288,6 +298,9 @@ class Failover:
             return
         with self._lock:
             losses = self._losses
+        if broken.plan_version not in self._released:
+            self._released.add(broken.plan_version)
+            self._release(broken, condition.lost)
         try:
             version = self._replan(broken, f"failover: {condition.reason}")
         except CoordinatorError as exc:
