@@ -3,12 +3,17 @@
 from __future__ import annotations
 
 import contextlib
+import json
 import re
 import secrets
+import signal
 import ssl
-from collections.abc import Iterator
+import threading
+import time
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 from pathlib import Path
+from typing import Any
 
 import httpx
 from agent_helpers import AgentProc
@@ -90,10 +95,49 @@ def agent_metric(lab: GenLab, agent: AgentProc, name: str) -> float:
     return float(match.group(1))
 
 
-def agents_in_stage_order(lab: GenLab, model_id: str) -> list[AgentProc]:
-    """The lab's agents in the order of the model's live plan (first stage first)."""
+def live_version(lab: GenLab, model_id: str) -> dict[str, Any]:
+    """The model's active version as ``GET /v1/deployments`` shows it (segments in stage
+    order)."""
     with lab.coordinator.client() as api:
         [record] = [m for m in api.get("/v1/deployments").json() if m["model_id"] == model_id]
     [live] = [v for v in record["versions"] if v["state"] == "active"]
+    return {**live, "segments": sorted(live["segments"], key=lambda p: p["index"])}
+
+
+def agents_in_stage_order(lab: GenLab, model_id: str) -> list[AgentProc]:
+    """The lab's agents in the order of the model's live plan (first stage first)."""
     by_name = {agent.name: agent for agent in lab.agents}
-    return [by_name[p["device"]] for p in sorted(live["segments"], key=lambda p: p["index"])]
+    return [by_name[p["device"]] for p in live_version(lab, model_id)["segments"]]
+
+
+def stream_completion(
+    lab: GenLab, body: dict[str, object], on_piece: Callable[[int], None]
+) -> tuple[int, str]:
+    """``POST /v1/completions`` of ``body`` streamed: the status and the text; ``on_piece(n)``
+    runs after the n-th piece (to act mid-stream). A chunk that carries an error fails."""
+    pieces: list[str] = []
+    with (
+        lab.coordinator.client(timeout=900) as api,
+        api.stream("POST", "/v1/completions", json={**body, "stream": True}) as reply,
+    ):
+        for line in reply.iter_lines():
+            if not line.startswith("data: {"):
+                continue
+            chunk = json.loads(line[len("data: ") :])
+            assert "error" not in chunk, chunk
+            pieces.append(chunk["choices"][0]["text"])
+            on_piece(len(pieces))
+        return reply.status_code, "".join(pieces)
+
+
+def kill_at_piece(agent: AgentProc, piece: int, killed: threading.Event) -> Callable[[int], None]:
+    """An ``on_piece`` for :func:`stream_completion` that SIGKILLs ``agent`` after the
+    ``piece``-th piece (once) and sets ``killed``."""
+
+    def on_piece(n: int) -> None:
+        if n == piece and not killed.is_set():
+            agent.proc.send_signal(signal.SIGKILL)
+            killed.set()
+            time.sleep(0.2)  # let the next steps reach the dead agent
+
+    return on_piece

@@ -12,14 +12,12 @@ tokens (a unit test in test_generation_speculative.py loses it on a pass that ca
 from __future__ import annotations
 
 import json
-import signal
 import threading
-import time
 from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
-from generation_lab import GenLab, decoder_lab, greedy_reference
+from generation_lab import GenLab, decoder_lab, greedy_reference, kill_at_piece, stream_completion
 
 pytestmark = [pytest.mark.slow, pytest.mark.timeout(600)]
 
@@ -54,32 +52,11 @@ def test_a_stream_survives_losing_the_stage_with_its_cache(lab: GenLab) -> None:
     want, _ = greedy_reference(lab.export, PROMPT, TOKENS)
     victim_name = _stateful_device(lab)
     victim = next(a for a in lab.agents if a.name == victim_name)
-    body = {
-        "model": MODEL_ID,
-        "prompt": PROMPT,
-        "max_tokens": TOKENS,
-        "temperature": 0,
-        "stream": True,
-    }
-    pieces: list[str] = []
+    body = {"model": MODEL_ID, "prompt": PROMPT, "max_tokens": TOKENS, "temperature": 0}
     killed = threading.Event()
-    with (
-        lab.coordinator.client(timeout=300) as api,
-        api.stream("POST", "/v1/completions", json=body) as reply,
-    ):
-        assert reply.status_code == 200
-        for line in reply.iter_lines():
-            if not line.startswith("data: {"):
-                continue
-            chunk = json.loads(line[len("data: ") :])
-            assert "error" not in chunk, chunk
-            pieces.append(chunk["choices"][0]["text"])
-            if len(pieces) == 12 and not killed.is_set():
-                victim.proc.send_signal(signal.SIGKILL)
-                killed.set()
-                time.sleep(0.2)  # let the next steps reach the dead agent
+    status, text = stream_completion(lab, body, kill_at_piece(victim, 12, killed))
     assert killed.is_set()
-    assert "".join(pieces) == want
+    assert (status, text) == (200, want)
     with lab.coordinator.client() as api:
         [shown] = [m for m in api.get("/v1/console/models").json() if m["model_id"] == MODEL_ID]
         assert shown["speculative"] == "auto" and shown["tokens_per_s"] is not None

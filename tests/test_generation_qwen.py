@@ -12,7 +12,7 @@ from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
-from generation_lab import GenLab, decoder_lab, greedy_reference
+from generation_lab import GenLab, decoder_lab, greedy_reference, live_version
 
 pytestmark = [pytest.mark.slow, pytest.mark.heavy, pytest.mark.timeout(3600)]
 
@@ -31,19 +31,12 @@ def lab(qwen_int4_dir: Path, tmp_path_factory: pytest.TempPathFactory) -> Iterat
         yield started
 
 
-def _placements(lab: GenLab) -> list[dict]:  # type: ignore[type-arg]
-    with lab.coordinator.client() as api:
-        [record] = [m for m in api.get("/v1/deployments").json() if m["model_id"] == MODEL_ID]
-    [live] = [v for v in record["versions"] if v["state"] == "active"]
-    return list(live["segments"])
-
-
 def _weights_bytes(export: Path) -> int:
     return sum(f.stat().st_size for f in export.iterdir() if f.name.startswith("model.onnx"))
 
 
 def test_no_agent_holds_half_of_the_model(lab: GenLab) -> None:
-    placements = _placements(lab)
+    placements = live_version(lab, MODEL_ID)["segments"]
     budget = 512 * 2**20
     half = _weights_bytes(lab.export) / 2
     assert len({p["device"] for p in placements}) >= 3
