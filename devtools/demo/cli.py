@@ -180,7 +180,9 @@ def _steps(
     """Every step of the demo; the exit code (1 when ``--chaos`` lost a request)."""
     from devtools.demo.steps import (
         AGENT_MEMORY,
+        MODEL_ID,
         Api,
+        after_a_loss,
         budgets_table,
         deploy_minilm,
         export_model,
@@ -216,6 +218,7 @@ def _steps(
     console.print(budgets_table("all-MiniLM-L6-v2", model, caps))
     deploy_minilm(console, api, model, caps)
     console.print(plan_table(api, state_dir))
+    console.print(after_a_loss(api, MODEL_ID, caps))
     console.print(similarity_table(console, api))
     decoder = None
     if args.skip_gemma:
@@ -285,7 +288,7 @@ def _decoder(
     """Export (cached), deploy across the agents, print the plan and a chat answer (``check``:
     next to the whole model's answer in one ONNX Runtime session); the export."""
     from devtools.demo.decoder import chat, decoder_caps, deploy_decoder, export_decoder
-    from devtools.demo.steps import AGENT_MEMORY, budgets_table, plan_table
+    from devtools.demo.steps import AGENT_MEMORY, after_a_loss, budgets_table, plan_table
     from partitioner.decoders.precision import default_weights
     from protocols.sizes import parse_size
 
@@ -296,6 +299,8 @@ def _decoder(
     console.print(budgets_table(f"{name} ({weights})", export / "model.onnx", caps, names))
     deploy_decoder(console, api, export, name, caps)
     console.print(plan_table(api, state_dir, name))
+    budgets = dict.fromkeys(names, parse_size(AGENT_MEMORY))
+    console.print(after_a_loss(api, name, caps or budgets))
     with console.status(f"asking {name} through the agents (/v1/chat/completions)..."):
         started = time.monotonic()
         reply = chat(api, name, QUESTION, stop=STOP)

@@ -142,13 +142,29 @@ def budgets_table(
     table = Table(
         title=f"{len(limits)} agents on 127.0.0.1; {model_name}: {weights / 1e6:.0f} MB of weights",
         caption=f"no agent can hold {model_name} alone {why}; after losing any one agent the "
-        f"others still have {left / 1e6:.0f} MB for it (a re-plan, not a 503)",
+        f"others have {left / 1e6:.0f} MB for it",
     )
     for column in ("device", "agent memory budget", "planning cap"):
         table.add_column(column, justify="right")
     for name, limit in limits.items():
         table.add_row(name, AGENT_MEMORY, f"{limit / 1e6:.0f} MB" if caps else "none")
     return table
+
+
+def after_a_loss(api: Api, model_id: str, limits: Mapping[str, int]) -> str:
+    """Whether the room any three of the agents' ``limits`` (caps, or budgets) leave holds
+    what ``model_id``'s live plan needs in all (weights, runtime and the sessions' KV
+    reserve): a re-plan after losing an agent, or a 503 until it is back."""
+    records = api.get("/v1/deployments")
+    record = next(r for r in records if r["model_id"] == model_id)
+    version = next(v for v in record["versions"] if v["plan_version"] == record["active"])
+    need = sum(p["predicted_memory_bytes"] for p in version["segments"])
+    left = sum(limits.values()) - max(limits.values())
+    room = f"losing any one agent leaves {left / 1e6:.0f} MB for the {need / 1e6:.0f} MB its "
+    room += "plan needs (weights, runtime and the sessions' KV reserve)"
+    if left >= need:
+        return f"{model_id}: {room}: a re-plan, not a 503"
+    return f"{model_id}: {room}: too little, so it answers 503 until the agent is back"
 
 
 def pair_automatically(
