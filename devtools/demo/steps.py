@@ -152,19 +152,24 @@ def budgets_table(
 
 
 def after_a_loss(api: Api, model_id: str, limits: Mapping[str, int]) -> str:
-    """Whether the room any three of the agents' ``limits`` (caps, or budgets) leave holds
-    what ``model_id``'s live plan needs in all (weights, runtime and the sessions' KV
-    reserve): a re-plan after losing an agent, or a 503 until it is back."""
-    records = api.get("/v1/deployments")
-    record = next(r for r in records if r["model_id"] == model_id)
-    version = next(v for v in record["versions"] if v["plan_version"] == record["active"])
-    need = sum(p["predicted_memory_bytes"] for p in version["segments"])
-    left = sum(limits.values()) - max(limits.values())
-    room = f"losing any one agent leaves {left / 1e6:.0f} MB for the {need / 1e6:.0f} MB its "
-    room += "plan needs (weights, runtime and the sessions' KV reserve)"
-    if left >= need:
-        return f"{model_id}: {room}: a re-plan, not a 503"
-    return f"{model_id}: {room}: too little, so it answers 503 until the agent is back"
+    """Whether losing any one agent leaves a plan for ``model_id`` within the others' ``limits``
+    (caps, or budgets): the coordinator's what-if plans it as a failover would (weights,
+    runtime and the sessions' KV reserve), dropping each agent in turn."""
+    stranded = []
+    for gone in limits:
+        rest = {name: limit for name, limit in limits.items() if name != gone}
+        body = {"model": model_id, "budgets": rest, "drop": [gone]}
+        code, reply = api.call("POST", "/v1/plan/what-if", body)
+        if code != 200 and "no plan fits" not in str(reply):
+            raise DemoStepError(f"the what-if without {gone} failed ({code}): {reply}")
+        if code != 200:
+            stranded.append(gone)
+    if not stranded:
+        return f"{model_id}: losing any one agent leaves a plan on the others (a re-plan, no 503)"
+    return (
+        f"{model_id}: no plan fits the others' limits after losing {', '.join(stranded)}: it "
+        "would answer 503 (with Retry-After) until that agent is back"
+    )
 
 
 def pair_automatically(
