@@ -106,6 +106,8 @@ def test_demo_exit(tmp_path: Path) -> None:
     answer = re.search(r"^gemma3-270m: (.+)$", out, re.MULTILINE)
     assert answer is not None and len(answer.group(1).split()) >= 3, out
     assert "answers the same, token for token" in out, out
+    for model in ("all-minilm-l6-v2", "gemma3-270m"):  # the coordinator's what-if, per agent
+        assert f"{model}: losing any one agent leaves a plan on the others" in out, out
     _assert_fine_tuned(out)
     started = [line.split(maxsplit=1) for line in pids.read_text().splitlines() if line.strip()]
     names = [name for _, name in started]

@@ -166,9 +166,11 @@ def after_a_loss(api: Api, model_id: str, limits: Mapping[str, int]) -> str:
             stranded.append(gone)
     if not stranded:
         return f"{model_id}: losing any one agent leaves a plan on the others (a re-plan, no 503)"
+    which = "whichever agent is lost" if len(stranded) == len(limits) else "without "
+    which += "" if len(stranded) == len(limits) else " or ".join(stranded)
     return (
-        f"{model_id}: no plan fits the others' limits after losing {', '.join(stranded)}: it "
-        "would answer 503 (with Retry-After) until that agent is back"
+        f"{model_id}: {which}, no plan fits the others' limits (weights, runtime and the "
+        "sessions' KV reserve): it would answer 503 (with Retry-After) until the agent is back"
     )
 
 
