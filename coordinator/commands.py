@@ -151,11 +151,23 @@ def run_revoke(args: argparse.Namespace) -> int:
     return _report(code, reply, f"revoked {args.name}")
 
 
+LOG_WIDTH = 140
+"""Columns the plan tables are written in when the output is no terminal (rich's default there
+is 80, which abridges their numbers)."""
+
+
+def wide_when_piped(console: Console) -> Console:
+    """``console``, :data:`LOG_WIDTH` columns wide when it writes to no terminal."""
+    if not console.is_terminal:
+        console.width = LOG_WIDTH
+    return console
+
+
 def run_deploy(args: argparse.Namespace) -> int:
     """Handler of ``fedshard deploy``."""
     from coordinator.config import parse_size
 
-    console = Console()
+    console = wide_when_piped(Console())
     caps = {}
     try:
         for item in args.memory_cap:

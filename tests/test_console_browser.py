@@ -21,6 +21,7 @@ import time
 from collections.abc import Iterator
 from dataclasses import dataclass
 from pathlib import Path
+from typing import Any
 
 import httpx
 import pytest
@@ -115,26 +116,34 @@ def lab(request: pytest.FixtureRequest, tmp_path_factory: pytest.TempPathFactory
 
 
 @pytest.fixture(scope="module")
-def page(chromium: Path, lab: Lab) -> Iterator[object]:
+def browser(chromium: Path) -> Iterator[Any]:
+    """One Chromium for the module (Playwright's sync API runs one instance per thread)."""
     ARTIFACTS.mkdir(exist_ok=True)
     with playwright_api.sync_playwright() as p:
-        browser = p.chromium.launch(
+        launched = p.chromium.launch(
             executable_path=str(chromium), headless=True, args=CHROMIUM_ARGS
         )
-        context = browser.new_context(viewport={"width": 1280, "height": 900})
-        page = context.new_page()
-        page.set_default_timeout(20_000)
-        outside: list[str] = []
-        page.on(
-            "request",
-            lambda r: None if r.url.startswith(lab.coordinator.url) else outside.append(r.url),
-        )
-        page.outside = outside  # type: ignore[attr-defined]
         try:
-            yield page
+            yield launched
         finally:
-            context.close()
-            browser.close()
+            launched.close()
+
+
+@pytest.fixture(scope="module")
+def page(browser: Any, lab: Lab) -> Iterator[object]:
+    context = browser.new_context(viewport={"width": 1280, "height": 900})
+    page = context.new_page()
+    page.set_default_timeout(20_000)
+    outside: list[str] = []
+    page.on(
+        "request",
+        lambda r: None if r.url.startswith(lab.coordinator.url) else outside.append(r.url),
+    )
+    page.outside = outside  # type: ignore[attr-defined]
+    try:
+        yield page
+    finally:
+        context.close()
 
 
 def _note_outside(url: str, home: str, outside: list[str]) -> None:
@@ -388,18 +397,15 @@ def _lora_runs() -> dict[str, object]:
     return RunList(runs=[decoder, encoder]).model_dump(mode="json")
 
 
-def test_training_page_shows_a_lora_runs_outcome(chromium: Path, tmp_path: Path) -> None:
+def test_training_page_shows_a_lora_runs_outcome(browser: Any, tmp_path: Path) -> None:
     """The summary line of a decoder's run gives held-out loss and perplexity before → after,
     an encoder's its held-out recall@1 (and contrastive loss, no perplexity). Light: a bare
     coordinator serves the console; the page's run list is answered with the records above."""
-    ARTIFACTS.mkdir(exist_ok=True)
     coordinator = start_coordinator(tmp_path)
     try:
-        with playwright_api.sync_playwright() as p:
-            browser = p.chromium.launch(
-                executable_path=str(chromium), headless=True, args=CHROMIUM_ARGS
-            )
-            page = browser.new_page(viewport={"width": 1280, "height": 900})
+        context = browser.new_context(viewport={"width": 1280, "height": 900})
+        try:
+            page = context.new_page()
             runs = _lora_runs()
             page.route(
                 "**/v1/training/runs",
@@ -419,6 +425,7 @@ def test_training_page_shows_a_lora_runs_outcome(chromium: Path, tmp_path: Path)
             expect(summary).to_contain_text("held-out contrastive loss 1.200 → 0.800")
             expect(summary).not_to_contain_text("perplexity")
             shot(page, "12-training-lora-outcome")
-            browser.close()
+        finally:
+            context.close()
     finally:
         stop_process(coordinator.proc)

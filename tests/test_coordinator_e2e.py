@@ -181,7 +181,7 @@ def test_models_and_plan_next_to_reality(lab: Lab) -> None:
         assert placement["predicted_memory_bytes"] > 0 and placement["predicted_compute_s"] > 0
         assert placement["measured_memory_bytes"] > 0 and placement["warmup_s"] > 0
     assert live["health_max_abs_diff"] <= 1e-4
-    assert "measured MB" in lab.deploy_out
+    assert all(column in lab.deploy_out for column in ("pred. MB", "KV MB", "meas. MB"))
     by_name = {agent.name: agent for agent in lab.agents.values()}
     for placement in live["segments"]:  # each device received its own segment and no other
         stored = {p.stem for p in (by_name[placement["device"]].state_dir / "segments").iterdir()}

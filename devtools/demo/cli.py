@@ -34,6 +34,8 @@ from typing import TYPE_CHECKING
 
 from rich.console import Console
 
+from coordinator.commands import wide_when_piped
+
 if TYPE_CHECKING:
     from devtools.demo.procs import DemoProcesses
     from devtools.demo.steps import Api
@@ -56,9 +58,6 @@ would go on to ask itself the next question."""
 CACHE_ENV = "FEDSHARD_CACHE"
 TRAINING_TIMEOUT_S = 3600.0
 PROFILE_FILE = "demo-profile.json"
-LOG_WIDTH = 140
-"""Columns the demo writes when its output is no terminal (rich's default there is 80, which
-abridges the plan tables' numbers)."""
 
 
 def register(subparsers: argparse._SubParsersAction[argparse.ArgumentParser]) -> None:
@@ -123,9 +122,7 @@ def register(subparsers: argparse._SubParsersAction[argparse.ArgumentParser]) ->
 
 def run_demo(args: argparse.Namespace) -> int:
     """Run the demo; returns the exit code."""
-    console = Console()
-    if not console.is_terminal:
-        console.width = LOG_WIDTH  # a log or a pipe: the plan tables' numbers unabridged
+    console = wide_when_piped(Console())
     console.rule("[bold]fedshard demo")
     if args.cache_dir is None:
         args.cache_dir = Path(os.environ.get(CACHE_ENV) or Path.home() / ".cache" / "fedshard")
