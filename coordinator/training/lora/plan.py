@@ -9,7 +9,8 @@ with :func:`partitioner.decoders.sources.load_source` (offline: the tiny decoder
 a seed, the real ones come from the converted-checkpoint cache) once, matches its parameters to
 the initializers by value (:func:`partitioner.lora.weight_map`), and keeps only the result, a
 :class:`LoraBase` (architecture, config, weight map, parameter shapes; a few hundred KB), in
-``STATE/training/lora-base/<model sha256>.json``. The torch model and the graph are dropped
+the model cache, ``$FEDSHARD_CACHE/lora-base/<model sha256>.json`` (the runner's
+``LORA_BASE_CACHE``). The torch model and the graph are dropped
 right after; later runs, and every fine-tuned version (which carries its own
 :data:`LORA_BASE_FILE`, as merging keeps the initializer names), need no float copy of the model
 at all. The boundary tensor is found in the one segment holding the first trained layer.
