@@ -129,14 +129,9 @@ class Deployer:
         that still hold it; so too the model's previous version if it used one of them (it is
         retired: a rollback to it could not serve either). A failover's re-plan needs their
         memory: a model that fills its devices does not fit beside its own broken copy."""
-        doomed = [version]
         with self._lock:
-            record = self._store.model(version.model_id)
-            kept = record.version(record.previous) if record.previous else None
-            if kept is not None and set(lost) & {p.device for p in kept.segments}:
-                retired = self._store.retire_previous(version.model_id)
-                doomed += [retired] if retired is not None else []
-        for broken in doomed:
+            retired = self._store.retire_previous(version.model_id, using=lost)
+        for broken in [version, *([retired] if retired is not None else [])]:
             holders = [_placement_address(p) for p in broken.segments if p.device not in lost]
             self._unload(holders, broken.plan_version)
 

@@ -10,6 +10,7 @@ from __future__ import annotations
 import re
 import threading
 import time
+from collections.abc import Collection
 from pathlib import Path
 from typing import Literal
 
@@ -174,13 +175,16 @@ class DeploymentStore:
             self._put(updated)
             return retired
 
-    def retire_previous(self, model_id: str) -> VersionRecord | None:
-        """Retire ``model_id``'s previous version, if it has one, and return it (a version that
-        cannot serve any more: a rollback has nothing to go back to then)."""
+    def retire_previous(self, model_id: str, using: Collection[str]) -> VersionRecord | None:
+        """Retire ``model_id``'s previous version if it has a segment on one of the devices
+        ``using``, and return it (a version that cannot serve any more: a rollback has nothing
+        to go back to then); None when there is no such previous version."""
         with self._lock:
             record = next((m for m in self._book.models if m.model_id == model_id), None)
             previous = record.version(record.previous) if record and record.previous else None
             if record is None or previous is None:
+                return None
+            if not set(using) & {p.device for p in previous.segments}:
                 return None
             versions = [
                 _with_state(v, "retired") if v.plan_version == previous.plan_version else v
