@@ -256,17 +256,6 @@ def _report(code: int, reply: dict[str, Any], success: str) -> int:
     return 1
 
 
-def _print_version(console: Console, version: dict[str, Any]) -> None:
-    from rich.table import Table
-
-    table = Table(title=f"{version['model_id']} v{version['plan_version']}: plan next to reality")
-    for column in ("segment", "device", *PLACEMENT_COLUMNS):
-        table.add_column(column, justify="right")
-    for p in version["segments"]:
-        table.add_row(str(p["index"]), p["device"], *placement_cells(p))
-    console.print(table)
-
-
 PLACEMENT_COLUMNS = (
     "pred. MB",
     "KV MB",
@@ -278,6 +267,17 @@ PLACEMENT_COLUMNS = (
     "prefill ms",
 )
 """The headers of :func:`placement_cells`."""
+
+
+def _print_version(console: Console, version: dict[str, Any]) -> None:
+    from rich.table import Table
+
+    table = Table(title=f"{version['model_id']} v{version['plan_version']}: plan next to reality")
+    for column in ("segment", "device", *PLACEMENT_COLUMNS):
+        table.add_column(column, justify="right")
+    for p in version["segments"]:
+        table.add_row(str(p["index"]), p["device"], *placement_cells(p))
+    console.print(table)
 
 
 def placement_cells(placement: dict[str, Any]) -> list[str]:

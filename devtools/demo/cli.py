@@ -15,9 +15,8 @@ prints the held-out loss before and after, the epsilon per device, the upload, a
 question answered before and after (:mod:`devtools.demo.training`). Then it serves until
 Ctrl-C, which stops every process it started. While serving, an agent that exits is reported
 with what failover did about it and restarted a few seconds later, so the models expand back
-onto it. ``--chaos`` shows exactly that under the demo's own load: an
-agent killed mid-stream, no request lost. Exports are kept in the cache dir, so a second run
-starts faster.
+onto it. ``--chaos`` shows exactly that under the demo's own load: an agent killed mid-stream,
+no request lost. Exports are kept in the cache dir, so a second run starts faster.
 """
 
 from __future__ import annotations
@@ -285,7 +284,13 @@ def _decoder(
     """Export (cached), deploy across the agents, print the plan and a chat answer (``check``:
     next to the whole model's answer in one ONNX Runtime session); the export."""
     from devtools.demo.decoder import chat, decoder_caps, deploy_decoder, export_decoder
-    from devtools.demo.steps import AGENT_MEMORY, after_a_loss, budgets_table, plan_table
+    from devtools.demo.steps import (
+        AGENT_MEMORY,
+        after_a_loss,
+        budgets_table,
+        plan_table,
+        planning_limits,
+    )
     from partitioner.decoders.precision import default_weights
     from protocols.sizes import parse_size
 
@@ -296,8 +301,7 @@ def _decoder(
     console.print(budgets_table(f"{name} ({weights})", export / "model.onnx", caps, names))
     deploy_decoder(console, api, export, name, caps)
     console.print(plan_table(api, state_dir, name))
-    budgets = dict.fromkeys(names, parse_size(AGENT_MEMORY))
-    console.print(after_a_loss(api, name, caps or budgets))
+    console.print(after_a_loss(api, name, planning_limits(caps, names)))
     with console.status(f"asking {name} through the agents (/v1/chat/completions)..."):
         started = time.monotonic()
         reply = chat(api, name, QUESTION, stop=STOP)

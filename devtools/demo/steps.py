@@ -132,7 +132,7 @@ def budgets_table(
     no agent can hold it under."""
     weights = model.stat().st_size
     budget = parse_size(AGENT_MEMORY)
-    limits = caps or dict.fromkeys(names, budget)
+    limits = planning_limits(caps, names)
     left = sum(limits.values()) - max(limits.values())
     why = "under its planning cap" if caps else "in its memory budget"
     if weights > budget:
@@ -151,6 +151,11 @@ def budgets_table(
     return table
 
 
+def planning_limits(caps: dict[str, int], names: Sequence[str]) -> dict[str, int]:
+    """What the planner may put on each agent: its cap, or without caps its memory budget."""
+    return caps or dict.fromkeys(names, parse_size(AGENT_MEMORY))
+
+
 def after_a_loss(api: Api, model_id: str, limits: Mapping[str, int]) -> str:
     """Whether losing any one agent leaves a plan for ``model_id`` within the others' ``limits``
     (caps, or budgets): the coordinator's what-if plans it as a failover would (weights,
@@ -166,8 +171,8 @@ def after_a_loss(api: Api, model_id: str, limits: Mapping[str, int]) -> str:
             stranded.append(gone)
     if not stranded:
         return f"{model_id}: losing any one agent leaves a plan on the others (a re-plan, no 503)"
-    which = "whichever agent is lost" if len(stranded) == len(limits) else "without "
-    which += "" if len(stranded) == len(limits) else " or ".join(stranded)
+    everyone = len(stranded) == len(limits)
+    which = "whichever agent is lost" if everyone else f"without {' or '.join(stranded)}"
     return (
         f"{model_id}: {which}, no plan fits the others' limits (weights, runtime and the "
         "sessions' KV reserve): it would answer 503 (with Retry-After) until the agent is back"
