@@ -25,18 +25,20 @@ import onnx
 from edge_agent import membench
 from edge_agent.config import RuntimeConfig
 from edge_agent.runtime import session_options
+from edge_agent.vectorbench import measure_vector_gflops
 from partitioner.modelio import load_model
-from partitioner.roofline import unit_traffic
+from partitioner.roofline import stage_seconds, unit_traffic
 from partitioner.segment_files import write_segments
 from partitioner.split import Analysis, analyse, analysis_work
 from partitioner.units import StaticClosures
-from protocols.problem import Roofs, roofline_s
+from protocols.problem import Roofs
 
 
 def _roofs(runtime: RuntimeConfig, gflops: float) -> Roofs:
     memory = membench.measure_memory(runtime)
     return Roofs(
         gflops=gflops,
+        vector_gflops=measure_vector_gflops(runtime),
         memory_gbps=memory.memory_gbps,
         cache_bytes=memory.cache_bytes,
         cache_gbps=memory.cache_gbps,
@@ -62,7 +64,7 @@ def _stage_row(
     work = analysis_work(analysis)[lo:hi]
     traffic = unit_traffic(analysis.index, analysis.frontier, analysis.table, analysis.units)
     ops = sum(w.ops for w in work)
-    predicted = sum(roofline_s(w, roofs) for w in work) + roofs.call_us / 1e6
+    predicted = stage_seconds(work, roofs)
     op_part = ops * roofs.op_us
     topk_part = sum(w.topk_elements for w in work) * roofs.topk_ns / 1e3
     weights = sum(t.weight_bytes for t in traffic[lo:hi])

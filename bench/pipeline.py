@@ -94,6 +94,8 @@ def roofline_split(model: Path, out: Path, profile: ComputeProfile) -> Manifest:
         "op_us": profile.op_us or 0.0,
         "call_us": profile.call_us or 0.0,
         "topk_ns": profile.topk_ns or 0.0,
+        "gemv_gflops": profile.gemv_gflops,
+        "vector_gflops": profile.vector_gflops,
     }
     # MINILM_DEVICES' budgets plus 1 MB each for the workspace at 128 tokens
     spec = {

@@ -170,7 +170,8 @@ def lab_devices(
     """What the coordinator's planner sees: capped memory, announced GFLOP/s, measured links
     between the agents and from the coordinator to each, devices in the coordinator's order."""
     found = {d["name"]: d["announcement"]["profile"] for d in cluster.api.get("/v1/devices")}
-    roofs = ("memory_gbps", "cache_bytes", "cache_gbps", "op_us", "call_us", "topk_ns")
+    roofs: tuple[str, ...] = ("memory_gbps", "cache_bytes", "cache_gbps", "op_us", "call_us")
+    roofs += ("topk_ns", "gemv_gflops", "vector_gflops")
     devices = [
         {
             "name": name,

@@ -20,6 +20,8 @@ from edge_agent.config import RuntimeConfig
 from edge_agent.microbench import (
     best_gflops,
     field_bytes,
+    int_attribute_bytes,
+    tensor_bytes,
     value_info_bytes,
     varint_field_bytes,
 )
@@ -32,7 +34,6 @@ ACCURACY_LEVEL = 4
 """int8 activations times 4-bit weights, as ``fedshard export --weights int4`` writes them."""
 _UINT8 = 2  # TensorProto.UINT8
 _FLOAT = 1
-_INT_ATTRIBUTE = 2  # AttributeProto.INT
 MS_DOMAIN = "com.microsoft"
 
 
@@ -46,7 +47,7 @@ def gemv_model_bytes(k: int = K, count: int = PRODUCTS) -> bytes:
         out = "y" if i == count - 1 else f"h{i}"
         packed = rng.integers(0, 256, size=(k, blocks, BLOCK * BITS // 8), dtype=np.uint8)
         scales = (rng.random(k * blocks, dtype=np.float32) + 0.5) / (8.0 * k**0.5)
-        weights += [_tensor(f"w{i}", packed, _UINT8), _tensor(f"s{i}", scales, _FLOAT)]
+        weights += [tensor_bytes(f"w{i}", packed, _UINT8), tensor_bytes(f"s{i}", scales, _FLOAT)]
         nodes.append(_nbits_node(previous, f"w{i}", f"s{i}", out, k))
         previous = out
     graph = b"".join(
@@ -88,25 +89,7 @@ def _nbits_node(x: str, weight: str, scales: str, out: str, k: int) -> bytes:
             field_bytes(2, out.encode()),
             field_bytes(3, f"nbits_{out}".encode()),
             field_bytes(4, b"MatMulNBits"),
-            *(field_bytes(5, _int_attribute(name, value)) for name, value in attributes),
+            *(field_bytes(5, int_attribute_bytes(name, value)) for name, value in attributes),
             field_bytes(7, MS_DOMAIN.encode()),
         ]
-    )
-
-
-def _int_attribute(name: str, value: int) -> bytes:
-    return (
-        field_bytes(1, name.encode())
-        + varint_field_bytes(3, value)
-        + varint_field_bytes(20, _INT_ATTRIBUTE)
-    )
-
-
-def _tensor(name: str, array: np.ndarray, data_type: int) -> bytes:
-    dims = b"".join(varint_field_bytes(1, d) for d in array.shape)
-    return (
-        dims
-        + varint_field_bytes(2, data_type)
-        + field_bytes(8, name.encode())
-        + field_bytes(9, array.tobytes())
     )

@@ -1,4 +1,4 @@
-"""Device profile: the roofs (compute, memory bandwidth, 4-bit products), cached in the state dir.
+"""Device profile: the roofs (compute, memory, 4-bit products, element-wise), cached in state.
 
 Both micro-benchmarks run in ONNX Runtime with the agent's own thread settings, since that is
 what will run the segments. The models are written as raw protobuf (the agent does not depend
@@ -9,13 +9,14 @@ on the ``onnx`` package).
   CPU time per thread (ORT spinning is off, so CPU time is busy time), and GFLOP/s is the best
   trial (as ``timeit`` advises): that keeps it within about 10% on a machine shared with other
   work.
-- **Memory bandwidth**: a ``ReduceSum`` over a float32 buffer larger than the caches (twice the
-  largest cache the OS reports, see :func:`stream_bytes`), which reads every byte once; GB/s is
-  the best of the trials (wall time: a streaming read waits on memory, not on the core).
-- **Operator, call and selection costs**: see :mod:`edge_agent.membench` (the fixed costs of
-  a kernel launch, of a segment run and of a ``TopK`` element, which dominate small segments).
+- **Memory bandwidth, the cache level, operator, call and selection costs**: see
+  :mod:`edge_agent.membench` (a matrix-vector product over a matrix larger than the caches;
+  the fixed costs of a kernel launch, of a segment run and of a ``TopK`` element, which
+  dominate small segments).
 - **One-row 4-bit products** (a decode step of an int4 decoder): see
   :mod:`edge_agent.gemvbench`.
+- **Element-wise operators** (a transformer block's adds, norms, activations, softmax and
+  transposes): see :mod:`edge_agent.vectorbench`.
 """
 
 from __future__ import annotations
@@ -82,6 +83,9 @@ class ComputeProfile(ProfileModel):
     gemv_accuracy_level: NonNegativeInt | None = None
     """The ``MatMulNBits`` kernel it was measured with (a cache measured with another one is
     measured again)."""
+    vector_gflops: PositiveFloat | None = None
+    """Counted elements per nanosecond of a transformer block's element-wise operators
+    (:mod:`edge_agent.vectorbench`); None in caches written before it (measured again)."""
     intra_op_threads: PositiveInt
     inter_op_threads: PositiveInt
     onnxruntime_version: str
@@ -150,15 +154,18 @@ def measure_profile(runtime: RuntimeConfig) -> ComputeProfile:
     (about two seconds)."""
     from edge_agent.gemvbench import ACCURACY_LEVEL, measure_gemv_gflops
     from edge_agent.membench import measure_memory
+    from edge_agent.vectorbench import measure_vector_gflops
 
     compute = measure_gflops(runtime)
     memory = measure_memory(runtime)
     gemv = measure_gemv_gflops(runtime)
+    vector = measure_vector_gflops(runtime)
     return compute.model_copy(
         update={
             **memory.model_dump(),
             "gemv_gflops": gemv,
             "gemv_accuracy_level": ACCURACY_LEVEL,
+            "vector_gflops": vector,
         }
     )
 
@@ -243,6 +250,7 @@ def load_or_measure(
                 and cached.call_us is not None
                 and cached.topk_ns is not None
                 and cached.gemv_gflops is not None
+                and cached.vector_gflops is not None
                 and cached.gemv_accuracy_level == ACCURACY_LEVEL
                 and cached.intra_op_threads == runtime.intra_op_threads
                 and cached.inter_op_threads == runtime.inter_op_threads
@@ -281,6 +289,24 @@ def varint_field_bytes(number: int, value: int) -> bytes:
 def field_bytes(number: int, payload: bytes) -> bytes:
     """A protobuf length-delimited field."""
     return _varint(number << 3 | 2) + _varint(len(payload)) + payload
+
+
+def int_attribute_bytes(name: str, value: int) -> bytes:
+    """A serialized ``AttributeProto`` of type INT (negative values as protobuf's int64)."""
+    encoded = value & 0xFFFFFFFFFFFFFFFF
+    kind = varint_field_bytes(20, 2)  # AttributeProto.INT
+    return field_bytes(1, name.encode()) + varint_field_bytes(3, encoded) + kind
+
+
+def tensor_bytes(name: str, array: np.ndarray, data_type: int = _FLOAT) -> bytes:
+    """A serialized ``TensorProto`` initializer: ``array``'s raw little-endian bytes."""
+    dims = b"".join(varint_field_bytes(1, d) for d in array.shape)
+    return (
+        dims
+        + varint_field_bytes(2, data_type)
+        + field_bytes(8, name.encode())
+        + field_bytes(9, np.ascontiguousarray(array).tobytes())
+    )
 
 
 def node_bytes(op: str, inputs: list[str], outputs: list[str], name: str) -> bytes:

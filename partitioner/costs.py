@@ -159,6 +159,29 @@ _RNN = frozenset({"LSTM", "GRU", "RNN"})
 _GATHERS = frozenset({"Gather", "GatherElements", "GatherND", "GatherBlockQuantized"})
 
 
+VIEW_OPS = frozenset(
+    {
+        "Reshape", "Squeeze", "Unsqueeze", "Flatten", "Identity", "Dropout",
+        "Shape", "Size", "Constant", "ConstantOfShape", "Range",
+    }
+)  # fmt: skip
+"""Operators ONNX Runtime runs without a pass over their elements: views and shape arithmetic."""
+
+
+def is_vector_op(op_type: str) -> bool:
+    """Whether ``op_type`` is element-wise work, priced per element at a device's vector roof:
+    every operator but products, convolutions, recurrences, gathers, views and ``TopK`` (which
+    has a cost of its own)."""
+    return (
+        op_type not in _MATMUL_A
+        and op_type not in _CONV_W
+        and op_type not in _RNN
+        and op_type not in _GATHERS
+        and op_type not in VIEW_OPS
+        and op_type not in ("Gemm", "ConvTranspose", "Einsum", "TopK")
+    )
+
+
 def node_flops(node: onnx.NodeProto, inputs: Sequence[str], table: ShapeTable) -> int:
     """Estimated floating-point operations of one node at the table's binding.
 

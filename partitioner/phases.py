@@ -20,10 +20,10 @@ from partitioner.costs import node_flops
 from partitioner.decoding import DecoderLayout
 from partitioner.frontier import Frontier
 from partitioner.graph import GraphIndex
-from partitioner.roofline import unit_work
+from partitioner.roofline import stage_seconds, unit_work
 from partitioner.shapes import infer_shapes
 from partitioner.units import StaticClosures, UnitPlan
-from protocols.problem import PlanningProblem, Work, roofline_s
+from protocols.problem import PlanningProblem, Work
 
 PREFILL_TOKENS = 64
 """Prompt length the prefill is priced at."""
@@ -100,8 +100,5 @@ def stage_prefill_s(problem: PlanningProblem, device_type: str, start: int, end:
     units = problem.units[start:end]
     if roofs is None or any(u.prefill is None for u in units):
         return 0.0
-    total = 0.0
-    for unit in units:
-        assert unit.prefill is not None
-        total += roofline_s(unit.prefill, roofs)
-    return total + roofs.call_us / 1e6
+    work = [unit.prefill for unit in units if unit.prefill is not None]
+    return stage_seconds(work, roofs)

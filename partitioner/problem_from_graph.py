@@ -122,7 +122,8 @@ def _distribute(
     assert isinstance(units, list)
     for device in devices.devices:
         roofs = Roofs.model_validate(_roofs(device))
-        total = math.fsum(roofline_s(w, roofs) for w in work)
+        model_bytes = sum(w.bytes_read for w in work)
+        total = math.fsum(roofline_s(w, roofs, model_bytes) for w in work)
         for unit, share in zip(units, shares, strict=True):
             unit["compute_s"][device_type(device.name)] = total * share
 
@@ -137,6 +138,7 @@ def _roofs(device: DeviceSpec) -> dict[str, object]:
         "call_us": device.call_us,
         "topk_ns": device.topk_ns,
         "gemv_gflops": device.gemv_gflops,
+        "vector_gflops": device.vector_gflops,
     }
 
 

@@ -29,7 +29,7 @@ import math
 from collections.abc import Sequence
 from dataclasses import dataclass
 
-from partitioner.costs import ShapeTable, node_flops, tensor_proto_bytes
+from partitioner.costs import ShapeTable, is_vector_op, node_flops, tensor_proto_bytes
 from partitioner.frontier import Frontier
 from partitioner.graph import GraphIndex
 from partitioner.units import StaticClosures, UnitPlan
@@ -158,6 +158,9 @@ def unit_work(
             gemv_flops=min(
                 unit.flops, _gemv_flops(index, frontier.order[unit.start : unit.end], table)
             ),
+            vector_flops=min(
+                unit.flops, _vector_flops(index, frontier.order[unit.start : unit.end], table)
+            ),
         )
         for unit, moved in zip(units.units, traffic, strict=True)
     ]
@@ -183,12 +186,22 @@ def _gemv_flops(index: GraphIndex, nodes: Sequence[int], table: ShapeTable) -> i
     return total
 
 
+def _vector_flops(index: GraphIndex, nodes: Sequence[int], table: ShapeTable) -> int:
+    """FLOPs of the nodes' element-wise operators (:func:`~partitioner.costs.is_vector_op`)."""
+    return sum(
+        node_flops(index.nodes[n], index.node_inputs[n], table)
+        for n in nodes
+        if is_vector_op(index.nodes[n].op_type)
+    )
+
+
 def stage_seconds(work: Sequence[Work], roofs: Roofs) -> float:
     """Seconds of a stage made of ``work``'s units under ``roofs``, added left to right as
     the planner adds them, then one segment run's cost."""
+    stage_bytes = sum(item.bytes_read for item in work)
     total = 0.0
     for item in work:
-        total += roofline_s(item, roofs)
+        total += roofline_s(item, roofs, stage_bytes)
     return total + roofs.call_us / 1e6
 
 
@@ -197,4 +210,4 @@ def bound_by(work: Work, roofs: Roofs) -> str:
     if roofs.memory_gbps is None:
         return "compute"
     memory = work.bytes_read / (roofs.memory_gbps * 1e9)
-    return "memory" if memory > work.flops / (roofs.gflops * 1e9) else "compute"
+    return "memory" if memory > roofs.compute_s(work) else "compute"

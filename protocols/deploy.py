@@ -278,6 +278,7 @@ class AgentStatus(FrozenModel):
     call_us: float | None = None
     topk_ns: float | None = None
     gemv_gflops: float | None = None
+    vector_gflops: float | None = None
     paired: bool
     segments: list[LoadedSegment] = Field(default_factory=list)
 

@@ -25,7 +25,8 @@ class DeviceProfile(FrozenModel):
     """Compute roof, measured with an ONNX Runtime MatMul micro-benchmark."""
     memory_gbps: PositiveFloat | None = None
     """Memory roof: streaming-read bandwidth in GB/s (10^9 bytes/s), measured with an ONNX
-    Runtime ReduceSum over a buffer larger than the caches; None from agents that predate it."""
+    Runtime matrix-vector product over a matrix larger than the caches; None from agents that
+    predate it."""
     cache_bytes: NonNegativeInt | None = None
     """Largest working set read at cache speed (at least twice the memory roof); 0: none."""
     cache_gbps: PositiveFloat | None = None
@@ -38,6 +39,9 @@ class DeviceProfile(FrozenModel):
     """Cost of a ``TopK`` per element it selects from, nanoseconds."""
     gemv_gflops: PositiveFloat | None = None
     """Compute roof of a one-row 4-bit weight product (``MatMulNBits``), GFLOP/s."""
+    vector_gflops: PositiveFloat | None = None
+    """Element-wise roof: counted elements per nanosecond of a transformer block's element-wise
+    operators (:mod:`edge_agent.vectorbench`)."""
     providers: list[ProviderName] = Field(
         default_factory=lambda: ["CPUExecutionProvider"], max_length=8
     )

@@ -38,6 +38,11 @@ class RoofFields(FrozenModel):
     """Compute roof of a product with 4-bit weights (``MatMulNBits``) over one row, as a
     decode step runs it: the kernel unpacks and scales every weight for a single row, so it
     runs far below the ``MatMul`` roof (about 10x here). None: priced at the compute roof."""
+    vector_gflops: PositiveFloat | None = None
+    """Element-wise roof: elements per nanosecond of a transformer block's element-wise
+    operators (bias and residual adds, layer norm, GELU, softmax, transposes), counted one per
+    element as the planner counts their FLOPs: about 100x below the ``MatMul`` roof here. None:
+    priced at the compute roof."""
 
 
 ROOF_FIELD_NAMES = tuple(RoofFields.model_fields)
@@ -62,6 +67,7 @@ def slowed_roofs(device: object, compute: float, memory: float, fixed: float) ->
     return {
         "gflops": float(roofs["gflops"]) / compute,
         "gemv_gflops": over("gemv_gflops", compute),
+        "vector_gflops": over("vector_gflops", compute),
         "memory_gbps": over("memory_gbps", memory),
         "cache_gbps": over("cache_gbps", memory),
         "op_us": float(roofs["op_us"]) * fixed,

@@ -45,6 +45,7 @@ _OPTIONAL_PROFILE_KEYS: Final = {
     "callus": "call_us",
     "topkns": "topk_ns",
     "gemv": "gemv_gflops",
+    "vec": "vector_gflops",
 }
 """Profile keys older agents do not send: left out when unset, absent means unknown."""
 _STATE_KEYS: Final = {"paired": "paired", "seg": "segment_sha256", "plv": "plan_version"}
@@ -166,6 +167,7 @@ _PARSERS: Final[dict[str, Callable[[str], object]]] = {
     "call_us": _parse_float,
     "topk_ns": _parse_float,
     "gemv_gflops": _parse_float,
+    "vector_gflops": _parse_float,
     "providers": _parse_list,
     "control_port": _parse_int,
     "data_port": _parse_int,

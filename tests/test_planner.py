@@ -78,7 +78,8 @@ def _score(problem: PlanningProblem, stages: tuple[tuple[str, int, int], ...]) -
     transfers += _to_requester(problem, stages[-1][0], problem.units[-1].out_bytes)
     for index, (name, start, end) in enumerate(stages):
         kind = devices[name].type
-        units = sum(_unit_seconds(problem, i, kind) for i in range(start, end))
+        stage_bytes = sum(u.work.bytes_read for u in problem.units[start:end] if u.work)
+        units = sum(_unit_seconds(problem, i, kind, stage_bytes) for i in range(start, end))
         computes.append(units + devices[name].call_us / 1e6 * (devices[name].gflops is not None))
         if index + 1 < len(stages):
             bandwidth, latency = _link(problem, name, stages[index + 1][0])
@@ -89,25 +90,33 @@ def _score(problem: PlanningProblem, stages: tuple[tuple[str, int, int], ...]) -
     return Scored(stages, bottleneck, sum(computes) + sum(transfers), int(overflow))
 
 
-def _unit_seconds(problem: PlanningProblem, index: int, kind: str) -> float:
-    """A unit's seconds on a type, straight from the ``/2`` semantics: its ``compute_s`` entry,
-    else the roofline of its work under the type's roofs."""
+def _unit_seconds(problem: PlanningProblem, index: int, kind: str, stage_bytes: int) -> float:
+    """A unit's seconds on a type in a stage reading ``stage_bytes``, straight from the ``/2``
+    semantics: its ``compute_s`` entry, else the roofline of its work under the type's roofs."""
     unit = problem.units[index]
     if kind in unit.compute_s:
         return unit.compute_s[kind]
-    assert unit.work is not None
+    work = unit.work
+    assert work is not None
     device = next(d for d in problem.devices if d.type == kind)
     assert device.gflops is not None
-    seconds = float(unit.work.flops) / (device.gflops * 1e9)
+    gemv = min(work.gemv_flops, work.flops) if device.gemv_gflops is not None else 0
+    vector = min(work.vector_flops, work.flops - gemv) if device.vector_gflops is not None else 0
+    overlapped = float(work.flops - gemv - vector) / (device.gflops * 1e9)
+    if device.vector_gflops is not None:
+        overlapped += float(vector) / (device.vector_gflops * 1e9)
     bandwidth = device.memory_gbps
-    if device.cache_gbps is not None and unit.work.bytes_read <= device.cache_bytes:
+    if device.cache_gbps is not None and stage_bytes <= device.cache_bytes:
         bandwidth = device.cache_gbps
     if bandwidth is not None:
-        seconds = max(seconds, float(unit.work.bytes_read) / (bandwidth * 1e9))
-    # in the documented order (``max(...) + ops * op_us / 1e6 + topk * topk_ns / 1e9``): the
-    # planner must equal this to the last bit, and float addition is not associative
-    seconds += float(unit.work.ops) * device.op_us / 1e6
-    return seconds + float(unit.work.topk_elements) * device.topk_ns / 1e9
+        overlapped = max(overlapped, float(work.bytes_read) / (bandwidth * 1e9))
+    seconds = overlapped
+    if device.gemv_gflops is not None:
+        seconds += float(gemv) / (device.gemv_gflops * 1e9)
+    # in the documented order (``max(...) + gemv + ops * op_us / 1e6 + topk * topk_ns / 1e9``):
+    # the planner must equal this to the last bit, and float addition is not associative
+    seconds += float(work.ops) * device.op_us / 1e6
+    return seconds + float(work.topk_elements) * device.topk_ns / 1e9
 
 
 def _arrangements(problem: PlanningProblem) -> Iterator[tuple[tuple[str, int, int], ...]]:
@@ -148,8 +157,21 @@ COMPUTE = st.one_of(
 
 
 ROOFS = {
-    "cpu": {"gflops": 2e-9, "memory_gbps": 1e-9, "cache_bytes": 40, "cache_gbps": 4e-9},
-    "gpu": {"gflops": 8e-9, "memory_gbps": 3e-9, "op_us": 1e5, "call_us": 5e5, "topk_ns": 1e8},
+    "cpu": {
+        "gflops": 2e-9,
+        "memory_gbps": 1e-9,
+        "cache_bytes": 40,
+        "cache_gbps": 4e-9,
+        "vector_gflops": 5e-10,
+    },
+    "gpu": {
+        "gflops": 8e-9,
+        "memory_gbps": 3e-9,
+        "op_us": 1e5,
+        "call_us": 5e5,
+        "topk_ns": 1e8,
+        "gemv_gflops": 1e-9,
+    },
     "npu": {"gflops": 1e-9},
 }
 """Roofs per type for ``fedshard.problem/2`` instances (tiny rates: a unit takes seconds)."""
@@ -222,6 +244,8 @@ def problems(
         for unit in units:
             unit["work"] = {
                 "flops": draw(st.sampled_from([0, 1, 2, 3, 6])),
+                "gemv_flops": draw(st.sampled_from([0, 0, 1, 4])),
+                "vector_flops": draw(st.sampled_from([0, 0, 1, 2])),
                 "bytes_read": draw(st.sampled_from([0, 1, 2, 30, 50, 90])),
                 "ops": draw(st.integers(0, 3)),
                 "topk_elements": draw(st.sampled_from([0, 0, 4])),

@@ -26,8 +26,9 @@ from edge_agent.membench import (
     parse_cache_size,
     run_spread,
 )
+from edge_agent.vectorbench import counted_elements, measure_vector_gflops, vector_model_bytes
 from partitioner.planner import evaluate, plan
-from partitioner.roofline import bound_by, unit_traffic
+from partitioner.roofline import bound_by, stage_seconds, unit_traffic
 from partitioner.split import analyse, analysis_work
 from protocols.errors import SchemaError
 from protocols.plan import Objective
@@ -58,6 +59,79 @@ def test_one_row_4bit_products_are_priced_at_their_own_roof() -> None:
     assert roofline_s(step, roofs) == pytest.approx(2e8 / 1e11 + 8e8 / 1e10)
     assert roofline_s(step, Roofs(gflops=100.0)) == pytest.approx(1e-2)  # not measured
     assert roofline_s(Work(flops=10**9, bytes_read=0), roofs) == pytest.approx(1e-2)
+
+
+def test_4bit_products_add_their_time_to_the_reads_where_other_work_overlaps_them() -> None:
+    roofs = Roofs(gflops=100.0, gemv_gflops=10.0, memory_gbps=10.0)
+    step = Work(flops=10**8, gemv_flops=10**8, bytes_read=10**8)
+    assert roofline_s(step, roofs) == pytest.approx(1e-2 + 1e-2)  # unpacking, then reading
+    dense = Work(flops=10**9, bytes_read=10**8)
+    assert roofline_s(dense, roofs) == pytest.approx(1e-2)  # the larger of the two
+
+
+def test_element_wise_work_is_priced_at_the_vector_roof() -> None:
+    roofs = Roofs(gflops=100.0, vector_gflops=1.0)
+    block = Work(flops=10**9 + 10**6, bytes_read=0, vector_flops=10**6)
+    assert roofline_s(block, roofs) == pytest.approx(1e-2 + 1e-3)
+    assert roofline_s(block, Roofs(gflops=100.0)) == pytest.approx((10**9 + 10**6) / 1e11)
+    both = Roofs(gflops=100.0, vector_gflops=1.0, gemv_gflops=10.0)
+    mixed = Work(flops=10**9, bytes_read=0, gemv_flops=10**9 - 10**6, vector_flops=10**7)
+    # the vector part is capped by what the 4-bit products leave
+    assert roofline_s(mixed, both) == pytest.approx((10**9 - 10**6) / 1e10 + 10**6 / 1e9)
+
+
+def test_a_stage_reads_at_cache_speed_only_if_all_its_units_fit_the_cache() -> None:
+    roofs = Roofs(gflops=1e6, memory_gbps=10.0, cache_bytes=1000, cache_gbps=50.0, call_us=1.0)
+    unit = Work(flops=0, bytes_read=600)
+    assert roofline_s(unit, roofs) == pytest.approx(600 / 50e9)  # on its own it fits
+    assert roofline_s(unit, roofs, stage_bytes=1200) == pytest.approx(600 / 10e9)
+    assert stage_seconds([unit], roofs) == pytest.approx(600 / 50e9 + 1e-6)
+    assert stage_seconds([unit, unit], roofs) == pytest.approx(1200 / 10e9 + 1e-6)
+    problem = PlanningProblem.from_obj(
+        {
+            "format": "fedshard.problem/2",
+            "units": [
+                {"name": f"u{i}", "weight_bytes": 0, "out_bytes": 0, "work": unit.model_dump()}
+                for i in range(2)
+            ],
+            "devices": [
+                {"name": "d", "type": "t", "memory_bytes": 10, "bandwidth_mbps": 1.0}
+                | roofs.model_dump()
+            ],
+        }
+    )
+    [stage] = plan(problem).stages
+    assert stage.compute_s == pytest.approx(stage_seconds([unit, unit], roofs))
+
+
+def test_element_wise_operators_are_counted_apart_from_products_and_views() -> None:
+    weight = numpy_helper.from_array(np.ones((8, 16), np.float32), "w")
+    graph = helper.make_graph(
+        [
+            helper.make_node("MatMul", ["x", "w"], ["h"]),
+            helper.make_node("Softmax", ["h"], ["s"], axis=-1),
+            helper.make_node("Reshape", ["s", "shape"], ["r"]),
+            helper.make_node("Add", ["r", "r"], ["y"]),
+        ],
+        "g",
+        [helper.make_tensor_value_info("x", TensorProto.FLOAT, [4, 8])],
+        [helper.make_tensor_value_info("y", TensorProto.FLOAT, [64])],
+        [weight, numpy_helper.from_array(np.array([64], np.int64), "shape")],
+    )
+    model = helper.make_model(graph, opset_imports=[helper.make_opsetid("", 17)])
+    work = analysis_work(analyse(model))
+    assert sum(w.flops for w in work) == 2 * 4 * 8 * 16 + 64 + 64 + 64
+    assert sum(w.vector_flops for w in work) == 64 + 64  # the softmax and the add
+
+
+def test_the_vector_benchmark_counts_its_elements_as_the_planner_does() -> None:
+    model = onnx.load_from_string(vector_model_bytes())
+    onnx.checker.check_model(model)
+    work = analysis_work(analyse(model))
+    assert sum(w.vector_flops for w in work) == counted_elements()
+    gflops = measure_vector_gflops(RuntimeConfig(), budget_s=0.1, trials=2)
+    print(f"element-wise roof {gflops} G elements/s")
+    assert gflops > 0
 
 
 @pytest.mark.parametrize(("rows", "one_row"), [(1, True), (4, True), (64, False)])

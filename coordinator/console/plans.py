@@ -216,7 +216,7 @@ def what_if_devices(
     budgets: Mapping[str, int],
     drop: Sequence[str],
     requester: Sequence[RequesterLink] = (),
-    roofs: Mapping[str, Mapping[str, float]] | None = None,
+    roofs: Mapping[str, Mapping[str, float | None]] | None = None,
     slowdown: Mapping[str, float] | None = None,
 ) -> DeviceList:
     """The planner's devices: ``profiles`` maps each usable device to its announced (memory

@@ -280,6 +280,7 @@ class Deployer:
                 call_us=s.call_us or 0.0,
                 topk_ns=s.topk_ns or 0.0,
                 gemv_gflops=s.gemv_gflops,
+                vector_gflops=s.vector_gflops,
                 host=r.host,
                 control_port=r.announcement.profile.control_port,
                 data_port=r.announcement.profile.data_port,

@@ -56,6 +56,8 @@ class LiveDevice:
     topk_ns: float = 0.0
     gemv_gflops: float | None = None
     """One-row 4-bit product roof (None from agents that predate it: priced at ``gflops``)."""
+    vector_gflops: float | None = None
+    """Element-wise roof (None from agents that predate it: priced at ``gflops``)."""
     correction: float = 1.0
     """The measured/predicted correction already applied to the roofs above
     (:mod:`coordinator.deploy.stage_timing`)."""

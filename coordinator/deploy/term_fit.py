@@ -3,13 +3,12 @@
 A stage's predicted time has three parts that go wrong for different reasons
 (:func:`stage_terms`):
 
-- the **compute** part, ``flops / compute`` of its units bound by compute, priced by the
-  ``MatMul`` roof an agent measured at its start (its best run: a real encoder stage's
-  products, softmaxes and normalisations run slower than the benchmark's best);
+- the **compute** part, ``flops / compute`` of its units bound by compute (and the one-row
+  4-bit products of every unit, which do not overlap their reads), priced by the compute
+  roofs an agent measured at its start (their best runs);
 - the **memory** part, ``bytes / bandwidth`` of its units bound by memory, priced by the
-  ``ReduceSum`` roofs measured at start; a real stage reads its weights through other kernels
-  (a decode step's output head is a matrix-vector product: about 1.3x the time the
-  ``ReduceSum``'s cache speed says, here);
+  streaming-read roofs measured at start; a real stage reads its weights through other
+  kernels than the benchmark's;
 - the **fixed** part, ``ops x op_us + topk_elements x topk_ns + call_us``, priced by costs
   the agent measures again next to every warm-up (``DeployReport.costs``), since they move
   with the load by up to 2.5x in a few minutes; a real node still costs more or less than an
@@ -84,15 +83,16 @@ def stage_terms(work: Sequence[Work], roofs: Roofs, costs: FixedCosts | None) ->
     ``op_us``, ``call_us`` and ``topk_ns``. With ``costs`` None they add up to the stage's
     roofline time (:func:`partitioner.roofline.stage_seconds`)."""
     fixed = costs or FixedCosts(op_us=roofs.op_us, call_us=roofs.call_us, topk_ns=roofs.topk_ns)
+    stage_bytes = sum(w.bytes_read for w in work)
     compute = memory = 0.0
     for w in work:
-        flops_s = roofs.compute_s(w)
-        gbps = roofs.bandwidth_gbps(w.bytes_read)
-        bytes_s = 0.0 if gbps is None else float(w.bytes_read) / (gbps * 1e9)
+        flops_s = roofs.overlapped_s(w)
+        bytes_s = roofs.memory_s(w, stage_bytes)
         if bytes_s > flops_s:
             memory += bytes_s
         else:
             compute += flops_s
+        compute += roofs.gemv_s(w)
     ops = sum(w.ops for w in work)
     selected = sum(w.topk_elements for w in work)
     fixed_s = ops * fixed.op_us / 1e6 + selected * fixed.topk_ns / 1e9 + fixed.call_us / 1e6

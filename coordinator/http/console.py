@@ -361,7 +361,7 @@ def _what_if(
     return WhatIfAnswer(current=current, what_if=plan_view(version.model_id, new, names, budgets))
 
 
-def _roofs(services: Services) -> dict[str, dict[str, float]]:
+def _roofs(services: Services) -> dict[str, dict[str, float | None]]:
     """Every known device's announced roofs beyond GFLOP/s (what a deploy plans with)."""
     roofs = {}
     for record in services.registry.devices(online_only=False):
@@ -374,6 +374,8 @@ def _roofs(services: Services) -> dict[str, dict[str, float]]:
                 "op_us": profile.op_us or 0.0,
                 "call_us": profile.call_us or 0.0,
                 "topk_ns": profile.topk_ns or 0.0,
+                "gemv_gflops": profile.gemv_gflops,
+                "vector_gflops": profile.vector_gflops,
             }
     return roofs
 

@@ -6,7 +6,8 @@ operations in the very same order, so the value it optimises equals, bit for bit
 :func:`evaluate` reports for the plan it returns:
 
 - a stage's compute is the sum of its units' seconds (``compute_s[type]``, or the roofline time
-  of a ``/2`` unit, both from :meth:`~protocols.problem.PlanningProblem.unit_seconds`), then
+  of a ``/2`` unit in a stage reading what the stage's units read together, both from
+  :meth:`~protocols.problem.PlanningProblem.unit_seconds`), then
   the type's ``call_us`` (:meth:`~protocols.problem.PlanningProblem.call_seconds`), added
   left to right from 0;
 - a transfer is ``float(out_bytes) * 8.0 / (bandwidth_mbps * 1e6) + latency_ms / 1e3``;
@@ -62,10 +63,12 @@ def transfer_seconds(out_bytes: int, bandwidth_mbps: float, latency_ms: float) -
 
 def stage_compute(problem: PlanningProblem, device_type: str, start: int, end: int) -> float:
     """Compute seconds of units ``[start, end)`` on a device of ``device_type``: their
-    seconds added left to right, then the type's cost of one segment run."""
+    seconds in a stage reading what they read together, added left to right, then the type's
+    cost of one segment run."""
+    stage_bytes = problem.stage_bytes(start, end)
     total = 0.0
     for index in range(start, end):
-        total += problem.unit_seconds(index, device_type)
+        total += problem.unit_seconds(index, device_type, stage_bytes)
     return total + problem.call_seconds(device_type)
 
 

@@ -32,7 +32,8 @@ class Tables:
     """Per device type, ``(n+1, n+1)``: seconds for units ``[c, c')`` (their seconds plus
     the type's cost of one segment run); ``inf`` unless ``c < c'``."""
     unit_compute: dict[str, FloatArray]
-    """Per device type, ``(n,)``: each unit's own seconds (no run cost): for bounds."""
+    """Per device type, ``(n,)``: each unit's least seconds in any stage (no run cost): for
+    bounds."""
     memory: IntArray
     """``(n+1, n+1)``: stage memory in bytes for ``[c, c')``; ``EXACT_LIMIT`` unless ``c < c'``."""
     out_bytes: FloatArray
@@ -54,14 +55,29 @@ def build_tables(problem: PlanningProblem) -> Tables:
     _check_exact(problem)
     n = len(problem.units)
     types = sorted({device.type for device in problem.devices})
-    units = {kind: np.array([problem.unit_seconds(i, kind) for i in range(n)]) for kind in types}
-    compute = {
-        kind: _compute_table(seconds) + problem.call_seconds(kind)
-        for kind, seconds in units.items()
-    }
+    roofs = problem.type_roofs()
+    cached = _stage_bytes_table(problem)
+    compute: dict[str, FloatArray] = {}
+    units: dict[str, FloatArray] = {}
+    for kind in types:
+        # a unit costs one of two values: in a stage whose bytes fit the type's cache, or not
+        cache_bytes = roofs[kind].cache_bytes if kind in roofs else 0
+        fits = np.array([problem.unit_seconds(i, kind, 0) for i in range(n)])
+        spills = np.array([problem.unit_seconds(i, kind, cache_bytes + 1) for i in range(n)])
+        table = np.where(cached <= cache_bytes, _compute_table(fits), _compute_table(spills))
+        compute[kind] = table + problem.call_seconds(kind)
+        units[kind] = np.minimum(fits, spills)
     out = np.array([unit.out_bytes for unit in problem.units], dtype=np.float64)
     memory = _memory_table(problem)
     return Tables(n=n, compute=compute, unit_compute=units, memory=memory, out_bytes=out)
+
+
+def _stage_bytes_table(problem: PlanningProblem) -> IntArray:
+    """``(n+1, n+1)``: bytes units ``[c, c')`` read together (their ``work``), exact."""
+    read = [0] + [u.work.bytes_read if u.work is not None else 0 for u in problem.units]
+    prefix = np.cumsum(np.array(read, dtype=np.int64))
+    table: IntArray = prefix[None, :] - prefix[:, None]
+    return table
 
 
 def _check_exact(problem: PlanningProblem) -> None:
