@@ -75,9 +75,11 @@ def test_stage_terms_add_up_to_the_stage_time_the_planner_charges() -> None:
 # ----------------------------------------------------------------------------- the fit
 
 
-def _sample(compute: float, memory: float, fixed: float, factors: tuple[float, ...]) -> TermSample:
+def _sample(
+    compute: float, memory: float, fixed: float, factors: tuple[float, ...], age: int = 0
+) -> TermSample:
     measured = compute * factors[0] + memory * factors[1] + fixed * factors[2]
-    return TermSample(StageTerms(compute, memory, fixed), measured)
+    return TermSample(StageTerms(compute, memory, fixed), measured, age)
 
 
 def test_stages_of_different_make_fix_every_factor() -> None:
@@ -86,7 +88,7 @@ def test_stages_of_different_make_fix_every_factor() -> None:
     # a MiniLM stage almost all compute
     first = _sample(0.0, 12e-6, 77e-6, truth)
     last = _sample(0.0, 288e-6, 81e-6, truth)
-    encoder = _sample(9e-3, 0.0, 40e-6, truth)
+    encoder = _sample(9e-3, 0.0, 40e-6, truth, age=1)  # deployed before tiny-llama
     factors = fit_terms([first, last, encoder])
     assert (factors.compute, factors.memory, factors.fixed) == pytest.approx(truth, rel=0.02)
     # one scalar could not: each stage alone says 0.91x, 1.20x and 1.59x
@@ -109,6 +111,17 @@ def test_the_fit_is_defined_on_one_stage_clamped_and_newer_deploys_weigh_more() 
     old = TermSample(StageTerms(0.0, 1e-4, 0.0), 3e-4, age=3)
     new = TermSample(StageTerms(0.0, 1e-4, 0.0), 1e-4, age=0)
     assert fit_terms([old, new]).memory < 1.5  # the old deploy weighs 1/8
+
+
+def test_a_deploys_short_stages_do_not_outvote_its_long_ones() -> None:
+    # MiniLM in the demo: a 0.17 ms embedding stage predicted 1.6x, three 26 ms stages 0.81x
+    embedding = TermSample(StageTerms(226e-6, 29e-6, 16e-6), 0.17e-3)
+    layers = [TermSample(StageTerms(21.6e-3, 0.0, 43e-6), 26.4e-3) for _ in range(3)]
+    factors = fit_terms([embedding, *layers])
+    assert factors.compute == pytest.approx(26.4 / 21.6, rel=0.02)
+    # what the embedding stage alone would say of memory and fixed costs is not enough to
+    # move them far (weighed alike, the fit had pinned both at the floor, 0.05)
+    assert factors.memory > 0.7 and factors.fixed > 0.7
 
 
 # ----------------------------------------------------------------------------- the file

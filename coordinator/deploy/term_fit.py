@@ -19,7 +19,8 @@ cost, its last almost all bytes, and MiniLM's stages are compute. So the coordin
 factor per part, shared by every device (a device's own speed is in its roofs), by least
 squares on the relative errors of the recent stages (:func:`fit_terms`): ``measured ~
 compute x k_compute + memory x k_memory + fixed x k_fixed``. A weak pull towards 1 decides
-what the stages leave open (a part none of them has); newer deploys weigh more.
+what the stages leave open (a part none of them has); newer deploys and longer stages weigh
+more.
 
 Pure functions over plain numbers; the planner sees only the devices' roofs scaled by the
 factors (:func:`coordinator.deploy.stage_timing.term_corrected`), so it stays exact.
@@ -99,9 +100,22 @@ def stage_terms(work: Sequence[Work], roofs: Roofs, costs: FixedCosts | None) ->
     return StageTerms(compute, memory, fixed_s)
 
 
+def _time_weights(samples: Sequence[TermSample]) -> np.ndarray:
+    """Each stage's measured time over the longest of its deploy's (same ``age``): the stages
+    that make a plan's bottleneck and latency decide the factors. Weighed alike, MiniLM's
+    0.17 ms embedding stage (predicted 1.6x) outvoted its three 26 ms stages (0.81x) and
+    pinned the memory and fixed factors at their floor, on which Qwen 1.5B's memory-bound
+    stages were then predicted at 0.48x."""
+    longest: dict[int, float] = {}
+    for s in samples:
+        longest[s.age] = max(longest.get(s.age, 0.0), s.measured_s)
+    return np.array([s.measured_s / longest[s.age] for s in samples])
+
+
 def fit_terms(samples: Sequence[TermSample]) -> TermFactors:
-    """The factors minimising the weighted squared relative error of ``samples`` plus a pull
-    (:data:`PULL`) of each factor towards 1, each within [:data:`LOWEST`, :data:`HIGHEST`]
+    """The factors minimising the squared relative error of ``samples``, each weighed by its
+    age and its time (:func:`_time_weights`), plus a pull (:data:`PULL`) of each factor
+    towards 1, each within [:data:`LOWEST`, :data:`HIGHEST`]
     (a factor out of range is pinned at its bound and the others fitted again)."""
     usable = [s for s in samples if s.measured_s > 0 and s.terms.total_s > 0]
     if not usable:
@@ -109,7 +123,7 @@ def fit_terms(samples: Sequence[TermSample]) -> TermFactors:
     shares = np.array(
         [[s.terms.compute_s, s.terms.memory_s, s.terms.fixed_s] for s in usable]
     ) / np.array([[s.measured_s] for s in usable])
-    weights = np.array([AGE_WEIGHT**s.age for s in usable])
+    weights = np.array([AGE_WEIGHT**s.age for s in usable]) * _time_weights(usable)
     gram = shares.T @ (shares * weights[:, None])
     right = shares.T @ weights
     pull = PULL * float(np.trace(gram)) / 3  # scaled to the data: a stage 10x off is fixed
