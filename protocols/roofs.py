@@ -54,11 +54,13 @@ def roof_values(source: object) -> dict[str, Any]:
     return {name: getattr(source, name) for name in ROOF_FIELD_NAMES}
 
 
-def slowed_roofs(device: object, compute: float, memory: float, fixed: float) -> dict[str, Any]:
+def slowed_roofs(
+    device: object, compute: float, memory: float, fixed: float, gemv: float | None = None
+) -> dict[str, Any]:
     """The roofs of ``device`` (a device spec, a live device; ``gflops`` too) on which work
-    takes ``compute`` times as long at the compute roofs, ``memory`` times at the bandwidths
-    and ``fixed`` times in the fixed costs: the values to replace them with (a correction, a
-    what-if slowdown)."""
+    takes ``compute`` times as long at the compute roofs (the 4-bit product roof ``gemv``
+    times, ``compute`` when None), ``memory`` times at the bandwidths and ``fixed`` times in
+    the fixed costs: the values to replace them with (a correction, a what-if slowdown)."""
     roofs = {"gflops": getattr(device, "gflops"), **roof_values(device)}  # noqa: B009
 
     def over(name: str, factor: float) -> float | None:
@@ -66,7 +68,7 @@ def slowed_roofs(device: object, compute: float, memory: float, fixed: float) ->
 
     return {
         "gflops": float(roofs["gflops"]) / compute,
-        "gemv_gflops": over("gemv_gflops", compute),
+        "gemv_gflops": over("gemv_gflops", compute if gemv is None else gemv),
         "vector_gflops": over("vector_gflops", compute),
         "memory_gbps": over("memory_gbps", memory),
         "cache_gbps": over("cache_gbps", memory),

@@ -220,3 +220,14 @@ def test_cache_probes_cover_every_size_once() -> None:
     points = cache_points(RuntimeConfig(), passes=2)
     assert [size for size, _ in points] == sorted(CACHE_PROBE_BYTES)
     assert all(gbps > 0 for _, gbps in points)
+
+
+def test_4bit_products_have_a_factor_of_their_own() -> None:
+    # MiniLM's layer stages (compute, 1.22x their prediction), then a Qwen int4 stage whose
+    # bytes and 4-bit products were predicted right: the encoder's factor must not reach them
+    encoder = [TermSample(StageTerms(21.6e-3, 0.0, 43e-6), 26.4e-3, age=1) for _ in range(3)]
+    decoder = TermSample(StageTerms(0.0, 13.4e-3, 0.5e-3, gemv_s=9.1e-3), 23.0e-3)
+    factors = fit_terms([*encoder, decoder])
+    assert factors.compute == pytest.approx(26.4 / 21.6, rel=0.03)
+    assert factors.gemv == pytest.approx(1.0, abs=0.1)
+    assert factors.memory == pytest.approx(1.0, abs=0.1)

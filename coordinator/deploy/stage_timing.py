@@ -103,10 +103,12 @@ class StageSample(FrozenModel):
     memory_s: NonNegativeFloat
     fixed_s: NonNegativeFloat
     measured_s: PositiveFloat
+    gemv_s: NonNegativeFloat = 0.0
+    """One-row 4-bit products (absent from files written before that part was fitted)."""
 
     def terms(self) -> StageTerms:
         """The stage's predicted parts."""
-        return StageTerms(self.compute_s, self.memory_s, self.fixed_s)
+        return StageTerms(self.compute_s, self.memory_s, self.fixed_s, self.gemv_s)
 
 
 class TimingFile(FrozenModel):
@@ -139,7 +141,7 @@ def term_corrected(device: LiveDevice, factors: TermFactors) -> LiveDevice:
     """``device`` with its compute roof slowed by ``factors.compute``, its bandwidths by
     ``factors.memory`` and its operator, call and selection costs multiplied by
     ``factors.fixed``."""
-    slowed = slowed_roofs(device, factors.compute, factors.memory, factors.fixed)
+    slowed = slowed_roofs(device, factors.compute, factors.memory, factors.fixed, gemv=factors.gemv)
     return dataclasses.replace(device, **slowed)
 
 
@@ -236,6 +238,7 @@ def _sample(stage: StageTime, terms: StageTerms) -> StageSample:
         memory_s=terms.memory_s,
         fixed_s=terms.fixed_s,
         measured_s=stage.measured_s,
+        gemv_s=terms.gemv_s,
     )
 
 

@@ -3,12 +3,14 @@
 A stage's predicted time has three parts that go wrong for different reasons
 (:func:`stage_terms`):
 
-- the **compute** part, ``flops / compute`` of its units bound by compute (and the one-row
-  4-bit products of every unit, which do not overlap their reads), priced by the compute
-  roofs an agent measured at its start (their best runs);
+- the **compute** part, ``flops / compute`` of its units bound by compute, priced by the
+  product and element-wise roofs an agent measured at its start (their best runs);
 - the **memory** part, ``bytes / bandwidth`` of its units bound by memory, priced by the
   streaming-read roofs measured at start; a real stage reads its weights through other
   kernels than the benchmark's;
+- the **gemv** part, one-row 4-bit products (``MatMulNBits`` in a decode step) at the
+  ``gemv_gflops`` roof: their own kernel, so an encoder's compute factor says nothing of them
+  (MiniLM's 1.22 applied to them priced Qwen 1.5B's stages at 1.11-1.15x);
 - the **fixed** part, ``ops x op_us + topk_elements x topk_ns + call_us``, priced by costs
   the agent measures again next to every warm-up (``DeployReport.costs``), since they move
   with the load by up to 2.5x in a few minutes; a real node still costs more or less than an
@@ -47,16 +49,22 @@ HIGHEST = 20.0
 
 @dataclass(frozen=True)
 class StageTerms:
-    """A stage's predicted time in its three parts, seconds (uncorrected)."""
+    """A stage's predicted time in its parts, seconds (uncorrected)."""
 
     compute_s: float
     memory_s: float
     fixed_s: float
+    gemv_s: float = 0.0
+    """One-row 4-bit products (their own kernel: a factor of their own)."""
 
     @property
     def total_s(self) -> float:
         """The whole prediction."""
-        return self.compute_s + self.memory_s + self.fixed_s
+        return self.compute_s + self.memory_s + self.fixed_s + self.gemv_s
+
+    def parts(self) -> tuple[float, float, float, float]:
+        """The parts in :class:`TermFactors`' order."""
+        return (self.compute_s, self.memory_s, self.fixed_s, self.gemv_s)
 
 
 @dataclass(frozen=True)
@@ -76,6 +84,7 @@ class TermFactors:
     compute: float = 1.0
     memory: float = 1.0
     fixed: float = 1.0
+    gemv: float = 1.0
 
 
 def stage_terms(work: Sequence[Work], roofs: Roofs, costs: FixedCosts | None) -> StageTerms:
@@ -85,7 +94,7 @@ def stage_terms(work: Sequence[Work], roofs: Roofs, costs: FixedCosts | None) ->
     roofline time (:func:`partitioner.roofline.stage_seconds`)."""
     fixed = costs or FixedCosts(op_us=roofs.op_us, call_us=roofs.call_us, topk_ns=roofs.topk_ns)
     stage_bytes = sum(w.bytes_read for w in work)
-    compute = memory = 0.0
+    compute = memory = gemv = 0.0
     for w in work:
         flops_s = roofs.overlapped_s(w)
         bytes_s = roofs.memory_s(w, stage_bytes)
@@ -93,11 +102,11 @@ def stage_terms(work: Sequence[Work], roofs: Roofs, costs: FixedCosts | None) ->
             memory += bytes_s
         else:
             compute += flops_s
-        compute += roofs.gemv_s(w)
+        gemv += roofs.gemv_s(w)
     ops = sum(w.ops for w in work)
     selected = sum(w.topk_elements for w in work)
     fixed_s = ops * fixed.op_us / 1e6 + selected * fixed.topk_ns / 1e9 + fixed.call_us / 1e6
-    return StageTerms(compute, memory, fixed_s)
+    return StageTerms(compute, memory, fixed_s, gemv)
 
 
 def _time_weights(samples: Sequence[TermSample]) -> np.ndarray:
@@ -120,18 +129,19 @@ def fit_terms(samples: Sequence[TermSample]) -> TermFactors:
     usable = [s for s in samples if s.measured_s > 0 and s.terms.total_s > 0]
     if not usable:
         return TermFactors()
-    shares = np.array(
-        [[s.terms.compute_s, s.terms.memory_s, s.terms.fixed_s] for s in usable]
-    ) / np.array([[s.measured_s] for s in usable])
+    shares = np.array([s.terms.parts() for s in usable]) / np.array(
+        [[s.measured_s] for s in usable]
+    )
     weights = np.array([AGE_WEIGHT**s.age for s in usable]) * _time_weights(usable)
     gram = shares.T @ (shares * weights[:, None])
     right = shares.T @ weights
-    pull = PULL * float(np.trace(gram)) / 3  # scaled to the data: a stage 10x off is fixed
+    parts = len(TermFactors.__dataclass_fields__)
+    pull = PULL * float(np.trace(gram)) / parts  # scaled to the data: a stage 10x off is fixed
     pinned: dict[int, float] = {}
     while True:
-        free = [i for i in range(3) if i not in pinned]
+        free = [i for i in range(parts) if i not in pinned]
         if not free:
-            return TermFactors(pinned[0], pinned[1], pinned[2])
+            return TermFactors(*(pinned[i] for i in range(parts)))
         rhs = right[free] + pull
         for i, value in pinned.items():
             rhs -= gram[free, i] * value
@@ -139,6 +149,6 @@ def fit_terms(samples: Sequence[TermSample]) -> TermFactors:
         factors = dict(pinned) | {i: float(v) for i, v in zip(free, solved, strict=True)}
         outside = [i for i in free if not LOWEST <= factors[i] <= HIGHEST]
         if not outside:
-            return TermFactors(factors[0], factors[1], factors[2])
+            return TermFactors(*(factors[i] for i in range(parts)))
         worst = max(outside, key=lambda i: abs(factors[i] - 1.0))
         pinned[worst] = min(HIGHEST, max(LOWEST, factors[worst]))
