@@ -5,10 +5,11 @@ units. The semantics (which the planner implements exactly) are:
 
 - a stage's compute is the sum of its units' seconds on the device's type, each added left
   to right: ``compute_s[device.type]`` when given, otherwise (``/2`` only) the unit's
-  *roofline* time on that type, ``max(compute - gemv, bytes_read / (gbps * 1e9)) + gemv +
-  ops * op_us / 1e6 + topk_elements * topk_ns / 1e9`` with compute its FLOPs over the
-  devices' roofs (``gflops``; element-wise ones over ``vector_gflops``, one-row 4-bit
-  products over ``gemv_gflops``: that part is ``gemv``), memory roof ``gbps`` (GB/s, 10^9
+  *roofline* time on that type, ``max(products, bytes_read / (gbps * 1e9)) + vector + gemv
+  + ops * op_us / 1e6 + topk_elements * topk_ns / 1e9`` with ``products`` its FLOPs over the
+  devices' ``gflops``, ``vector`` its element-wise FLOPs over ``vector_gflops`` and ``gemv``
+  its one-row 4-bit products over ``gemv_gflops`` (FLOPs of a roof the type lacks count in
+  ``products``), memory roof ``gbps`` (GB/s, 10^9
   bytes/s: ``cache_gbps`` when the *stage's* units read at most ``cache_bytes`` together,
   else ``memory_gbps``; without either, the compute term alone), operator cost ``op_us``
   and selection cost ``topk_ns``, see :func:`roofline_s`; then
@@ -125,18 +126,21 @@ class Roofs(RoofFields):
     gflops: PositiveFloat
 
     def compute_s(self, work: Work) -> float:
-        """Seconds of all of ``work``'s FLOPs: :meth:`overlapped_s` plus :meth:`gemv_s`."""
-        return self.overlapped_s(work) + self.gemv_s(work)
+        """Seconds of all of ``work``'s FLOPs: :meth:`product_s`, :meth:`vector_s` and
+        :meth:`gemv_s`."""
+        return self.product_s(work) + self.vector_s(work) + self.gemv_s(work)
 
-    def overlapped_s(self, work: Work) -> float:
-        """Seconds of the FLOPs that overlap reading memory: element-wise ones at
-        ``vector_gflops`` (when measured), the rest but one-row 4-bit products at ``gflops``:
-        ``rest / (gflops 1e9) + vector / (vector_gflops 1e9)``."""
-        gemv, vector = self._gemv_flops(work), self._vector_flops(work)
-        seconds = float(work.flops - gemv - vector) / (self.gflops * 1e9)
-        if self.vector_gflops is not None:
-            seconds += float(vector) / (self.vector_gflops * 1e9)
-        return seconds
+    def product_s(self, work: Work) -> float:
+        """Seconds of the FLOPs at ``gflops``: all but the element-wise ones and the one-row
+        4-bit products where their roofs are measured."""
+        rest = work.flops - self._gemv_flops(work) - self._vector_flops(work)
+        return float(rest) / (self.gflops * 1e9)
+
+    def vector_s(self, work: Work) -> float:
+        """Seconds of ``work``'s element-wise FLOPs at ``vector_gflops`` (0 unmeasured)."""
+        if self.vector_gflops is None:
+            return 0.0
+        return float(self._vector_flops(work)) / (self.vector_gflops * 1e9)
 
     def gemv_s(self, work: Work) -> float:
         """Seconds of ``work``'s one-row 4-bit products at ``gemv_gflops`` (0 unmeasured)."""
@@ -168,18 +172,21 @@ class Roofs(RoofFields):
 
 def roofline_s(work: Work, roofs: Roofs, stage_bytes: int | None = None) -> float:
     """Seconds of ``work`` (a unit) under ``roofs`` in a stage whose units read ``stage_bytes``
-    together (None: the unit on its own): ``max(overlapped, memory) + gemv + ops * op_us / 1e6
-    + topk_elements * topk_ns / 1e9``.
+    together (None: the unit on its own): ``max(products, memory) + vector + gemv + ops * op_us
+    / 1e6 + topk_elements * topk_ns / 1e9``.
 
-    ``overlapped`` is :meth:`Roofs.overlapped_s` (FLOPs at ``gflops``, element-wise ones at
-    ``vector_gflops``), ``gemv`` :meth:`Roofs.gemv_s` (one-row 4-bit products at
-    ``gemv_gflops``) and ``memory`` :meth:`Roofs.memory_s`:
-    ``bytes_read / (gbps 1e9)`` with ``cache_gbps`` when the *stage's* bytes fit
-    ``cache_bytes`` (an agent runs its stage over and over: its units' weights stay cached
-    only if all of them fit), else ``memory_gbps``. The 4-bit products' unpacking does not
-    overlap their reads: Qwen2.5-Coder-1.5B int4 decode stages measured their gemv time plus
-    their bytes over the memory roof (0.99-1.11x), not the larger of the two (0.42-0.46x)."""
-    busy = max(roofs.overlapped_s(work), roofs.memory_s(work, stage_bytes)) + roofs.gemv_s(work)
+    ``products`` is :meth:`Roofs.product_s` (FLOPs at ``gflops``), ``vector``
+    :meth:`Roofs.vector_s` (element-wise FLOPs at ``vector_gflops``), ``gemv``
+    :meth:`Roofs.gemv_s` (one-row 4-bit products at ``gemv_gflops``) and ``memory``
+    :meth:`Roofs.memory_s`: ``bytes_read / (gbps 1e9)`` with ``cache_gbps`` when the *stage's*
+    bytes fit ``cache_bytes`` (an agent runs its stage over and over: its units' weights stay
+    cached only if all of them fit), else ``memory_gbps``. Only a product kernel overlaps its
+    reads with its arithmetic: element-wise kernels run before and after it on one core, and
+    the 4-bit products' unpacking does not overlap their reads either (Qwen2.5-Coder-1.5B int4
+    decode stages measured their gemv time plus their bytes over the memory roof, 0.99-1.11x,
+    not the larger of the two, 0.42-0.46x)."""
+    busy = max(roofs.product_s(work), roofs.memory_s(work, stage_bytes))
+    busy += roofs.vector_s(work) + roofs.gemv_s(work)
     fixed = float(work.ops) * roofs.op_us / 1e6
     return busy + fixed + float(work.topk_elements) * roofs.topk_ns / 1e9
 

@@ -102,19 +102,18 @@ def _unit_seconds(problem: PlanningProblem, index: int, kind: str, stage_bytes: 
     assert device.gflops is not None
     gemv = min(work.gemv_flops, work.flops) if device.gemv_gflops is not None else 0
     vector = min(work.vector_flops, work.flops - gemv) if device.vector_gflops is not None else 0
-    overlapped = float(work.flops - gemv - vector) / (device.gflops * 1e9)
-    if device.vector_gflops is not None:
-        overlapped += float(vector) / (device.vector_gflops * 1e9)
+    seconds = float(work.flops - gemv - vector) / (device.gflops * 1e9)
     bandwidth = device.memory_gbps
     if device.cache_gbps is not None and stage_bytes <= device.cache_bytes:
         bandwidth = device.cache_gbps
     if bandwidth is not None:
-        overlapped = max(overlapped, float(work.bytes_read) / (bandwidth * 1e9))
-    seconds = overlapped
-    if device.gemv_gflops is not None:
-        seconds += float(gemv) / (device.gemv_gflops * 1e9)
-    # in the documented order (``max(...) + gemv + ops * op_us / 1e6 + topk * topk_ns / 1e9``):
-    # the planner must equal this to the last bit, and float addition is not associative
+        seconds = max(seconds, float(work.bytes_read) / (bandwidth * 1e9))
+    vector_s = 0.0 if device.vector_gflops is None else vector / (device.vector_gflops * 1e9)
+    gemv_s = 0.0 if device.gemv_gflops is None else gemv / (device.gemv_gflops * 1e9)
+    seconds += vector_s + gemv_s
+    # in the documented order (``max(...) + vector + gemv + ops * op_us / 1e6 + topk *
+    # topk_ns / 1e9``): the planner must equal this to the last bit, and float addition is
+    # not associative
     seconds += float(work.ops) * device.op_us / 1e6
     return seconds + float(work.topk_elements) * device.topk_ns / 1e9
 

@@ -69,6 +69,14 @@ def test_4bit_products_add_their_time_to_the_reads_where_other_work_overlaps_the
     assert roofline_s(dense, roofs) == pytest.approx(1e-2)  # the larger of the two
 
 
+def test_element_wise_kernels_add_their_time_to_the_products_reads() -> None:
+    roofs = Roofs(gflops=100.0, vector_gflops=1.0, memory_gbps=10.0)
+    layer = Work(flops=10**6 + 10**7, bytes_read=10**8, vector_flops=10**6)
+    # the products (0.1 ms of FLOPs) wait on their 10 ms of weights; the 1 ms of element-wise
+    # kernels runs before and after them, on the same core
+    assert roofline_s(layer, roofs) == pytest.approx(1e-2 + 1e-3)
+
+
 def test_element_wise_work_is_priced_at_the_vector_roof() -> None:
     roofs = Roofs(gflops=100.0, vector_gflops=1.0)
     block = Work(flops=10**9 + 10**6, bytes_read=0, vector_flops=10**6)

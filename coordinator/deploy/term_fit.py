@@ -3,8 +3,9 @@
 A stage's predicted time has three parts that go wrong for different reasons
 (:func:`stage_terms`):
 
-- the **compute** part, ``flops / compute`` of its units bound by compute, priced by the
-  product and element-wise roofs an agent measured at its start (their best runs);
+- the **compute** part, ``flops / compute`` of its units bound by compute and the
+  element-wise FLOPs of all of them, priced by the product and element-wise roofs an agent
+  measured at its start (their best runs);
 - the **memory** part, ``bytes / bandwidth`` of its units bound by memory, priced by the
   streaming-read roofs measured at start; a real stage reads its weights through other
   kernels than the benchmark's;
@@ -96,12 +97,13 @@ def stage_terms(work: Sequence[Work], roofs: Roofs, costs: FixedCosts | None) ->
     stage_bytes = sum(w.bytes_read for w in work)
     compute = memory = gemv = 0.0
     for w in work:
-        flops_s = roofs.overlapped_s(w)
+        flops_s = roofs.product_s(w)
         bytes_s = roofs.memory_s(w, stage_bytes)
         if bytes_s > flops_s:
             memory += bytes_s
         else:
             compute += flops_s
+        compute += roofs.vector_s(w)
         gemv += roofs.gemv_s(w)
     ops = sum(w.ops for w in work)
     selected = sum(w.topk_elements for w in work)
