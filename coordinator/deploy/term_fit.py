@@ -112,15 +112,17 @@ def stage_terms(work: Sequence[Work], roofs: Roofs, costs: FixedCosts | None) ->
 
 
 def _time_weights(samples: Sequence[TermSample]) -> np.ndarray:
-    """Each stage's measured time over the longest of its deploy's (same ``age``): the stages
-    that make a plan's bottleneck and latency decide the factors. Weighed alike, MiniLM's
-    0.17 ms embedding stage (predicted 1.6x) outvoted its three 26 ms stages (0.81x) and
-    pinned the memory and fixed factors at their floor, on which Qwen 1.5B's memory-bound
-    stages were then predicted at 0.48x."""
+    """Each stage's squared measured time over the longest of its deploy's (same ``age``):
+    the fit's relative errors so weighed are errors in time, in units of the deploy's longest
+    stage, so the stages that make a plan's bottleneck and latency decide the factors.
+    Weighed alike, MiniLM's 0.15 ms embedding stage (predicted 1.6-2.4x) outvoted its three
+    21-26 ms stages and pulled the memory and fixed factors down (to their floor of 0.05, or
+    to 0.49 weighed by time alone), on which Qwen 1.5B's memory-bound stages were then
+    predicted at 0.48x and 0.80x."""
     longest: dict[int, float] = {}
     for s in samples:
         longest[s.age] = max(longest.get(s.age, 0.0), s.measured_s)
-    return np.array([s.measured_s / longest[s.age] for s in samples])
+    return np.array([(s.measured_s / longest[s.age]) ** 2 for s in samples])
 
 
 def fit_terms(samples: Sequence[TermSample]) -> TermFactors:
