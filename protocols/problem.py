@@ -9,10 +9,10 @@ units. The semantics (which the planner implements exactly) are:
   + ops * op_us / 1e6 + topk_elements * topk_ns / 1e9`` with ``products`` its FLOPs over the
   devices' ``gflops``, ``vector`` its element-wise FLOPs over ``vector_gflops`` and ``gemv``
   its one-row 4-bit products over ``gemv_gflops`` (FLOPs of a roof the type lacks count in
-  ``products``), memory roof ``gbps`` (GB/s, 10^9
-  bytes/s: ``cache_gbps`` when the *stage's* units read at most ``cache_bytes`` together,
-  else ``memory_gbps``; without either, the compute term alone), operator cost ``op_us``
-  and selection cost ``topk_ns``, see :func:`roofline_s`; then
+  ``products``), memory roof ``gbps`` (GB/s, 10^9 bytes/s: ``cache_gbps`` when the
+  *stage's* units read at most ``cache_bytes`` together, else ``memory_gbps``; without
+  either, the compute terms alone), operator cost ``op_us`` and selection cost ``topk_ns``,
+  see :func:`roofline_s`; then
   (``/2``, a type with roofs) the device's ``call_us / 1e6`` is added once: running a
   segment at all costs that much;
 - every stage but the last sends its last unit's ``out_bytes`` to the next stage's

@@ -1,6 +1,6 @@
 """Per-term corrections of the roofline, fitted on the stages the agents measured.
 
-A stage's predicted time has three parts that go wrong for different reasons
+A stage's predicted time has four parts that go wrong for different reasons
 (:func:`stage_terms`):
 
 - the **compute** part, ``flops / compute`` of its units bound by compute and the
@@ -21,9 +21,9 @@ One correction per device cannot fix them all: tiny-llama's first stage is almos
 cost, its last almost all bytes, and MiniLM's stages are compute. So the coordinator fits one
 factor per part, shared by every device (a device's own speed is in its roofs), by least
 squares on the relative errors of the recent stages (:func:`fit_terms`): ``measured ~
-compute x k_compute + memory x k_memory + fixed x k_fixed``. A weak pull towards 1 decides
-what the stages leave open (a part none of them has); newer deploys and longer stages weigh
-more.
+compute x k_compute + memory x k_memory + fixed x k_fixed + gemv x k_gemv``. A weak pull
+towards 1 decides what the stages leave open (a part none of them has); newer deploys and
+longer stages weigh more.
 
 Pure functions over plain numbers; the planner sees only the devices' roofs scaled by the
 factors (:func:`coordinator.deploy.stage_timing.term_corrected`), so it stays exact.
