@@ -1,7 +1,9 @@
 """Roofline costs of planning units: the FLOPs a unit does and the bytes it must read.
 
-A unit's time on a device is the larger of its FLOPs over the device's compute roof and its
-bytes over the device's memory roof (``protocols.problem.roofline_s``). A decode step reads
+A unit's time on a device is the larger of its product FLOPs over the device's compute roof
+and its bytes over the device's memory roof, plus its element-wise FLOPs and one-row 4-bit
+products over their own roofs (``protocols.problem.roofline_s``; the cache roof applies when
+the whole stage's bytes fit the cache). A decode step reads
 hundreds of MB of weights for a few MFLOPs, so it is bound by memory, not by multiply-adds;
 an encoder request at 128 tokens does ~100 FLOPs per weight byte and is bound by compute.
 

@@ -56,7 +56,7 @@ def build_tables(problem: PlanningProblem) -> Tables:
     n = len(problem.units)
     types = sorted({device.type for device in problem.devices})
     roofs = problem.type_roofs()
-    cached = _stage_bytes_table(problem)
+    stage_bytes = _stage_bytes_table(problem)
     compute: dict[str, FloatArray] = {}
     units: dict[str, FloatArray] = {}
     for kind in types:
@@ -64,7 +64,7 @@ def build_tables(problem: PlanningProblem) -> Tables:
         cache_bytes = roofs[kind].cache_bytes if kind in roofs else 0
         fits = np.array([problem.unit_seconds(i, kind, 0) for i in range(n)])
         spills = np.array([problem.unit_seconds(i, kind, cache_bytes + 1) for i in range(n)])
-        table = np.where(cached <= cache_bytes, _compute_table(fits), _compute_table(spills))
+        table = np.where(stage_bytes <= cache_bytes, _compute_table(fits), _compute_table(spills))
         compute[kind] = table + problem.call_seconds(kind)
         units[kind] = np.minimum(fits, spills)
     out = np.array([unit.out_bytes for unit in problem.units], dtype=np.float64)
