@@ -20,10 +20,9 @@ from edge_agent.config import RuntimeConfig
 from edge_agent.microbench import (
     best_gflops,
     field_bytes,
+    initializer_bytes,
     int_attribute_bytes,
-    tensor_bytes,
-    value_info_bytes,
-    varint_field_bytes,
+    model_bytes,
 )
 
 K = 2048
@@ -47,21 +46,16 @@ def gemv_model_bytes(k: int = K, count: int = PRODUCTS) -> bytes:
         out = "y" if i == count - 1 else f"h{i}"
         packed = rng.integers(0, 256, size=(k, blocks, BLOCK * BITS // 8), dtype=np.uint8)
         scales = (rng.random(k * blocks, dtype=np.float32) + 0.5) / (8.0 * k**0.5)
-        weights += [tensor_bytes(f"w{i}", packed, _UINT8), tensor_bytes(f"s{i}", scales, _FLOAT)]
+        weights += [
+            initializer_bytes(f"w{i}", packed, _UINT8),
+            initializer_bytes(f"s{i}", scales, _FLOAT),
+        ]
         nodes.append(_nbits_node(previous, f"w{i}", f"s{i}", out, k))
         previous = out
-    graph = b"".join(
-        [
-            *(field_bytes(1, node) for node in nodes),
-            field_bytes(2, b"fedshard_gemv"),
-            *(field_bytes(5, tensor) for tensor in weights),
-            field_bytes(11, value_info_bytes("x", [1, k])),
-            field_bytes(12, value_info_bytes("y", [1, k])),
-        ]
+    opsets = (("", 17), (MS_DOMAIN, 1))
+    return model_bytes(
+        nodes, "fedshard_gemv", [("x", [1, k])], [("y", [1, k])], None, weights, opsets
     )
-    opsets = field_bytes(8, field_bytes(1, b"") + varint_field_bytes(2, 17))
-    opsets += field_bytes(8, field_bytes(1, MS_DOMAIN.encode()) + varint_field_bytes(2, 1))
-    return varint_field_bytes(1, 8) + field_bytes(2, b"fedshard") + field_bytes(7, graph) + opsets
 
 
 def measure_gemv_gflops(runtime: RuntimeConfig, budget_s: float = 0.5, trials: int = 10) -> float:

@@ -121,15 +121,19 @@ def model_bytes(
     inputs: Sequence[tuple[str, Sequence[int | str]]],
     outputs: Sequence[tuple[str, Sequence[int | str]]],
     types: dict[str, int] | None = None,
+    initializers: Sequence[bytes] = (),
+    opsets: Sequence[tuple[str, int]] = (("", 17),),
 ) -> bytes:
-    """A serialized opset-17 ONNX model of ``nodes`` (from :func:`node_bytes`) with
-    ``inputs`` and ``outputs`` of the given shapes (a string is a symbolic dimension), float32
-    unless ``types`` gives a ``TensorProto`` element type by name."""
+    """A serialized ONNX model of ``nodes`` (from :func:`node_bytes`) with ``initializers``
+    (from :func:`initializer_bytes`), ``inputs`` and ``outputs`` of the given shapes (a string
+    is a symbolic dimension), float32 unless ``types`` gives a ``TensorProto`` element type by
+    name, importing ``opsets`` (domain, version; the default opset 17)."""
     kinds = types or {}
     graph = b"".join(
         [
             *(field_bytes(1, node) for node in nodes),
             field_bytes(2, name.encode()),
+            *(field_bytes(5, tensor) for tensor in initializers),
             *(
                 field_bytes(11, value_info_bytes(n, shape, kinds.get(n, _FLOAT)))
                 for n, shape in inputs
@@ -140,13 +144,11 @@ def model_bytes(
             ),
         ]
     )
-    opset = field_bytes(1, b"") + varint_field_bytes(2, 17)
-    return (
-        varint_field_bytes(1, 8)
-        + field_bytes(2, b"fedshard")
-        + field_bytes(7, graph)
-        + field_bytes(8, opset)
+    imports = b"".join(
+        field_bytes(8, field_bytes(1, domain.encode()) + varint_field_bytes(2, version))
+        for domain, version in opsets
     )
+    return varint_field_bytes(1, 8) + field_bytes(2, b"fedshard") + field_bytes(7, graph) + imports
 
 
 def measure_profile(runtime: RuntimeConfig) -> ComputeProfile:
@@ -298,7 +300,7 @@ def int_attribute_bytes(name: str, value: int) -> bytes:
     return field_bytes(1, name.encode()) + varint_field_bytes(3, encoded) + kind
 
 
-def tensor_bytes(name: str, array: np.ndarray, data_type: int = _FLOAT) -> bytes:
+def initializer_bytes(name: str, array: np.ndarray, data_type: int = _FLOAT) -> bytes:
     """A serialized ``TensorProto`` initializer: ``array``'s raw little-endian bytes."""
     dims = b"".join(varint_field_bytes(1, d) for d in array.shape)
     return (

@@ -23,9 +23,9 @@ from edge_agent.config import RuntimeConfig
 from edge_agent.microbench import (
     best_gflops,
     field_bytes,
+    initializer_bytes,
     int_attribute_bytes,
-    tensor_bytes,
-    value_info_bytes,
+    model_bytes,
     varint_field_bytes,
 )
 
@@ -65,18 +65,14 @@ def vector_model_bytes(rows: int = ROWS, width: int = WIDTH, blocks: int = BLOCK
         previous = names[-1]
     rng = np.random.default_rng(0)
     bias = (rng.random(width, dtype=np.float32) - 0.5) * 0.1
-    initializers = [tensor_bytes("bias", bias), tensor_bytes("gamma", np.ones(width, np.float32))]
-    graph = b"".join(
-        [
-            *(field_bytes(1, node) for node in nodes),
-            field_bytes(2, b"fedshard_vector"),
-            *(field_bytes(5, tensor) for tensor in initializers),
-            field_bytes(11, value_info_bytes("x", [1, rows, width])),
-            field_bytes(12, value_info_bytes("y", [1, rows, width])),
-        ]
+    initializers = [
+        initializer_bytes("bias", bias),
+        initializer_bytes("gamma", np.ones(width, np.float32)),
+    ]
+    shape = [1, rows, width]
+    return model_bytes(
+        nodes, "fedshard_vector", [("x", shape)], [("y", shape)], None, initializers, (("", 20),)
     )
-    opset = field_bytes(8, field_bytes(1, b"") + varint_field_bytes(2, 20))
-    return varint_field_bytes(1, 8) + field_bytes(2, b"fedshard") + field_bytes(7, graph) + opset
 
 
 def counted_elements(rows: int = ROWS, width: int = WIDTH, blocks: int = BLOCKS) -> int:

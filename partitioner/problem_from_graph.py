@@ -11,6 +11,7 @@ from partitioner.units import UnitPlan
 from protocols.constants import DEFAULT_QUEUE_DEPTH, ROOFLINE_PROBLEM_FORMAT
 from protocols.devices import DeviceList, DeviceSpec
 from protocols.problem import PlanningProblem, Roofs, Work, roofline_s
+from protocols.roofs import roof_values
 
 
 def device_type(name: str) -> str:
@@ -129,17 +130,7 @@ def _distribute(
 
 
 def _roofs(device: DeviceSpec) -> dict[str, object]:
-    return {
-        "gflops": device.gflops,
-        "memory_gbps": device.memory_gbps,
-        "cache_bytes": device.cache_bytes,
-        "cache_gbps": device.cache_gbps,
-        "op_us": device.op_us,
-        "call_us": device.call_us,
-        "topk_ns": device.topk_ns,
-        "gemv_gflops": device.gemv_gflops,
-        "vector_gflops": device.vector_gflops,
-    }
+    return {"gflops": device.gflops, **roof_values(device)}
 
 
 def _price_by_roofline(
