@@ -325,9 +325,10 @@ def prepared_export(console: Console, name: str, weights: str) -> Path:
     """The model's export in ``weights`` under the cache (``fedshard export --weights``, once)."""
     if weights == "fp32":
         return export_decoder(console, name, CACHE / "exports" / name, CACHE)
+    from partitioner.decoders.precision import current_export, parse_weights
+
     out = CACHE / "exports" / f"{name}-{weights}"
-    if not (out / "decoder.json").is_file():
-        from partitioner.decoders.precision import parse_weights
+    if not current_export(out, parse_weights(weights)):  # missing, or an older scheme's
         from partitioner.decoders.progress import RichSteps
         from partitioner.frontdoor import export_decoder as export_weights
 

@@ -86,3 +86,41 @@ def test_greedy_completion_equals_one_onnx_runtime_session(lab: GenLab) -> None:
     reply = response.json()
     assert reply["choices"][0]["text"] == want
     assert reply["usage"]["completion_tokens"] == count
+
+
+def test_int4_rows_decode_alike_alone_and_in_a_verify_pass(lab: GenLab) -> None:
+    """The 1.5B int4 graph computes a token bit for bit alike in a one-token step and in a pass
+    that verifies it after another (before its float products ran on two rows, its top logit
+    was 0.067 apart), so the export leaves speculation on for it."""
+    import numpy as np
+
+    from partitioner.decoders.ort_runner import OrtDecoder
+
+    decoder = OrtDecoder(lab.export)
+    assert decoder.info.rows_independent
+    ids = [14582, 264, 13027, 729, 429, 4675, 279, 9334, 315]
+    decoder.prefill(ids[:-3])
+    decoder.step(ids[-3:-2])
+    decoder.step(ids[-2:-1])
+    alone = decoder.step(ids[-1:])
+    decoder.prefill(ids[:-3])
+    together = decoder.step(ids[-3:])
+    assert np.array_equal(alone.top_logits, together.top_logits)
+    assert np.array_equal(alone.top_ids, together.top_ids)
+
+
+def test_speculation_is_in_effect_and_keeps_the_text(lab: GenLab) -> None:
+    """With the default ``auto`` setting the chain drafts by prompt lookup on a prompt that
+    repeats itself, accepts drafts, and still answers as one ONNX Runtime session does."""
+    prompt = "numbers = [1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 1, 2, 3, 4, 5, 6, 7, 8"
+    want, count = greedy_reference(lab.export, prompt, TOKENS)
+    body = {"model": MODEL_ID, "prompt": prompt, "max_tokens": TOKENS, "temperature": 0}
+    with lab.coordinator.client(timeout=900) as api:
+        response = api.post("/v1/completions", json=body)
+        assert response.status_code == 200, response.text
+        assert response.json()["choices"][0]["text"] == want
+        models = {m["model_id"]: m for m in api.get("/v1/console/models").json()}
+    entry = models[MODEL_ID]
+    assert entry["speculation_off"] is None, entry
+    assert entry["accepted_tokens"] > 0, entry
+    assert count == TOKENS

@@ -111,7 +111,7 @@ def test_conversion_keeps_the_interface_and_stores_weights_smaller(
     assert current_export(out, weights) and current_export(exports[name], "fp32")
     assert not current_export(exports[name], weights) or weights not in SCHEMES  # none recorded
     info, source_info = _info(out), _info(exports[name])
-    assert info.rows_independent == (weights == "fp16") and source_info.rows_independent
+    assert info.rows_independent == (weights != "int8") and source_info.rows_independent
     assert info.model_copy(update={"rows_independent": True}) == source_info
     assert read_info(out / MODEL_FILE) == info  # the graph's own copy says the same
     assert _io(model) == _io(source)  # KV cache and frames stay float32
@@ -141,8 +141,9 @@ def test_only_int8_couples_the_rows_of_a_pass(
 ) -> None:
     """What ``rows_independent`` says is so: a token's candidates from a pass of one row equal
     those from a pass that also runs the token before it; int8, whose ``DynamicQuantizeLinear``
-    picks one activation scale for the whole pass, visibly does not (int4's one-row kernel
-    differs only at larger widths than the tiny model's: Qwen 1.5B, see the README)."""
+    picks one activation scale for the whole pass, visibly does not. int4 computes them bit for
+    bit alike (its float products run on two rows or more, see
+    :mod:`partitioner.decoders.rowwise`); float32's one-row product differs in the last bits."""
     from partitioner.decoders.ort_runner import OrtDecoder
 
     decoder = OrtDecoder(converted(exports, "tiny-llama", weights, tmp_path_factory))
@@ -153,11 +154,55 @@ def test_only_int8_couples_the_rows_of_a_pass(
     decoder.prefill(ids[:-2])
     together = decoder.step(ids[-2:]).top_logits
     gap = float(np.abs(alone - together).max())
-    assert decoder.info.rows_independent == (weights in ("fp32", "fp16"))
+    assert decoder.info.rows_independent == (weights != "int8")
     if decoder.info.rows_independent:
         assert gap < 1e-3, gap
+    if weights == "int4":
+        assert gap == 0.0, gap
     if weights == "int8":
         assert gap > 1e-3, gap
+
+
+def test_two_row_products_compute_each_row_as_a_pass_of_many_does() -> None:
+    """The rewrite itself, on one attention-shaped product: unpadded, a one-row pass differs in
+    the last bits from the same row in a pass of several (the kernels differ); padded, every
+    row count gives the same bits, and the values are the product's."""
+    import onnxruntime as ort
+
+    from partitioner.decoders.rowwise import two_row_products
+    from partitioner.errors import GraphError
+
+    graph = helper.make_graph(
+        [helper.make_node("MatMul", ["q", "k"], ["scores"], name="attn")],
+        "attention",
+        [
+            helper.make_tensor_value_info("q", TensorProto.FLOAT, [1, 4, "rows", 64]),
+            helper.make_tensor_value_info("k", TensorProto.FLOAT, [1, 4, 64, "past"]),
+        ],
+        [helper.make_tensor_value_info("scores", TensorProto.FLOAT, None)],
+    )
+    model = helper.make_model(graph, opset_imports=[helper.make_opsetid("", 17)])
+    rng = np.random.default_rng(3)
+    q = rng.standard_normal((1, 4, 6, 64)).astype(np.float32)
+    k = rng.standard_normal((1, 4, 64, 300)).astype(np.float32)
+
+    def last_row_gaps(proto: onnx.ModelProto) -> list[float]:
+        options = ort.SessionOptions()
+        options.intra_op_num_threads = 1
+        session = ort.InferenceSession(proto.SerializeToString(), options)
+        whole = session.run(None, {"q": q, "k": k})[0]
+        np.testing.assert_allclose(whole, q @ k, rtol=1e-4, atol=1e-4)
+        tails = [session.run(None, {"q": q[:, :, -n:], "k": k})[0] for n in range(1, 6)]
+        return [float(np.abs(t - whole[:, :, -t.shape[2] :]).max()) for t in tails]
+
+    plain = last_row_gaps(model)
+    assert plain[0] > 0.0 and plain[1:] == [0.0] * 4, plain
+    padded = two_row_products(onnx.ModelProto.FromString(model.SerializeToString()))
+    assert [n.op_type for n in padded.graph.node].count("MatMul") == 1
+    assert last_row_gaps(padded) == [0.0] * 5
+    old = helper.make_model(graph, opset_imports=[helper.make_opsetid("", 13)])
+    with pytest.raises(GraphError, match="opset 15"):
+        two_row_products(old)
 
 
 @pytest.mark.parametrize("weights", WEIGHTS)

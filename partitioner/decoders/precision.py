@@ -13,7 +13,9 @@ No quantizer is written here; each precision is one of ONNX Runtime's own:
 - ``int4``: :class:`~onnxruntime.quantization.matmul_nbits_quantizer.MatMulNBitsQuantizer`,
   4 bits, blocks of :data:`BLOCK_SIZE`, with zero points, ``accuracy_level``
   :data:`ACCURACY_LEVEL`: ``MatMul`` → ``MatMulNBits``, the embedding ``Gather`` →
-  ``GatherBlockQuantized``.
+  ``GatherBlockQuantized``; the float products left (attention) then run on two rows or more
+  (:func:`~partitioner.decoders.rowwise.two_row_products`), so every row decodes alike in a
+  pass of any size.
 
 :func:`quantize_model` is ``ModelProto`` in, ``ModelProto`` out; :func:`quantize_decoder` is
 the thin file layer over a ``fedshard.decoder/1`` directory (weights of models over 2 GB go to
@@ -37,6 +39,7 @@ import onnx
 
 from partitioner.decoders.fp16 import fp16_model
 from partitioner.decoders.progress import Steps
+from partitioner.decoders.rowwise import two_row_products
 from partitioner.decoders.weights import WEIGHTS, Weights
 from partitioner.errors import GraphError
 from protocols.decoder import DECODER_FILE, DECODER_METADATA_KEY, MODEL_FILE, DecoderInfo
@@ -53,9 +56,9 @@ ACCURACY_LEVEL = 4
 block inside the kernel) by the 4-bit weights, where 0 unpacks every weight to float32 first.
 Measured on a 1536 x 8960 Qwen weight, one thread: one row 0.39 ms against 1.10-1.18 (a scratch
 script) and 0.65 ms against 1.45 (``bench/verify_rows.py``), what a decode step runs; four rows
-0.87-0.90 ms against 3.77-3.80. The price: one row goes through another kernel than several,
-so a pass that verifies drafted tokens would not decode as one-token passes do, and int4
-graphs decode without speculation (:data:`ROW_COUPLED`)."""
+0.87-0.90 ms against 3.77-3.80. Its rows are computed bit for bit alike in passes of any size
+(ONNX Runtime 1.32; the float products around it are padded for that, see
+:mod:`partitioner.decoders.rowwise`)."""
 INT8_REDUCE_RANGE = True
 """int8 weights use 7 of their 8 bits (``quantize_dynamic(reduce_range=True)``, ONNX Runtime's
 documented remedy for saturation). On x86 CPUs without VNNI (AVX2 only: AMD Zen 2, older Intel)
@@ -68,15 +71,16 @@ SCHEME_METADATA_KEY = "fedshard.weights.scheme"
 """Metadata key naming how a quantized decoder's weights were stored (see :data:`SCHEMES`)."""
 SCHEMES: dict[Weights, str] = {
     "int8": "quantize_dynamic per-channel s8, 7-bit range",
-    "int4": f"MatMulNBits block {BLOCK_SIZE}, accuracy_level {ACCURACY_LEVEL}",
+    "int4": f"MatMulNBits block {BLOCK_SIZE}, accuracy_level {ACCURACY_LEVEL}, two-row products",
 }
 """The current storage scheme of each quantized precision: an export recorded under another
 (or none: made before the scheme was recorded) is out of date and made again by the demo."""
-ROW_COUPLED: frozenset[Weights] = frozenset({"int8", "int4"})
+ROW_COUPLED: frozenset[Weights] = frozenset({"int8"})
 """Precisions whose graphs do not compute a row the same in passes of different sizes (see
 :attr:`protocols.decoder.DecoderInfo.rows_independent`): int8 quantizes activations once per
-pass; int4 at :data:`ACCURACY_LEVEL` runs one row through another kernel than several (Qwen
-1.5B: a token's top logit 0.067 apart alone and in a two-token pass)."""
+pass. int4 did too until its float products ran on two rows or more
+(:mod:`partitioner.decoders.rowwise`; Qwen 1.5B: a token's top logit had been 0.067 apart
+alone and in a two-token pass)."""
 
 DEFAULT_WEIGHTS: dict[str, Weights] = {
     "gemma3-270m": "int8",
@@ -147,6 +151,7 @@ def quantize_model(model: onnx.ModelProto, weights: Weights) -> onnx.ModelProto:
             result = _dynamic_int8(fold_weight_transposes(model))
         elif weights == "int4":
             result = _nbits(fold_weight_transposes(model), 4, ("MatMul", "Gather"))
+            result = two_row_products(result)
         else:
             result = model
     return _record_precision(result, metadata, weights)
