@@ -14,6 +14,8 @@ from pathlib import Path
 import pytest
 from generation_lab import GenLab, decoder_lab, greedy_reference, live_version
 
+from protocols.decoder import DecoderInfo
+
 pytestmark = [pytest.mark.slow, pytest.mark.heavy, pytest.mark.timeout(3600)]
 
 MODEL_ID = "qwen2.5-coder-1.5b"
@@ -97,7 +99,6 @@ def test_int4_rows_decode_alike_alone_and_in_a_verify_pass(lab: GenLab) -> None:
     from partitioner.decoders.ort_runner import OrtDecoder
 
     decoder = OrtDecoder(lab.export)
-    assert decoder.info.rows_independent
     ids = [14582, 264, 13027, 729, 429, 4675, 279, 9334, 315]
     decoder.prefill(ids[:-3])
     decoder.step(ids[-3:-2])
@@ -105,8 +106,10 @@ def test_int4_rows_decode_alike_alone_and_in_a_verify_pass(lab: GenLab) -> None:
     alone = decoder.step(ids[-1:])
     decoder.prefill(ids[:-3])
     together = decoder.step(ids[-3:])
-    assert np.array_equal(alone.top_logits, together.top_logits)
-    assert np.array_equal(alone.top_ids, together.top_ids)
+    alike = np.array_equal(alone.top_logits, together.top_logits)
+    assert decoder.info.rows_independent == alike  # the export's own check, on this CPU
+    if alike:  # AVX-512; ONNX Runtime's AVX2 kernel runs one row through a kernel of its own
+        assert np.array_equal(alone.top_ids, together.top_ids)
 
 
 def test_speculation_is_in_effect_and_keeps_the_text(lab: GenLab) -> None:
@@ -121,6 +124,9 @@ def test_speculation_is_in_effect_and_keeps_the_text(lab: GenLab) -> None:
         assert response.json()["choices"][0]["text"] == want
         models = {m["model_id"]: m for m in api.get("/v1/console/models").json()}
     entry = models[MODEL_ID]
+    if not DecoderInfo.from_json((lab.export / "decoder.json").read_bytes()).rows_independent:
+        assert "a token a pass" in entry["speculation_off"], entry  # marked at export (AVX2)
+        return
     assert entry["speculation_off"] is None, entry
     assert entry["accepted_tokens"] > 0, entry
     assert count == TOKENS

@@ -111,7 +111,9 @@ def test_conversion_keeps_the_interface_and_stores_weights_smaller(
     assert current_export(out, weights) and current_export(exports[name], "fp32")
     assert not current_export(exports[name], weights) or weights not in SCHEMES  # none recorded
     info, source_info = _info(out), _info(exports[name])
-    assert info.rows_independent == (weights != "int8") and source_info.rows_independent
+    assert source_info.rows_independent
+    if weights != "int4":  # int4's mark depends on this CPU: test_only_int8_couples_...
+        assert info.rows_independent == (weights != "int8")
     assert info.model_copy(update={"rows_independent": True}) == source_info
     assert read_info(out / MODEL_FILE) == info  # the graph's own copy says the same
     assert _io(model) == _io(source)  # KV cache and frames stay float32
@@ -154,19 +156,42 @@ def test_only_int8_couples_the_rows_of_a_pass(
     decoder.prefill(ids[:-2])
     together = decoder.step(ids[-2:]).top_logits
     gap = float(np.abs(alone - together).max())
-    assert decoder.info.rows_independent == (weights != "int8")
-    if decoder.info.rows_independent:
+    if weights == "int4":  # bit for bit alike where ONNX Runtime's int4 kernel is (AVX-512)
+        assert decoder.info.rows_independent == (gap == 0.0), gap
+    else:
+        assert decoder.info.rows_independent == (weights != "int8")
+    if weights in ("fp32", "fp16"):
         assert gap < 1e-3, gap
-    if weights == "int4":
-        assert gap == 0.0, gap
     if weights == "int8":
         assert gap > 1e-3, gap
 
 
+def test_an_export_whose_rows_differ_is_marked_coupled_in_both_copies(
+    exports: Exports, tmp_path: Path, tmp_path_factory: pytest.TempPathFactory
+) -> None:
+    """Where the int4 probe finds a token decoding differently alone and in a pass (ONNX
+    Runtime's AVX2 kernels), the export is marked ``rows_independent: false`` in
+    ``decoder.json`` and in the graph's own copy, and still loads and decodes."""
+    import shutil
+
+    from partitioner.decoders.ort_runner import OrtDecoder
+    from partitioner.decoders.precision import _mark_rows_coupled
+
+    out = tmp_path / "int4"
+    shutil.copytree(converted(exports, "tiny-llama", "int4", tmp_path_factory), out)
+    before = _info(out)
+    _mark_rows_coupled(out)
+    after = _info(out)
+    assert not after.rows_independent and read_info(out / MODEL_FILE) == after
+    assert after.model_copy(update={"rows_independent": before.rows_independent}) == before
+    assert OrtDecoder(out).prefill([1, 17, 301]).top_ids.size > 0
+
+
 def test_two_row_products_compute_each_row_as_a_pass_of_many_does() -> None:
     """The rewrite itself, on one attention-shaped product: unpadded, a one-row pass differs in
-    the last bits from the same row in a pass of several (the kernels differ); padded, every
-    row count gives the same bits, and the values are the product's."""
+    the last bits from the same row in a pass of several (the kernels differ; measured here,
+    not asserted, as it is ONNX Runtime's business); padded, every row count gives the same
+    bits, and the values are the product's."""
     import onnxruntime as ort
 
     from partitioner.decoders.rowwise import two_row_products
@@ -195,8 +220,7 @@ def test_two_row_products_compute_each_row_as_a_pass_of_many_does() -> None:
         tails = [session.run(None, {"q": q[:, :, -n:], "k": k})[0] for n in range(1, 6)]
         return [float(np.abs(t - whole[:, :, -t.shape[2] :]).max()) for t in tails]
 
-    plain = last_row_gaps(model)
-    assert plain[0] > 0.0 and plain[1:] == [0.0] * 4, plain
+    last_row_gaps(model)  # here (AVX-512): [1e-5, 0, 0, 0, 0]; the one-row kernel differs
     padded = two_row_products(onnx.ModelProto.FromString(model.SerializeToString()))
     assert [n.op_type for n in padded.graph.node].count("MatMul") == 1
     assert last_row_gaps(padded) == [0.0] * 5

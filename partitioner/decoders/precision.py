@@ -39,7 +39,7 @@ import onnx
 
 from partitioner.decoders.fp16 import fp16_model
 from partitioner.decoders.progress import Steps
-from partitioner.decoders.rowwise import two_row_products
+from partitioner.decoders.rowwise import rows_decode_alike, two_row_products
 from partitioner.decoders.weights import WEIGHTS, Weights
 from partitioner.errors import GraphError
 from protocols.decoder import DECODER_FILE, DECODER_METADATA_KEY, MODEL_FILE, DecoderInfo
@@ -56,9 +56,9 @@ ACCURACY_LEVEL = 4
 block inside the kernel) by the 4-bit weights, where 0 unpacks every weight to float32 first.
 Measured on a 1536 x 8960 Qwen weight, one thread: one row 0.39 ms against 1.10-1.18 (a scratch
 script) and 0.65 ms against 1.45 (``bench/verify_rows.py``), what a decode step runs; four rows
-0.87-0.90 ms against 3.77-3.80. Its rows are computed bit for bit alike in passes of any size
-(ONNX Runtime 1.32; the float products around it are padded for that, see
-:mod:`partitioner.decoders.rowwise`)."""
+0.87-0.90 ms against 3.77-3.80. On AVX-512 its rows are computed bit for bit alike in passes of
+any size (ONNX Runtime 1.32; the float products around it are padded for that, see
+:mod:`partitioner.decoders.rowwise`); :data:`ROW_PROBED` covers the CPUs where they are not."""
 INT8_REDUCE_RANGE = True
 """int8 weights use 7 of their 8 bits (``quantize_dynamic(reduce_range=True)``, ONNX Runtime's
 documented remedy for saturation). On x86 CPUs without VNNI (AVX2 only: AMD Zen 2, older Intel)
@@ -81,6 +81,13 @@ ROW_COUPLED: frozenset[Weights] = frozenset({"int8"})
 pass. int4 did too until its float products ran on two rows or more
 (:mod:`partitioner.decoders.rowwise`; Qwen 1.5B: a token's top logit had been 0.067 apart
 alone and in a two-token pass)."""
+
+ROW_PROBED: frozenset[Weights] = frozenset({"int4"})
+"""Precisions whose row independence depends on the CPU's kernels: the export checks the
+written graph on its own machine (:func:`~partitioner.decoders.rowwise.rows_decode_alike`) and
+marks it coupled when a token does not decode alike alone and in a verify pass. int4 is
+row-exact with ONNX Runtime 1.32's AVX-512 kernels, not with its AVX2 ones (one row runs
+through a kernel of its own there)."""
 
 DEFAULT_WEIGHTS: dict[str, Weights] = {
     "gemma3-270m": "int8",
@@ -250,7 +257,25 @@ def quantize_decoder(
     done = report(source, converted)
     with steps.step(f"writing {dst_dir / MODEL_FILE}"):
         save_model(converted, dst_dir / MODEL_FILE)
+    if weights in ROW_PROBED and info_file.is_file():
+        with steps.step("checking that a token decodes alike alone and in a verify pass"):
+            alike = rows_decode_alike(dst_dir)
+        if not alike:
+            _mark_rows_coupled(dst_dir)
     return done
+
+
+def _mark_rows_coupled(export_dir: Path) -> None:
+    """Mark the export in ``export_dir`` ``rows_independent: false``, in its ``decoder.json``
+    and in its model's own copy (the weights, inline or external, are written unchanged)."""
+    info_file = export_dir / DECODER_FILE
+    info_file.write_text(_rows_coupled(info_file.read_text()) + "\n")
+    model_file = export_dir / MODEL_FILE
+    model = onnx.load(str(model_file), load_external_data=False)
+    for prop in model.metadata_props:
+        if prop.key == DECODER_METADATA_KEY:
+            prop.value = _rows_coupled(prop.value)
+    onnx.save(model, str(model_file))
 
 
 def _shapes_only(model: onnx.ModelProto) -> onnx.ModelProto:

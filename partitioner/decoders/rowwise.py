@@ -16,10 +16,18 @@ already compute each row alike) to run on its left operand stacked twice along t
 keep the first half of the result: a one-row step then goes through the same kernel as a pass
 of several rows. The products it pads are the attention's, a few MFLOP a token against the
 weights' GFLOP.
+
+``MatMulNBits`` itself is row-exact only where ONNX Runtime's kernel for the CPU makes it so: on
+AVX-512 it computes one row as it computes several, but its AVX2 kernel runs a one-row product
+through a kernel of its own. :func:`rows_decode_alike` therefore checks the exported graph on
+the machine that exports it, and the export marks the graph as coupled when it is not.
 """
 
 from __future__ import annotations
 
+from pathlib import Path
+
+import numpy as np
 import onnx
 from onnx import helper
 
@@ -65,3 +73,26 @@ def _padded(node: onnx.NodeProto) -> list[onnx.NodeProto]:
         helper.make_node("Constant", [], [axes], name=f"{base}/axes", value_ints=[-2]),
         helper.make_node("Slice", [product, starts, rows, axes], [out], name=f"{base}/slice"),
     ]
+
+
+PROBE_IDS = (1, 17, 301, 45, 9, 230, 77)
+"""Token ids :func:`rows_decode_alike` decodes (inside every exported vocabulary)."""
+
+
+def rows_decode_alike(export_dir: Path) -> bool:
+    """Whether the decoder export in ``export_dir``, in one ONNX Runtime session on this
+    machine, gives a token's candidates bit for bit alike in a one-token step and in a pass
+    that also runs the token before it (what a speculative verify pass does)."""
+    from partitioner.decoders.ort_runner import OrtDecoder
+
+    decoder = OrtDecoder(export_dir, threads=1)
+    ids = list(PROBE_IDS)
+    decoder.prefill(ids[:-2])
+    decoder.step(ids[-2:-1])
+    alone = decoder.step(ids[-1:])
+    decoder.prefill(ids[:-2])
+    together = decoder.step(ids[-2:])
+    return bool(
+        np.array_equal(alone.top_logits, together.top_logits)
+        and np.array_equal(alone.top_ids, together.top_ids)
+    )
