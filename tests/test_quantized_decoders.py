@@ -175,12 +175,12 @@ def test_an_export_whose_rows_differ_is_marked_coupled_in_both_copies(
     import shutil
 
     from partitioner.decoders.ort_runner import OrtDecoder
-    from partitioner.decoders.precision import _mark_rows_coupled
+    from partitioner.decoders.rowwise import mark_rows_coupled
 
     out = tmp_path / "int4"
     shutil.copytree(converted(exports, "tiny-llama", "int4", tmp_path_factory), out)
     before = _info(out)
-    _mark_rows_coupled(out)
+    mark_rows_coupled(out)
     after = _info(out)
     assert not after.rows_independent and read_info(out / MODEL_FILE) == after
     assert after.model_copy(update={"rows_independent": before.rows_independent}) == before

@@ -39,10 +39,15 @@ import onnx
 
 from partitioner.decoders.fp16 import fp16_model
 from partitioner.decoders.progress import Steps
-from partitioner.decoders.rowwise import rows_decode_alike, two_row_products
+from partitioner.decoders.rowwise import (
+    coupled_info_json,
+    mark_rows_coupled,
+    rows_decode_alike,
+    two_row_products,
+)
 from partitioner.decoders.weights import WEIGHTS, Weights
 from partitioner.errors import GraphError
-from protocols.decoder import DECODER_FILE, DECODER_METADATA_KEY, MODEL_FILE, DecoderInfo
+from protocols.decoder import DECODER_FILE, DECODER_METADATA_KEY, MODEL_FILE
 
 __all__ = ["WEIGHTS", "Weights", "default_weights", "parse_weights", "quantize_decoder"]
 
@@ -176,7 +181,9 @@ def _record_precision(
 ) -> onnx.ModelProto:
     """``result`` with the source's ``metadata`` and the precision it was stored in."""
     if weights in ROW_COUPLED:
-        metadata = [(k, _rows_coupled(v) if k == DECODER_METADATA_KEY else v) for k, v in metadata]
+        metadata = [
+            (k, coupled_info_json(v) if k == DECODER_METADATA_KEY else v) for k, v in metadata
+        ]
     del result.metadata_props[:]
     scheme = [(SCHEME_METADATA_KEY, SCHEMES[weights])] if weights in SCHEMES else []
     for key, value in [*metadata, (WEIGHTS_METADATA_KEY, weights), *scheme]:
@@ -199,12 +206,6 @@ def current_export(export_dir: Path, weights: Weights) -> bool:
         return False
     scheme = SCHEMES.get(parse_weights(weights))
     return scheme is None or model_scheme(export_dir / MODEL_FILE) == scheme
-
-
-def _rows_coupled(info_json: str) -> str:
-    """A ``decoder.json`` document marked ``rows_independent: false``."""
-    info = DecoderInfo.from_json(info_json.encode())
-    return info.model_copy(update={"rows_independent": False}).to_json()
 
 
 def report(source: onnx.ModelProto, converted: onnx.ModelProto) -> Report:
@@ -244,7 +245,7 @@ def quantize_decoder(
             shutil.copy2(item, dst_dir / item.name)
     info_file = dst_dir / DECODER_FILE
     if weights in ROW_COUPLED and info_file.is_file():
-        info_file.write_text(_rows_coupled(info_file.read_text()) + "\n")
+        info_file.write_text(coupled_info_json(info_file.read_text()) + "\n")
     if weights == "int8":
         with steps.step(f"storing the weights of {src_model} in int8"):
             source, converted = _int8_from_file(src_model)
@@ -261,21 +262,8 @@ def quantize_decoder(
         with steps.step("checking that a token decodes alike alone and in a verify pass"):
             alike = rows_decode_alike(dst_dir)
         if not alike:
-            _mark_rows_coupled(dst_dir)
+            mark_rows_coupled(dst_dir)
     return done
-
-
-def _mark_rows_coupled(export_dir: Path) -> None:
-    """Mark the export in ``export_dir`` ``rows_independent: false``, in its ``decoder.json``
-    and in its model's own copy (the weights, inline or external, are written unchanged)."""
-    info_file = export_dir / DECODER_FILE
-    info_file.write_text(_rows_coupled(info_file.read_text()) + "\n")
-    model_file = export_dir / MODEL_FILE
-    model = onnx.load(str(model_file), load_external_data=False)
-    for prop in model.metadata_props:
-        if prop.key == DECODER_METADATA_KEY:
-            prop.value = _rows_coupled(prop.value)
-    onnx.save(model, str(model_file))
 
 
 def _shapes_only(model: onnx.ModelProto) -> onnx.ModelProto:

@@ -32,6 +32,7 @@ import onnx
 from onnx import helper
 
 from partitioner.errors import GraphError
+from protocols.decoder import DECODER_FILE, DECODER_METADATA_KEY, MODEL_FILE, DecoderInfo
 
 MIN_OPSET = 15
 """``Shape`` with ``start``/``end`` (the row count of the left operand) needs opset 15."""
@@ -96,3 +97,22 @@ def rows_decode_alike(export_dir: Path) -> bool:
         np.array_equal(alone.top_logits, together.top_logits)
         and np.array_equal(alone.top_ids, together.top_ids)
     )
+
+
+def coupled_info_json(info_json: str) -> str:
+    """A ``decoder.json`` document marked ``rows_independent: false``."""
+    info = DecoderInfo.from_json(info_json.encode())
+    return info.model_copy(update={"rows_independent": False}).to_json()
+
+
+def mark_rows_coupled(export_dir: Path) -> None:
+    """Mark the export in ``export_dir`` ``rows_independent: false``, in its ``decoder.json``
+    and in its model's own copy (the weights, inline or external, are written unchanged)."""
+    info_file = export_dir / DECODER_FILE
+    info_file.write_text(coupled_info_json(info_file.read_text()) + "\n")
+    model_file = export_dir / MODEL_FILE
+    model = onnx.load(str(model_file), load_external_data=False)
+    for prop in model.metadata_props:
+        if prop.key == DECODER_METADATA_KEY:
+            prop.value = coupled_info_json(prop.value)
+    onnx.save(model, str(model_file))
