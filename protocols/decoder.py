@@ -108,9 +108,10 @@ class DecoderInfo(FrozenModel):
     rows_independent: bool = True
     """Whether a position's outputs do not depend on the other positions run in the same pass.
     False for ``quantize_dynamic``'s int8, whose ``DynamicQuantizeLinear`` picks one
-    activation scale for the whole pass, and for int4 products of int8 activations, which run
-    one row through another kernel than several: verifying k drafted tokens in one pass would
-    then not give the tokens one-at-a-time decoding gives, so speculative decoding is off."""
+    activation scale for the whole pass, and for int4 exported on a CPU whose ONNX Runtime
+    kernel runs one row through another kernel than several (AVX2; the export checks):
+    verifying k drafted tokens in one pass would then not give the tokens one-at-a-time
+    decoding gives, so speculative decoding is off."""
 
     @property
     def kv_bytes_per_token(self) -> int:
