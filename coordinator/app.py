@@ -24,7 +24,7 @@ from coordinator.fleet.registry import DeviceRecord, DeviceRegistry
 from coordinator.fleet.requester_links import requester_probe
 from coordinator.http.app import Services, create_app
 from coordinator.http.serving import Serving
-from coordinator.serving.decoder import DecoderModels, planned_context
+from coordinator.serving.decoder import DecoderModels, planned_context, rows_exact_on
 from coordinator.serving.embeddings import Embedder
 from coordinator.serving.failover import Failover
 from coordinator.serving.router import Router
@@ -97,6 +97,7 @@ def serve(config: CoordinatorConfig, console: Console) -> int:
         router.chain_client,
         router.chain_failed,
         planned_context(deployer.segment_dir),
+        rows_exact_on(registry),
     )
     app = create_app(
         Services(

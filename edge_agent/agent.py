@@ -174,6 +174,7 @@ class Agent:
             name=self.config.name,
             memory_bytes=self.config.memory_bytes,
             **self.profile.roofs(),
+            int4_rows_exact=self.profile.int4_rows_exact,
             control_port=self._ports[0],
             data_port=self._ports[1],
             cert_fingerprint=self.identity.cert_fingerprint,

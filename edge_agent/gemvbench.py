@@ -36,8 +36,9 @@ _FLOAT = 1
 MS_DOMAIN = "com.microsoft"
 
 
-def gemv_model_bytes(k: int = K, count: int = PRODUCTS) -> bytes:
-    """A serialized model: ``y = x @ W0 @ W1 ...`` with ``count`` 4-bit ``k x k`` weights."""
+def gemv_model_bytes(k: int = K, count: int = PRODUCTS, rows: int | str = 1) -> bytes:
+    """A serialized model: ``y = x @ W0 @ W1 ...`` with ``count`` 4-bit ``k x k`` weights, on
+    ``rows`` rows (a string: any number)."""
     rng = np.random.default_rng(0)
     blocks = k // BLOCK
     nodes, weights = [], []
@@ -54,7 +55,7 @@ def gemv_model_bytes(k: int = K, count: int = PRODUCTS) -> bytes:
         previous = out
     opsets = (("", 17), (MS_DOMAIN, 1))
     return model_bytes(
-        nodes, "fedshard_gemv", [("x", [1, k])], [("y", [1, k])], None, weights, opsets
+        nodes, "fedshard_gemv", [("x", [rows, k])], [("y", [rows, k])], None, weights, opsets
     )
 
 
@@ -70,6 +71,25 @@ def measure_gemv_gflops(runtime: RuntimeConfig, budget_s: float = 0.5, trials: i
     )
     feeds = {"x": np.random.default_rng(1).standard_normal((1, K), dtype=np.float32)}
     return best_gflops(session, feeds, 2.0 * K * K * PRODUCTS, runtime, budget_s, trials)
+
+
+def measure_int4_rows_exact(runtime: RuntimeConfig) -> bool:
+    """Whether this machine's ``MatMulNBits`` (the export's block size and accuracy level)
+    computes a row bit for bit alike alone and in passes of two and five rows: a speculative
+    verify pass of an int4 decoder then decodes each token as a one-token step does. ONNX
+    Runtime 1.32's AVX-512 kernel does; its AVX2 kernel runs one row through a kernel of its
+    own."""
+    import onnxruntime as ort
+
+    from edge_agent.runtime import session_options
+
+    model = gemv_model_bytes(k=256, count=2, rows="rows")
+    session = ort.InferenceSession(
+        model, session_options(runtime), providers=["CPUExecutionProvider"]
+    )
+    x = np.random.default_rng(2).standard_normal((5, 256), dtype=np.float32)
+    alone = session.run(None, {"x": x[:1]})[0][0]
+    return all(np.array_equal(alone, session.run(None, {"x": x[:rows]})[0][0]) for rows in (2, 5))
 
 
 def _nbits_node(x: str, weight: str, scales: str, out: str, k: int) -> bytes:

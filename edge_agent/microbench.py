@@ -86,6 +86,10 @@ class ComputeProfile(ProfileModel):
     vector_gflops: PositiveFloat | None = None
     """Counted elements per nanosecond of a transformer block's element-wise operators
     (:mod:`edge_agent.vectorbench`); None in caches written before it (measured again)."""
+    int4_rows_exact: bool | None = None
+    """Whether a 4-bit product computes a row alike alone and in a pass
+    (:func:`edge_agent.gemvbench.measure_int4_rows_exact`); None in caches written before it
+    (measured again)."""
     intra_op_threads: PositiveInt
     inter_op_threads: PositiveInt
     onnxruntime_version: str
@@ -154,7 +158,7 @@ def model_bytes(
 def measure_profile(runtime: RuntimeConfig) -> ComputeProfile:
     """Both roofs, the cache level and the operator cost with the agent's thread settings
     (about two seconds)."""
-    from edge_agent.gemvbench import ACCURACY_LEVEL, measure_gemv_gflops
+    from edge_agent.gemvbench import ACCURACY_LEVEL, measure_gemv_gflops, measure_int4_rows_exact
     from edge_agent.membench import measure_memory
     from edge_agent.vectorbench import measure_vector_gflops
 
@@ -168,6 +172,7 @@ def measure_profile(runtime: RuntimeConfig) -> ComputeProfile:
             "gemv_gflops": gemv,
             "gemv_accuracy_level": ACCURACY_LEVEL,
             "vector_gflops": vector,
+            "int4_rows_exact": measure_int4_rows_exact(runtime),
         }
     )
 
@@ -253,6 +258,7 @@ def load_or_measure(
                 and cached.topk_ns is not None
                 and cached.gemv_gflops is not None
                 and cached.vector_gflops is not None
+                and cached.int4_rows_exact is not None
                 and cached.gemv_accuracy_level == ACCURACY_LEVEL
                 and cached.intra_op_threads == runtime.intra_op_threads
                 and cached.inter_op_threads == runtime.inter_op_threads

@@ -42,6 +42,10 @@ class DeviceProfile(FrozenModel):
     vector_gflops: PositiveFloat | None = None
     """Element-wise roof: counted elements per nanosecond of a transformer block's element-wise
     operators (:mod:`edge_agent.vectorbench`)."""
+    int4_rows_exact: bool | None = None
+    """Whether this device's ONNX Runtime computes a 4-bit weight product's row bit for bit
+    alike alone and in a pass of several (true of its AVX-512 kernel, not its AVX2 one): an
+    int4 decoder speculates only on chains of such devices. None from agents that predate it."""
     providers: list[ProviderName] = Field(
         default_factory=lambda: ["CPUExecutionProvider"], max_length=8
     )

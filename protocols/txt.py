@@ -46,6 +46,7 @@ _OPTIONAL_PROFILE_KEYS: Final = {
     "topkns": "topk_ns",
     "gemv": "gemv_gflops",
     "vec": "vector_gflops",
+    "i4x": "int4_rows_exact",
 }
 """Profile keys older agents do not send: left out when unset, absent means unknown."""
 _STATE_KEYS: Final = {"paired": "paired", "seg": "segment_sha256", "plv": "plan_version"}
@@ -168,6 +169,7 @@ _PARSERS: Final[dict[str, Callable[[str], object]]] = {
     "topk_ns": _parse_float,
     "gemv_gflops": _parse_float,
     "vector_gflops": _parse_float,
+    "int4_rows_exact": _parse_bool,
     "providers": _parse_list,
     "control_port": _parse_int,
     "data_port": _parse_int,

@@ -92,6 +92,20 @@ def test_profile_is_cached_and_remeasured_on_request(tmp_path: Path) -> None:
     again = load_or_measure(tmp_path, runtime, remeasure=True)
     assert again.gflops > 0
     assert again.measured_at >= first.measured_at
+    assert first.int4_rows_exact is not None and "int4_rows_exact" not in first.roofs()
+
+
+def test_the_int4_row_probe_says_what_this_cpu_computes() -> None:
+    """The agent's probe (a 256-wide chain at 1, 2 and 5 rows) agrees with another 4-bit
+    product on this CPU (2048 wide, 1 and 3 rows): exact on AVX-512, not on AVX2."""
+    from edge_agent.gemvbench import gemv_model_bytes, measure_int4_rows_exact
+
+    exact = measure_int4_rows_exact(RuntimeConfig())
+    session = ort.InferenceSession(gemv_model_bytes(count=1, rows="rows"))
+    x = np.random.default_rng(5).standard_normal((3, 2048), dtype=np.float32)
+    alone, in_pass = (session.run(None, {"x": x[:n]})[0][0] for n in (1, 3))
+    np.testing.assert_allclose(alone, in_pass, rtol=1e-3, atol=1e-3)  # the same product
+    assert exact == bool(np.array_equal(alone, in_pass))
 
 
 def test_signing_bytes_are_canonical_and_body_round_trips() -> None:

@@ -254,11 +254,66 @@ def test_a_graph_whose_rows_are_coupled_is_never_speculated(
     models = DecoderModels(DeploymentStore(tmp_path), unused, unused, unused)
     record = ModelRecord(model_id="m", speculative=mode)
     info = decoder_info().model_copy(update={"trailing_positions": 4})
-    assert models._speculation("m", record, info) is not None
+    assert models._speculation("m", record, info, rows_exact=True) is not None
     coupled = info.model_copy(update={"rows_independent": False})
-    assert models._speculation("m", record, coupled) is None
+    assert models._speculation("m", record, coupled, rows_exact=True) is None
     assert not_in_effect(mode, info, no_draft=False) is None
     assert "a token a pass" in str(not_in_effect(mode, coupled, no_draft=False))
+
+
+def test_an_int4_decoder_speculates_only_on_devices_whose_rows_are_exact(tmp_path: Path) -> None:
+    """An int4 graph computes a row alike alone and in a pass only where the CPU's 4-bit kernel
+    does (AVX-512, not AVX2): one device of its chain announcing otherwise, or announcing
+    nothing, turns its speculation off; float graphs are not affected."""
+    from generation_helpers import decoder_info
+
+    from coordinator.deploy.store import DeploymentStore, ModelRecord
+    from coordinator.fleet.registry import DeviceRegistry
+    from coordinator.serving.decoder import DecoderModels, not_in_effect, rows_exact_on
+    from protocols.profile import Announcement, DeviceProfile
+
+    def unused(*_: object) -> Any:
+        raise AssertionError("no chain is needed to choose the speculation")
+
+    info = decoder_info().model_copy(update={"trailing_positions": 4})
+    int4 = info.model_copy(update={"weights": "int4"})
+    record = ModelRecord(model_id="m", speculative="auto")
+    models = DecoderModels(DeploymentStore(tmp_path), unused, unused, unused)
+    assert models._speculation("m", record, int4, rows_exact=True) is not None
+    assert models._speculation("m", record, int4, rows_exact=False) is None
+    assert models._speculation("m", record, info, rows_exact=False) is not None  # float32
+    assert "4-bit" in str(not_in_effect("auto", int4, False, rows_exact=False))
+
+    registry = DeviceRegistry()
+    for i, exact in enumerate((True, False, None)):
+        profile = DeviceProfile(
+            device_id=f"{i:016x}", name=f"d{i}", memory_bytes=1 << 30, gflops=10.0,
+            control_port=9000, data_port=9001, cert_fingerprint=f"{i}" * 64,
+            int4_rows_exact=exact,
+        )  # fmt: skip
+        registry.announce(Announcement(profile=profile), "127.0.0.1", f"d{i}._fedshard")
+
+    def on(*devices: str) -> bool:
+        version = _version(devices)
+        return rows_exact_on(registry)(version)
+
+    assert on("d0") and on("d0", "d0")
+    assert not on("d0", "d1")  # an AVX2 device in the chain
+    assert not on("d0", "d2")  # an agent that does not say
+    assert not on("d0", "gone")  # a device the registry does not know
+
+
+def _version(devices: tuple[str, ...]) -> Any:
+    from coordinator.deploy.store import Placement, VersionRecord
+
+    numbers = {"param_bytes": 1, "predicted_memory_bytes": 1, "measured_memory_bytes": 1}
+    times = {"predicted_compute_s": 0.0, "warmup_s": 0.0, "load_s": 0.0}
+    address = {"host": "127.0.0.1", "control_port": 1, "data_port": 2, "sha256": "0" * 64}
+    placements = [
+        Placement(index=i, device=name, **address, **numbers, **times)
+        for i, name in enumerate(devices)
+    ]
+    return VersionRecord.model_construct(model_id="m", plan_version=1, segments=placements)
 
 
 def test_the_console_is_told_why_a_setting_is_not_in_effect() -> None:

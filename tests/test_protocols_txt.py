@@ -25,6 +25,7 @@ profiles = st.builds(
     cache_bytes=st.none() | st.integers(0, 2**40),
     cache_gbps=st.none() | st.floats(min_value=1e-3, max_value=1e4, allow_nan=False),
     op_us=st.none() | st.floats(min_value=0, max_value=1e3, allow_nan=False),
+    int4_rows_exact=st.none() | st.booleans(),
 )
 states = st.builds(
     AgentState,
@@ -84,6 +85,9 @@ def test_roofs_travel_as_optional_keys_and_old_agents_parse_without_them() -> No
     old = encode_txt(_sample())  # an agent from before the memory roof
     assert not {"mbw", "cbw", "cache", "opus"} & old.keys()
     assert decode_txt(old).profile.memory_gbps is None
+    exact = _sample().profile.model_copy(update={"int4_rows_exact": False})
+    assert encode_txt(Announcement(profile=exact))["i4x"] == "0"
+    assert "i4x" not in old and decode_txt(old).profile.int4_rows_exact is None
 
 
 def test_protocol_version_key_is_present() -> None:
@@ -104,6 +108,7 @@ def test_protocol_version_key_is_present() -> None:
         (b"fp", b"not-hex"),
         (b"name", b"bad name with spaces"),
         (b"paired", b"yes"),
+        (b"i4x", b"true"),
         (b"pv", b"\xff\xfe"),
     ],
 )

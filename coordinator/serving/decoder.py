@@ -26,6 +26,7 @@ from coordinator.errors import (
     NotServableError,
     RequestError,
 )
+from coordinator.fleet.registry import DeviceRegistry
 from coordinator.generation.backend import GenerationModel, TopCandidates
 from coordinator.generation.draft_model import DraftModel
 from coordinator.generation.feeds import Arrays, step_inputs
@@ -217,8 +218,9 @@ class DecoderModels:
 
     ``client_of`` gives the version to use and its chain client (see :data:`ClientOf`),
     ``failed`` hears of broken chains, ``planned_context`` gives the context length a version's
-    stages reserved KV memory for (None when unknown). One backend per model keeps its
-    sessions' histories.
+    stages reserved KV memory for (None when unknown), ``rows_exact`` whether every device of a
+    version computes a 4-bit product's row alike alone and in a pass (an int4 decoder
+    speculates only then). One backend per model keeps its sessions' histories.
     """
 
     def __init__(
@@ -228,8 +230,10 @@ class DecoderModels:
         client_of: Callable[[str, float], tuple[VersionRecord, ChainClient]],
         failed: FailureReport,
         planned_context: Callable[[VersionRecord], int | None] = lambda _: None,
+        rows_exact: Callable[[VersionRecord], bool] = lambda _: True,
     ) -> None:
         self._store = store
+        self._rows_exact = rows_exact
         self._plane = plane
         self._client_of = client_of
         self._failed = failed
@@ -266,14 +270,14 @@ class DecoderModels:
             backend=backend,
             tokenizer=tokenizer,
             info=info,
-            speculation=self._speculation(model_id, record, info),
+            speculation=self._speculation(model_id, record, info, self._rows_exact(version)),
         )
 
     def _speculation(
-        self, model_id: str, record: ModelRecord, info: DecoderInfo
+        self, model_id: str, record: ModelRecord, info: DecoderInfo, rows_exact: bool
     ) -> Speculation | None:
         draft = self._draft(record) if record.speculative in ("draft", "auto") else None
-        if not_in_effect(record.speculative, info, draft is None) is not None:
+        if not_in_effect(record.speculative, info, draft is None, rows_exact) is not None:
             return None
         drafters = drafter_for(record.speculative, draft)
         if drafters is None:
@@ -286,6 +290,7 @@ class DecoderModels:
         it is, or the setting is off, or no decoder is deployed under that id)."""
         try:
             record = self._store.model(model_id)
+            version = self._store.active(model_id)
         except CoordinatorError:
             return None
         if record.speculative == "off" or record.tokenizer_dir is None:
@@ -294,7 +299,9 @@ class DecoderModels:
         if loaded is None:
             return None
         draft = self._draft(record) if record.speculative == "draft" else None
-        return not_in_effect(record.speculative, loaded[1], draft is None)
+        return not_in_effect(
+            record.speculative, loaded[1], draft is None, self._rows_exact(version)
+        )
 
     def _draft(self, record: ModelRecord) -> DraftModel | None:
         """The record's draft model, loaded once (None: none set, or it failed to load)."""
@@ -322,13 +329,22 @@ class DecoderModels:
             return self._loaded[key]
 
 
-def not_in_effect(setting: Speculative, info: DecoderInfo, no_draft: bool) -> str | None:
+def not_in_effect(
+    setting: Speculative, info: DecoderInfo, no_draft: bool, rows_exact: bool = True
+) -> str | None:
     """Why speculative decoding ``setting`` cannot run on a decoder described by ``info``
-    (``no_draft``: its draft model is not loaded), in words; None when it can or is off."""
+    (``no_draft``: its draft model is not loaded; ``rows_exact``: every device of its chain
+    computes a 4-bit product's row alike alone and in a pass), in words; None when it can or
+    is off."""
     if setting == "off":
         return None
     if not info.rows_independent:
         return "its quantized graph decodes a token a pass (k in one pass differ from k passes)"
+    if info.weights == "int4" and not rows_exact:
+        return (
+            "an agent of its chain computes 4-bit products of one token differently from a pass "
+            "of several (its CPU's kernel), so it decodes a token a pass"
+        )
     if (info.trailing_positions or 1) < 2:
         return "its graph gives candidates for one position a pass"
     if setting == "draft" and no_draft:
@@ -350,3 +366,18 @@ def planned_context(
         return manifest.sessions.max_context if manifest.sessions is not None else None
 
     return read
+
+
+def rows_exact_on(registry: DeviceRegistry) -> Callable[[VersionRecord], bool]:
+    """Whether every device of a version announces that it computes a 4-bit product's row
+    alike alone and in a pass (``int4_rows_exact``); a device that does not say so, or is not
+    known, counts as not, so an int4 decoder then decodes a token a pass."""
+
+    def exact(version: VersionRecord) -> bool:
+        profiles = {d.name: d.announcement.profile for d in registry.devices(online_only=False)}
+        return all(
+            (profile := profiles.get(p.device)) is not None and profile.int4_rows_exact is True
+            for p in version.segments
+        )
+
+    return exact

@@ -47,7 +47,7 @@ from partitioner.decoders.rowwise import (
 )
 from partitioner.decoders.weights import WEIGHTS, Weights
 from partitioner.errors import GraphError
-from protocols.decoder import DECODER_FILE, DECODER_METADATA_KEY, MODEL_FILE
+from protocols.decoder import DECODER_FILE, DECODER_METADATA_KEY, MODEL_FILE, DecoderInfo
 
 __all__ = ["WEIGHTS", "Weights", "default_weights", "parse_weights", "quantize_decoder"]
 
@@ -180,16 +180,22 @@ def _record_precision(
     result: onnx.ModelProto, metadata: list[tuple[str, str]], weights: Weights
 ) -> onnx.ModelProto:
     """``result`` with the source's ``metadata`` and the precision it was stored in."""
-    if weights in ROW_COUPLED:
-        metadata = [
-            (k, coupled_info_json(v) if k == DECODER_METADATA_KEY else v) for k, v in metadata
-        ]
+    metadata = [
+        (k, stored_info_json(v, weights) if k == DECODER_METADATA_KEY else v) for k, v in metadata
+    ]
     del result.metadata_props[:]
     scheme = [(SCHEME_METADATA_KEY, SCHEMES[weights])] if weights in SCHEMES else []
     for key, value in [*metadata, (WEIGHTS_METADATA_KEY, weights), *scheme]:
         entry = result.metadata_props.add()
         entry.key, entry.value = key, value
     return result
+
+
+def stored_info_json(info_json: str, weights: Weights) -> str:
+    """The ``decoder.json`` document ``info_json`` of a decoder whose weights are now stored in
+    ``weights``: the precision recorded, and marked coupled for :data:`ROW_COUPLED` ones."""
+    info = DecoderInfo.from_json(info_json.encode()).model_copy(update={"weights": weights})
+    return coupled_info_json(info.to_json()) if weights in ROW_COUPLED else info.to_json()
 
 
 def model_scheme(model_file: Path) -> str | None:
@@ -244,8 +250,8 @@ def quantize_decoder(
         if item.is_file() and not item.name.startswith((MODEL_FILE, ".")):
             shutil.copy2(item, dst_dir / item.name)
     info_file = dst_dir / DECODER_FILE
-    if weights in ROW_COUPLED and info_file.is_file():
-        info_file.write_text(coupled_info_json(info_file.read_text()) + "\n")
+    if info_file.is_file():
+        info_file.write_text(stored_info_json(info_file.read_text(), weights) + "\n")
     if weights == "int8":
         with steps.step(f"storing the weights of {src_model} in int8"):
             source, converted = _int8_from_file(src_model)
