@@ -25,6 +25,7 @@ from edge_agent.discovery import Advertiser
 from edge_agent.errors import ConfigError, PeerRejectedError
 from edge_agent.identity import Identity, load_identity
 from edge_agent.links import PeerLink
+from edge_agent.membench import RecentCosts
 from edge_agent.metrics import AgentMetrics
 from edge_agent.microbench import ComputeProfile
 from edge_agent.pairing import (
@@ -78,6 +79,7 @@ class Agent:
         self.config = config
         self.identity = identity
         self.profile = profile
+        self._costs = RecentCosts()
         self._advertiser = advertiser
         self.metrics = AgentMetrics()
         self.store = SegmentStore(
@@ -254,8 +256,9 @@ class Agent:
         self.metrics.segment_memory.labels(str(report.plan_version)).set(
             report.measured_memory_bytes
         )
-        if report.costs is not None:  # the status and the TXT record say the latest ones
-            self.profile = self.profile.model_copy(update=report.costs.model_dump())
+        if report.costs is not None:  # the status and the TXT record say the recent median
+            typical = self._costs.add(report.costs)
+            self.profile = self.profile.model_copy(update=typical.model_dump())
         await self._announce()
         return json_response(report.model_dump_json())
 

@@ -256,6 +256,37 @@ def mean_costs(first: FixedCosts, second: FixedCosts) -> FixedCosts:
     )
 
 
+COSTS_WINDOW = 5
+"""How many of its latest cost measurements an agent announces the median of."""
+
+
+class RecentCosts:
+    """An agent's latest fixed-cost measurements (one per warm-up), announced as their
+    element-wise median (:meth:`add` returns it).
+
+    The next plan is priced with what the agent announces, before the deploy it prices is
+    measured. One warm-up's costs can run 1.8x the ones before and after it (tiny-llama's
+    0.14 ms stage, 2026-12-05: the fixed part measured 0.20 ms once between 0.11 ms ones, and
+    the stage with it), which priced the stage after it at 1.86x; the median of the latest
+    :data:`COSTS_WINDOW` leaves such a minute out and still follows a device that stays slower.
+    The start-up profile's costs are not among them: they may be a cached profile's, measured
+    in another hour (with them, tiny-gemma3's first calibrated deploys were priced at 1.5-1.7x).
+    """
+
+    def __init__(self) -> None:
+        self._latest: list[FixedCosts] = []
+
+    def add(self, costs: FixedCosts) -> FixedCosts:
+        """Keep ``costs`` as the newest measurement; returns the element-wise median of the
+        kept ones."""
+        self._latest = [*self._latest, costs][-COSTS_WINDOW:]
+        return FixedCosts(
+            op_us=statistics.median(c.op_us for c in self._latest),
+            call_us=statistics.median(c.call_us for c in self._latest),
+            topk_ns=statistics.median(c.topk_ns for c in self._latest),
+        )
+
+
 def _session(model: bytes, runtime: RuntimeConfig) -> Any:
     import onnxruntime as ort
 

@@ -27,7 +27,14 @@ from coordinator.deploy.term_fit import (
     stage_terms,
 )
 from edge_agent.config import RuntimeConfig
-from edge_agent.membench import CACHE_PROBE_BYTES, FixedCostProbe, cache_points, mean_costs
+from edge_agent.membench import (
+    CACHE_PROBE_BYTES,
+    COSTS_WINDOW,
+    FixedCostProbe,
+    RecentCosts,
+    cache_points,
+    mean_costs,
+)
 from partitioner.roofline import stage_seconds
 from protocols.deploy import DeployReport, FixedCosts
 from protocols.errors import SchemaError
@@ -206,6 +213,24 @@ def test_deploy_reports_carry_the_costs_and_old_reports_still_read() -> None:
         DeployReport.from_json(json.dumps({**fields, "costs": {"op_us": 1, "extra": 2}}))
     mean = mean_costs(costs, FixedCosts(op_us=0.6, call_us=6.0, topk_ns=1.2))
     assert mean == FixedCosts(op_us=0.5, call_us=5.0, topk_ns=1.0)
+
+
+def test_announced_costs_are_the_median_of_the_latest_warm_ups() -> None:
+    recent = RecentCosts()
+    usual = FixedCosts(op_us=0.5, call_us=5.0, topk_ns=1.0)
+    assert recent.add(usual) == usual
+    slow = FixedCosts(op_us=1.0, call_us=9.0, topk_ns=2.0)
+    assert recent.add(slow) == FixedCosts(op_us=0.75, call_us=7.0, topk_ns=1.5)
+    assert recent.add(usual) == usual  # one slow warm-up among usual ones is left out
+    for _ in range(COSTS_WINDOW):  # a device that stays slower is followed
+        announced = recent.add(slow)
+    assert announced == slow
+    # each cost is its own median, not one measurement's
+    odd = FixedCosts(op_us=0.1, call_us=50.0, topk_ns=1.0)
+    recent = RecentCosts()
+    for costs in (usual, odd, slow):
+        announced = recent.add(costs)
+    assert announced == FixedCosts(op_us=0.5, call_us=9.0, topk_ns=1.0)
 
 
 def test_the_fixed_cost_probe_measures_every_cost_again() -> None:
