@@ -86,17 +86,8 @@ def roofline_split(model: Path, out: Path, profile: ComputeProfile) -> Manifest:
     from partitioner.split import SplitOptions, split_model
     from protocols.devices import DeviceList
 
-    roofs = {
-        "gflops": profile.gflops,
-        "memory_gbps": profile.memory_gbps,
-        "cache_bytes": profile.cache_bytes or 0,
-        "cache_gbps": profile.cache_gbps,
-        "op_us": profile.op_us or 0.0,
-        "call_us": profile.call_us or 0.0,
-        "topk_ns": profile.topk_ns or 0.0,
-        "gemv_gflops": profile.gemv_gflops,
-        "vector_gflops": profile.vector_gflops,
-    }
+    # the measured roofs; one not measured is left out (the device's default)
+    roofs = {k: v for k, v in profile.roofs().items() if v is not None}
     # MINILM_DEVICES' budgets plus 1 MB each for the workspace at 128 tokens
     spec = {
         "devices": [

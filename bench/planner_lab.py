@@ -46,6 +46,7 @@ from devtools.lab.executor import unavailable_reason  # noqa: E402
 from partitioner.split import Analysis  # noqa: E402
 from protocols.devices import DeviceList  # noqa: E402
 from protocols.plan import Objective, Plan  # noqa: E402
+from protocols.roofs import ROOF_FIELD_NAMES  # noqa: E402
 
 CACHE = REPO / ".pytest_cache" / "d" / "fedshard-minilm"
 MODEL_ID = "all-minilm-l6-v2"
@@ -170,8 +171,6 @@ def lab_devices(
     """What the coordinator's planner sees: capped memory, announced GFLOP/s, measured links
     between the agents and from the coordinator to each, devices in the coordinator's order."""
     found = {d["name"]: d["announcement"]["profile"] for d in cluster.api.get("/v1/devices")}
-    roofs: tuple[str, ...] = ("memory_gbps", "cache_bytes", "cache_gbps", "op_us", "call_us")
-    roofs += ("topk_ns", "gemv_gflops", "vector_gflops")
     devices = [
         {
             "name": name,
@@ -179,7 +178,7 @@ def lab_devices(
             "gflops": found[name]["gflops"],
             "bandwidth_mbps": 1000.0,
             # the roofs the coordinator plans with (announced), so paper plans are its plans
-            **{k: found[name][k] for k in roofs if found[name].get(k) is not None},
+            **{k: found[name][k] for k in ROOF_FIELD_NAMES if found[name].get(k) is not None},
         }
         for name in found
         if name in caps

@@ -48,6 +48,7 @@ from coordinator.errors import DeployError, NotServableError, RequestError, Unkn
 from coordinator.transport.agent_client import AgentAddress
 from protocols.decoder import DECODER_FILE
 from protocols.plan import Objective
+from protocols.roofs import roof_values
 
 if TYPE_CHECKING:
     from coordinator.fleet.registry import DeviceRecord
@@ -362,20 +363,17 @@ def _what_if(
 
 
 def _roofs(services: Services) -> dict[str, dict[str, float | None]]:
-    """Every known device's announced roofs beyond GFLOP/s (what a deploy plans with)."""
+    """Every known device's announced roofs beyond GFLOP/s (what a deploy plans with): one it
+    does not announce is left out (the device's default), the cache's bandwidth at its memory
+    roof."""
     roofs = {}
     for record in services.registry.devices(online_only=False):
         profile = record.announcement.profile
         if profile.memory_gbps is not None:
+            announced = {k: v for k, v in roof_values(profile).items() if v is not None}
             roofs[record.name] = {
-                "memory_gbps": profile.memory_gbps,
-                "cache_bytes": profile.cache_bytes or 0,
+                **announced,
                 "cache_gbps": profile.cache_gbps or profile.memory_gbps,
-                "op_us": profile.op_us or 0.0,
-                "call_us": profile.call_us or 0.0,
-                "topk_ns": profile.topk_ns or 0.0,
-                "gemv_gflops": profile.gemv_gflops,
-                "vector_gflops": profile.vector_gflops,
             }
     return roofs
 
