@@ -15,7 +15,13 @@ from typing import Any
 
 import numpy as np
 
-from coordinator.deploy.limits import at_binding, planned_limits, planning_ladder
+from coordinator.deploy.limits import (
+    at_binding,
+    keeping_sequence,
+    planned_limits,
+    planning_ladder,
+    rungs_by_quality,
+)
 from coordinator.deploy.stage_timing import CALIBRATION_RUNS, calibrates_at_deploy
 from coordinator.errors import DeployError
 from partitioner.baselines import Baseline
@@ -109,7 +115,7 @@ def split_and_run(
     from partitioner.verify import run_chain
 
     try:
-        result = _split_at_largest_shapes(command, devices, out, segment_cache)
+        result = _split_at_serving_shapes(command, devices, out, segment_cache)
         samples = dict(result.analysis.samples)
         known = run_chain([w.files[0] for w in result.segments], samples)
     except (PartitionerError, OSError) as exc:
@@ -137,16 +143,19 @@ def split_and_run(
     return SplitOutcome(manifest, out, samples, warmups, expected, limits, unit_work)
 
 
-def _split_at_largest_shapes(
+def _split_at_serving_shapes(
     command: DeployCommand, devices: Any, out: Path, segment_cache: Path | None
 ) -> Any:
-    """Plan and cut at the largest serving shapes the devices can hold (see
-    :func:`coordinator.deploy.limits.planning_ladder`): they become the deployment's limits."""
+    """Plan and cut at the serving shapes with the best plan the devices can hold (see
+    :func:`coordinator.deploy.limits.rungs_by_quality`): they become the deployment's limits.
+    A baseline cut takes the largest shapes that fit."""
     from partitioner.errors import InfeasiblePlanError
     from partitioner.split import SplitOptions, split_model
 
     planner = None if command.baseline is None else baseline_planner(command.baseline)
     ladder = planning_ladder(command.tokenizer_dir)
+    if planner is None and len(ladder) > 1:
+        ladder = rungs_by_quality(ladder, _plan_seconds(command, devices, ladder))
     for rung, dims in enumerate(ladder, start=1):
         options = SplitOptions(
             command.objective,
@@ -164,6 +173,34 @@ def _split_at_largest_shapes(
                 "%s does not fit at %s (%s); planning smaller runs", command.model_id, dims, exc
             )
     raise AssertionError("unreachable")  # the ladder has at least one rung
+
+
+def _plan_seconds(
+    command: DeployCommand, devices: Any, ladder: list[dict[str, int]]
+) -> list[float | None]:
+    """Each sequence-keeping rung's plan time under the command's objective (None where the
+    devices cannot hold it), planned without cutting: an analysis and a plan take
+    milliseconds for a text encoder."""
+    from partitioner.errors import InfeasiblePlanError
+    from partitioner.modelio import load_model
+    from partitioner.split import SplitOptions, analyse, choose_plan, planning_problem
+
+    model = load_model(command.model_path)
+    seconds: list[float | None] = []
+    for dims in keeping_sequence(ladder):
+        options = SplitOptions(command.objective, dims=dims)
+        analysis = analyse(model, dims=options.dims)
+        problem = planning_problem(analysis, devices, options, command.model_path.stem)
+        try:
+            plan = choose_plan(problem, options, analysis)
+        except InfeasiblePlanError:
+            seconds.append(None)
+            continue
+        latency = command.objective is Objective.LATENCY
+        value = plan.latency_s if latency else plan.bottleneck_s
+        seconds.append(value)
+        log.info("%s at %s: plan %.1f ms", command.model_id, dims, value * 1e3)
+    return seconds
 
 
 def _input_binding(manifest: Manifest, binding: Mapping[str, int]) -> dict[str, int]:

@@ -10,8 +10,10 @@ its *serving* shapes, the signed manifest of every stage carries them as
   the longest input its tokenizer keeps (or the planned sequence), and one run carries at most
   :data:`~coordinator.serving.microbatch.MICRO_BATCH_TOKENS` padded tokens (batch x sequence);
   it is planned at ``batch = tokens / sequence`` x ``sequence``, the largest attention
-  workspace within those limits, or, when the devices cannot hold that, at half the tokens
-  and so on (:func:`planning_ladder`): the plan decides the shapes the devices can afford;
+  workspace within those limits, or at half the tokens and so on (:func:`planning_ladder`),
+  whichever of those that keep the whole sequence has the best plan per token on the devices
+  (:func:`rungs_by_quality`), and only when none fits at a shorter sequence: the plan decides
+  the shapes the devices can afford;
 - a decoder: a step carries at most :data:`PREFILL_CHUNK` tokens (long prompts are prefilled in
   chunks, see :mod:`coordinator.serving.decoder`), and the context at most the planned one. Its
   plan (compute and memory) stays at the decode step, the phase the planner optimises, so a
@@ -41,6 +43,9 @@ DEFAULT_MAX_TOKENS = 256
 """Longest text input of a tokenizer without ``sentence_bert_config.json``."""
 MIN_TOKENS = 32
 """The smallest encoder run the deployer plans for before it gives up on a device set."""
+RUNG_TOLERANCE = 0.05
+"""A smaller rung is planned at only when its plan per token beats the larger ones' by more
+than this share: a few per cent are within the cost model's error."""
 PREFILL_CHUNK = 64
 """Most new tokens one decoder step carries: longer prompts are prefilled in chunks."""
 
@@ -68,6 +73,45 @@ def planning_ladder(
         sequence = min(longest, budget)
         ladder.append({BATCH: max(1, budget // sequence), SEQUENCE: sequence})
     return ladder
+
+
+def keeping_sequence(ladder: Sequence[dict[str, int]]) -> list[dict[str, int]]:
+    """The rungs of ``ladder`` that keep its first rung's sequence (the longest input the
+    tokenizer keeps): planned at one of them, the deployment accepts every input whole."""
+    return [dims for dims in ladder if dims.get(SEQUENCE) == ladder[0].get(SEQUENCE)]
+
+
+def rungs_by_quality(
+    ladder: Sequence[dict[str, int]], plan_seconds: Sequence[float | None]
+) -> list[dict[str, int]]:
+    """The order to plan ``ladder``'s rungs in. First the rung with the best plan per token of
+    those that keep the sequence (:func:`keeping_sequence`; ``plan_seconds`` has one plan time
+    for each, the objective's bottleneck or latency, None where the devices cannot hold it),
+    or the largest one within :data:`RUNG_TOLERANCE` of it (more tokens a run, for the same
+    time per token); then the other feasible ones, largest first; then the rungs with shorter
+    sequences, largest first.
+
+    The largest rung is not always the best plan: its activations may fit only on a device
+    behind a slow link, where half the tokens per run fit on two fast ones (MiniLM in the
+    LAN lab: 2 x 256 tokens planned onto a 10 Mbit/s device at 661 ms a run)."""
+    keeping = keeping_sequence(ladder)
+    if len(plan_seconds) != len(keeping):
+        raise ValueError(f"{len(plan_seconds)} plan times for {len(keeping)} rungs")
+    feasible = [
+        (seconds / _tokens(dims), dims)
+        for dims, seconds in zip(keeping, plan_seconds, strict=True)
+        if seconds is not None
+    ]
+    shorter = [dims for dims in ladder if dims not in keeping]
+    if not feasible:
+        return shorter
+    least = min(per_token for per_token, _ in feasible)
+    chosen = next(d for per_token, d in feasible if per_token <= least * (1 + RUNG_TOLERANCE))
+    return [chosen, *(d for _, d in feasible if d is not chosen), *shorter]
+
+
+def _tokens(dims: Mapping[str, int]) -> int:
+    return max(1, dims.get(BATCH, 1) * dims.get(SEQUENCE, 1))
 
 
 def _halvings(start: int, stop: int) -> list[int]:
