@@ -147,25 +147,31 @@ def _boundary_bytes(
 
 
 def unit_work(
-    index: GraphIndex, frontier: Frontier, table: ShapeTable, units: UnitPlan
+    index: GraphIndex,
+    frontier: Frontier,
+    table: ShapeTable,
+    units: UnitPlan,
+    unit_flops: Sequence[int] | None = None,
 ) -> list[Work]:
-    """Each unit's :class:`~protocols.problem.Work` at ``table``'s binding."""
+    """Each unit's :class:`~protocols.problem.Work` at ``table``'s binding; ``unit_flops``:
+    the units' FLOPs at that binding when it is not the one ``units`` were costed at (a
+    prefill), else the units' own."""
     traffic = unit_traffic(index, frontier, table, units)
-    return [
-        Work(
-            flops=unit.flops,
-            bytes_read=moved.total,
-            ops=moved.ops,
-            topk_elements=moved.topk_elements,
-            gemv_flops=min(
-                unit.flops, _gemv_flops(index, frontier.order[unit.start : unit.end], table)
-            ),
-            vector_flops=min(
-                unit.flops, _vector_flops(index, frontier.order[unit.start : unit.end], table)
-            ),
+    flops = [u.flops for u in units.units] if unit_flops is None else list(unit_flops)
+    out = []
+    for unit, moved, total in zip(units.units, traffic, flops, strict=True):
+        nodes = frontier.order[unit.start : unit.end]
+        out.append(
+            Work(
+                flops=total,
+                bytes_read=moved.total,
+                ops=moved.ops,
+                topk_elements=moved.topk_elements,
+                gemv_flops=min(total, _gemv_flops(index, nodes, table)),
+                vector_flops=min(total, _vector_flops(index, nodes, table)),
+            )
         )
-        for unit, moved in zip(units.units, traffic, strict=True)
-    ]
+    return out
 
 
 GEMV_ROWS = 4

@@ -367,3 +367,21 @@ def test_corrections_are_clamped_and_ignore_timer_noise(tmp_path: Path) -> None:
     timing.record([StageTime("b", predicted_s=0.01, measured_s=1e-7)], {})
     assert timing.factor("b") == 1.0
     assert timing.apply([_live("b")]) == [_live("b")]
+
+
+def test_a_prefill_prices_the_element_wise_work_of_its_whole_prompt(tiny_llama_dir: Path) -> None:
+    from partitioner.modelio import load_model
+    from partitioner.phases import PREFILL_TOKENS
+    from partitioner.split import analysis_prefill
+
+    analysis = analyse(load_model(tiny_llama_dir / "model.onnx"))
+    decode = analysis_work(analysis)
+    prefill = analysis_prefill(analysis)
+    assert prefill is not None and len(prefill) == len(decode)
+    assert all(p.vector_flops <= p.flops and p.gemv_flops <= p.flops for p in prefill)
+    # every unit with element-wise work does it for each of the prompt's tokens: not capped at
+    # the decode step's FLOPs (which held the attention units at 4.5x too few)
+    pairs = zip(prefill, decode, strict=True)
+    growth = [p.vector_flops / d.vector_flops for p, d in pairs if d.vector_flops]
+    print(f"prefill/decode element-wise FLOPs per unit: {[round(g, 1) for g in growth]}")
+    assert growth and min(growth) >= PREFILL_TOKENS / 2
