@@ -45,34 +45,40 @@ def test_rungs_are_ordered_by_plan_time_per_token(longest: int, tokens: int) -> 
     ladder = _ladder(longest, tokens)
     keeping = keeping_sequence(ladder)
     assert keeping and all(d[SEQUENCE] == ladder[0][SEQUENCE] for d in keeping)
-    choices: list[float | None] = [None, 0.001, 0.002, 0.004]
-    for seconds in itertools.product(choices, repeat=len(keeping)):
-        order = rungs_by_quality(ladder, seconds)
+    shorter = [d for d in ladder if d[SEQUENCE] != ladder[0][SEQUENCE]]
+    choices: list[tuple[float, float] | None] = [None]
+    choices += list(itertools.product([0.001, 0.002, 0.0041], [0.003, 0.006]))
+    for times in itertools.product(choices, repeat=len(keeping)):
+        order = rungs_by_quality(ladder, times)
         per_token = {
-            i: s / (d[BATCH] * d[SEQUENCE])
-            for i, (s, d) in enumerate(zip(seconds, keeping, strict=True))
-            if s is not None
+            i: (t[0] / (d[BATCH] * d[SEQUENCE]), t[1] / (d[BATCH] * d[SEQUENCE]))
+            for i, (t, d) in enumerate(zip(times, keeping, strict=True))
+            if t is not None
         }
-        shorter = [d for d in ladder if d[SEQUENCE] != ladder[0][SEQUENCE]]
         assert order[len(per_token) :] == shorter
         if not per_token:
             continue
-        # brute force: the first rung planned is one no feasible rung beats by more than the
-        # tolerance, and no larger feasible rung is such a one
-        good = [
-            i
-            for i in per_token
-            if all(per_token[i] <= (1 + RUNG_TOLERANCE) * t for t in per_token.values())
+
+        # brute force: the rung planned first is the largest of those whose objective per token
+        # no rung beats by more than the tolerance and whose other measure no such rung beats
+        # by more than the tolerance; the other feasible ones follow, largest first
+        def within(a: float, values: list[float]) -> bool:
+            return all(a <= (1 + RUNG_TOLERANCE) * v for v in values)
+
+        close = [
+            i for i, t in per_token.items() if within(t[0], [u[0] for u in per_token.values()])
         ]
+        good = [i for i in close if within(per_token[i][1], [per_token[j][1] for j in close])]
         assert order[0] == keeping[min(good)]
-        rest = [keeping[i] for i in sorted(per_token) if i != min(good)]
-        assert order[1 : len(per_token)] == rest
+        assert order[1 : len(per_token)] == [
+            keeping[i] for i in sorted(per_token) if i != min(good)
+        ]
 
 
 def test_rungs_need_one_plan_time_each() -> None:
     ladder = _ladder(256, 512)
     with pytest.raises(ValueError, match="plan times"):
-        rungs_by_quality(ladder, [0.001])
+        rungs_by_quality(ladder, [(0.001, 0.002)])
 
 
 def _devices(fast_cap: int) -> DeviceList:

@@ -155,7 +155,7 @@ def _split_at_serving_shapes(
     planner = None if command.baseline is None else baseline_planner(command.baseline)
     ladder = planning_ladder(command.tokenizer_dir)
     if planner is None and len(ladder) > 1:
-        ladder = rungs_by_quality(ladder, _plan_seconds(command, devices, ladder))
+        ladder = rungs_by_quality(ladder, _plan_times(command, devices, ladder))
     for rung, dims in enumerate(ladder, start=1):
         options = SplitOptions(
             command.objective,
@@ -175,18 +175,18 @@ def _split_at_serving_shapes(
     raise AssertionError("unreachable")  # the ladder has at least one rung
 
 
-def _plan_seconds(
+def _plan_times(
     command: DeployCommand, devices: Any, ladder: list[dict[str, int]]
-) -> list[float | None]:
-    """Each sequence-keeping rung's plan time under the command's objective (None where the
-    devices cannot hold it), planned without cutting: an analysis and a plan take
-    milliseconds for a text encoder."""
+) -> list[tuple[float, float] | None]:
+    """Each sequence-keeping rung's plan seconds, under the command's objective and under the
+    other one (None where the devices cannot hold it), planned without cutting: an analysis
+    and a plan take milliseconds for a text encoder."""
     from partitioner.errors import InfeasiblePlanError
     from partitioner.modelio import load_model
     from partitioner.split import SplitOptions, analyse, choose_plan, planning_problem
 
     model = load_model(command.model_path)
-    seconds: list[float | None] = []
+    times: list[tuple[float, float] | None] = []
     for dims in keeping_sequence(ladder):
         options = SplitOptions(command.objective, dims=dims)
         analysis = analyse(model, dims=options.dims)
@@ -194,13 +194,18 @@ def _plan_seconds(
         try:
             plan = choose_plan(problem, options, analysis)
         except InfeasiblePlanError:
-            seconds.append(None)
+            times.append(None)
             continue
-        latency = command.objective is Objective.LATENCY
-        value = plan.latency_s if latency else plan.bottleneck_s
-        seconds.append(value)
-        log.info("%s at %s: plan %.1f ms", command.model_id, dims, value * 1e3)
-    return seconds
+        log.info(
+            "%s at %s: bottleneck %.1f ms, latency %.1f ms",
+            command.model_id,
+            dims,
+            plan.bottleneck_s * 1e3,
+            plan.latency_s * 1e3,
+        )
+        pair = (plan.bottleneck_s, plan.latency_s)
+        times.append(pair[::-1] if command.objective is Objective.LATENCY else pair)
+    return times
 
 
 def _input_binding(manifest: Manifest, binding: Mapping[str, int]) -> dict[str, int]:

@@ -44,8 +44,8 @@ DEFAULT_MAX_TOKENS = 256
 MIN_TOKENS = 32
 """The smallest encoder run the deployer plans for before it gives up on a device set."""
 RUNG_TOLERANCE = 0.05
-"""A smaller rung is planned at only when its plan per token beats the larger ones' by more
-than this share: a few per cent are within the cost model's error."""
+"""Plans per token within this share of each other count as alike (a few per cent are within
+the cost model's error): a smaller rung is planned at only when it is better by more."""
 PREFILL_CHUNK = 64
 """Most new tokens one decoder step carries: longer prompts are prefilled in chunks."""
 
@@ -82,32 +82,39 @@ def keeping_sequence(ladder: Sequence[dict[str, int]]) -> list[dict[str, int]]:
 
 
 def rungs_by_quality(
-    ladder: Sequence[dict[str, int]], plan_seconds: Sequence[float | None]
+    ladder: Sequence[dict[str, int]], plan_times: Sequence[tuple[float, float] | None]
 ) -> list[dict[str, int]]:
-    """The order to plan ``ladder``'s rungs in. First the rung with the best plan per token of
-    those that keep the sequence (:func:`keeping_sequence`; ``plan_seconds`` has one plan time
-    for each, the objective's bottleneck or latency, None where the devices cannot hold it),
-    or the largest one within :data:`RUNG_TOLERANCE` of it (more tokens a run, for the same
-    time per token); then the other feasible ones, largest first; then the rungs with shorter
-    sequences, largest first.
+    """The order to plan ``ladder``'s rungs in.
 
-    The largest rung is not always the best plan: its activations may fit only on a device
-    behind a slow link, where half the tokens per run fit on two fast ones (MiniLM in the
-    LAN lab: 2 x 256 tokens planned onto a 10 Mbit/s device at 661 ms a run)."""
+    ``plan_times`` has one entry for each rung that keeps the sequence
+    (:func:`keeping_sequence`): its plan's seconds under the objective and under the other one
+    (bottleneck and latency for the throughput objective, the other way round for latency),
+    or None where the devices cannot hold it. First comes the rung with the best objective
+    per token of those, where rungs within :data:`RUNG_TOLERANCE` of it are told apart by the
+    other measure per token (a link-bound plan's throughput is the same at any rung, its
+    latency is not), and the larger one wins what is still within the tolerance; then the
+    other feasible ones, largest first; then the rungs with shorter sequences, largest first.
+
+    The largest rung is not always the best plan: its activations may fit only on devices
+    behind a slow link, where half the tokens per run fit on faster ones (MiniLM in the LAN
+    lab: 2 x 256 tokens planned h1 -> h3 over a 10 Mbit/s link at 1.47 s a run, 1 x 256 at
+    0.41 s, both bound by that link at the same 1.29 ms a token)."""
     keeping = keeping_sequence(ladder)
-    if len(plan_seconds) != len(keeping):
-        raise ValueError(f"{len(plan_seconds)} plan times for {len(keeping)} rungs")
+    if len(plan_times) != len(keeping):
+        raise ValueError(f"{len(plan_times)} plan times for {len(keeping)} rungs")
     feasible = [
-        (seconds / _tokens(dims), dims)
-        for dims, seconds in zip(keeping, plan_seconds, strict=True)
-        if seconds is not None
+        (times[0] / _tokens(dims), times[1] / _tokens(dims), dims)
+        for dims, times in zip(keeping, plan_times, strict=True)
+        if times is not None
     ]
     shorter = [dims for dims in ladder if dims not in keeping]
     if not feasible:
         return shorter
-    least = min(per_token for per_token, _ in feasible)
-    chosen = next(d for per_token, d in feasible if per_token <= least * (1 + RUNG_TOLERANCE))
-    return [chosen, *(d for _, d in feasible if d is not chosen), *shorter]
+    least = min(first for first, _, _ in feasible)
+    close = [(second, d) for first, second, d in feasible if first <= least * (1 + RUNG_TOLERANCE)]
+    least_second = min(second for second, _ in close)
+    chosen = next(d for second, d in close if second <= least_second * (1 + RUNG_TOLERANCE))
+    return [chosen, *(d for _, _, d in feasible if d is not chosen), *shorter]
 
 
 def _tokens(dims: Mapping[str, int]) -> int:
