@@ -227,7 +227,7 @@ def _only(devices: DeviceList, name: str) -> DeviceList:
 def paper_plan(analysis: Analysis, devices: DeviceList, strategy: str, single: str) -> Plan:
     """What ``strategy`` gives on paper with the lab's devices and measured links."""
     from partitioner.baselines import Baseline, run_baseline
-    from partitioner.planner import plan
+    from partitioner.planner import plan_preferring_one_device as plan
 
     if strategy == "single":
         devices = _only(devices, single)

@@ -17,7 +17,7 @@ from rich.table import Table
 
 from partitioner.baselines import Baseline, BaselineResult, run_baseline
 from partitioner.errors import InfeasiblePlanError
-from partitioner.planner import PlanningInputError, plan
+from partitioner.planner import PlanningInputError, plan_preferring_one_device
 from partitioner.planning.semantics import format_bytes
 from protocols.errors import SchemaError
 from protocols.plan import Objective, Plan
@@ -58,7 +58,7 @@ def register(subparsers: argparse._SubParsersAction[argparse.ArgumentParser]) ->
 
 def run_plan(args: argparse.Namespace) -> int:
     """Handle ``fedshard plan``; returns the exit code."""
-    errors = Console(stderr=True, highlight=False)
+    errors = Console(stderr=True, highlight=False, soft_wrap=True)  # whole lines: grep-able
     try:
         problem = PlanningProblem.from_json(Path(args.problem).read_bytes())
     except OSError as exc:
@@ -71,7 +71,7 @@ def run_plan(args: argparse.Namespace) -> int:
     baseline = Baseline(args.baseline) if args.baseline else None
     try:
         if baseline is None:
-            result = plan(problem, objective)
+            result = plan_preferring_one_device(problem, objective)
             overflows: list[tuple[str, int]] = []
         else:
             scored = run_baseline(problem, objective, baseline)

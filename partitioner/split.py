@@ -338,6 +338,6 @@ def choose_plan(
 
 
 def _default_planner() -> Planner:
-    from partitioner.planner import plan
+    from partitioner.planner import plan_preferring_one_device
 
-    return plan
+    return plan_preferring_one_device

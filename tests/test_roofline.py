@@ -319,6 +319,29 @@ def test_sharding_is_chosen_only_when_it_beats_the_best_single_device() -> None:
     assert chosen.bottleneck_s < _best_single(problem, Objective.THROUGHPUT)
 
 
+def test_a_sharded_plan_must_beat_the_best_one_device_plan_by_the_margin() -> None:
+    from partitioner.planner import ONE_DEVICE_MARGIN, plan_preferring_one_device
+
+    kept = {"one device over a slightly better shard": 0, "shard": 0}
+    for tenth in range(20, 200, 2):  # the small devices from 2 to 20 GB/s
+        problem = _decode_problem(slow_gbps=tenth / 10)
+        exact = plan(problem, Objective.THROUGHPUT)
+        single = _best_single(problem, Objective.THROUGHPUT)
+        chosen = plan_preferring_one_device(problem, Objective.THROUGHPUT)
+        if single <= (1 + ONE_DEVICE_MARGIN) * exact.bottleneck_s:
+            assert [(s.device, s.start, s.end) for s in chosen.stages] == [("big", 0, 6)]
+            assert chosen.bottleneck_s == single
+            if len(exact.stages) > 1:
+                kept["one device over a slightly better shard"] += 1
+        else:
+            assert chosen == exact and len(chosen.stages) > 1
+            kept["shard"] += 1
+        fastest = plan(problem, Objective.LATENCY).latency_s
+        latency = plan_preferring_one_device(problem, Objective.LATENCY).latency_s
+        assert fastest <= latency <= (1 + ONE_DEVICE_MARGIN) * fastest
+    assert all(kept.values()), kept  # the sweep has both sides of the margin
+
+
 # ----------------------------------------------------------------------------- calibration
 
 
