@@ -34,6 +34,7 @@ from coordinator.generation.speculative import (
     trailing_candidates,
 )
 from coordinator.generation.tokenizer import ChatTokenizer
+from coordinator.generation.tuning import Throughput
 from coordinator.http.errors import entry_of
 from coordinator.serving.decoder import ChainDecoderBackend
 from coordinator.transport.dataplane import DataPlane, SessionStep
@@ -93,6 +94,24 @@ class LocalVerifier:
         self.model.held.pop(session, None)
 
 
+class SteadyCosts(Throughput):
+    """Pass times fixed (a plain step 1 s, each further position 0.05 s, drafting free), so the
+    draft length follows only the acceptance rate, whatever the machine's load: the wall-time
+    tuning has its own tests (``test_generation_tuning.py``)."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.plain = 1.0
+        self.position = 0.05
+
+    def record_pass(self, positions: int, seconds: float) -> None:
+        """Ignored: the costs stay fixed."""
+
+    def record_draft(self, kind: str, drafted: int, accepted: int, seconds: float | None) -> None:
+        """The acceptance rate only; the draft time stays free."""
+        super().record_draft(kind, drafted, accepted, None)
+
+
 def _info(export: Path) -> DecoderInfo:
     return DecoderInfo.from_json((export / "decoder.json").read_bytes())
 
@@ -104,7 +123,9 @@ def _model(
     speculation = None
     if drafters is not None:
         assert info.trailing_positions is not None
-        speculation = Speculation(drafters, info.trailing_positions, SpeculationStats())
+        stats = SpeculationStats()
+        stats.throughput = SteadyCosts()
+        speculation = Speculation(drafters, info.trailing_positions, stats)
     tokenizer = ChatTokenizer.from_file(export, info)
     return GenerationModel(backend, tokenizer, info, speculation)  # type: ignore[arg-type]
 
