@@ -11,6 +11,7 @@ import pytest
 
 from coordinator.deploy.plan import LiveDevice
 from coordinator.deploy.stage_timing import (
+    MAX_STAGES,
     STAGE_WINDOW,
     StageTime,
     StageTiming,
@@ -175,6 +176,44 @@ def test_recorded_stages_price_later_plans_per_term_and_persist(tmp_path: Path) 
         timing.record(_two_stages(version), {})
     kept = TimingFile.from_json((tmp_path / "stage-timing.json").read_bytes()).stages
     assert len(kept) == STAGE_WINDOW and kept[-1].plan_version == 9
+
+
+def _memory_stages(model: str, version: int, slowdown: float) -> list[StageTime]:
+    """Two memory-bound stages of ``model`` that ran ``slowdown`` times their prediction."""
+    terms = [StageTerms(0.0, 1e-3, 1e-5), StageTerms(0.0, 3e-3, 2e-5)]
+    return [
+        StageTime(d, t.total_s, t.total_s * slowdown, t, version, model)
+        for d, t in zip("ab", terms, strict=True)
+    ]
+
+
+def test_each_model_is_priced_by_its_own_stages(tmp_path: Path) -> None:
+    timing = StageTiming(tmp_path)
+    timing.record(_memory_stages("int4", 1, 0.6), {})
+    timing.record(_memory_stages("int8", 2, 2.0), {})
+    int4, int8 = timing.term_factors("int4"), timing.term_factors("int8")
+    assert int4 is not None and int8 is not None
+    assert int4.memory == pytest.approx(0.6, rel=0.05)
+    assert int8.memory == pytest.approx(2.0, rel=0.05)
+    # a model never deployed is priced by the latest stages of any model: both here
+    new = timing.term_factors("new")
+    assert new is not None and int4.memory < new.memory < int8.memory
+    [a4], [a8] = timing.apply([_live("a")], "int4"), timing.apply([_live("a")], "int8")
+    assert a4.memory_gbps == pytest.approx(10.0 / int4.memory)
+    assert a8.memory_gbps == pytest.approx(10.0 / int8.memory)
+    # one model's many deploys keep the other's stages (each keeps its latest window)
+    for version in range(3, 3 + STAGE_WINDOW):
+        timing.record(_memory_stages("int4", version, 0.6), {})
+    kept = StageTiming(tmp_path)
+    assert kept.term_factors("int8") == int8
+    stages = TimingFile.from_json((tmp_path / "stage-timing.json").read_bytes()).stages
+    assert sum(s.model == "int4" for s in stages) == STAGE_WINDOW
+    assert sum(s.model == "int8" for s in stages) == 2
+    # and many models keep at most MAX_STAGES in all, the latest
+    for version in range(20, 20 + MAX_STAGES):
+        timing.record(_memory_stages(f"m{version}", version, 1.0), {})
+    stages = TimingFile.from_json((tmp_path / "stage-timing.json").read_bytes()).stages
+    assert len(stages) == MAX_STAGES and stages[-1].model == f"m{19 + MAX_STAGES}"
 
 
 def test_stage_timing_files_from_before_the_fit_are_still_read(tmp_path: Path) -> None:

@@ -92,7 +92,7 @@ class Deployer:
             raise DeployError(f"no model file at {command.model_path}")
         with self._lock:
             raw = self._live_devices()
-            live = raw if self._timing is None else self._timing.apply(raw)
+            live = raw if self._timing is None else self._timing.apply(raw, command.model_id)
             links = self._links()
             requester = None if self._requester_links is None else self._requester_links()
             devices = device_list(live, links, command.memory_caps, command.strict_caps, requester)

@@ -17,7 +17,11 @@ warm-up); one factor per part, shared by the devices, is fitted on the last
 bandwidths divided by the first two and its fixed costs multiplied by the third
 (:func:`term_corrected`). One factor per device could not: a stage of many small operators and
 a stage of bytes and ``TopK`` are off by different factors, and identical agents swap stages
-between deploys.
+between deploys. The factors are fitted per model: a model with measured stages of its own is
+priced by factors fitted on its own latest :data:`STAGE_WINDOW` stages, a model never deployed
+by those of the latest stages of any model. Models read their weights through different
+kernels (4-bit ``MatMulNBits``, 8-bit integer products, float ``MatMul``): in the demo one
+memory factor fitted on Qwen 1.5B int4's stages priced Gemma 3 270M int8's at 0.30-0.47x.
 
 Devices priced by FLOPs alone keep one correction each: the geometric mean of the
 measured/predicted ratios of their last :data:`WINDOW` deploys, each taken against the
@@ -70,7 +74,9 @@ HIGHEST = 20.0
 MIN_MEASURED_S = 1e-6
 """Stage times below this (1 us) are timer noise and teach nothing."""
 STAGE_WINDOW = 8
-"""Measured stages the per-term fit keeps (all devices together)."""
+"""Measured stages of one model the per-term fit keeps (all devices together)."""
+MAX_STAGES = 64
+"""Measured stages kept in all (the models deployed longest ago go first)."""
 TIMING_FORMAT: Literal["fedshard.stage-timing/2"] = "fedshard.stage-timing/2"
 
 
@@ -86,6 +92,8 @@ class StageTime:
     the warm-up (:func:`~coordinator.deploy.term_fit.stage_terms`); None for devices priced
     by FLOPs alone."""
     plan_version: int = 0
+    model: str = ""
+    """The deployed model's id."""
 
 
 class DeviceTiming(FrozenModel):
@@ -105,6 +113,8 @@ class StageSample(FrozenModel):
     measured_s: PositiveFloat
     gemv_s: NonNegativeFloat = 0.0
     """One-row 4-bit products (absent from files written before that part was fitted)."""
+    model: str = ""
+    """The deployed model's id ("": written before the fit was per model)."""
 
     def terms(self) -> StageTerms:
         """The stage's predicted parts."""
@@ -117,8 +127,9 @@ class TimingFile(FrozenModel):
 
     format: Literal["fedshard.stage-timing/2"] = TIMING_FORMAT
     devices: dict[str, DeviceTiming] = Field(default_factory=dict)
-    stages: list[StageSample] = Field(default_factory=list, max_length=STAGE_WINDOW)
-    """The latest measured stages of every roofline-priced device, oldest first."""
+    stages: list[StageSample] = Field(default_factory=list, max_length=MAX_STAGES)
+    """The latest measured stages of every roofline-priced device, oldest first (at most
+    :data:`STAGE_WINDOW` a model)."""
 
 
 def correction_of(timing: DeviceTiming) -> float:
@@ -163,10 +174,13 @@ class StageTiming:
         with self._lock:
             return {name: correction_of(t) for name, t in self._file.devices.items()}
 
-    def term_factors(self) -> TermFactors | None:
-        """The per-term factors fitted on the latest measured stages (None before any)."""
+    def term_factors(self, model: str = "") -> TermFactors | None:
+        """The per-term factors for ``model``: fitted on its own measured stages, or on the
+        latest :data:`STAGE_WINDOW` stages of any model when it has none (None before any)."""
         with self._lock:
-            stages = list(self._file.stages)
+            stages = [s for s in self._file.stages if s.model == model]
+            if not stages:
+                stages = list(self._file.stages[-STAGE_WINDOW:])
         if not stages:
             return None
         newest = sorted({s.plan_version for s in stages}, reverse=True)
@@ -174,10 +188,10 @@ class StageTiming:
             [TermSample(s.terms(), s.measured_s, newest.index(s.plan_version)) for s in stages]
         )
 
-    def apply(self, devices: Sequence[LiveDevice]) -> list[LiveDevice]:
-        """``devices`` as later plans should see them: roofline-priced ones with the per-term
-        factors (once any stage was measured), the others with their own correction."""
-        factors = self.term_factors()
+    def apply(self, devices: Sequence[LiveDevice], model: str = "") -> list[LiveDevice]:
+        """``devices`` as a plan of ``model`` should see them: roofline-priced ones with the
+        per-term factors (once any stage was measured), the others with their own correction."""
+        factors = self.term_factors(model)
         return [
             term_corrected(d, factors)
             if factors is not None and d.memory_gbps is not None
@@ -209,7 +223,7 @@ class StageTiming:
                     stage.measured_s / stage.predicted_s,
                     correction_of(devices[stage.device]),
                 )
-            self._file = TimingFile(devices=devices, stages=samples[-STAGE_WINDOW:])
+            self._file = TimingFile(devices=devices, stages=_latest_per_model(samples))
             self._save()
 
     def _load(self) -> TimingFile:
@@ -230,6 +244,18 @@ class StageTiming:
         tmp.replace(self._path)
 
 
+def _latest_per_model(samples: Sequence[StageSample]) -> list[StageSample]:
+    """The latest :data:`STAGE_WINDOW` of each model's ``samples`` (oldest first), at most
+    :data:`MAX_STAGES` in all."""
+    kept: list[StageSample] = []
+    per_model: dict[str, int] = {}
+    for sample in reversed(samples):
+        if per_model.get(sample.model, 0) < STAGE_WINDOW and len(kept) < MAX_STAGES:
+            per_model[sample.model] = per_model.get(sample.model, 0) + 1
+            kept.append(sample)
+    return kept[::-1]
+
+
 def _sample(stage: StageTime, terms: StageTerms) -> StageSample:
     return StageSample(
         device=stage.device,
@@ -239,6 +265,7 @@ def _sample(stage: StageTime, terms: StageTerms) -> StageSample:
         fixed_s=terms.fixed_s,
         measured_s=stage.measured_s,
         gemv_s=terms.gemv_s,
+        model=stage.model,
     )
 
 
@@ -261,7 +288,14 @@ def stage_times(
             if hi <= len(unit_work):
                 terms = stage_terms(unit_work[lo:hi], roofs_of(device), p.costs)
         out.append(
-            StageTime(p.device, p.predicted_compute_s, p.warmup_s, terms, version.plan_version)
+            StageTime(
+                p.device,
+                p.predicted_compute_s,
+                p.warmup_s,
+                terms,
+                version.plan_version,
+                version.model_id,
+            )
         )
     return out
 

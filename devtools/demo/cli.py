@@ -180,6 +180,7 @@ def _steps(
         Api,
         after_a_loss,
         budgets_table,
+        deploy_calibrated,
         deploy_minilm,
         export_model,
         minilm_caps,
@@ -212,7 +213,7 @@ def _steps(
     model = export_model(console, args.cache_dir / "exports" / "all-minilm-l6-v2")
     caps = minilm_caps(model, names)
     console.print(budgets_table("all-MiniLM-L6-v2", model, caps))
-    deploy_minilm(console, api, model, caps)
+    deploy_calibrated(console, api, MODEL_ID, lambda: deploy_minilm(console, api, model, caps))
     console.print(plan_table(api, state_dir))
     console.print(after_a_loss(api, MODEL_ID, caps))
     console.print(similarity_table(console, api))
@@ -288,6 +289,7 @@ def _decoder(
         AGENT_MEMORY,
         after_a_loss,
         budgets_table,
+        deploy_calibrated,
         plan_table,
         planning_limits,
     )
@@ -299,7 +301,7 @@ def _decoder(
     export = export_decoder(console, name, out, cache_dir, weights)
     caps = decoder_caps(export, names, parse_size(AGENT_MEMORY))
     console.print(budgets_table(f"{name} ({weights})", export / "model.onnx", caps, names))
-    deploy_decoder(console, api, export, name, caps)
+    deploy_calibrated(console, api, name, lambda: deploy_decoder(console, api, export, name, caps))
     console.print(plan_table(api, state_dir, name))
     console.print(after_a_loss(api, name, planning_limits(caps, names)))
     with console.status(f"asking {name} through the agents (/v1/chat/completions)..."):
