@@ -9,7 +9,8 @@ CoordinatorError
 ├── AgentError              an agent could not be reached or refused a request
 │   └── AgentRefusedError   it answered with an error (status and message kept)
 ├── DeployError             a deployment could not be planned, pushed or checked
-│   └── NoRoomError         a cut version's devices cannot take it as cut (offline, no room)
+│   ├── NoRoomError         a cut version's devices cannot take it as cut (offline, no room)
+│   └── NoFitError          no plan of the model fits the devices' free memory
 ├── RollbackError           there is no earlier version to switch back to
 ├── RequestError            an inference request is malformed (4xx)
 │   ├── UnknownModelError   no deployment has that model id (404)
@@ -79,6 +80,10 @@ class DeployError(CoordinatorError):
 class NoRoomError(DeployError):
     """A version cut for named devices cannot be placed as cut: one of them is not online, or
     refused a segment for its memory budget. Planning the version afresh may still fit."""
+
+
+class NoFitError(DeployError):
+    """No plan of the model fits the memory the devices have free (with the operator's caps)."""
 
 
 class RollbackError(CoordinatorError):

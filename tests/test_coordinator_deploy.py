@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import dataclasses
 import re
 from pathlib import Path
 from typing import Any
@@ -21,6 +22,7 @@ from coordinator.deploy.store import DeploymentStore, Placement, VersionRecord
 from coordinator.errors import (
     AgentRefusedError,
     DeployError,
+    NoFitError,
     NoRoomError,
     NotServableError,
     RollbackError,
@@ -424,3 +426,33 @@ def test_a_rollout_that_does_not_fit_as_cut_is_planned_afresh_from_its_whole_mod
     assert command.model_path == version / "model.onnx" and command.model_id == "m"
     assert dict(command.memory_caps) == {"a": 7} and command.tokenizer_dir == "tok"
     assert not command.strict_caps and "507 over_budget" in command.trigger
+
+
+def test_versions_kept_for_rollback_give_way_to_a_deploy_that_needs_their_memory(
+    tmp_path: Path,
+) -> None:
+    """Two versions of one model fill the agents; another model's deploy does not fit beside
+    the rollback copy, so that copy is retired and unloaded and the deploy planned again."""
+    probe = FakeAgents(CertificateAuthority.open(tmp_path / "probe").cert_pem, budget=1 << 30)
+    one, _ = _deployer(tmp_path / "probe", probe, healthy=True)
+    one.deploy(_command(tmp_path))
+    held = max(
+        probe.status(AgentAddress(d, "127.0.0.1", 1)).memory_committed_bytes for d in probe.deployed
+    )
+    agents = FakeAgents(CertificateAuthority.open(tmp_path).cert_pem, budget=int(2.2 * held))
+    deployer, store = _deployer(tmp_path, agents, healthy=True)
+    first = deployer.deploy(_command(tmp_path))
+    second = deployer.deploy(_command(tmp_path))
+    assert store.model("stack").previous == first.plan_version and not agents.unloaded
+    other = dataclasses.replace(_command(tmp_path), model_id="other")
+    deployed = deployer.deploy(other)
+    assert store.active("other").plan_version == deployed.plan_version
+    assert {v for _, v in agents.unloaded} == {first.plan_version}
+    model = store.model("stack")
+    assert model.active == second.plan_version and model.previous is None
+    with pytest.raises(RollbackError):
+        store.rollback("stack")
+    # with nothing left to give way, a deploy that does not fit fails as before
+    with pytest.raises(NoFitError, match="cannot plan"):
+        deployer.deploy(dataclasses.replace(_command(tmp_path), model_id="third"))
+    assert store.active("stack").plan_version == second.plan_version

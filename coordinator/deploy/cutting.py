@@ -23,7 +23,7 @@ from coordinator.deploy.limits import (
     rungs_by_quality,
 )
 from coordinator.deploy.stage_timing import CALIBRATION_RUNS, calibrates_at_deploy
-from coordinator.errors import DeployError
+from coordinator.errors import DeployError, NoFitError
 from partitioner.baselines import Baseline
 from protocols.deploy import ShapeLimits
 from protocols.errors import SchemaError
@@ -111,13 +111,15 @@ def split_and_run(
     answer. Partitioner errors become DeployError.
     """
     from coordinator.generation.feeds import health_feeds, state_names
-    from partitioner.errors import PartitionerError
+    from partitioner.errors import InfeasiblePlanError, PartitionerError
     from partitioner.verify import run_chain
 
     try:
         result = _split_at_serving_shapes(command, devices, out, segment_cache)
         samples = dict(result.analysis.samples)
         known = run_chain([w.files[0] for w in result.segments], samples)
+    except InfeasiblePlanError as exc:
+        raise NoFitError(f"cannot plan or split {command.model_path.name}: {exc}") from exc
     except (PartitionerError, OSError) as exc:
         raise DeployError(f"cannot plan or split {command.model_path.name}: {exc}") from exc
     manifest = result.manifest

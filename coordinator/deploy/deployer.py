@@ -3,8 +3,9 @@
 A new version is loaded and warmed beside the live one (agents hold one segment per plan
 version), checked through the data plane against a local run of the same segments, and only
 then made active; the version it replaces stays loaded as *previous* for a one-step rollback,
-and older ones are unloaded. A failure at any step unloads what was pushed and leaves the live
-version untouched.
+and older ones are unloaded. A deploy that no plan fits beside the versions kept for rollback
+retires and unloads them and plans again: they give way to what the operator asks for. A
+failure at any step unloads what was pushed and leaves the live version untouched.
 """
 
 from __future__ import annotations
@@ -35,6 +36,7 @@ from coordinator.errors import (
     AgentRefusedError,
     CoordinatorError,
     DeployError,
+    NoFitError,
     NoRoomError,
 )
 from coordinator.fleet.registry import DeviceRecord
@@ -91,20 +93,45 @@ class Deployer:
         if not command.model_path.is_file():
             raise DeployError(f"no model file at {command.model_path}")
         with self._lock:
-            raw = self._live_devices()
-            live = raw if self._timing is None else self._timing.apply(raw, command.model_id)
-            links = self._links()
-            requester = None if self._requester_links is None else self._requester_links()
-            devices = device_list(live, links, command.memory_caps, command.strict_caps, requester)
             plan_version = self._store.reserve_plan_version()
             out = self.segment_dir(command.model_id, plan_version)
-            split = split_and_run(command, devices, out, self._segment_cache)
+            try:
+                raw, live, split = self._plan(command, out)
+            except NoFitError:
+                if not self._unload_rollback_copies():
+                    raise
+                raw, live, split = self._plan(command, out)
             version = self._install(command, plan_version, split, live)
             if self._timing is not None:
                 ranges = [s.units for s in split.manifest.segments]
                 stages = stage_times(version, split.unit_work, ranges, raw)
                 self._timing.record(stages, {d.name: d.correction for d in live})
             return version
+
+    def _plan(
+        self, command: DeployCommand, out: Path
+    ) -> tuple[list[LiveDevice], list[LiveDevice], SplitOutcome]:
+        """The devices as they are, as priced (calibrated), and the model planned and cut on
+        them into ``out``."""
+        raw = self._live_devices()
+        live = raw if self._timing is None else self._timing.apply(raw, command.model_id)
+        links = self._links()
+        requester = None if self._requester_links is None else self._requester_links()
+        devices = device_list(live, links, command.memory_caps, command.strict_caps, requester)
+        return raw, live, split_and_run(command, devices, out, self._segment_cache)
+
+    def _unload_rollback_copies(self) -> bool:
+        """Retire and unload every model's previous version; whether there was any."""
+        retired = self._store.retire_every_previous()
+        for old in retired:
+            log.warning(
+                "unloading %s v%d, kept for a rollback, to make room for a deploy",
+                old.model_id,
+                old.plan_version,
+            )
+            self._retired(old.plan_version)
+            self._unload([_placement_address(p) for p in old.segments], old.plan_version)
+        return bool(retired)
 
     def replan(self, version: VersionRecord, trigger: str) -> VersionRecord:
         """Deploy ``version``'s model again, planned on the devices online now (failover).

@@ -186,12 +186,21 @@ class DeploymentStore:
                 return None
             if not set(using) & {p.device for p in previous.segments}:
                 return None
-            versions = [
-                _with_state(v, "retired") if v.plan_version == previous.plan_version else v
-                for v in record.versions
-            ]
-            self._put(record.model_copy(update={"previous": None, "versions": versions}))
+            self._put(_previous_retired(record, previous))
             return previous
+
+    def retire_every_previous(self) -> list[VersionRecord]:
+        """Retire the previous version of every model (each kept only for a rollback) and
+        return them."""
+        with self._lock:
+            retired = []
+            for record in list(self._book.models):
+                previous = record.version(record.previous) if record.previous else None
+                if previous is None:
+                    continue
+                self._put(_previous_retired(record, previous))
+                retired.append(previous)
+            return retired
 
     def rollback(self, model_id: str) -> VersionRecord:
         """Switch ``model_id`` back to its previous version; returns the version now active."""
@@ -260,6 +269,15 @@ class DeploymentStore:
     def _save(self, book: DeploymentBook) -> None:
         write_atomic(self._path, book.to_json().encode(), mode=0o600)
         self._book = book
+
+
+def _previous_retired(record: ModelRecord, previous: VersionRecord) -> ModelRecord:
+    """``record`` with its ``previous`` version retired (no rollback target left)."""
+    versions = [
+        _with_state(v, "retired") if v.plan_version == previous.plan_version else v
+        for v in record.versions
+    ]
+    return record.model_copy(update={"previous": None, "versions": versions})
 
 
 def _with_state(version: VersionRecord, state: VersionState) -> VersionRecord:
