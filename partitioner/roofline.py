@@ -203,6 +203,18 @@ def _vector_flops(index: GraphIndex, nodes: Sequence[int], table: ShapeTable) ->
     )
 
 
+def scaled_work(work: Work, factor: float) -> Work:
+    """``work`` priced ``factor`` times as long under any roofs (every count scaled)."""
+    return Work(
+        flops=round(work.flops * factor),
+        bytes_read=round(work.bytes_read * factor),
+        ops=round(work.ops * factor),
+        topk_elements=round(work.topk_elements * factor),
+        gemv_flops=round(work.gemv_flops * factor),
+        vector_flops=round(work.vector_flops * factor),
+    )
+
+
 def stage_seconds(work: Sequence[Work], roofs: Roofs) -> float:
     """Seconds of a stage made of ``work``'s units under ``roofs``, added left to right as
     the planner adds them, then one segment run's cost."""

@@ -35,7 +35,7 @@ from partitioner.manifests import build_manifest
 from partitioner.modelio import load_model
 from partitioner.phases import prefill_work
 from partitioner.problem_from_graph import build_problem
-from partitioner.roofline import unit_work
+from partitioner.roofline import scaled_work, unit_work
 from partitioner.runtime_memory import RuntimeMemory
 from partitioner.samples import Samples, check_samples, embedded_samples, load_npz, synthesize
 from partitioner.segment_files import WrittenSegment, cached_cuts, write_segments
@@ -112,6 +112,10 @@ class SplitOptions:
     """For a model with per-session state: the KV cache every stage reserves memory for."""
     segment_cache: Path | None = None
     """Keep segment files here and reuse them when the same model is cut the same way."""
+    work_scales: Sequence[float] | None = None
+    """How many times its roofline work each unit is priced at (measured against predicted
+    on the devices before, see ``coordinator.deploy.unit_residuals``); ignored unless there is
+    one per unit."""
 
 
 def analyse(
@@ -288,10 +292,16 @@ def planning_problem(
         compute_shares=shares,
         runtime=opts.runtime,
         state_bytes=_state_bytes(analysis, opts.sessions),
-        work=analysis_work(analysis),
+        work=_scaled(analysis_work(analysis), opts.work_scales),
         prefill=analysis_prefill(analysis),
         phase="decode" if analysis.decoder is not None else "request",
     )
+
+
+def _scaled(work: list[Work], scales: Sequence[float] | None) -> list[Work]:
+    if scales is None or len(scales) != len(work):
+        return work
+    return [scaled_work(w, s) for w, s in zip(work, scales, strict=True)]
 
 
 def analysis_work(analysis: Analysis) -> list[Work]:

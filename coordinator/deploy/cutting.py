@@ -8,7 +8,7 @@ Partitioner errors become :class:`~coordinator.errors.DeployError`. The :class:`
 from __future__ import annotations
 
 import logging
-from collections.abc import Callable, Mapping
+from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -102,20 +102,26 @@ def version_outcome(version_dir: Path, out: Path, samples: Arrays) -> SplitOutco
 
 
 def split_and_run(
-    command: DeployCommand, devices: Any, out: Path, segment_cache: Path | None = None
+    command: DeployCommand,
+    devices: Any,
+    out: Path,
+    segment_cache: Path | None = None,
+    work_scales: Sequence[float] | None = None,
 ) -> SplitOutcome:
     """Plan and cut with the partitioner, then run the segments here on the model's samples.
 
-    Segments cut the same way before come from ``segment_cache`` when one is given.
+    Segments cut the same way before come from ``segment_cache`` when one is given; each
+    unit's work is priced ``work_scales`` times (the residuals of earlier deploys).
     The local run gives each segment a real warm-up input and the health check its expected
     answer. Partitioner errors become DeployError.
     """
     from coordinator.generation.feeds import health_feeds, state_names
     from partitioner.errors import InfeasiblePlanError, PartitionerError
+    from partitioner.split import analysis_work
     from partitioner.verify import run_chain
 
     try:
-        result = _split_at_serving_shapes(command, devices, out, segment_cache)
+        result = _split_at_serving_shapes(command, devices, out, segment_cache, work_scales)
         samples = dict(result.analysis.samples)
         known = run_chain([w.files[0] for w in result.segments], samples)
     except InfeasiblePlanError as exc:
@@ -140,13 +146,16 @@ def split_and_run(
     state = state_names(manifest)
     expected = {o.name: known[o.name] for o in manifest.model.outputs if o.name not in state}
     limits = planned_limits(manifest, binding)
-    works = [u.work for u in result.problem.units]
-    unit_work = tuple(w for w in works if w is not None) if None not in works else ()
+    unit_work = tuple(analysis_work(result.analysis))  # unscaled: the terms fitted on
     return SplitOutcome(manifest, out, samples, warmups, expected, limits, unit_work)
 
 
 def _split_at_serving_shapes(
-    command: DeployCommand, devices: Any, out: Path, segment_cache: Path | None
+    command: DeployCommand,
+    devices: Any,
+    out: Path,
+    segment_cache: Path | None,
+    work_scales: Sequence[float] | None,
 ) -> Any:
     """Plan and cut at the serving shapes with the best plan the devices can hold (see
     :func:`coordinator.deploy.limits.rungs_by_quality`): they become the deployment's limits.
@@ -165,6 +174,7 @@ def _split_at_serving_shapes(
             calibrate=calibrates_at_deploy(command.model_path, devices),
             calibration_runs=CALIBRATION_RUNS,
             dims=dims,
+            work_scales=work_scales,
         )
         try:
             return split_model(command.model_path, devices, out, options, planner=planner)

@@ -118,7 +118,8 @@ class Deployer:
         links = self._links()
         requester = None if self._requester_links is None else self._requester_links()
         devices = device_list(live, links, command.memory_caps, command.strict_caps, requester)
-        return raw, live, split_and_run(command, devices, out, self._segment_cache)
+        scales = None if self._timing is None else self._timing.unit_scales(command.model_id)
+        return raw, live, split_and_run(command, devices, out, self._segment_cache, scales)
 
     def _unload_rollback_copies(self) -> bool:
         """Retire and unload every model's previous version; whether there was any."""

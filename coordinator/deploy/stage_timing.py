@@ -57,6 +57,7 @@ from coordinator.deploy.term_fit import (
     fit_terms,
     stage_terms,
 )
+from coordinator.deploy.unit_residuals import UnitResiduals, unit_scales, with_stage
 from protocols.base import FrozenModel
 from protocols.devices import DeviceList
 from protocols.problem import Roofs, Work
@@ -94,6 +95,9 @@ class StageTime:
     plan_version: int = 0
     model: str = ""
     """The deployed model's id."""
+    units: tuple[int, int] | None = None
+    """The planning units the stage held (half-open), with ``unit_count`` the model's."""
+    unit_count: int = 0
 
 
 class DeviceTiming(FrozenModel):
@@ -130,6 +134,8 @@ class TimingFile(FrozenModel):
     stages: list[StageSample] = Field(default_factory=list, max_length=MAX_STAGES)
     """The latest measured stages of every roofline-priced device, oldest first (at most
     :data:`STAGE_WINDOW` a model)."""
+    residuals: dict[str, UnitResiduals] = Field(default_factory=dict)
+    """Per model: what its fitted factors leave unexplained, per unit."""
 
 
 def correction_of(timing: DeviceTiming) -> float:
@@ -178,15 +184,13 @@ class StageTiming:
         """The per-term factors for ``model``: fitted on its own measured stages, or on the
         latest :data:`STAGE_WINDOW` stages of any model when it has none (None before any)."""
         with self._lock:
-            stages = [s for s in self._file.stages if s.model == model]
-            if not stages:
-                stages = list(self._file.stages[-STAGE_WINDOW:])
-        if not stages:
-            return None
-        newest = sorted({s.plan_version for s in stages}, reverse=True)
-        return fit_terms(
-            [TermSample(s.terms(), s.measured_s, newest.index(s.plan_version)) for s in stages]
-        )
+            return _fit_for(self._file.stages, model)
+
+    def unit_scales(self, model: str) -> list[float] | None:
+        """How many times its roofline work each unit of ``model`` is priced at
+        (:mod:`coordinator.deploy.unit_residuals`); None before its first measured deploy."""
+        with self._lock:
+            return unit_scales(self._file.residuals.get(model))
 
     def apply(self, devices: Sequence[LiveDevice], model: str = "") -> list[LiveDevice]:
         """``devices`` as a plan of ``model`` should see them: roofline-priced ones with the
@@ -223,7 +227,9 @@ class StageTiming:
                     stage.measured_s / stage.predicted_s,
                     correction_of(devices[stage.device]),
                 )
-            self._file = TimingFile(devices=devices, stages=_latest_per_model(samples))
+            kept = _latest_per_model(samples)
+            residuals = _residuals(self._file.residuals, stages, kept)
+            self._file = TimingFile(devices=devices, stages=kept, residuals=residuals)
             self._save()
 
     def _load(self) -> TimingFile:
@@ -242,6 +248,41 @@ class StageTiming:
         tmp = self._path.with_suffix(".tmp")
         tmp.write_text(json.dumps(self._file.model_dump(), indent=2))
         tmp.replace(self._path)
+
+
+def _fit_for(samples: Sequence[StageSample], model: str) -> TermFactors | None:
+    """The factors fitted on ``model``'s samples, else on the latest of any model."""
+    stages = [s for s in samples if s.model == model] or list(samples[-STAGE_WINDOW:])
+    if not stages:
+        return None
+    newest = sorted({s.plan_version for s in stages}, reverse=True)
+    return fit_terms(
+        [TermSample(s.terms(), s.measured_s, newest.index(s.plan_version)) for s in stages]
+    )
+
+
+def _residuals(
+    old: Mapping[str, UnitResiduals],
+    stages: Sequence[StageTime],
+    samples: Sequence[StageSample],
+) -> dict[str, UnitResiduals]:
+    """``old`` with each of ``stages`` measured against its prediction by its model's
+    factors fitted on ``samples`` (which hold them)."""
+    out = dict(old)
+    for stage in stages:
+        if stage.terms is None or stage.units is None or stage.measured_s < MIN_MEASURED_S:
+            continue
+        factors = _fit_for(samples, stage.model)
+        if factors is None:
+            continue
+        parts = zip(stage.terms.parts(), dataclasses.astuple(factors), strict=True)
+        predicted = math.fsum(part * factor for part, factor in parts)
+        if predicted <= 0:
+            continue
+        current = out.get(stage.model, UnitResiduals())
+        ratio = stage.measured_s / predicted
+        out[stage.model] = with_stage(current, stage.unit_count, stage.units, ratio)
+    return out
 
 
 def _latest_per_model(samples: Sequence[StageSample]) -> list[StageSample]:
@@ -295,6 +336,8 @@ def stage_times(
                 terms,
                 version.plan_version,
                 version.model_id,
+                unit_ranges[i] if i < len(unit_ranges) else None,
+                len(unit_work),
             )
         )
     return out

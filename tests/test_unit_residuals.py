@@ -1,0 +1,113 @@
+"""Per-unit residuals: what the per-term fit leaves unexplained is kept per planning unit of a
+model and prices its later plans (unit tests; the real agents in test_prediction_band.py)."""
+
+from __future__ import annotations
+
+import math
+from pathlib import Path
+
+import onnx
+import pytest
+from graph_helpers import block_stack
+
+from coordinator.deploy.stage_timing import StageTime, StageTiming, TimingFile
+from coordinator.deploy.term_fit import StageTerms
+from coordinator.deploy.unit_residuals import (
+    HIGHEST,
+    LOWEST,
+    RESIDUAL_WINDOW,
+    UnitResiduals,
+    unit_scales,
+    with_stage,
+)
+from partitioner.roofline import scaled_work, stage_seconds
+from partitioner.split import SplitOptions, analyse, analysis_work, planning_problem
+from protocols.devices import DeviceList
+from protocols.problem import Roofs, Work
+
+
+def test_residuals_keep_the_latest_window_per_unit_and_average_geometrically() -> None:
+    residuals = UnitResiduals()
+    assert unit_scales(residuals) is None
+    residuals = with_stage(residuals, 4, (0, 1), 0.5)
+    residuals = with_stage(residuals, 4, (1, 4), 2.0)
+    assert unit_scales(residuals) == pytest.approx([0.5, 2.0, 2.0, 2.0])
+    for ratio in (1.0, 4.0, 1.0, 1.0):
+        residuals = with_stage(residuals, 4, (0, 2), ratio)
+    assert residuals.ratios[0] == [4.0, 1.0, 1.0][-RESIDUAL_WINDOW:]
+    assert unit_scales(residuals)[0] == pytest.approx(4 ** (1 / 3))  # type: ignore[index]
+    # out-of-range means are clamped: one odd measurement cannot make a unit free
+    clamped = with_stage(with_stage(UnitResiduals(), 2, (0, 1), 1e-3), 2, (1, 2), 1e3)
+    assert unit_scales(clamped) == [LOWEST, HIGHEST]
+    # the model cut into another number of units starts again
+    assert with_stage(residuals, 3, (2, 3), 3.0).ratios == [[], [], [3.0]]
+
+
+def _stage(units: tuple[int, int], terms: StageTerms, measured_s: float, version: int) -> StageTime:
+    return StageTime("a", terms.total_s, measured_s, terms, version, "minilm", units, 4)
+
+
+def test_a_small_stage_the_fit_leaves_out_is_priced_at_what_it_measured(tmp_path: Path) -> None:
+    """MiniLM's shape: a 0.2 ms embedding stage of element-wise work among 25 ms stages of
+    products; the time-weighted fit follows the long stages, the residual fixes the short."""
+    embedding = StageTerms(compute_s=0.31e-3, memory_s=0.14e-3, fixed_s=0.02e-3)
+    layers = StageTerms(compute_s=30.4e-3, memory_s=0.0, fixed_s=0.05e-3)
+    stages = [
+        _stage((0, 1), embedding, 0.18e-3, 1),
+        _stage((1, 2), layers, 25e-3, 1),
+        _stage((2, 3), layers, 26e-3, 1),
+        _stage((3, 4), layers, 24e-3, 1),
+    ]
+    timing = StageTiming(tmp_path)
+    assert timing.unit_scales("minilm") is None
+    timing.record(stages, {})
+    factors = timing.term_factors("minilm")
+    assert factors is not None
+    predicted = [
+        math.fsum(p * f for p, f in zip(s.terms.parts(), vars(factors).values(), strict=True))  # type: ignore[union-attr]
+        for s in stages
+    ]
+    assert predicted[0] / 0.18e-3 > 1.5  # what the fit alone predicts for the embedding
+    scales = StageTiming(tmp_path).unit_scales("minilm")  # persisted
+    assert scales is not None and len(scales) == 4
+    for stage, before, scale in zip(stages, predicted, scales, strict=True):
+        assert before * scale == pytest.approx(stage.measured_s, rel=1e-6)
+    saved = TimingFile.from_json((tmp_path / "stage-timing.json").read_bytes())
+    assert set(saved.residuals) == {"minilm"}
+    assert timing.unit_scales("another model") is None
+
+
+def test_scaled_work_is_priced_that_many_times() -> None:
+    work = Work(flops=10**8, bytes_read=10**7, ops=40, vector_flops=10**6)
+    roofs = Roofs(gflops=100.0, memory_gbps=10.0, op_us=1.0, vector_gflops=1.0)
+    once = stage_seconds([work], roofs) - roofs.call_us / 1e6
+    twice = stage_seconds([scaled_work(work, 2.0)], roofs) - roofs.call_us / 1e6
+    assert twice == pytest.approx(2 * once, rel=1e-6)
+
+
+def test_the_planning_problem_prices_units_by_their_scales(tmp_path: Path) -> None:
+    model = block_stack(4)
+    analysis = analyse(model)
+    work = analysis_work(analysis)
+    devices = DeviceList.from_obj(
+        {
+            "devices": [
+                {
+                    "name": "d",
+                    "memory_bytes": 1 << 30,
+                    "gflops": 10,
+                    "memory_gbps": 10,
+                    "bandwidth_mbps": 1,
+                }
+            ]
+        }
+    )
+    scales = [1.0 + u for u in range(len(work))]
+    scaled = planning_problem(analysis, devices, SplitOptions(work_scales=scales), "m")
+    assert [u.work for u in scaled.units] == [
+        scaled_work(w, s) for w, s in zip(work, scales, strict=True)
+    ]
+    # scales of another cut of the model are ignored
+    other = planning_problem(analysis, devices, SplitOptions(work_scales=[2.0]), "m")
+    assert [u.work for u in other.units] == work
+    onnx.checker.check_model(model)
