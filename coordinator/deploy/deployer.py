@@ -26,6 +26,7 @@ from coordinator.deploy.cutting import (
     version_outcome,
 )
 from coordinator.deploy.plan import LiveDevice, deploy_bodies, device_list, max_abs_diff
+from coordinator.deploy.pushing import push_per_host
 from coordinator.deploy.stage_timing import (
     StageTiming,
     stage_times,
@@ -323,23 +324,24 @@ class Deployer:
         with self._busy_lock:
             self._busy |= devices
         try:
-            with ThreadPoolExecutor(max_workers=len(bodies)) as pool:
-                futures = [
-                    pool.submit(self._agents.deploy, a, b)
-                    for a, b in zip(addresses, bodies, strict=True)
-                ]
+            outcomes = push_per_host(self._agents.deploy, addresses, bodies)
         finally:
             with self._busy_lock:
                 self._busy -= devices
-        failures = [(a, f.exception()) for a, f in zip(addresses, futures, strict=True)]
-        refused = [e for _, e in failures if e is not None]
+        refused = [o for o in outcomes if isinstance(o, Exception)]
         if refused:
-            pushed = [a for a, e in failures if e is None]
+            pushed = [
+                a for a, o in zip(addresses, outcomes, strict=True) if isinstance(o, DeployReport)
+            ]
             self._unload(pushed, plan_version)
             kind = NoRoomError if all(map(_over_budget, refused)) else DeployError
-            errors = [f"{a.device}: {e}" for a, e in failures if e is not None]
+            errors = [
+                f"{a.device}: {o}"
+                for a, o in zip(addresses, outcomes, strict=True)
+                if isinstance(o, Exception)
+            ]
             raise kind("pushing segments failed: " + "; ".join(errors))
-        return [f.result() for f in futures]
+        return [o for o in outcomes if isinstance(o, DeployReport)]
 
     def _check(self, chain: list[Hop], plan_version: int, split: SplitOutcome) -> float:
         try:
