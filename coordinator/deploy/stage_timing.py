@@ -22,6 +22,8 @@ priced by factors fitted on its own latest :data:`STAGE_WINDOW` stages, a model 
 by those of the latest stages of any model. Models read their weights through different
 kernels (4-bit ``MatMulNBits``, 8-bit integer products, float ``MatMul``): in the demo one
 memory factor fitted on Qwen 1.5B int4's stages priced Gemma 3 270M int8's at 0.30-0.47x.
+What a model's factors leave unexplained is kept per planning unit and prices the units' work
+in its later plans (:mod:`coordinator.deploy.unit_residuals`).
 
 Devices priced by FLOPs alone keep one correction each: the geometric mean of the
 measured/predicted ratios of their last :data:`WINDOW` deploys, each taken against the
