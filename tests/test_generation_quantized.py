@@ -1,9 +1,9 @@
-"""Integration: an int4 decoder deployed by ``fedshard deploy`` to real agents generates what
-the same int4 model does in one ONNX Runtime session.
+"""Integration: an int4 or int8 decoder deployed by ``fedshard deploy`` to real agents generates
+what the same quantized model does in one ONNX Runtime session, with and without speculation.
 
-``tiny-llama`` is exported, stored in int4 by ONNX Runtime's quantizer
+``tiny-llama`` is exported, stored in int4 (int8) by ONNX Runtime's quantizer
 (:func:`partitioner.decoders.precision.quantize_decoder`) and deployed on three paired agents
-under per-device caps that no single device can meet for the whole int4 model.
+under per-device caps that no single device can meet for the whole quantized model.
 """
 
 from __future__ import annotations
@@ -21,10 +21,13 @@ from partitioner.decoders.ort_runner import read_info
 pytestmark = [pytest.mark.slow, pytest.mark.timeout(900)]
 
 MODEL_ID = "tiny-llama-int4"
+INT8_MODEL_ID = "tiny-llama-int8"
 PROMPT = "The devices of a local network"
 CAP = "6MB"
 """The int4 model (2.6 MB) with each stage's runtime memory and the 4 MiB of KV cache four
 sessions reserve fits on no single device: at least two stages."""
+INT8_CAP = "8MB"
+"""The same for the int8 model (4.4 MB)."""
 
 
 @pytest.fixture(scope="module")
@@ -35,6 +38,18 @@ def lab(tiny_llama_dir: Path, tmp_path_factory: pytest.TempPathFactory) -> Itera
     export = tmp / "export"
     quantize_decoder(tiny_llama_dir, export, "int4")
     with decoder_lab(export, tmp, MODEL_ID, "512MiB", CAP) as started:
+        yield started
+
+
+@pytest.fixture
+def int8_lab(tiny_llama_dir: Path, tmp_path_factory: pytest.TempPathFactory) -> Iterator[GenLab]:
+    """The int8 model on its own agents."""
+    from partitioner.decoders.precision import quantize_decoder
+
+    tmp = tmp_path_factory.mktemp("generation-int8")
+    export = tmp / "export"
+    quantize_decoder(tiny_llama_dir, export, "int8")
+    with decoder_lab(export, tmp, INT8_MODEL_ID, "512MiB", INT8_CAP) as started:
         yield started
 
 
@@ -74,5 +89,30 @@ def test_int4_speculates_and_keeps_the_greedy_text(lab: GenLab) -> None:
     if not read_info(lab.export / "model.onnx").rows_independent:  # AVX2: marked at export
         assert "a token a pass" in entry["speculation_off"] and entry["drafted_tokens"] == 0
         return
+    assert entry["speculation_off"] is None, entry
+    assert entry["drafted_tokens"] > 0, entry
+
+
+def test_int8_speculates_across_agents_and_keeps_the_greedy_text(int8_lab: GenLab) -> None:
+    """int8 graphs quantize each row's activations alone
+    (:mod:`partitioner.decoders.int8rows`), so a drafted token verified in a pass of several
+    decodes as it does alone: ``auto`` speculation is in effect on every CPU, the chain
+    verifies drafts (and cuts every stage's KV cache back where the random model rejects them)
+    and answers what one session's one-token steps answer."""
+    lab = int8_lab
+    manifest = json.loads(next(lab.coordinator.state_dir.rglob("manifest.json")).read_text())
+    assert len(manifest["segments"]) >= 2
+    assert read_info(lab.export / "model.onnx").rows_independent
+    prompt = "one two three four five one two three four five one two three"
+    for text, tokens in ((prompt, 32), (PROMPT, 24)):
+        want, count = greedy_reference(lab.export, text, tokens)
+        with lab.coordinator.client() as api:
+            body = {"model": INT8_MODEL_ID, "prompt": text, "max_tokens": tokens, "temperature": 0}
+            response = api.post("/v1/completions", json=body)
+            assert response.status_code == 200, response.text
+            models = api.get("/v1/console/models").json()
+        assert response.json()["choices"][0]["text"] == want
+        assert response.json()["usage"]["completion_tokens"] == count
+    [entry] = [m for m in models if m["model_id"] == INT8_MODEL_ID]
     assert entry["speculation_off"] is None, entry
     assert entry["drafted_tokens"] > 0, entry

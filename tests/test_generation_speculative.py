@@ -241,8 +241,9 @@ def test_a_stage_lost_mid_speculation_replays_to_the_same_text() -> None:
 def test_a_graph_whose_rows_are_coupled_is_never_speculated(
     mode: Speculative, tmp_path: Path
 ) -> None:
-    """int8 (``rows_independent: false``): verifying k tokens in one pass would not decode as
-    k passes do, so the coordinator decodes it one token a pass whatever the setting says."""
+    """A graph marked ``rows_independent: false`` (int4 exported on an AVX2 CPU): verifying k
+    tokens in one pass would not decode as k passes do, so the coordinator decodes it one token
+    a pass whatever the setting says."""
     from generation_helpers import decoder_info
 
     from coordinator.deploy.store import DeploymentStore, ModelRecord

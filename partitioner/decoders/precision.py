@@ -6,10 +6,12 @@ No quantizer is written here; each precision is one of ONNX Runtime's own:
   inputs and outputs kept float32 (the KV cache and the frames between agents stay float32).
 - ``int8``: :func:`onnxruntime.quantization.quantize_dynamic`, int8 weights per output
   channel in a 7-bit range (:data:`INT8_REDUCE_RANGE`): every ``MatMul`` with a constant
-  weight becomes ``MatMulInteger`` (activations quantized at run time by
-  ``DynamicQuantizeLinear``), the embedding an int8 ``Gather`` followed by
-  ``DequantizeLinear``. (``MatMulNBits`` at 8 bits ran 5-6x slower than this on tiny-llama
-  here, and slower than float32.)
+  weight becomes ``MatMulInteger`` (activations quantized at run time), the embedding an int8
+  ``Gather`` followed by ``DequantizeLinear``. Its activations are then quantized per row
+  rather than per pass (:func:`~partitioner.decoders.int8rows.per_row_activations`) and its
+  float products run on two rows or more, so every row decodes alike in a pass of any size.
+  (``MatMulNBits`` at 8 bits ran 5-6x slower than this on tiny-llama here, and slower than
+  float32.)
 - ``int4``: :class:`~onnxruntime.quantization.matmul_nbits_quantizer.MatMulNBitsQuantizer`,
   4 bits, blocks of :data:`BLOCK_SIZE`, with zero points, ``accuracy_level``
   :data:`ACCURACY_LEVEL`: ``MatMul`` → ``MatMulNBits``, the embedding ``Gather`` →
@@ -38,9 +40,9 @@ from pathlib import Path
 import onnx
 
 from partitioner.decoders.fp16 import fp16_model
+from partitioner.decoders.int8rows import per_row_activations
 from partitioner.decoders.progress import Steps
 from partitioner.decoders.rowwise import (
-    coupled_info_json,
     mark_rows_coupled,
     rows_decode_alike,
     two_row_products,
@@ -75,24 +77,22 @@ and 82.8%)."""
 SCHEME_METADATA_KEY = "fedshard.weights.scheme"
 """Metadata key naming how a quantized decoder's weights were stored (see :data:`SCHEMES`)."""
 SCHEMES: dict[Weights, str] = {
-    "int8": "quantize_dynamic per-channel s8, 7-bit range",
+    "int8": "quantize_dynamic per-channel s8, 7-bit range, per-row activations, two-row products",
     "int4": f"MatMulNBits block {BLOCK_SIZE}, accuracy_level {ACCURACY_LEVEL}, two-row products",
 }
 """The current storage scheme of each quantized precision: an export recorded under another
 (or none: made before the scheme was recorded) is out of date and made again by the demo."""
-ROW_COUPLED: frozenset[Weights] = frozenset({"int8"})
-"""Precisions whose graphs do not compute a row the same in passes of different sizes (see
-:attr:`protocols.decoder.DecoderInfo.rows_independent`): int8 quantizes activations once per
-pass. int4 did too until its float products ran on two rows or more
-(:mod:`partitioner.decoders.rowwise`; Qwen 1.5B: a token's top logit had been 0.067 apart
-alone and in a two-token pass)."""
-
-ROW_PROBED: frozenset[Weights] = frozenset({"int4"})
-"""Precisions whose row independence depends on the CPU's kernels: the export checks the
-written graph on its own machine (:func:`~partitioner.decoders.rowwise.rows_decode_alike`) and
-marks it coupled when a token does not decode alike alone and in a verify pass. int4 is
-row-exact with ONNX Runtime 1.32's AVX-512 kernels, not with its AVX2 ones (one row runs
-through a kernel of its own there)."""
+ROW_PROBED: frozenset[Weights] = frozenset({"int4", "int8"})
+"""Quantized precisions, whose row independence (see
+:attr:`protocols.decoder.DecoderInfo.rows_independent`) rests on the graph rewrites above and
+on the CPU's kernels: the export checks the written graph on its own machine
+(:func:`~partitioner.decoders.rowwise.rows_decode_alike`) and marks it coupled when a token
+does not decode alike alone and in a verify pass. int4 is row-exact with ONNX Runtime 1.32's
+AVX-512 kernels, not with its AVX2 ones (one row runs through a kernel of its own there);
+int8's integer products are exact on both (7-bit weights, no saturation). Both had coupled
+their rows before their float products ran on two rows or more and int8's activations were
+quantized per row (Qwen 1.5B int4: a token's top logit 0.067 apart alone and in a two-token
+pass; Gemma 3 270M int8 with one activation scale per pass: see the README)."""
 
 DEFAULT_WEIGHTS: dict[str, Weights] = {
     "gemma3-270m": "int8",
@@ -160,7 +160,7 @@ def quantize_model(model: onnx.ModelProto, weights: Weights) -> onnx.ModelProto:
         if weights == "fp16":
             result = fp16_model(model)
         elif weights == "int8":
-            result = _dynamic_int8(fold_weight_transposes(model))
+            result = _per_row_int8(_dynamic_int8(fold_weight_transposes(model)))
         elif weights == "int4":
             result = _nbits(fold_weight_transposes(model), 4, ("MatMul", "Gather"))
             result = two_row_products(result)
@@ -193,9 +193,9 @@ def _record_precision(
 
 def stored_info_json(info_json: str, weights: Weights) -> str:
     """The ``decoder.json`` document ``info_json`` of a decoder whose weights are now stored in
-    ``weights``: the precision recorded, and marked coupled for :data:`ROW_COUPLED` ones."""
+    ``weights``: the precision recorded."""
     info = DecoderInfo.from_json(info_json.encode()).model_copy(update={"weights": weights})
-    return coupled_info_json(info.to_json()) if weights in ROW_COUPLED else info.to_json()
+    return info.to_json()
 
 
 def model_scheme(model_file: Path) -> str | None:
@@ -343,6 +343,22 @@ def _dynamic_int8(model: onnx.ModelProto) -> onnx.ModelProto:
         return onnx.load(str(out), load_external_data=True)
 
 
+def per_pass_int8(model: onnx.ModelProto) -> onnx.ModelProto:
+    """``model`` (float32, weights loaded) in int8 as ``quantize_dynamic`` alone stores it:
+    activations quantized once per pass, so the rows of a pass are coupled. Not what the export
+    writes (:func:`quantize_model` quantizes them per row); ``bench/int8_rows.py`` compares the
+    two. ``model`` itself may be modified."""
+    metadata = _float_metadata(model)
+    with _quiet_quantizer():
+        result = _dynamic_int8(fold_weight_transposes(model))
+    return _record_precision(result, metadata, "int8")
+
+
+def _per_row_int8(model: onnx.ModelProto) -> onnx.ModelProto:
+    """``quantize_dynamic``'s ``model`` computing each row of a pass as a pass of one does."""
+    return two_row_products(per_row_activations(model))
+
+
 def _int8_from_file(src_model: Path) -> tuple[onnx.ModelProto, onnx.ModelProto]:
     """The float32 decoder ``src_model`` (declarations only, for :func:`report`) and its int8
     conversion, as :func:`quantize_model` makes it.
@@ -355,7 +371,7 @@ def _int8_from_file(src_model: Path) -> tuple[onnx.ModelProto, onnx.ModelProto]:
         source, metadata = _folded_copy(src_model, folded)
         with _quiet_quantizer():
             _quantize_dynamic_file(folded, out)
-        converted = onnx.load(str(out), load_external_data=True)
+        converted = _per_row_int8(onnx.load(str(out), load_external_data=True))
     return source, _record_precision(converted, metadata, "int8")
 
 
