@@ -90,7 +90,7 @@ def test_int4_speculates_and_keeps_the_greedy_text(lab: GenLab) -> None:
         assert "a token a pass" in entry["speculation_off"] and entry["drafted_tokens"] == 0
         return
     assert entry["speculation_off"] is None, entry
-    assert entry["drafted_tokens"] > 0, entry
+    assert entry["drafted_tokens"] > 0, json.dumps(entry)
 
 
 def test_int8_speculates_across_agents_and_keeps_the_greedy_text(int8_lab: GenLab) -> None:
@@ -98,21 +98,24 @@ def test_int8_speculates_across_agents_and_keeps_the_greedy_text(int8_lab: GenLa
     (:mod:`partitioner.decoders.int8rows`), so a drafted token verified in a pass of several
     decodes as it does alone: ``auto`` speculation is in effect on every CPU, the chain
     verifies drafts (and cuts every stage's KV cache back where the random model rejects them)
-    and answers what one session's one-token steps answer."""
+    and answers what one session's one-token steps answer. The random model seldom repeats a
+    token of its prompt, which prompt lookup needs to draft at all, so the prompt grows by the
+    chain's own answers: by the third round it holds tokens the model says again."""
     lab = int8_lab
     manifest = json.loads(next(lab.coordinator.state_dir.rglob("manifest.json")).read_text())
     assert len(manifest["segments"]) >= 2
     assert read_info(lab.export / "model.onnx").rows_independent
     prompt = "one two three four five one two three four five one two three"
-    for text, tokens in ((prompt, 32), (PROMPT, 24)):
-        want, count = greedy_reference(lab.export, text, tokens)
+    for _ in range(3):
+        want, count = greedy_reference(lab.export, prompt, 32)
         with lab.coordinator.client() as api:
-            body = {"model": INT8_MODEL_ID, "prompt": text, "max_tokens": tokens, "temperature": 0}
+            body = {"model": INT8_MODEL_ID, "prompt": prompt, "max_tokens": 32, "temperature": 0}
             response = api.post("/v1/completions", json=body)
             assert response.status_code == 200, response.text
             models = api.get("/v1/console/models").json()
         assert response.json()["choices"][0]["text"] == want
         assert response.json()["usage"]["completion_tokens"] == count
+        prompt = f"{prompt} {want}"
     [entry] = [m for m in models if m["model_id"] == INT8_MODEL_ID]
     assert entry["speculation_off"] is None, entry
-    assert entry["drafted_tokens"] > 0, entry
+    assert entry["drafted_tokens"] > 0, json.dumps(entry)
