@@ -27,6 +27,7 @@ import numpy as np
 import onnx
 from onnx import numpy_helper
 
+from partitioner.decoders.int8rows import refreshed_column_sums
 from partitioner.errors import GraphError
 from partitioner.lora_quant import QUANTIZED_MATMULS, dequantized, quantized_weights, requantized
 from protocols.lora import AdapterSpec, LoraSettings, WeightRef
@@ -279,8 +280,11 @@ def merged_initializers(
     scale: float,
 ) -> dict[str, np.ndarray]:
     """The initializers of ``segment`` that the adapters change, with ``W + scale · B · A`` in
-    each initializer's own layout; adapters of layers the segment does not hold are skipped."""
-    return _merged({t.name: t for t in segment.graph.initializer}, adapters, wmap, scale)
+    each initializer's own layout; adapters of layers the segment does not hold are skipped.
+    An int8 weight's column sums (:mod:`partitioner.decoders.int8rows`) follow its new values."""
+    index = {t.name: t for t in segment.graph.initializer}
+    merged = _merged(index, adapters, wmap, scale)
+    return merged | refreshed_column_sums(segment.graph.node, merged, index)
 
 
 def merged_by_segment(
@@ -296,6 +300,8 @@ def merged_by_segment(
     the chain's initializers and each result goes to every segment holding that name."""
     index = {t.name: t for seg in segments for t in seg.graph.initializer}
     merged = _merged(index, adapters, wmap, scale)
+    nodes = [node for seg in segments for node in seg.graph.node]
+    merged |= refreshed_column_sums(nodes, merged, index)
     out: dict[int, dict[str, np.ndarray]] = {}
     for i, seg in enumerate(segments):
         part = {t.name: merged[t.name] for t in seg.graph.initializer if t.name in merged}

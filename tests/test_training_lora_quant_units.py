@@ -65,3 +65,29 @@ def test_a_merge_writes_the_scale_to_the_segment_that_holds_it() -> None:
     step = float(np.max(numpy_helper.to_array(after[ref.scale])))
     assert np.abs(got - want).max() <= step
     assert np.abs(got - dequantized(ref, data, index)).max() > 10 * step
+
+
+def test_a_merged_int8_product_computes_the_merged_weight() -> None:
+    """int8 products subtract each row's zero point times the weight's column sums
+    (:mod:`partitioner.decoders.int8rows`); a merge changes the weight, so it rewrites the sums
+    with it, and the merged graph in ONNX Runtime computes ``x @ (W + scale · B · A).T``."""
+    import onnxruntime as ort
+
+    from partitioner.decoders.int8rows import column_sums_name
+
+    model, w = _quantized("int8")
+    wmap = weight_map({"m.weight": w}, model)
+    rng = np.random.default_rng(1)
+    a = rng.normal(0, 0.3, (2, K)).astype(np.float32)
+    b = rng.normal(0, 0.3, (N, 2)).astype(np.float32)
+    (merged,) = merged_by_segment([model], {"m": (a, b)}, wmap, 2.0).values()
+    (data,) = quantized_weights(model)
+    assert column_sums_name(data) in merged
+    for tensor in model.graph.initializer:
+        if tensor.name in merged:
+            tensor.CopyFrom(numpy_helper.from_array(merged[tensor.name], tensor.name))
+    x = rng.normal(0, 1, (1, K)).astype(np.float32) + 0.5  # a zero point well above 0
+    session = ort.InferenceSession(model.SerializeToString(), providers=["CPUExecutionProvider"])
+    (got,) = session.run(None, {"x": x})
+    want = x @ (w + 2.0 * (b @ a)).T
+    assert np.abs(got - want).max() < 0.03 * np.abs(want).max()

@@ -23,6 +23,8 @@ broadcasts a per-row scale to one per row and output column, as before with one 
 
 from __future__ import annotations
 
+from collections.abc import Iterable, Mapping
+
 import numpy as np
 import onnx
 from onnx import TensorProto, helper, numpy_helper
@@ -128,14 +130,14 @@ def _corrected_product(
     (out,) = node.output
     if weight not in weights:
         raise GraphError(f"MatMulInteger {node.name!r}: weight {weight!r} is not an initializer")
-    w = numpy_helper.to_array(weights[weight]).astype(np.int32)
-    if weight_zero_point:
-        if weight_zero_point not in weights:
-            raise GraphError(f"MatMulInteger {node.name!r}: its weight zero point is not constant")
-        w = w - numpy_helper.to_array(weights[weight_zero_point]).astype(np.int32)
+    if weight_zero_point and weight_zero_point not in weights:
+        raise GraphError(f"MatMulInteger {node.name!r}: its weight zero point is not constant")
+    arrays = {k: numpy_helper.to_array(weights[k]) for k in (weight, weight_zero_point) if k}
+    w = _centred(arrays, weight, weight_zero_point)
     b = (node.name or out) + SUFFIX
-    colsum = f"{b}/colsum"
-    added.append(numpy_helper.from_array(w.sum(axis=0, dtype=np.int32), colsum))
+    colsum = column_sums_name(weight)
+    if colsum not in {t.name for t in added}:
+        added.append(numpy_helper.from_array(w.sum(axis=0, dtype=np.int32), colsum))
     product_inputs = [q, weight, _ZERO_U8] + ([weight_zero_point] if weight_zero_point else [])
     mk = helper.make_node
     return [
@@ -143,6 +145,47 @@ def _corrected_product(
         mk("Mul", [_row_zero_point(zero_point), colsum], [f"{b}/shift"], name=f"{b}/shift"),
         mk("Sub", [f"{b}/raw", f"{b}/shift"], [out], name=f"{b}/corrected"),
     ]
+
+
+def column_sums_name(weight: str) -> str:
+    """The initializer holding the column sums of ``MatMulInteger`` weight ``weight``."""
+    return weight + SUFFIX + "/colsum"
+
+
+def _centred(arrays: Mapping[str, np.ndarray], weight: str, zero_point: str | None) -> np.ndarray:
+    """The weight less its zero point, in int32."""
+    w = np.asarray(arrays[weight]).astype(np.int32)
+    return w - np.asarray(arrays[zero_point]).astype(np.int32) if zero_point else w
+
+
+def refreshed_column_sums(
+    nodes: Iterable[onnx.NodeProto],
+    changed: Mapping[str, np.ndarray],
+    stored: Mapping[str, onnx.TensorProto],
+) -> dict[str, np.ndarray]:
+    """The column sums that go with int8 weights given new values (a merged LoRA update).
+
+    ``changed`` maps initializer names to their new arrays, ``stored`` every initializer as
+    it is; the result maps each column-sum initializer of a ``MatMulInteger`` whose weight or
+    weight zero point is in ``changed`` to its new sums, so that the rewritten product stays
+    ``(q - z) @ (W - w_z)`` with the new weight (stale sums would shift every output).
+    """
+    out: dict[str, np.ndarray] = {}
+    for node in nodes:
+        if node.op_type != "MatMulInteger" or len(node.input) < 2:
+            continue
+        weight, zero_point = node.input[1], _optional_input(node, 3)
+        colsum = column_sums_name(weight)
+        if colsum not in stored or not ({weight, zero_point or ""} & changed.keys()):
+            continue
+        arrays = {k: changed[k] if k in changed else numpy_helper.to_array(stored[k])
+                  for k in (weight, zero_point) if k}  # fmt: skip
+        out[colsum] = _centred(arrays, weight, zero_point).sum(axis=0, dtype=np.int32)
+    return out
+
+
+def _optional_input(node: onnx.NodeProto, index: int) -> str | None:
+    return node.input[index] if len(node.input) > index and node.input[index] else None
 
 
 def _check_zero_points_consumed(graph: onnx.GraphProto, zero_points: set[str]) -> None:
