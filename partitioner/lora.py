@@ -27,6 +27,7 @@ import numpy as np
 import onnx
 from onnx import numpy_helper
 
+from partitioner.decoders.int8rows import SUFFIX as PER_ROW
 from partitioner.decoders.int8rows import refreshed_column_sums
 from partitioner.errors import GraphError
 from partitioner.lora_quant import QUANTIZED_MATMULS, dequantized, quantized_weights, requantized
@@ -176,7 +177,9 @@ def _ref_in(refs: Sequence[WeightRef], names: set[str]) -> WeightRef | None:
 def layer_boundary(
     model: onnx.ModelProto, wmap: Mapping[str, Sequence[WeightRef]], layer: int
 ) -> str:
-    """The residual-stream tensor feeding transformer layer ``layer`` (see the module doc)."""
+    """The residual-stream tensor feeding transformer layer ``layer`` (see the module doc); the
+    additions of an int8 graph's per-row quantizers (:mod:`partitioner.decoders.int8rows`) are
+    not the residual stream's."""
     suffixes = tuple(q.format(i=layer) for q in Q_PROJECTIONS)
     key = next((k for k in wmap if k.endswith(suffixes)), None)
     if key is None:
@@ -219,7 +222,7 @@ def layer_boundary(
         if (
             len(shape) == 3
             and shape[-1] == hidden
-            and any(r.op_type == "Add" for r in readers[name])
+            and any(r.op_type == "Add" and PER_ROW not in r.name for r in readers[name])
         ):
             return name
         node = producer.get(name)

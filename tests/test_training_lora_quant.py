@@ -61,6 +61,7 @@ def test_every_parameter_maps_and_linear_layers_to_quantized_weights(
         assert refs and all(r.quantized is not None for r in refs), (spec.module, refs)
         assert all(r.transpose and r.quantized.shape == [spec.in_features, spec.out_features]
                    for r in refs if r.quantized)  # fmt: skip
+    assert "/per_row" not in plan.boundary  # the residual stream, not an int8 row quantizer's
     norms = [k for k in params if k.endswith("layernorm.weight")]
     assert norms and all(plan.weight_map[k][0].quantized is None for k in norms)
 
