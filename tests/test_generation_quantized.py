@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import json
 from collections.abc import Iterator
+from contextlib import contextmanager
 from pathlib import Path
 
 import onnx
@@ -17,6 +18,7 @@ import pytest
 from generation_lab import GenLab, decoder_lab, greedy_reference
 
 from partitioner.decoders.ort_runner import read_info
+from partitioner.decoders.precision import Weights
 
 pytestmark = [pytest.mark.slow, pytest.mark.timeout(900)]
 
@@ -30,26 +32,32 @@ INT8_CAP = "8MB"
 """The same for the int8 model (4.4 MB)."""
 
 
-@pytest.fixture(scope="module")
-def lab(tiny_llama_dir: Path, tmp_path_factory: pytest.TempPathFactory) -> Iterator[GenLab]:
+@contextmanager
+def _quantized_lab(
+    source: Path, factory: pytest.TempPathFactory, weights: Weights, model_id: str, cap: str
+) -> Iterator[GenLab]:
+    """``source`` stored in ``weights`` and deployed on three agents under ``cap`` each."""
     from partitioner.decoders.precision import quantize_decoder
 
-    tmp = tmp_path_factory.mktemp("generation-int4")
+    tmp = factory.mktemp(f"generation-{weights}")
     export = tmp / "export"
-    quantize_decoder(tiny_llama_dir, export, "int4")
-    with decoder_lab(export, tmp, MODEL_ID, "512MiB", CAP) as started:
+    quantize_decoder(source, export, weights)
+    with decoder_lab(export, tmp, model_id, "512MiB", cap) as started:
+        yield started
+
+
+@pytest.fixture(scope="module")
+def lab(tiny_llama_dir: Path, tmp_path_factory: pytest.TempPathFactory) -> Iterator[GenLab]:
+    with _quantized_lab(tiny_llama_dir, tmp_path_factory, "int4", MODEL_ID, CAP) as started:
         yield started
 
 
 @pytest.fixture
 def int8_lab(tiny_llama_dir: Path, tmp_path_factory: pytest.TempPathFactory) -> Iterator[GenLab]:
     """The int8 model on its own agents."""
-    from partitioner.decoders.precision import quantize_decoder
-
-    tmp = tmp_path_factory.mktemp("generation-int8")
-    export = tmp / "export"
-    quantize_decoder(tiny_llama_dir, export, "int8")
-    with decoder_lab(export, tmp, INT8_MODEL_ID, "512MiB", INT8_CAP) as started:
+    with _quantized_lab(
+        tiny_llama_dir, tmp_path_factory, "int8", INT8_MODEL_ID, INT8_CAP
+    ) as started:
         yield started
 
 

@@ -50,14 +50,16 @@ def per_row_activations(model: onnx.ModelProto) -> onnx.ModelProto:
     """``model`` (as ``quantize_dynamic`` writes it) with each ``DynamicQuantizeLinear``
     quantizing per row of its input's last axis (see the module docstring).
 
-    ``model`` is modified and returned. :class:`GraphError` if a ``DynamicQuantizeLinear``
-    output feeds anything but ``MatMulInteger``'s left operand and zero point and a scale
-    ``Mul``, or a ``MatMulInteger`` weight is not an initializer.
+    ``model`` is modified and returned. :class:`GraphError` if a ``DynamicQuantizeLinear``'s
+    zero point is read by anything but a ``MatMulInteger`` (which is rewritten), or such a
+    ``MatMulInteger``'s weight or weight zero point is not an initializer.
     """
     graph = model.graph
     opset = next((o.version for o in model.opset_import if o.domain in ("", "ai.onnx")), 0)
     weights = {t.name: t for t in graph.initializer}
     dql_zero_points = {n.output[2]: n for n in graph.node if n.op_type == "DynamicQuantizeLinear"}
+    if not dql_zero_points:
+        return model
     nodes: list[onnx.NodeProto] = []
     added: list[onnx.TensorProto] = []
     for node in graph.node:
@@ -67,8 +69,6 @@ def per_row_activations(model: onnx.ModelProto) -> onnx.ModelProto:
             nodes.extend(_corrected_product(node, weights, added))
         else:
             nodes.append(node)
-    if not dql_zero_points:
-        return model
     del graph.node[:]
     graph.node.extend(nodes)
     graph.initializer.extend(added)
@@ -126,7 +126,8 @@ def _corrected_product(
 ) -> list[onnx.NodeProto]:
     """``MatMulInteger(q, W, z, w_z) -> y`` as ``q @ (W - w_z) - z * colsum`` in int32, with
     ``z`` the per-row zero point (see the module docstring); ``colsum`` goes to ``added``."""
-    q, weight, zero_point, weight_zero_point = [*node.input, ""][:4]
+    q, weight, zero_point = node.input[:3]
+    weight_zero_point = _optional_input(node, 3)
     (out,) = node.output
     if weight not in weights:
         raise GraphError(f"MatMulInteger {node.name!r}: weight {weight!r} is not an initializer")
