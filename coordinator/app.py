@@ -98,6 +98,7 @@ def serve(config: CoordinatorConfig, console: Console) -> int:
         router.chain_failed,
         planned_context(deployer.segment_dir),
         rows_exact_on(registry),
+        config.draft_threads,
     )
     app = create_app(
         Services(

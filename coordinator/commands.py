@@ -53,6 +53,13 @@ def register(subparsers: Any) -> None:
         help="what training runs fine-tune (a fedshard.training-target/1 JSON file; "
         "`fedshard demo` writes one for the digits task); without it, runs are refused (409)",
     )
+    run.add_argument(
+        "--draft-threads",
+        type=_positive_int,
+        default=default_draft_threads(),
+        help="ONNX Runtime threads of a draft model's call (speculative: draft or auto; "
+        "default: this machine's cores, at most 4: the chain waits while the draft runs)",
+    )
     run.add_argument("-v", "--verbose", action="store_true", help="debug logging")
     run.set_defaults(run=run_coordinator)
 
@@ -98,6 +105,18 @@ def register(subparsers: Any) -> None:
     devices.set_defaults(run=run_devices)
 
 
+def _positive_int(text: str) -> int:
+    value = int(text)
+    if value < 1:
+        raise argparse.ArgumentTypeError(f"must be at least 1, got {value}")
+    return value
+
+
+def default_draft_threads() -> int:
+    """A draft model's threads unless told: the machine's cores, at most 4."""
+    return max(1, min(4, os.cpu_count() or 1))
+
+
 def _client_parser(subparsers: Any, name: str, text: str) -> argparse.ArgumentParser:
     parser: argparse.ArgumentParser = subparsers.add_parser(name, help=text, description=text)
     parser.add_argument("--coordinator", default=DEFAULT_URL, help="coordinator API URL")
@@ -125,8 +144,9 @@ def run_coordinator(args: argparse.Namespace) -> int:
             training = AgentTrainingConfig(args.superlink_port, args.train_clients)
         target = args.training_target.expanduser().resolve() if args.training_target else None
         config = CoordinatorConfig(
-            state_dir, args.interface, args.port, token, training, args.segment_cache, target
-        )
+            state_dir, args.interface, args.port, token, training, args.segment_cache, target,
+            args.draft_threads,
+        )  # fmt: skip
         return serve(config, console)
     except (CoordinatorError, OSError) as exc:
         console.print(f"[red]coordinator failed:[/] {exc}")

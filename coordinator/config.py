@@ -38,6 +38,8 @@ class CoordinatorConfig:
     """Segment files kept between deployments (None: ``STATE/segment-cache``)."""
     training_target: Path | None = None
     """What training runs fine-tune (a ``fedshard.training-target/1`` file; None: runs are 409)."""
+    draft_threads: int = 1
+    """ONNX Runtime intra-op threads of a draft model's call (``--draft-threads``)."""
 
     @property
     def segment_cache_dir(self) -> Path:

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import os
 from pathlib import Path
 
 import pytest
@@ -18,11 +19,18 @@ def test_coordinator_flags_build_the_training_and_cache_config(
     seen: list[CoordinatorConfig] = []
     monkeypatch.setattr(service, "serve", lambda config, console: seen.append(config) or 0)
     base = ["coordinator", "--state-dir", str(tmp_path / "state"), "--port", "0"]
-    for extra in ([], ["--superlink-port", "9093", "--train-clients", "4"]):
+    extras: tuple[list[str], ...] = (
+        [],
+        ["--superlink-port", "9093", "--train-clients", "4", "--draft-threads", "3"],
+    )
+    for extra in extras:
         args = build_parser().parse_args([*base, *extra, "--segment-cache", str(tmp_path / "c")])
         assert args.run(args) == 0
     plain, agents = seen
     assert plain.agent_training is None
+    assert plain.draft_threads == min(4, os.cpu_count() or 1) and agents.draft_threads == 3
+    with pytest.raises(SystemExit):
+        build_parser().parse_args([*base, "--draft-threads", "0"])
     assert agents.agent_training == AgentTrainingConfig(superlink_port=9093, clients=4)
     assert agents.segment_cache_dir == tmp_path / "c"
     assert CoordinatorConfig(tmp_path).segment_cache_dir == tmp_path / "segment-cache"

@@ -23,7 +23,12 @@ import pytest
 from coordinator.deploy.store import DeploymentStore, ModelRecord, VersionRecord
 from coordinator.errors import ChainBrokenError, DraftModelError
 from coordinator.generation.backend import GenerationModel, TopCandidates
-from coordinator.generation.draft_model import DraftModel, DraftStream, check_draft_model
+from coordinator.generation.draft_model import (
+    DraftModel,
+    DraftStream,
+    check_draft_model,
+    top_probability,
+)
 from coordinator.generation.drafters import Drafter
 from coordinator.generation.engine import Finished, GenerationRequest, TextDelta, generate
 from coordinator.generation.sampling import SamplingParams
@@ -164,7 +169,10 @@ def test_the_target_as_its_own_draft_accepts_every_draft(
     tiny_llama_dir: Path, plain_text: tuple[str, int]
 ) -> None:
     draft = DraftModel(tiny_llama_dir, tiny_llama_dir)
-    model = _model(LocalVerifier(WholeModel(tiny_llama_dir)), tiny_llama_dir, draft.stream)
+    # the random tiny model is seldom sure of a token: draft whatever its confidence
+    model = _model(
+        LocalVerifier(WholeModel(tiny_llama_dir)), tiny_llama_dir, lambda: draft.stream(0.0)
+    )
     assert _generate(model, _prompt(tiny_llama_dir)) == plain_text
     assert model.speculation is not None
     stats = model.speculation.stats
@@ -194,13 +202,13 @@ def test_a_rolled_back_draft_cache_equals_a_fresh_one(
 ) -> None:
     draft = DraftModel(tiny_gemma3_dir, tiny_llama_dir)
     prompt = _prompt(tiny_llama_dir)
-    stream = draft.stream()
+    stream = draft.stream(0.0)
     first = stream.propose(prompt, 5)
     assert len(first) == 5 and stream.held == [*prompt, *first[:4]]
     other = (first[1] + 1) % draft.info.vocab_size  # the verifier kept one draft, then differed
     text = [*prompt, first[0], other]
     again = stream.propose(text, 3)
-    fresh = draft.stream()
+    fresh = draft.stream(0.0)
     assert again == fresh.propose(text, 3)
     assert stream.held == fresh.held == [*text, *again[:2]]
     for mine, theirs in zip(_kv_of(stream), _kv_of(fresh), strict=True):
@@ -208,6 +216,34 @@ def test_a_rolled_back_draft_cache_equals_a_fresh_one(
         np.testing.assert_allclose(mine, theirs, atol=1e-4)
     with pytest.raises(ValueError, match="holds"):
         stream.rollback(len(stream.held) + 1)
+
+
+def test_a_draft_stops_after_the_first_token_the_model_is_unsure_of(
+    tiny_llama_dir: Path, tiny_gemma3_dir: Path
+) -> None:
+    draft = DraftModel(tiny_gemma3_dir, tiny_llama_dir)
+    prompt = _prompt(tiny_llama_dir)
+    bold = draft.stream(0.0).propose(prompt, 5)
+    _, confidence, past = draft.run(prompt, draft.empty())
+    confidences = [confidence]
+    for token in bold[:-1]:
+        _, confidence, past = draft.run([token], past)
+        confidences.append(confidence)
+    assert all(0.0 < c < 1.0 for c in confidences), confidences
+    threshold = sorted(confidences)[2]  # the third-least confident draft and above go on
+    stop = next(i for i, c in enumerate(confidences) if c < threshold)
+    cautious = draft.stream(threshold).propose(prompt, 5)
+    assert cautious == bold[: stop + 1]  # the unsure token itself is still proposed
+    assert draft.stream(1.0).propose(prompt, 5) == bold[:1]
+    with pytest.raises(ValueError, match="min_confidence"):
+        draft.stream(1.5)
+
+
+def test_top_probability_is_the_softmax_of_the_best_logit() -> None:
+    logits = np.array([3.0, 1.0, 0.5], dtype=np.float32)
+    want = np.exp(3.0) / np.exp(logits.astype(np.float64)).sum()
+    assert top_probability(logits) == pytest.approx(want)
+    assert top_probability(np.array([[5.0]])) == 1.0
 
 
 def _export_with_tokens_swapped(export: Path, out: Path) -> Path:

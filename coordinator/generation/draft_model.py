@@ -6,7 +6,10 @@ generation of the model it drafts for; each generation drafts through its own
 :class:`DraftStream`, which keeps the draft model's KV cache for that generation's text. The
 cache follows the text: when asked for a draft, a stream keeps the longest prefix of the text
 its cache already holds (the rejected drafts of the last pass fall off, a *rollback*), feeds the
-rest in one call, then drafts greedily one token per call. The drafts are greedy, so the
+rest in one call, then drafts greedily one token per call while the draft model is sure of
+them: after a token whose probability is below ``min_confidence`` it stops (that token is still
+proposed; llama.cpp's ``p_min`` does the same), so the chain does not verify, and the drafter
+does not spend calls on, guesses that are likely wrong. The drafts are greedy, so the
 speculative-sampling rule in :mod:`coordinator.generation.speculative` (a point-mass draft
 distribution) keeps the target's distribution exactly.
 
@@ -24,11 +27,15 @@ from typing import Any
 import numpy as np
 
 from coordinator.errors import DraftModelError
-from protocols.decoder import DECODER_FILE, MODEL_FILE, TOP_IDS, DecoderInfo
+from protocols.decoder import DECODER_FILE, MODEL_FILE, TOP_IDS, TOP_LOGITS, DecoderInfo
 
 DRAFT_THREADS = 1
-"""ONNX Runtime intra-op threads per draft call (the coordinator shares its cores with the
-generations it serves, and concurrent streams draft in parallel)."""
+"""ONNX Runtime intra-op threads per draft call unless told (``fedshard coordinator
+--draft-threads``: a stream's chain waits while its draft runs, so the coordinator's cores are
+otherwise idle then)."""
+MIN_CONFIDENCE = 0.75
+"""A draft stops after a token the draft model gives less than this probability (llama.cpp's
+``common_speculative_params.p_min`` default)."""
 TOKENIZER_FILE = "tokenizer.json"
 
 
@@ -84,19 +91,23 @@ class DraftModel:
         self._session = ort.InferenceSession(
             str(directory / MODEL_FILE), options, providers=["CPUExecutionProvider"]
         )
-        self._outputs = [TOP_IDS, *(pair.present for pair in self.info.state)]
+        self._outputs = [TOP_LOGITS, TOP_IDS, *(pair.present for pair in self.info.state)]
 
-    def stream(self) -> DraftStream:
+    def stream(self, min_confidence: float = MIN_CONFIDENCE) -> DraftStream:
         """A drafter for one generation, with an empty cache."""
-        return DraftStream(self)
+        return DraftStream(self, min_confidence)
 
     def empty(self) -> list[np.ndarray]:
         """An empty KV cache."""
         shape = (1, self.info.num_kv_heads, 0, self.info.head_dim)
         return [np.zeros(shape, dtype=np.float32) for _ in self.info.state]
 
-    def run(self, ids: Sequence[int], past: list[np.ndarray]) -> tuple[int, list[np.ndarray]]:
-        """Feed ``ids`` after the ``past`` cache: the greedy next token and the grown cache."""
+    def run(
+        self, ids: Sequence[int], past: list[np.ndarray]
+    ) -> tuple[int, float, list[np.ndarray]]:
+        """Feed ``ids`` after the ``past`` cache: the greedy next token, its probability and the
+        grown cache. The probability is the softmax over the graph's top-k logits (the rest of
+        the vocabulary left out, so it is at least the full softmax's)."""
         seen = int(past[0].shape[2])
         total = seen + len(ids)
         feeds: dict[str, Any] = {
@@ -105,8 +116,14 @@ class DraftModel:
             "position_ids": np.arange(seen, total, dtype=np.int64)[None, :],
         }
         feeds.update({pair.past: kv for pair, kv in zip(self.info.state, past, strict=True)})
-        top, *present = self._session.run(self._outputs, feeds)
-        return int(np.asarray(top).reshape(-1)[0]), list(present)
+        logits, top, *present = self._session.run(self._outputs, feeds)
+        return int(np.asarray(top).reshape(-1)[0]), top_probability(logits), list(present)
+
+
+def top_probability(logits: np.ndarray) -> float:
+    """The softmax probability of the largest of ``logits`` (a top-k row, best first)."""
+    row = np.asarray(logits, dtype=np.float64).reshape(-1)
+    return float(1.0 / np.exp(row - row.max()).sum())
 
 
 class DraftStream:
@@ -114,8 +131,11 @@ class DraftStream:
 
     blocking = True
 
-    def __init__(self, model: DraftModel) -> None:
+    def __init__(self, model: DraftModel, min_confidence: float = MIN_CONFIDENCE) -> None:
+        if not 0.0 <= min_confidence <= 1.0:
+            raise ValueError(f"min_confidence must be in [0, 1], got {min_confidence}")
         self._model = model
+        self._min_confidence = min_confidence
         self._tokens: list[int] = []
         """The tokens the cache holds, in order."""
         self._past = model.empty()
@@ -127,15 +147,16 @@ class DraftStream:
         return list(self._tokens)
 
     def propose(self, tokens: Sequence[int], count: int) -> list[int]:
-        """Up to ``count`` greedy draft tokens after ``tokens`` (none past the draft's context)."""
+        """Up to ``count`` greedy draft tokens after ``tokens`` (none past the draft's context),
+        ending early after the first token the draft model is unsure of (the module docstring)."""
         if count < 1 or not tokens or len(tokens) + count > self._model.info.max_context:
             return []
         with self._lock:
             self.rollback(min(_common_prefix(self._tokens, tokens), len(tokens) - 1))
-            token = self._feed(tokens[len(self._tokens) :])
+            token, confidence = self._feed(tokens[len(self._tokens) :])
             drafts = [token]
-            while len(drafts) < count:
-                token = self._feed([token])
+            while len(drafts) < count and confidence >= self._min_confidence:
+                token, confidence = self._feed([token])
                 drafts.append(token)
             return drafts
 
@@ -146,10 +167,10 @@ class DraftStream:
         del self._tokens[length:]
         self._past = [kv[:, :, :length, :] for kv in self._past]
 
-    def _feed(self, ids: Sequence[int]) -> int:
-        token, self._past = self._model.run(ids, self._past)
+    def _feed(self, ids: Sequence[int]) -> tuple[int, float]:
+        token, confidence, self._past = self._model.run(ids, self._past)
         self._tokens.extend(ids)
-        return token
+        return token, confidence
 
 
 def _common_prefix(a: Sequence[int], b: Sequence[int]) -> int:

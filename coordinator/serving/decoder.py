@@ -220,7 +220,8 @@ class DecoderModels:
     ``failed`` hears of broken chains, ``planned_context`` gives the context length a version's
     stages reserved KV memory for (None when unknown), ``rows_exact`` whether every device of a
     version computes a 4-bit product's row alike alone and in a pass (an int4 decoder
-    speculates only then). One backend per model keeps its sessions' histories.
+    speculates only then), ``draft_threads`` the intra-op threads of a draft model's calls.
+    One backend per model keeps its sessions' histories.
     """
 
     def __init__(
@@ -231,8 +232,10 @@ class DecoderModels:
         failed: FailureReport,
         planned_context: Callable[[VersionRecord], int | None] = lambda _: None,
         rows_exact: Callable[[VersionRecord], bool] = lambda _: True,
+        draft_threads: int = 1,
     ) -> None:
         self._store = store
+        self._draft_threads = draft_threads
         self._rows_exact = rows_exact
         self._plane = plane
         self._client_of = client_of
@@ -311,7 +314,7 @@ class DecoderModels:
         with self._lock:
             if key not in self._drafts:
                 try:
-                    self._drafts[key] = DraftModel(Path(key[0]), Path(key[1]))
+                    self._drafts[key] = DraftModel(Path(key[0]), Path(key[1]), self._draft_threads)
                 except Exception:  # serve without it rather than not at all
                     log.exception("cannot load the draft model %s", key[0])
                     self._drafts[key] = None
