@@ -218,6 +218,19 @@ def test_a_rolled_back_draft_cache_equals_a_fresh_one(
         stream.rollback(len(stream.held) + 1)
 
 
+def test_a_stream_that_read_the_prompt_ahead_drafts_as_a_fresh_one(
+    tiny_llama_dir: Path, tiny_gemma3_dir: Path
+) -> None:
+    draft = DraftModel(tiny_gemma3_dir, tiny_llama_dir)
+    prompt = _prompt(tiny_llama_dir)
+    ahead = draft.stream(0.0)
+    ahead.prepare(prompt)
+    assert ahead.held == prompt
+    text = [*prompt, 7]
+    assert ahead.propose(text, 3) == draft.stream(0.0).propose(text, 3)
+    assert ahead.held == [*text, *ahead.held[len(text) :]] and len(ahead.held) == len(text) + 2
+
+
 def test_a_draft_stops_after_the_first_token_the_model_is_unsure_of(
     tiny_llama_dir: Path, tiny_gemma3_dir: Path
 ) -> None:

@@ -79,9 +79,14 @@ class FixedDrafter:
         self.tokens = tokens
         self.calls = 0
 
+        self.prepared: list[list[int]] = []
+
     def propose(self, tokens: Sequence[int], count: int) -> list[int]:
         self.calls += 1
         return self.tokens[:count]
+
+    def prepare(self, tokens: Sequence[int]) -> None:
+        self.prepared.append(list(tokens))
 
 
 def test_lookup_then_model_drafts_by_lookup_on_a_repeated_bigram_else_by_model() -> None:
@@ -91,6 +96,8 @@ def test_lookup_then_model_drafts_by_lookup_on_a_repeated_bigram_else_by_model()
     assert model.calls == 0
     assert drafter.propose([1, 2, 3, 9, 5, 2], 2) == [42, 43]  # only a 1-gram repeats
     assert model.calls == 1
+    drafter.prepare([7, 8])
+    assert model.prepared == [[7, 8]]  # the model reads the prompt ahead
 
 
 def test_greedy_acceptance_keeps_the_agreeing_prefix_then_the_model_s_token() -> None:
@@ -165,6 +172,21 @@ def test_greedy_text_is_the_same_with_and_without_speculation(max_tokens: int) -
     if max_tokens == 40:
         assert stats.accepted > 0 and len(backend.passes) < max_tokens - 1
         assert backend.rewinds > 0  # some drafts were rejected and cut back
+
+
+def test_the_drafter_reads_the_prompt_while_the_chain_prefills() -> None:
+    table = bigram_table(seed=3, chain=CHAIN)
+    prompt = [word_id(w) for w in CHAIN[:6]]
+    drafter = FixedDrafter([word_id(CHAIN[6])])
+    model = tiny_model(VerifyingBigram(table))
+    request = GenerationRequest(prompt, 6, SamplingParams(temperature=0), session="s")
+    stats = SpeculationStats()
+    speculating = type(model)(
+        model.backend, model.tokenizer, model.info, Speculation(lambda: drafter, 8, stats)
+    )
+    assert _run(speculating, request) == _run(tiny_model(BigramBackend(table)), request)
+    assert drafter.prepared == [prompt]  # once, the prompt alone, before any draft
+    assert drafter.calls > 0 and stats.drafted > 0
 
 
 class LosingChain:

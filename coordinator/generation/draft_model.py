@@ -4,9 +4,10 @@ coordinator in one ONNX Runtime session (an export directory of ``fedshard expor
 One :class:`DraftModel` (one ONNX Runtime session, its weights loaded once) serves every
 generation of the model it drafts for; each generation drafts through its own
 :class:`DraftStream`, which keeps the draft model's KV cache for that generation's text. The
-cache follows the text: when asked for a draft, a stream keeps the longest prefix of the text
-its cache already holds (the rejected drafts of the last pass fall off, a *rollback*), feeds the
-rest in one call, then drafts greedily one token per call while the draft model is sure of
+cache follows the text: it reads the prompt while the chain does (:meth:`DraftStream.prepare`);
+when asked for a draft, a stream keeps the longest prefix of the text its cache already holds
+(the rejected drafts of the last pass fall off, a *rollback*), feeds the rest in one call, then
+drafts greedily one token per call while the draft model is sure of
 them: after a token whose probability is below ``min_confidence`` it stops (that token is still
 proposed; llama.cpp's ``p_min`` does the same), so the chain does not verify, and the drafter
 does not spend calls on, guesses that are likely wrong. The drafts are greedy, so the
@@ -159,6 +160,15 @@ class DraftStream:
                 token, confidence = self._feed([token])
                 drafts.append(token)
             return drafts
+
+    def prepare(self, tokens: Sequence[int]) -> None:
+        """Read ``tokens`` into the cache now (the prompt, while the chain reads it too)."""
+        if not tokens or len(tokens) > self._model.info.max_context:
+            return
+        with self._lock:
+            self.rollback(_common_prefix(self._tokens, tokens))
+            if len(self._tokens) < len(tokens):
+                self._feed(tokens[len(self._tokens) :])
 
     def rollback(self, length: int) -> None:
         """Cut the cache back to its first ``length`` tokens."""

@@ -30,6 +30,11 @@ class Drafter(Protocol):
         """Drafted continuation of ``tokens`` (possibly empty, never longer than ``count``)."""
         ...
 
+    def prepare(self, tokens: Sequence[int]) -> None:
+        """Read ``tokens`` (the prompt) ahead of the first :meth:`propose`; the generation calls
+        it while the chain reads the prompt, so a draft model's prefill overlaps the chain's."""
+        ...
+
 
 class PromptLookup:
     """Prompt-lookup drafting: the most recent earlier occurrence of the longest matching
@@ -42,6 +47,9 @@ class PromptLookup:
             raise ValueError(f"need 1 <= min_ngram <= max_ngram, got {min_ngram}, {max_ngram}")
         self._max = max_ngram
         self._min = min_ngram
+
+    def prepare(self, tokens: Sequence[int]) -> None:
+        """Nothing to read ahead: the lookup searches the text when asked."""
 
     def propose(self, tokens: Sequence[int], count: int) -> list[int]:
         """Up to ``count`` tokens that followed an earlier copy of the text's last n-gram."""
@@ -69,6 +77,10 @@ class LookupThenModel:
     def __init__(self, model: Drafter, min_ngram: int = 2) -> None:
         self._lookup = PromptLookup(min_ngram=min_ngram)
         self._model = model
+
+    def prepare(self, tokens: Sequence[int]) -> None:
+        """The model reads the prompt ahead."""
+        self._model.prepare(tokens)
 
     def propose(self, tokens: Sequence[int], count: int) -> list[int]:
         """The lookup's draft if it has one, else the model's."""

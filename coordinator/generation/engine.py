@@ -31,8 +31,13 @@ import numpy as np
 
 from coordinator.errors import ContextLengthError, RequestError
 from coordinator.generation.backend import GenerationModel, TopCandidates
+from coordinator.generation.drafters import Drafter
 from coordinator.generation.sampling import SamplingParams, choose, make_rng
-from coordinator.generation.speculative import VerifyingBackend, speculative_tokens
+from coordinator.generation.speculative import (
+    VerifyingBackend,
+    prefill_with_drafter,
+    speculative_tokens,
+)
 
 log = logging.getLogger(__name__)
 FinishReason = Literal["stop", "length"]
@@ -105,8 +110,14 @@ async def generate(
     prompt = [int(t) for t in request.prompt_ids]
     check_budget(len(prompt), request.max_tokens, model.info.max_context)
     backend, session = model.backend, request.session
+    drafter = _drafter(model)
     try:
-        candidates = await backend.step(session, 0, prompt)
+        if drafter is None:
+            candidates = await backend.step(session, 0, prompt)
+        else:
+            candidates = await prefill_with_drafter(
+                lambda: backend.step(session, 0, prompt), drafter, prompt
+            )
         yield Started(len(prompt))
         rng = make_rng(request.sampling.seed)
         eos = frozenset(model.info.eos_token_ids)
@@ -114,7 +125,7 @@ async def generate(
         detok = model.tokenizer.incremental()
         generated = 0
         reason: FinishReason = "length"
-        tokens = _tokens(model, request, prompt, candidates, rng)
+        tokens = _tokens(model, request, prompt, candidates, rng, drafter)
         async with contextlib.aclosing(tokens):
             async for token in tokens:
                 generated += 1
@@ -141,16 +152,25 @@ async def generate(
         await _end(model, session)
 
 
+def _drafter(model: GenerationModel) -> Drafter | None:
+    """A new drafter for one generation, when the model speculates (else None)."""
+    if model.speculation is not None and isinstance(model.backend, VerifyingBackend):
+        return model.speculation.drafters()
+    return None
+
+
 def _tokens(
     model: GenerationModel,
     request: GenerationRequest,
     prompt: list[int],
     first: TopCandidates,
     rng: np.random.Generator,
+    drafter: Drafter | None,
 ) -> AsyncGenerator[int, None]:
-    """The generated tokens, one chain step each, or verified in passes when the model
-    speculates (:mod:`coordinator.generation.speculative`)."""
-    if model.speculation is not None and isinstance(model.backend, VerifyingBackend):
+    """The generated tokens, one chain step each, or verified in passes with ``drafter``'s
+    drafts when the model speculates (:mod:`coordinator.generation.speculative`)."""
+    if drafter is not None and model.speculation is not None:
+        assert isinstance(model.backend, VerifyingBackend)  # as _drafter checked
         return speculative_tokens(
             model.backend,
             request.session,
@@ -160,6 +180,7 @@ def _tokens(
             request.sampling,
             rng,
             model.speculation,
+            drafter,
         )
     return _plain_tokens(model, request, len(prompt), first, rng)
 

@@ -22,7 +22,7 @@ from __future__ import annotations
 
 import threading
 import time
-from collections.abc import AsyncGenerator, Callable, Sequence
+from collections.abc import AsyncGenerator, Awaitable, Callable, Sequence
 from dataclasses import dataclass
 from typing import Literal, Protocol, runtime_checkable
 
@@ -174,14 +174,15 @@ async def speculative_tokens(
     params: SamplingParams,
     rng: np.random.Generator,
     speculation: Speculation,
+    drafter: Drafter,
 ) -> AsyncGenerator[int, None]:
     """The generated tokens of ``session`` (whose stages hold the prompt ``context``, with
-    ``first`` the candidates after it), at most ``budget`` of them, verified in passes."""
+    ``first`` the candidates after it), at most ``budget`` of them, verified in passes with
+    ``drafter``'s drafts (one of ``speculation.drafters()``)."""
     held = len(context)
     context = [*context, choose(first, params, rng)]
     yield context[-1]
     produced = 1
-    drafter = speculation.drafters()
     throughput = speculation.stats.throughput
     length = DraftLength(speculation.max_positions - 1, throughput, type(drafter).__name__)
     while produced < budget:
@@ -201,6 +202,20 @@ async def speculative_tokens(
             context.append(token)
             produced += 1
             yield token
+
+
+async def prefill_with_drafter(
+    prefill: Callable[[], Awaitable[TopCandidates]], drafter: Drafter, prompt: Sequence[int]
+) -> TopCandidates:
+    """The chain's ``prefill`` while ``drafter`` reads ``prompt`` (off the event loop when it
+    takes time), so the two prefills overlap; both are done when this returns."""
+    if not drafter.blocking:
+        drafter.prepare(prompt)
+        return await prefill()
+    async with anyio.create_task_group() as group:
+        group.start_soon(anyio.to_thread.run_sync, drafter.prepare, list(prompt))
+        candidates = await prefill()
+    return candidates
 
 
 async def _propose(drafter: Drafter, context: list[int], count: int) -> list[int]:
