@@ -14,7 +14,6 @@ from __future__ import annotations
 import asyncio
 import json
 import shutil
-import threading
 from collections.abc import Callable, Sequence
 from pathlib import Path
 
@@ -230,34 +229,6 @@ def test_a_stream_that_read_the_prompt_ahead_drafts_as_a_fresh_one(
     text = [*prompt, 7]
     assert ahead.propose(text, 3) == draft.stream(0.0).propose(text, 3)
     assert ahead.held == [*text, *ahead.held[len(text) :]] and len(ahead.held) == len(text) + 2
-
-
-def test_drafts_made_ahead_are_reused_when_the_text_comes_true(
-    tiny_llama_dir: Path, tiny_gemma3_dir: Path, monkeypatch: pytest.MonkeyPatch
-) -> None:
-    draft = DraftModel(tiny_gemma3_dir, tiny_llama_dir)
-    calls: list[int] = []
-    run = draft.run
-    monkeypatch.setattr(draft, "run", lambda ids, past: calls.append(len(ids)) or run(ids, past))
-    prompt = _prompt(tiny_llama_dir)
-    stream = draft.stream(0.0)
-    drafts = stream.propose(prompt, 2)
-    stream.draft_ahead([*prompt, *drafts], 3, threading.Event())
-    assert len(calls) == 2 + 3  # two drafts, then the last draft fed and three more
-    ahead = draft.stream(0.0).propose([*prompt, *drafts], 3)
-    calls.clear()
-    # every draft accepted and the chain's next token is the one drafted ahead: no model call
-    text = [*prompt, *drafts, ahead[0]]
-    assert stream.propose(text, 2) == ahead[1:3] and calls == []
-    longer = stream.propose(text, 3)
-    assert calls == [1]  # only the third draft is new
-    assert longer == draft.stream(0.0).propose(text, 3)
-    # the chain chose another token: the cache is cut back and drafts are made again
-    other = [*prompt, drafts[0], (drafts[1] + 1) % draft.info.vocab_size]
-    assert stream.propose(other, 2) == draft.stream(0.0).propose(other, 2)
-    stopped = threading.Event()
-    stopped.set()
-    assert len(draft.stream(0.0).propose(prompt, 4, stopped)) == 1  # one draft, then stop
 
 
 def test_a_draft_stops_after_the_first_token_the_model_is_unsure_of(

@@ -128,13 +128,7 @@ def top_probability(logits: np.ndarray) -> float:
 
 
 class DraftStream:
-    """One generation's drafts from a :class:`DraftModel`, with that generation's cache.
-
-    The stream remembers its last drafts: the text it drafted after (``query``) and each draft
-    with its confidence. The cache holds the query and every draft but the last, so when the
-    text grows along the drafted path (the chain accepted drafts, or the text it drafted ahead
-    for came true), the drafts beyond are already known and only the missing ones are computed.
-    """
+    """One generation's drafts from a :class:`DraftModel`, with that generation's cache."""
 
     blocking = True
 
@@ -146,10 +140,6 @@ class DraftStream:
         self._tokens: list[int] = []
         """The tokens the cache holds, in order."""
         self._past = model.empty()
-        self._query: list[int] = []
-        self._drafts: list[tuple[int, float]] = []
-        """The last drafts after ``_query``: (token, confidence); the cache holds ``_query``
-        and every draft but the last."""
         self._lock = threading.Lock()
 
     @property
@@ -157,57 +147,35 @@ class DraftStream:
         """The tokens the draft cache holds."""
         return list(self._tokens)
 
-    def propose(
-        self, tokens: Sequence[int], count: int, stop: threading.Event | None = None
-    ) -> list[int]:
+    def propose(self, tokens: Sequence[int], count: int) -> list[int]:
         """Up to ``count`` greedy draft tokens after ``tokens`` (none past the draft's context),
-        ending early after the first token the draft model is unsure of (the module docstring)
-        or, once one draft is made, when ``stop`` is set."""
+        ending early after the first token the draft model is unsure of (the module docstring)."""
         if count < 1 or not tokens or len(tokens) + count > self._model.info.max_context:
             return []
         with self._lock:
-            drafts = self._known_after(tokens)
-            if not drafts:
-                self.rollback(min(_common_prefix(self._tokens, tokens), len(tokens) - 1))
-                self._query = list(tokens)
-                self._drafts = drafts = [self._feed(tokens[len(self._tokens) :])]
-            while len(drafts) < count and drafts[-1][1] >= self._min_confidence:
-                if stop is not None and stop.is_set():
-                    break
-                drafts.append(self._feed([drafts[-1][0]]))
-            return [token for token, _ in drafts[:count]]
+            self.rollback(min(_common_prefix(self._tokens, tokens), len(tokens) - 1))
+            token, confidence = self._feed(tokens[len(self._tokens) :])
+            drafts = [token]
+            while len(drafts) < count and confidence >= self._min_confidence:
+                token, confidence = self._feed([token])
+                drafts.append(token)
+            return drafts
 
     def prepare(self, tokens: Sequence[int]) -> None:
         """Read ``tokens`` into the cache now (the prompt, while the chain reads it too)."""
-        self.propose(tokens, 1)
-
-    def draft_ahead(self, tokens: Sequence[int], count: int, stop: threading.Event) -> None:
-        """Draft after ``tokens`` (the text as it will be if the chain accepts every draft)
-        until ``count`` drafts or ``stop``: the next :meth:`propose` reuses them if it comes."""
-        self.propose(tokens, count, stop)
+        if not tokens or len(tokens) > self._model.info.max_context:
+            return
+        with self._lock:
+            self.rollback(_common_prefix(self._tokens, tokens))
+            if len(self._tokens) < len(tokens):
+                self._feed(tokens[len(self._tokens) :])
 
     def rollback(self, length: int) -> None:
-        """Cut the cache back to its first ``length`` tokens (forgetting the last drafts)."""
+        """Cut the cache back to its first ``length`` tokens."""
         if not 0 <= length <= len(self._tokens):
             raise ValueError(f"the draft cache holds {len(self._tokens)} tokens, not {length}")
         del self._tokens[length:]
         self._past = [kv[:, :, :length, :] for kv in self._past]
-        self._query, self._drafts = [], []
-
-    def _known_after(self, tokens: Sequence[int]) -> list[tuple[int, float]]:
-        """The remembered drafts after ``tokens``, when ``tokens`` is the last query followed
-        by some of its drafts (the list the stream keeps: appending to it keeps it current);
-        else an empty list."""
-        query, drafts = self._query, self._drafts
-        grown = len(tokens) - len(query)
-        if (
-            not 0 <= grown < len(drafts)
-            or list(tokens[: len(query)]) != query
-            or list(tokens[len(query) :]) != [token for token, _ in drafts[:grown]]
-        ):
-            return []
-        self._query, self._drafts = list(tokens), drafts[grown:]
-        return self._drafts
 
     def _feed(self, ids: Sequence[int]) -> tuple[int, float]:
         token, confidence, self._past = self._model.run(ids, self._past)

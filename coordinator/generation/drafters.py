@@ -10,7 +10,6 @@ draft model). :mod:`coordinator.generation.tuning` picks how many tokens to draf
 
 from __future__ import annotations
 
-import threading
 from collections.abc import Sequence
 from typing import Protocol
 
@@ -36,13 +35,6 @@ class Drafter(Protocol):
         it while the chain reads the prompt, so a draft model's prefill overlaps the chain's."""
         ...
 
-    def draft_ahead(self, tokens: Sequence[int], count: int, stop: threading.Event) -> None:
-        """Draft up to ``count`` tokens after ``tokens`` (the text as it will be if the chain
-        accepts every draft of the pass it is verifying), stopping early once ``stop`` is set;
-        a later :meth:`propose` may reuse them. The generation calls it while the chain
-        verifies, so a draft model's time overlaps the chain's."""
-        ...
-
 
 class PromptLookup:
     """Prompt-lookup drafting: the most recent earlier occurrence of the longest matching
@@ -58,9 +50,6 @@ class PromptLookup:
 
     def prepare(self, tokens: Sequence[int]) -> None:
         """Nothing to read ahead: the lookup searches the text when asked."""
-
-    def draft_ahead(self, tokens: Sequence[int], count: int, stop: threading.Event) -> None:
-        """Nothing to draft ahead: a lookup costs next to nothing when asked."""
 
     def propose(self, tokens: Sequence[int], count: int) -> list[int]:
         """Up to ``count`` tokens that followed an earlier copy of the text's last n-gram."""
@@ -92,11 +81,6 @@ class LookupThenModel:
     def prepare(self, tokens: Sequence[int]) -> None:
         """The model reads the prompt ahead."""
         self._model.prepare(tokens)
-
-    def draft_ahead(self, tokens: Sequence[int], count: int, stop: threading.Event) -> None:
-        """The model drafts ahead, unless the lookup will draft after ``tokens``."""
-        if not self._lookup.propose(tokens, count):
-            self._model.draft_ahead(tokens, count, stop)
 
     def propose(self, tokens: Sequence[int], count: int) -> list[int]:
         """The lookup's draft if it has one, else the model's."""

@@ -191,7 +191,7 @@ async def speculative_tokens(
         start = time.perf_counter()
         drafts = (await _propose(drafter, context, count))[:count]
         drafted = time.perf_counter()
-        candidates = await _verify_drafting_ahead(backend, session, held, context, drafts, drafter)
+        candidates = await backend.verify(session, held, [context[-1], *drafts])
         tokens = accept(drafts, candidates, params, rng)
         accepted = len(tokens) - 1
         done = time.perf_counter()
@@ -202,32 +202,6 @@ async def speculative_tokens(
             context.append(token)
             produced += 1
             yield token
-
-
-async def _verify_drafting_ahead(
-    backend: VerifyingBackend,
-    session: str,
-    held: int,
-    context: list[int],
-    drafts: list[int],
-    drafter: Drafter,
-) -> list[TopCandidates]:
-    """The chain's candidates after the last chosen token and ``drafts``; meanwhile a blocking
-    drafter drafts as many tokens past them (the text if every draft is accepted), stopped when
-    the chain answers, so that after a fully accepted pass the next drafts are often ready."""
-    fed = [context[-1], *drafts]
-    if not drafts or not drafter.blocking:
-        return await backend.verify(session, held, fed)
-    stop = threading.Event()
-    async with anyio.create_task_group() as group:
-        group.start_soon(
-            anyio.to_thread.run_sync, drafter.draft_ahead, [*context, *drafts], len(drafts), stop
-        )
-        try:
-            candidates = await backend.verify(session, held, fed)
-        finally:
-            stop.set()
-    return candidates
 
 
 async def prefill_with_drafter(
