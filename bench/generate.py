@@ -2,7 +2,9 @@
 vs llama.cpp.
 
 Same prompt (a chat message rendered with the model's own template), same number of new tokens,
-greedy, one intra-op thread everywhere (the agents' default), in one run:
+greedy, one intra-op thread per stage and per session (the agents' default; a draft model
+runs on the coordinator's ``--draft-threads``, its default: the machine's cores, at most 4),
+in one run:
 
 - fedshard: a coordinator and three (``--agents``) agents on 127.0.0.1 (planning caps, or the
   agents' own ``--memory`` budgets with ``--no-caps``, force the split), streamed
@@ -54,6 +56,7 @@ import httpx  # noqa: E402
 from rich.console import Console  # noqa: E402
 from rich.table import Table  # noqa: E402
 
+from coordinator.commands import default_draft_threads  # noqa: E402
 from devtools.demo.decoder import (  # noqa: E402
     decoder_caps,
     decoder_info,
@@ -468,8 +471,9 @@ def report(
         f"# Generation speed ({args.model}, {args.weights})",
         "",
         f"`.venv/bin/python bench/generate.py {command}` on {os.cpu_count()} cores; one "
-        f"intra-op thread everywhere; {len(ids)}-token chat prompt, {args.tokens} new tokens, "
-        f"greedy; agents of {args.memory} each.",
+        f"intra-op thread per stage and per session (a draft model: the coordinator's "
+        f"default `--draft-threads`, {default_draft_threads()}); {len(ids)}-token chat prompt, "
+        f"{args.tokens} new tokens, greedy; agents of {args.memory} each.",
         "",
         "| engine | time to first token (prefill) | decode tokens/s | total tokens/s |",
         "|---|---|---|---|",
