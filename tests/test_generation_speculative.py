@@ -189,6 +189,52 @@ def test_the_drafter_reads_the_prompt_while_the_chain_prefills() -> None:
     assert drafter.calls > 0 and stats.drafted > 0
 
 
+class BrokenPrefill(VerifyingBigram):
+    """A chain that loses a stage while reading the prompt."""
+
+    async def step(self, session: str, position: int, token_ids: Sequence[int]) -> TopCandidates:
+        raise ChainBrokenError("LinkError: stage 1 went away")
+
+
+class UnreadyDrafter(FixedDrafter):
+    """A drafter that cannot read the prompt ahead (it catches up when it drafts)."""
+
+    def prepare(self, tokens: Sequence[int]) -> None:
+        raise RuntimeError("the draft model's session failed")
+
+
+def test_a_failed_prefill_raises_its_own_error_while_the_drafter_reads_ahead() -> None:
+    table = bigram_table(seed=3, chain=CHAIN)
+    prompt = [word_id(w) for w in CHAIN[:6]]
+    request = GenerationRequest(prompt, 4, SamplingParams(temperature=0), session="s")
+    model = tiny_model(BrokenPrefill(table))
+    drafter = FixedDrafter([1])
+    speculating = type(model)(
+        model.backend, model.tokenizer, model.info,
+        Speculation(lambda: drafter, 8, SpeculationStats()),
+    )  # fmt: skip
+    with pytest.raises(ChainBrokenError, match="stage 1"):  # not wrapped in a group
+        _run(speculating, request)
+    assert drafter.prepared == [prompt]
+
+
+def test_a_drafter_that_cannot_read_ahead_leaves_the_text_alone(
+    caplog: pytest.LogCaptureFixture,
+) -> None:
+    table = bigram_table(seed=3, chain=CHAIN)
+    prompt = [word_id(w) for w in CHAIN[:6]]
+    request = GenerationRequest(prompt, 6, SamplingParams(temperature=0), session="s")
+    model = tiny_model(VerifyingBigram(table))
+    drafter = UnreadyDrafter([word_id(CHAIN[6])])
+    speculating = type(model)(
+        model.backend, model.tokenizer, model.info,
+        Speculation(lambda: drafter, 8, SpeculationStats()),
+    )  # fmt: skip
+    assert _run(speculating, request) == _run(tiny_model(BigramBackend(table)), request)
+    assert "could not read the prompt ahead" in caplog.text
+    assert drafter.calls > 0
+
+
 class LosingChain:
     """A fake chain client: stages that keep per-session lengths (rewind included, as agents
     do) and answer from a bigram table; the first pass that carries drafts loses a stage."""

@@ -7,10 +7,10 @@ generation of the model it drafts for; each generation drafts through its own
 cache follows the text: it reads the prompt while the chain does (:meth:`DraftStream.prepare`);
 when asked for a draft, a stream keeps the longest prefix of the text its cache already holds
 (the rejected drafts of the last pass fall off, a *rollback*), feeds the rest in one call, then
-drafts greedily one token per call while the draft model is sure of
-them: after a token whose probability is below ``min_confidence`` it stops (that token is still
-proposed; llama.cpp's ``p_min`` does the same), so the chain does not verify, and the drafter
-does not spend calls on, guesses that are likely wrong. The drafts are greedy, so the
+drafts greedily one token per call while the draft model is sure of them: after a token whose
+probability is below ``min_confidence`` it stops (that token is still proposed; llama.cpp's
+``p_min`` does the same), so the chain does not verify, and the drafter does not spend calls
+on, guesses that are likely wrong. The drafts are greedy, so the
 speculative-sampling rule in :mod:`coordinator.generation.speculative` (a point-mass draft
 distribution) keeps the target's distribution exactly.
 

@@ -20,6 +20,7 @@ session to the accepted length (``session_rewind``), dropping the rejected posit
 
 from __future__ import annotations
 
+import logging
 import threading
 import time
 from collections.abc import AsyncGenerator, Awaitable, Callable, Sequence
@@ -34,6 +35,8 @@ from coordinator.generation.draft_model import DraftModel
 from coordinator.generation.drafters import Drafter, LookupThenModel, PromptLookup
 from coordinator.generation.sampling import SamplingParams, choose, greedy, nucleus, probabilities
 from coordinator.generation.tuning import DraftLength, Throughput
+
+log = logging.getLogger(__name__)
 
 Speculative = Literal["off", "lookup", "draft", "auto"]
 """A decoder's speculative decoding (see :mod:`coordinator.generation.speculative`)."""
@@ -208,14 +211,29 @@ async def prefill_with_drafter(
     prefill: Callable[[], Awaitable[TopCandidates]], drafter: Drafter, prompt: Sequence[int]
 ) -> TopCandidates:
     """The chain's ``prefill`` while ``drafter`` reads ``prompt`` (off the event loop when it
-    takes time), so the two prefills overlap; both are done when this returns."""
+    takes time), so the two prefills overlap; both are done when this returns. The prefill's
+    errors propagate as they are; a drafter that cannot read the prompt is logged and left to
+    catch up when it first drafts."""
     if not drafter.blocking:
         drafter.prepare(prompt)
         return await prefill()
+    failure: Exception | None = None
     async with anyio.create_task_group() as group:
-        group.start_soon(anyio.to_thread.run_sync, drafter.prepare, list(prompt))
-        candidates = await prefill()
+        group.start_soon(_read_ahead, drafter, list(prompt))
+        try:
+            candidates = await prefill()
+        except Exception as exc:  # raised below, outside the group (which would wrap it)
+            failure = exc
+    if failure is not None:
+        raise failure
     return candidates
+
+
+async def _read_ahead(drafter: Drafter, prompt: list[int]) -> None:
+    try:
+        await anyio.to_thread.run_sync(drafter.prepare, prompt)
+    except Exception:  # drafting is an optimisation: the generation goes on without it
+        log.warning("the drafter could not read the prompt ahead", exc_info=True)
 
 
 async def _propose(drafter: Drafter, context: list[int], count: int) -> list[int]:
