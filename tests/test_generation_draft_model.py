@@ -157,6 +157,12 @@ def _prompt(export: Path) -> list[int]:
 
 
 @pytest.fixture(scope="module")
+def draft(tiny_llama_dir: Path, tiny_gemma3_dir: Path) -> DraftModel:
+    """tiny-gemma3 as a draft model for tiny-llama (same tokenizer, other weights)."""
+    return DraftModel(tiny_gemma3_dir, tiny_llama_dir)
+
+
+@pytest.fixture(scope="module")
 def plain_text(tiny_llama_dir: Path) -> tuple[str, int]:
     """Greedy text without speculation."""
     return _generate(
@@ -183,9 +189,8 @@ def test_the_target_as_its_own_draft_accepts_every_draft(
 
 @pytest.mark.parametrize("mode", ["draft", "auto"])
 def test_another_draft_model_keeps_the_greedy_text(
-    tiny_llama_dir: Path, tiny_gemma3_dir: Path, plain_text: tuple[str, int], mode: str
+    tiny_llama_dir: Path, draft: DraftModel, plain_text: tuple[str, int], mode: str
 ) -> None:
-    draft = DraftModel(tiny_gemma3_dir, tiny_llama_dir)
     verifier = LocalVerifier(WholeModel(tiny_llama_dir))
     model = _model(verifier, tiny_llama_dir, drafter_for(mode, draft))  # type: ignore[arg-type]
     assert _generate(model, _prompt(tiny_llama_dir)) == plain_text
@@ -198,9 +203,8 @@ def _kv_of(stream: DraftStream) -> list[np.ndarray]:
 
 
 def test_a_rolled_back_draft_cache_equals_a_fresh_one(
-    tiny_llama_dir: Path, tiny_gemma3_dir: Path
+    tiny_llama_dir: Path, draft: DraftModel
 ) -> None:
-    draft = DraftModel(tiny_gemma3_dir, tiny_llama_dir)
     prompt = _prompt(tiny_llama_dir)
     stream = draft.stream(0.0)
     first = stream.propose(prompt, 5)
@@ -219,22 +223,20 @@ def test_a_rolled_back_draft_cache_equals_a_fresh_one(
 
 
 def test_a_stream_that_read_the_prompt_ahead_drafts_as_a_fresh_one(
-    tiny_llama_dir: Path, tiny_gemma3_dir: Path
+    tiny_llama_dir: Path, draft: DraftModel
 ) -> None:
-    draft = DraftModel(tiny_gemma3_dir, tiny_llama_dir)
     prompt = _prompt(tiny_llama_dir)
     ahead = draft.stream(0.0)
     ahead.prepare(prompt)
     assert ahead.held == prompt
     text = [*prompt, 7]
     assert ahead.propose(text, 3) == draft.stream(0.0).propose(text, 3)
-    assert ahead.held == [*text, *ahead.held[len(text) :]] and len(ahead.held) == len(text) + 2
+    assert ahead.held[: len(text)] == text and len(ahead.held) == len(text) + 2
 
 
 def test_a_draft_stops_after_the_first_token_the_model_is_unsure_of(
-    tiny_llama_dir: Path, tiny_gemma3_dir: Path
+    tiny_llama_dir: Path, draft: DraftModel
 ) -> None:
-    draft = DraftModel(tiny_gemma3_dir, tiny_llama_dir)
     prompt = _prompt(tiny_llama_dir)
     bold = draft.stream(0.0).propose(prompt, 5)
     _, confidence, past = draft.run(prompt, draft.empty())
@@ -323,7 +325,7 @@ class LosingChain:
 
 
 def test_a_stage_lost_mid_speculation_replays_to_the_same_text(
-    tiny_llama_dir: Path, tiny_gemma3_dir: Path, plain_text: tuple[str, int]
+    tiny_llama_dir: Path, draft: DraftModel, plain_text: tuple[str, int]
 ) -> None:
     chain = LosingChain(WholeModel(tiny_llama_dir))
     versions = iter(range(1, 100))
@@ -332,7 +334,6 @@ def test_a_stage_lost_mid_speculation_replays_to_the_same_text(
     def failed(record: VersionRecord, error: Exception) -> None:
         version[0] = VersionRecord.model_construct(model_id="m", plan_version=next(versions))  # type: ignore[call-arg]
 
-    draft = DraftModel(tiny_gemma3_dir, tiny_llama_dir)
     plane = DataPlane()
     try:
         backend = ChainDecoderBackend(plane, lambda _: (version[0], chain), failed)  # type: ignore[arg-type,return-value]
