@@ -20,7 +20,7 @@ one after another in this process; Flower: the SuperNodes in parallel); upload b
 per round (SecAgg+: the masked vector); epsilon per round.
 
     .venv/bin/python bench/federated.py [--rounds 3] [--seeds 3] [--per-device 40]
-        [--flower-seeds 1 | --no-flower]
+        [--flower-seeds 1 | --no-flower] [--model qwen2.5-coder-1.5b --name federated_qwen]
 """
 
 from __future__ import annotations
@@ -99,6 +99,9 @@ MODELS = {
     ),
     "gemma3-270m": BenchModel(
         first_layer=15, learning_rate=0.005, dp_learning_rate=0.02, device_memory_mb=300
+    ),
+    "qwen2.5-coder-1.5b": BenchModel(
+        first_layer=26, learning_rate=0.005, dp_learning_rate=0.02, device_memory_mb=600
     ),
 }
 """Gemma 3 270M as the demo trains it: its last three layers (of 18), served in int8. Without DP
@@ -313,15 +316,16 @@ def report(args: argparse.Namespace, modes: list[ModeRuns], console: Console) ->
         + f"{max((b for m in modes for b in m.masked_bytes), default=0):,.0f}"
         + " B of arrays), not the float32 adapters.",
         "",
-        "![held-out loss per round](federated.png)",
+        f"![held-out loss per round]({args.name}.png)",
         "",
     ]
     RESULTS.mkdir(exist_ok=True)
-    (RESULTS / "federated.md").write_text("\n".join(lines))
-    (RESULTS / "federated-runs.json").write_text(json.dumps([m.__dict__ for m in modes], indent=1))
+    (RESULTS / f"{args.name}.md").write_text("\n".join(lines))
+    runs = json.dumps([m.__dict__ for m in modes], indent=1)
+    (RESULTS / f"{args.name}-runs.json").write_text(runs)
     plot(modes, args)
-    write_headlines("federated", headlines(modes))
-    console.print(f"wrote {RESULTS / 'federated.md'} and federated.png")
+    write_headlines(args.name, headlines(modes))
+    console.print(f"wrote {RESULTS / args.name}.md and {args.name}.png")
 
 
 def headlines(modes: list[ModeRuns]) -> list[Headline]:
@@ -375,7 +379,7 @@ def plot(modes: list[ModeRuns], args: argparse.Namespace) -> None:
     ax2.set_ylabel("mean round time (s)")
     ax2.tick_params(axis="x", labelrotation=15, labelsize=8)
     fig.tight_layout()
-    fig.savefig(RESULTS / "federated.png", dpi=120)
+    fig.savefig(RESULTS / f"{args.name}.png", dpi=120)
 
 
 def main() -> None:
@@ -403,6 +407,9 @@ def main() -> None:
     parser.add_argument("--clip", type=float, default=1.0)
     parser.add_argument("--flower-seeds", type=int, default=1, help="seeds of the SecAgg+ rows")
     parser.add_argument("--no-flower", action="store_true", help="skip the SecAgg+ (Flower) rows")
+    parser.add_argument(
+        "--name", default="federated", help="results file names: bench/results/NAME.md, ..."
+    )
     args = parser.parse_args()
     if args.first_layer is None:
         args.first_layer = MODELS[args.model].first_layer

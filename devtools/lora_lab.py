@@ -26,7 +26,7 @@ from partitioner.lora import (
     torch_params,
     weight_map,
 )
-from protocols.lora import ENCODER_TARGETS, LoraPlan, LoraSettings, RecordDp, SegmentRef
+from protocols.lora import ENCODER_DEFAULT_TARGETS, LoraPlan, LoraSettings, RecordDp, SegmentRef
 from protocols.manifest import Manifest
 
 DOMAINS = (("noun.animal",), ("noun.food",), ("noun.plant",))
@@ -95,7 +95,9 @@ def encoder_setup(
     settings: LoraSettings | None = None, run: str = "test-run", **plan_fields: Any,
 ) -> LoraSetup:  # fmt: skip
     """The contrastive plan that adapts BERT layers ``first_layer ..`` of ``version_dir``."""
-    settings = settings or LoraSettings(rank=4, alpha=8.0, target_modules=list(ENCODER_TARGETS))
+    settings = settings or LoraSettings(
+        rank=4, alpha=8.0, target_modules=list(ENCODER_DEFAULT_TARGETS)
+    )
     return _setup(
         onnx_path, version_dir, model, first_layer, dp=dp, settings=settings, run=run,
         objective="contrastive", **plan_fields,

@@ -58,6 +58,10 @@ DEFAULT_TARGETS: Final = (
 )
 ENCODER_TARGETS: Final = ("query", "key", "value", "dense")
 """BERT's attention projections and every dense layer (attention output, intermediate, output)."""
+ENCODER_DEFAULT_TARGETS: Final = ("query", "value")
+"""What an encoder adapts by default: under record-level DP, adapters on query and value only
+kept MiniLM's held-out recall gain where all of :data:`ENCODER_TARGETS` lost it to the noise
+(``bench/encoder_dp.py``)."""
 Objective = Literal["causal-lm", "contrastive"]
 MAX_REPLY_WEIGHT: Final = 1000
 """Most records one device's reply weighs in the average without DP (SecAgg+'s max_weight)."""

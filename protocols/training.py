@@ -81,6 +81,7 @@ TrainingMethod = Literal["shards", "lora"]
 MAX_LORA_RANK: Final = 64
 MAX_LORA_LEARNING_RATE: Final = 1.0
 MAX_LORA_LOCAL_EPOCHS: Final = 20
+MAX_LORA_BATCH_SIZE: Final = 1024
 
 
 class LoraOptions(FrozenModel):
@@ -88,8 +89,8 @@ class LoraOptions(FrozenModel):
 
     ``first_layer`` (default: the second half of the decoder's layers) is the first decoder
     layer that gets adapters; every layer from it on does, on ``target_modules`` (default:
-    the attention and MLP projections). ``learning_rate`` and ``local_epochs`` override the
-    coordinator's local-training defaults for this run.
+    the attention and MLP projections). ``learning_rate``, ``local_epochs`` and ``batch_size``
+    override the coordinator's local-training defaults for this run.
     """
 
     rank: PositiveInt = Field(default=8, le=MAX_LORA_RANK)
@@ -103,7 +104,11 @@ class LoraOptions(FrozenModel):
     ``encoder_learning_rate`` for an encoder)."""
     local_epochs: PositiveInt | None = Field(default=None, le=MAX_LORA_LOCAL_EPOCHS)
     """Epochs a device trains over its records each round. Default: the coordinator's
-    ``LoraTuning.local_epochs``."""
+    ``LoraTuning`` (``local_epochs``, ``encoder_local_epochs`` for an encoder)."""
+    batch_size: PositiveInt | None = Field(default=None, le=MAX_LORA_BATCH_SIZE)
+    """Records a step (under DP, the expected size of each Poisson-sampled batch: epsilon grows
+    with ``batch_size / records``). Default: the coordinator's ``LoraTuning`` (``batch_size``,
+    ``encoder_batch_size`` for an encoder)."""
 
 
 class TrainingRunRequest(FrozenModel):

@@ -7,8 +7,9 @@ non-IID) and ``--train-superlink``, paired with their codes; ``fedshard export m
 is served on them (planning caps of 70 MB per agent, as in the local encoder e2e test). ``POST
 /v1/training/runs {"model": ID, "method": "lora", "secure_aggregation": true, "dp": true}``:
 the coordinator sends each agent the served version, and one SecAgg+ round of the contrastive
-objective (in-batch negatives) with record-level DP runs on the agents' SuperNodes. Asserted:
-the run finishes with held-out recall@1 before and after (the final at most one pair below),
+objective (in-batch negatives) with record-level DP runs on the agents' SuperNodes, with the
+coordinator's encoder defaults (query and value, batch 64, 4 local epochs). Asserted: the run
+finishes with held-out recall@1 rising,
 epsilon per device at most 8, each agent trained on exactly the served version, the merged
 version is rolled out live and ``/v1/embeddings`` answers from it with changed unit-norm
 embeddings, and no pair's text is anywhere in the coordinator's state dir or log, nor in
@@ -36,10 +37,9 @@ from coordinator.training.flower import free_port
 pytestmark = [pytest.mark.slow, pytest.mark.timeout(1500)]
 
 DOMAINS = (("noun.animal",), ("noun.food",), ("noun.plant",))
-PER_DEVICE = 80
-"""Pairs per device, as in the local encoder e2e test (8, 4 and 9 of them held out: recall@1
-moves in steps of 1/21)."""
-ONE_PAIR = 1 / 21 + 1e-9
+PER_DEVICE = 300
+"""Pairs per device: some 270 train (batch 64 samples a quarter of them a step, which keeps
+epsilon under 8 after four epochs) and 84 in all are held out."""
 
 
 @pytest.fixture(scope="module")
@@ -93,9 +93,8 @@ def test_the_run_reports_recall_and_epsilon_per_device(run: dict[str, Any]) -> N
     baseline, final = status["baseline_recall_at_1"], status["final_recall_at_1"]
     assert baseline is not None and final is not None, status
     assert 0 < baseline <= 1 and 0 <= final <= 1, status
-    # One DP round on 80 pairs a device moves recall by a pair or so either way (three runs:
-    # 0.571 -> 0.571, 0.619, 0.571); a broken objective or merge loses many more.
-    assert final >= baseline - ONE_PAIR, f"held-out recall@1 fell: {baseline} -> {final}"
+    # bench/encoder_dp.py, the same setup in the lab: 0.429 -> 0.464-0.500 in four seeds
+    assert final > baseline, f"held-out recall@1 did not rise: {baseline} -> {final}"
     eps = status["epsilon_per_device"]
     assert len(eps) == 3 and all(0 < e <= 8.0 for e in eps), eps
 
@@ -151,8 +150,10 @@ def _holding(places: list[Path], texts: list[bytes]) -> list[str]:
 def test_no_pair_left_its_device(lab: GenLab, pair_dirs: list[Path], run: dict[str, Any]) -> None:
     """No anchor or positive is in the coordinator's state dir or log, and none of a device's
     pairs is in another agent's state dir or log."""
-    own = [_pair_texts([d]) for d in pair_dirs]
-    assert all(len(texts) >= 50 for texts in own), [len(texts) for texts in own]
+    # every third text of each device (some 120-150 of its 360-460: a leak path leaks more than one
+    # pair, and the scan of every file for each text is what this test spends its time on)
+    own = [_pair_texts([d])[::3] for d in pair_dirs]
+    assert all(len(texts) >= 100 for texts in own), [len(texts) for texts in own]
     assert _holding([pair_dirs[0]], own[0]), "the scan finds pairs where they are"
     coordinator = lab.coordinator
     leaks = _holding([coordinator.state_dir, coordinator.log_path], [t for ts in own for t in ts])

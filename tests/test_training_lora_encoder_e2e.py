@@ -3,7 +3,9 @@
 A coordinator and three paired agents on 127.0.0.1 serve ``fedshard export minilm --pooled``
 (planning caps of 70 MB per agent). Two local SuperNodes hold WordNet pairs of
 one domain each (``{"anchor", "positive"}``). ``POST /v1/training/runs {"model": ID, "method":
-"lora"}`` runs one round (no SecAgg+, for time; record-level DP on); asserted: the run finishes
+"lora", "lora": {..., "batch_size": 16, "local_epochs": 2}}`` runs one round (no SecAgg+, for
+time; record-level DP on; the request's batch size and epochs, as 80 pairs a device would spend
+an epsilon above 8 at the encoder's default 64 and 4); asserted: the run finishes
 and reports held-out recall@1 before and after, the merged version is served (new plan
 version), ``/v1/embeddings`` answers with changed unit-norm embeddings, and rollback returns
 the old ones.
@@ -66,8 +68,9 @@ def _embed(api: httpx.Client) -> np.ndarray:
 def test_a_lora_run_of_the_served_encoder_is_rolled_out(lab: GenLab) -> None:
     with lab.coordinator.client(timeout=120) as api:
         before, base = _embed(api), _active(api)
+        lora = {"rank": 4, "first_layer": 4, "batch_size": 16, "local_epochs": 2}
         body = {"rounds": 1, "model": MODEL_ID, "method": "lora", "secure_aggregation": False,
-                "lora": {"rank": 4, "first_layer": 4}}  # fmt: skip
+                "lora": lora}  # fmt: skip
         started = api.post("/v1/training/runs", json=body)
         assert started.status_code == 200, started.text
         status = _wait(api, started.json()["run_id"], 800)

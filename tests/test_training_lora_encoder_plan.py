@@ -18,7 +18,12 @@ from onnx import TensorProto, helper
 
 from coordinator.training.errors import LoraTargetError as CoordinatorError
 from coordinator.training.lora.plan import lora_settings, model_kind
-from protocols.lora import DEFAULT_TARGETS, ENCODER_METADATA_KEY, ENCODER_TARGETS
+from protocols.lora import (
+    DEFAULT_TARGETS,
+    ENCODER_DEFAULT_TARGETS,
+    ENCODER_METADATA_KEY,
+    ENCODER_TARGETS,
+)
 from protocols.training import LoraOptions
 
 
@@ -57,7 +62,10 @@ def test_an_unknown_encoder_or_a_broken_decoder_json_is_refused(tmp_path: Path) 
 
 
 def test_encoder_plans_take_bert_modules() -> None:
-    assert lora_settings(None, "contrastive").target_modules == list(ENCODER_TARGETS)
+    assert lora_settings(None, "contrastive").target_modules == list(ENCODER_DEFAULT_TARGETS)
+    assert set(ENCODER_DEFAULT_TARGETS) < set(ENCODER_TARGETS)
+    every = LoraOptions(target_modules=list(ENCODER_TARGETS))
+    assert lora_settings(every, "contrastive").target_modules == list(ENCODER_TARGETS)
     assert lora_settings(None).target_modules == list(DEFAULT_TARGETS)
     assert lora_settings(LoraOptions(target_modules=["query"]), "contrastive").rank == 8
     with pytest.raises(CoordinatorError, match="unknown target modules"):
@@ -77,7 +85,7 @@ def test_the_coordinators_encoder_plan_is_the_labs(minilm_onnx: Path, tmp_path: 
     plan = build_plan("r", version, version / "tokenizer.json", base, options, True)
     lab = encoder_setup(minilm_onnx, version, minilm_model(), 4, dp=plan.dp, run="r")
     want = lab.plan.model_copy(
-        update={"max_tokens": 32, "batch_size": 16, "learning_rate": 0.01, "local_epochs": 2}
+        update={"max_tokens": 32, "batch_size": 64, "learning_rate": 0.01, "local_epochs": 4}
     )
     assert json.loads(plan.to_json()) == json.loads(want.to_json())
     assert lora_base(minilm_onnx, tmp_path / "bases", tmp_path / "cache") == base, "cached"

@@ -21,6 +21,7 @@ DEFAULT_STATE_DIR = Path.home() / ".fedshard" / "coordinator"
 SHARDS_LOCAL_EPOCHS = 2
 """``--local-epochs`` of a run without ``--model`` (with it, the coordinator decides)."""
 SHARDS_LEARNING_RATE = 0.003
+SHARDS_BATCH_SIZE = 32
 """``--lr`` of a run without ``--model`` (with it, the coordinator decides)."""
 
 
@@ -76,7 +77,12 @@ def register(subparsers: Any, reference_task: ReferenceTask | None = None) -> No
         help=f"client learning rate (default {SHARDS_LEARNING_RATE}; --model: the "
         "coordinator's default for the model and DP setting)",
     )
-    p.add_argument("--batch-size", type=int, default=32)
+    p.add_argument(
+        "--batch-size",
+        type=int,
+        help=f"records a client step (default {SHARDS_BATCH_SIZE}; --model: the coordinator's "
+        "default for the model, 16 for a decoder and 64 for an encoder)",
+    )
     p.add_argument("--clients", type=int, default=3, help="clients per round (default 3)")
     p.add_argument(
         "--budgets",
@@ -142,10 +148,12 @@ def handler(args: argparse.Namespace) -> int:
 def _check(args: argparse.Namespace) -> str | None:
     if args.rounds < 1:
         return "--rounds must be at least 1"
-    if (args.local_epochs is not None and args.local_epochs < 1) or (
-        args.lr is not None and args.lr <= 0
+    if (
+        (args.local_epochs is not None and args.local_epochs < 1)
+        or (args.lr is not None and args.lr <= 0)
+        or (args.batch_size is not None and args.batch_size < 1)
     ):
-        return "--local-epochs and --learning-rate must be positive"
+        return "--local-epochs, --learning-rate and --batch-size must be positive"
     if args.model is not None:
         return "--model runs on the coordinator's devices: no --version" if args.version else None
     if args.clip <= 0 or args.noise_multiplier < 0:
@@ -196,7 +204,7 @@ def _train(args: argparse.Namespace, console: Any) -> int:
         trainable_shards=sorted(shards),
         local_epochs=SHARDS_LOCAL_EPOCHS if args.local_epochs is None else args.local_epochs,
         learning_rate=SHARDS_LEARNING_RATE if args.lr is None else args.lr,
-        batch_size=args.batch_size,
+        batch_size=SHARDS_BATCH_SIZE if args.batch_size is None else args.batch_size,
         min_clients=args.clients,
     )
     ca = CertificateAuthority.open(args.state_dir)

