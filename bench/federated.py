@@ -101,7 +101,7 @@ MODELS = {
         first_layer=15, learning_rate=0.005, dp_learning_rate=0.02, device_memory_mb=300
     ),
     "qwen2.5-coder-1.5b": BenchModel(
-        first_layer=26, learning_rate=0.005, dp_learning_rate=0.02, device_memory_mb=600
+        first_layer=26, learning_rate=0.005, dp_learning_rate=0.02, device_memory_mb=700
     ),
 }
 """Gemma 3 270M as the demo trains it: its last three layers (of 18), served in int8. Without DP

@@ -145,7 +145,7 @@ def section(r: BenchResult) -> list[str]:
     return [
         f"## {r.title}",
         "",
-        f"*`bench/{r.name}.py` → `bench/results/{r.name}.md`, written {r.written}.*",
+        f"*`bench/{script_of(r.name)}.py` → `bench/results/{r.name}.md`, written {r.written}.*",
         "",
         *body,
         *(f"\n![{p}]({p})" for p in extra),
@@ -197,3 +197,13 @@ def write(results_dir: Path, repo: Path) -> Path:
     tmp.write_text(build(results_dir, repo))
     tmp.replace(path)
     return path
+
+
+def script_of(name: str) -> str:
+    """The benchmark that writes results ``name``: the script of that name, else the longest
+    script whose name begins it (``generate_qwen`` and ``federated_qwen`` are ``generate.py``'s
+    and ``federated.py``'s runs with ``--out`` or ``--name``)."""
+    bench = Path(__file__).resolve().parents[1]
+    scripts = [p.stem for p in bench.glob("*.py") if not p.stem.startswith("_")]
+    owners = [s for s in scripts if name == s or name.startswith(f"{s}_")]
+    return max(owners, key=len, default=name)

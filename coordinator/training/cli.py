@@ -21,8 +21,9 @@ DEFAULT_STATE_DIR = Path.home() / ".fedshard" / "coordinator"
 SHARDS_LOCAL_EPOCHS = 2
 """``--local-epochs`` of a run without ``--model`` (with it, the coordinator decides)."""
 SHARDS_LEARNING_RATE = 0.003
-SHARDS_BATCH_SIZE = 32
 """``--lr`` of a run without ``--model`` (with it, the coordinator decides)."""
+SHARDS_BATCH_SIZE = 32
+"""``--batch-size`` of a run without ``--model`` (with it, the coordinator decides)."""
 
 
 class LocalTask(NamedTuple):
