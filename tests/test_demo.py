@@ -239,7 +239,7 @@ def test_demo_chaos_loses_nothing_and_expands_back(tmp_path: Path) -> None:
     ):
         assert expanded.strip() != "never", out
     assert _row(out, "time to rejoin (after the restart)").endswith(" s"), out
-    assert _row(out, "every model back on as many devices") == "yes", out
+    assert _row(out, "every model as wide as before or back on the agent") == "yes", out
     # the victim's pid was replaced by its restart; every process is stopped at the end
     started = [line.split(maxsplit=1) for line in pids.read_text().splitlines() if line.strip()]
     assert [name for _, name in started].count(victim.group(1)) == 2, started

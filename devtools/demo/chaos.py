@@ -118,7 +118,9 @@ class ChaosOutcome:
     """The streamed completion's verdict: ``correct``, ``wrong``, ``lost`` or ``none``."""
     timeline: Timeline
     whole_again: bool
-    """Every model is served on at least as many devices as before the kill."""
+    """Every model the kill affected is served on as many devices as before it, or on the
+    restarted agent again (the planner may find a narrower plan the better one once the
+    agents' measured costs moved: then it must still have expanded back onto the agent)."""
 
     @property
     def ok(self) -> bool:
@@ -185,9 +187,7 @@ def run_chaos(
         refusals=dict(tally.refusals),
         stream=verdict,
         timeline=timeline,
-        whole_again=all(
-            _active_sizes(api, list(before)).get(model, 0) >= size for model, size in before.items()
-        ),
+        whole_again=_whole_again(api, victim, before),
     )
     console.print(outcome_table(outcome))
     return outcome
@@ -375,6 +375,13 @@ def _active_sizes(api: Api, models: Sequence[str], using: str | None = None) -> 
     return sizes
 
 
+def _whole_again(api: Api, victim: str, before: dict[str, int]) -> bool:
+    """:attr:`ChaosOutcome.whole_again`, from the active versions now."""
+    now = _active_sizes(api, list(before))
+    on_victim = _active_sizes(api, list(before), using=victim)
+    return all(now.get(model, 0) >= size or model in on_victim for model, size in before.items())
+
+
 def _await_expand_back(
     supervisor: AgentSupervisor,
     api: Api,
@@ -458,7 +465,8 @@ def outcome_table(outcome: ChaosOutcome) -> Table:
     for model in outcome.timeline.kept_whole:
         rows.append((f"{model} after the re-plan", "as many devices as before"))
     rows.append(("time to rejoin (after the restart)", _seconds(outcome.timeline.rejoin_s)))
-    rows.append(("every model back on as many devices", "yes" if outcome.whole_again else "no"))
+    whole = "yes" if outcome.whole_again else "no"
+    rows.append(("every model as wide as before or back on the agent", whole))
     for what, value in rows:
         table.add_row(what, value)
     return table
