@@ -8,6 +8,7 @@ from devtools.demo.chaos import _timeline
 from devtools.demo.supervise import FailoverNote
 
 KILLED = 1000.0
+ABCD = frozenset("abcd")
 
 
 @dataclass
@@ -27,9 +28,9 @@ def test_a_model_that_shrank_must_expand_after_the_restart() -> None:
         note(KILLED + 9, "back", device="a"),
         note(KILLED + 20, "expanded", "m", 3),
     ]
-    sizes = {"m": {1: 4, 2: 3, 3: 4}}
+    plans = {"m": {1: ABCD, 2: frozenset("bcd"), 3: ABCD}}
     sup = FakeSupervisor({"a": KILLED + 8})
-    t = _timeline(notes, sizes, "a", {"m": 4}, KILLED, sup)  # type: ignore[arg-type]
+    t = _timeline(notes, plans, "a", {"m": 4}, KILLED, sup)  # type: ignore[arg-type]
     assert t.notice_s == 0.5
     assert t.replan_s == {"m": 3.0}
     assert t.expand_s == {"m": 12.0}
@@ -39,7 +40,7 @@ def test_a_model_that_shrank_must_expand_after_the_restart() -> None:
 
 def test_no_expand_yet_is_not_settled_and_an_unavailable_model_counts_as_shrunk() -> None:
     notes = [note(KILLED + 1, "lost", device="a"), note(KILLED + 2, "unavailable", "m", 1)]
-    t = _timeline(notes, {"m": {1: 2}}, "a", {"m": 2}, KILLED, FakeSupervisor())  # type: ignore[arg-type]
+    t = _timeline(notes, {"m": {1: frozenset("ab")}}, "a", {"m": 2}, KILLED, FakeSupervisor())  # type: ignore[arg-type]
     assert t.replan_s == {"m": 2.0}
     assert t.expand_s == {"m": None}
     assert not t.settled
@@ -47,10 +48,27 @@ def test_no_expand_yet_is_not_settled_and_an_unavailable_model_counts_as_shrunk(
 
 def test_a_model_replanned_on_as_many_devices_has_nothing_to_expand() -> None:
     notes = [note(KILLED + 1, "lost", device="a"), note(KILLED + 4, "replanned", "d", 7)]
-    sizes = {"d": {6: 2, 7: 2}}
-    t = _timeline(notes, sizes, "a", {"d": 2}, KILLED, FakeSupervisor())  # type: ignore[arg-type]
+    plans = {"d": {6: frozenset("ab"), 7: frozenset("bc")}}
+    t = _timeline(notes, plans, "a", {"d": 2}, KILLED, FakeSupervisor())  # type: ignore[arg-type]
     assert t.kept_whole == ["d"] and t.expand_s == {}
     assert not t.settled  # the device was never restarted, so it never rejoined
+
+
+def test_a_replan_that_already_holds_the_restarted_victim_has_nothing_to_expand() -> None:
+    """The victim came back while the re-plan ran, so the narrower plan includes it: the
+    coordinator expands nothing, and the chaos run must not wait for it (CI saw it wait)."""
+    notes = [
+        note(KILLED + 0.5, "lost", device="a"),
+        note(KILLED + 9, "back", device="a"),
+        note(KILLED + 11, "replanned", "m", 2),
+    ]
+    plans = {"m": {1: ABCD, 2: frozenset("ab")}}
+    sup = FakeSupervisor({"a": KILLED + 8})
+    t = _timeline(notes, plans, "a", {"m": 4}, KILLED, sup)  # type: ignore[arg-type]
+    assert t.kept_whole == ["m"] and t.expand_s == {}
+    assert t.settled
+    narrower = {"m": {1: ABCD, 2: frozenset("bc")}}  # without the victim it must expand
+    assert not _timeline(notes, narrower, "a", {"m": 4}, KILLED, sup).settled  # type: ignore[arg-type]
 
 
 def test_a_model_not_yet_replanned_is_not_settled() -> None:

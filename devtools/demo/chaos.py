@@ -91,7 +91,8 @@ class Timeline:
     """Models whose re-plan used fewer devices than before: when they expanded back."""
     kept_whole: list[str] = field(default_factory=list)
     """Models re-planned on as many devices as before (a spare agent took the lost one's
-    place): nothing to expand back."""
+    place), or onto the lost agent again (it was back before the re-plan): nothing to expand
+    back."""
     rejoin_s: float | None = None
     """From the restart to the coordinator counting the device back."""
 
@@ -353,10 +354,13 @@ def _events(lines: Iterator[str]) -> Iterator[dict[str, Any]]:
         yield json.loads(data)
 
 
-def _plan_sizes(api: Api) -> dict[str, dict[int, int]]:
-    """How many devices each version of each model is planned on."""
+def _plan_devices(api: Api) -> dict[str, dict[int, frozenset[str]]]:
+    """The devices each version of each model is planned on."""
     return {
-        record["model_id"]: {v["plan_version"]: len(v["segments"]) for v in record["versions"]}
+        record["model_id"]: {
+            v["plan_version"]: frozenset(s["device"] for s in v["segments"])
+            for v in record["versions"]
+        }
         for record in api.get("/v1/deployments")
     }
 
@@ -395,7 +399,7 @@ def _await_expand_back(
     while True:
         supervisor.poll()
         notes = failover_notes(api)
-        timeline = _timeline(notes, _plan_sizes(api), victim, before, killed_at, supervisor)
+        timeline = _timeline(notes, _plan_devices(api), victim, before, killed_at, supervisor)
         if timeline.settled or time.monotonic() > deadline:
             return timeline
         time.sleep(0.5)
@@ -403,7 +407,7 @@ def _await_expand_back(
 
 def _timeline(
     notes: Sequence[FailoverNote],
-    sizes: dict[str, dict[int, int]],
+    plans: dict[str, dict[int, frozenset[str]]],
     victim: str,
     before: dict[str, int],
     killed_at: float,
@@ -421,9 +425,9 @@ def _timeline(
         replan[model] = None if done is None else done.at - killed_at
         if done is None:
             continue
-        shrank = done.kind == "unavailable" or (
-            sizes.get(model, {}).get(done.plan_version or -1, 0) < devices
-        )
+        planned = plans.get(model, {}).get(done.plan_version or -1, frozenset())
+        # a victim restarted while the re-plan ran is in it: nothing to expand back onto
+        shrank = done.kind == "unavailable" or (len(planned) < devices and victim not in planned)
         if not shrank:
             whole.append(model)
             continue
@@ -463,7 +467,7 @@ def outcome_table(outcome: ChaosOutcome) -> Table:
     for model, seconds in outcome.timeline.expand_s.items():
         rows.append((f"time to expand {model} back (after the restart)", _seconds(seconds)))
     for model in outcome.timeline.kept_whole:
-        rows.append((f"{model} after the re-plan", "as many devices as before"))
+        rows.append((f"{model} after the re-plan", "nothing to expand back"))
     rows.append(("time to rejoin (after the restart)", _seconds(outcome.timeline.rejoin_s)))
     whole = "yes" if outcome.whole_again else "no"
     rows.append(("every model as wide as before or back on the agent", whole))
