@@ -36,12 +36,18 @@ from rich.progress import Progress
 from rich.table import Table
 
 from coordinator.training.lora.plan import LoraTuning
-from devtools.lora_lab import LabRun, encoder_setup, minilm_model, run_rounds, split_encoder
+from devtools.lora_lab import (
+    LabRun,
+    encoder_setup,
+    minilm_model,
+    pair_recall,
+    run_rounds,
+    split_encoder,
+)
 from protocols.lora import (
     ENCODER_DEFAULT_TARGETS,
     ENCODER_TARGETS,
     METRIC_EPSILON,
-    METRIC_RECALL_AT_1,
     LoraSettings,
     RecordDp,
 )
@@ -97,12 +103,6 @@ class ConfigRuns:
     held_out: int = 0
 
 
-def recall(results: list[tuple[float, int, dict[str, Any]]]) -> float:
-    """Held-out recall@1, weighted by each device's held-out pairs."""
-    pairs = sum(n for _, n, _ in results)
-    return sum(float(m[METRIC_RECALL_AT_1]) * n for _, n, m in results) / pairs
-
-
 def run_config(
     config: Config, onnx_path: Path, version: Path, model: Any, work: Path, args: argparse.Namespace
 ) -> list[LabRun]:
@@ -128,8 +128,8 @@ def measure(config: Config, labs: list[LabRun]) -> ConfigRuns:
     """The numbers of one configuration's runs."""
     runs = ConfigRuns(config, held_out=sum(n for _, n, _ in labs[0].baseline))
     for lab in labs:
-        runs.before.append(recall(lab.baseline))
-        runs.after.append(recall(lab.final))
+        runs.before.append(pair_recall(lab.baseline))
+        runs.after.append(pair_recall(lab.final))
         runs.round_s.append(sum(lab.seconds_per_round) / len(lab.seconds_per_round))
         eps = [float(m.get(METRIC_EPSILON, "nan")) for _, _, m in lab.rounds[-1]]
         runs.epsilon.append(max(eps))

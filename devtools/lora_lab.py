@@ -202,6 +202,14 @@ def token_mean(results: Sequence[tuple[float, int, dict[str, Any]]]) -> float:
     return sum(loss * n for loss, n in held) / sum(n for _, n in held)
 
 
+def pair_recall(results: Sequence[tuple[float, int, dict[str, Any]]]) -> float:
+    """Held-out recall@1 of an encoder's evaluations, weighted by each device's held-out pairs."""
+    from protocols.lora import METRIC_RECALL_AT_1
+
+    pairs = sum(n for _, n, _ in results)
+    return sum(float(m[METRIC_RECALL_AT_1]) * n for _, n, m in results) / pairs
+
+
 def run_rounds(
     setup: LoraSetup,
     work_dir: Path,

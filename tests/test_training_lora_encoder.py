@@ -23,10 +23,16 @@ import numpy as np
 import pytest
 
 from coordinator.training.lora.plan import LoraTuning
-from devtools.lora_lab import LabRun, encoder_setup, minilm_model, run_rounds, split_encoder
+from devtools.lora_lab import (
+    LabRun,
+    encoder_setup,
+    minilm_model,
+    pair_recall,
+    run_rounds,
+    split_encoder,
+)
 from protocols.lora import (
     METRIC_EPSILON,
-    METRIC_RECALL_AT_1,
     METRIC_TRAINED_BYTES,
     RecordDp,
 )
@@ -53,14 +59,9 @@ def lab(minilm_onnx: Path, tmp_path_factory: pytest.TempPathFactory) -> LabRun:
     return run_rounds(setup, root, ROUNDS, PER_DEVICE)
 
 
-def _recall(results: list[tuple[float, int, dict[str, float]]]) -> float:
-    pairs = sum(n for _, n, _ in results)
-    return sum(m[METRIC_RECALL_AT_1] * n for _, n, m in results) / pairs
-
-
 def test_held_out_recall_at_1_rises(lab: LabRun) -> None:
     assert all(n >= 10 for _, n, _ in lab.baseline), "every device holds pairs out"
-    before, after = _recall(lab.baseline), _recall(lab.final)
+    before, after = pair_recall(lab.baseline), pair_recall(lab.final)
     assert after > before, (before, after)
     loss_before = sum(loss * n for loss, n, _ in lab.baseline)
     assert sum(loss * n for loss, n, _ in lab.final) < loss_before
