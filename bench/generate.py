@@ -16,17 +16,19 @@ in one run:
 - llama.cpp (``--llama-cpp``): the model's own GGUF file in one process (node-llama-cpp's prebuilt
   CPU binary, ``make bench-setup``);
 - speculative decoding (prompt lookup, and with ``--draft-model`` a draft model on the
-  coordinator) against none, on the same agents (exports with trailing top-k outputs only): a
-  code-editing prompt (the answer repeats the code) and free chat, one stream and four, with the
-  acceptance rate; the greedy text with and without speculation is asserted equal.
+  coordinator: its draft-only export, ``fedshard export --draft``, and with ``--whole-head``
+  also its plain int4 export) against none, on the same agents (exports with trailing top-k
+  outputs only): a code-editing prompt (the answer repeats the code) and free chat, one stream
+  and four, with the acceptance rate; the greedy text with and without speculation is asserted
+  equal.
 
     .venv/bin/python bench/generate.py [--model gemma3-270m] [--tokens 64] [--runs 2]
     .venv/bin/python bench/generate.py --model qwen2.5-coder-1.5b --weights int4 --agents 4 \
         --memory 512MiB --no-caps --no-transformers --llama-cpp --tokens 32 --runs 1 \
         --out bench/results/generate_qwen.md
     .venv/bin/python bench/generate.py --model qwen2.5-coder-1.5b --weights int4 \
-        --draft-model qwen2.5-coder-0.5b --no-transformers --tokens 48 --runs 1 \
-        --out bench/results/generate_qwen_draft.md
+        --draft-model qwen2.5-coder-0.5b --whole-head --no-transformers --tokens 64 --runs 2 \
+        --prompt "free chat" --out bench/results/generate_qwen_draft_chat.md
 
 Prints a table and writes bench/results/generate.md (+ generate.json). Targets: one stream at
 least 0.9x the single-session ONNX Runtime decode speed; 4 streams at least 1.8x one stream's
@@ -172,20 +174,21 @@ def speculative_rows(
     model_id: str,
     tokens: int,
     runs: int,
-    draft: Path | None = None,
+    drafts: dict[str, Path] | None = None,
     prompts: tuple[str, ...] = tuple(PROMPTS),
 ) -> list[SpecRow]:
-    """Each prompt without speculation, with prompt lookup and (given ``draft``, an export
-    directory) with the draft model, side by side on one chain; the greedy texts must be equal
-    (one stream, four streams, every mode)."""
-    modes = ("off", "lookup", "draft") if draft is not None else ("off", "lookup")
+    """Each prompt without speculation, with prompt lookup and with each of ``drafts`` (draft
+    model exports by mode label, see :data:`DRAFTERS`), side by side on one chain; the greedy
+    texts must be equal (one stream, four streams, every mode)."""
+    drafts = drafts or {}
+    modes = ("off", "lookup", *drafts)
     rows = []
     for label in prompts:
         question = PROMPTS[label]
         for mode in modes:
-            body: dict[str, Any] = {"speculative": mode}
-            if mode == "draft":
-                body["draft_model"] = str(draft)
+            body: dict[str, Any] = {"speculative": mode if mode not in drafts else "draft"}
+            if mode in drafts:
+                body["draft_model"] = str(drafts[mode])
             code, reply = api.call("PUT", f"/v1/deployments/{model_id}/speculative", body)
             if code != 200:
                 raise RuntimeError(f"cannot set speculative={mode}: {code} {reply}")
@@ -280,7 +283,7 @@ def fedshard_runs(
     tokens: int,
     runs: int,
     fleet: Fleet,
-    draft: Path | None = None,
+    drafts: dict[str, Path] | None = None,
     prompts: tuple[str, ...] = tuple(PROMPTS),
 ) -> tuple[list[Run], list[Run], float, Run, list[dict[str, Any]], list[SpecRow]]:
     """Deploy across the agents; one-stream runs without speculation, each followed by a run
@@ -320,7 +323,7 @@ def fedshard_runs(
             spec: list[SpecRow] = []
             if decoder_info(export).trailing_positions is not None:
                 with console.status("speculative decoding: off vs prompt lookup (vs draft)"):
-                    spec = speculative_rows(api, model_id, tokens, runs, draft, prompts)
+                    spec = speculative_rows(api, model_id, tokens, runs, drafts, prompts)
     return single, whole, total_tps, slowest, list(placements), spec
 
 
@@ -340,15 +343,42 @@ def prepared_export(console: Console, name: str, weights: str) -> Path:
     return out
 
 
-def draft_export(console: Console, name: str) -> Path:
-    """The draft model's export directory: ``name`` itself, or the cached export of decoder
-    ``name`` in its default weights."""
+DRAFTERS = {
+    "lookup": "prompt lookup",
+    "draft": "draft model",
+    "draft, whole head": "draft model with its whole head",
+}
+"""Speculative modes by label: ``draft`` is a draft-only export (``fedshard export --draft``),
+``draft, whole head`` the same model's plain int4 export."""
+
+
+def draft_exports(console: Console, name: str, whole_head: bool) -> dict[str, Path]:
+    """The draft models to compare, by mode label: ``name`` itself (an export directory), or
+    decoder ``name``'s cached draft-only export and, with ``whole_head``, its int4 export."""
     from partitioner.decoders.precision import default_weights
 
     path = Path(name)
     if (path / "decoder.json").is_file():
-        return path.resolve()
-    return prepared_export(console, name, default_weights(name))
+        return {"draft": path.resolve()}
+    drafts = {"draft": lean_draft_export(console, name)}
+    if whole_head:
+        drafts["draft, whole head"] = prepared_export(console, name, default_weights(name))
+    return drafts
+
+
+def lean_draft_export(console: Console, name: str) -> Path:
+    """Decoder ``name``'s draft-only export under the cache (``fedshard export --draft``,
+    once)."""
+    from partitioner.decoders.draft_head import DRAFT_VOCABULARY
+    from partitioner.decoders.progress import RichSteps
+    from partitioner.frontdoor import export_decoder as export_model
+
+    out = CACHE / "exports" / f"{name}-draft"
+    if not (out / "decoder.json").is_file():
+        export_model(
+            name, out, cache_dir=CACHE, steps=RichSteps(console), draft_vocabulary=DRAFT_VOCABULARY
+        )
+    return out
 
 
 def gguf_file(name: str) -> Path:
@@ -377,7 +407,13 @@ def main() -> int:
     parser.add_argument(
         "--draft-model",
         help="also speculate with this draft model: an export directory or a decoder name "
-        "(exported in its default weights once)",
+        "(its draft-only export, made once)",
+    )
+    parser.add_argument(
+        "--whole-head",
+        action="store_true",
+        help="with a decoder name for --draft-model: also speculate with its plain int4 export "
+        "(the whole output head), side by side",
     )
     parser.add_argument(
         "--prompt",
@@ -389,7 +425,7 @@ def main() -> int:
     os.environ.setdefault("HF_HUB_OFFLINE", "1")
     console = Console()
     export = args.export or prepared_export(console, args.model, args.weights)
-    draft = draft_export(console, args.draft_model) if args.draft_model else None
+    drafts = draft_exports(console, args.draft_model, args.whole_head) if args.draft_model else {}
     ids = prompt_ids(export)
     fleet = Fleet(args.agents, args.memory, not args.no_caps)
     single, whole, total_tps, slowest, placements, spec = fedshard_runs(
@@ -400,7 +436,7 @@ def main() -> int:
         args.tokens,
         args.runs,
         fleet,
-        draft,
+        drafts,
         tuple(args.prompt or PROMPTS),
     )
     one = statistics.median(r.decode_tps for r in single)
@@ -514,10 +550,9 @@ def report(
     ]
     if "vs_llama" in ratios:
         headlines.append({"name": f"{label}: 1 stream vs llama.cpp", "value": ratios["vs_llama"]})
-    drafter = {"lookup": "prompt lookup", "draft": "draft model"}
     for (prompt, mode, streams), value in spec_speedups(spec).items():
         headline: dict[str, Any] = {
-            "name": f"{label}: {drafter[mode]} vs none, {prompt}, {STREAMS[streams]}",
+            "name": f"{label}: {DRAFTERS[mode]} vs none, {prompt}, {STREAMS[streams]}",
             "value": value,
         }
         target = {("lookup", "code editing"): 1.5, ("draft", "free chat"): 1.3}.get((mode, prompt))

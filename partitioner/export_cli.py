@@ -11,6 +11,7 @@ from partitioner.cli_args import EXIT_BAD_INPUT, human_size, positive_int
 
 def register_export(subparsers: Any) -> None:
     """Add the ``export`` subcommand to an argparse subparsers object."""
+    from partitioner.decoders.draft_head import DRAFT_BLOCK_SIZE, DRAFT_VOCABULARY
     from partitioner.decoders.sources import DECODER_NAMES
     from partitioner.decoders.weights import WEIGHTS
     from partitioner.frontdoor import FRONT_DOORS
@@ -56,6 +57,17 @@ def register_export(subparsers: Any) -> None:
         action="store_true",
         help="decoders: skip scoring the precision against float32",
     )
+    export.add_argument(
+        "--draft",
+        type=positive_int,
+        nargs="?",
+        const=DRAFT_VOCABULARY,
+        default=None,
+        metavar="TOKENS",
+        help="decoders: a draft-only export for speculative decoding (int4 in blocks of "
+        f"{DRAFT_BLOCK_SIZE}, the output head cut to the TOKENS most frequent tokens, "
+        f"{DRAFT_VOCABULARY} when not given, plus the special ones); never served",
+    )
     export.set_defaults(run=run_export)
 
 
@@ -80,6 +92,8 @@ def run_export(args: argparse.Namespace) -> int:
             options["weights"] = args.weights
         if args.no_score:
             options["score"] = False
+        if args.draft is not None:
+            options["draft_vocabulary"] = args.draft
     try:
         result = FRONT_DOORS[args.name](args.out, **options)
     except (GraphError, OSError) as exc:

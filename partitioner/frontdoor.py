@@ -174,9 +174,14 @@ def export_decoder(
     steps: Steps | None = None,
     weights: Weights | None = None,
     score: bool = True,
+    draft_vocabulary: int | None = None,
 ) -> ExportResult:
     """Export decoder ``name`` to the directory ``out_dir`` (``model.onnx``, ``decoder.json``,
     tokenizer files); ``result.path`` is the ``model.onnx`` file.
+
+    ``draft_vocabulary`` makes a draft-only export instead (a draft model for speculative
+    decoding, never served: :mod:`partitioner.decoders.draft_head`), its output head cut to that
+    many tokens; ``weights`` and ``score`` do not apply to it.
 
     ``weights`` (default: the model's, :func:`partitioner.decoders.precision.default_weights`)
     stores the weights in fp32, fp16, int8 or int4 with ONNX Runtime's tools: the float32
@@ -194,6 +199,8 @@ def export_decoder(
     steps = steps or Steps()
     cache = cache_dir or default_cache_dir(None)
     weights = weights or default_weights(name)
+    if draft_vocabulary is not None:
+        return _draft_decoder(name, out_dir, top_k, cache, steps, draft_vocabulary)
     if weights != "fp32":
         return _quantized_decoder(name, out_dir, top_k, cache, steps, weights, score)
     from partitioner.decoders.export import export_decoder as export_source
@@ -222,6 +229,19 @@ def _quantized_decoder(
     outputs = ("top_logits", "top_ids", *_state_outputs(out_dir))
     diff = float((fp32 / _TORCH_DIFF_FILE).read_text())
     return ExportResult(out_dir / "model.onnx", outputs, diff, report.weight_bytes, report, quality)
+
+
+def _draft_decoder(
+    name: str, out_dir: Path, top_k: int, cache: Path, steps: Steps, vocabulary: int
+) -> ExportResult:
+    """The float32 export (cached), written to ``out_dir`` as a draft-only export."""
+    from partitioner.decoders.draft_head import write_draft_decoder
+
+    fp32 = float32_export(name, cache, top_k, steps)
+    report = write_draft_decoder(fp32, out_dir, vocabulary=vocabulary, steps=steps)
+    outputs = ("top_logits", "top_ids", *_state_outputs(out_dir))
+    diff = float((fp32 / _TORCH_DIFF_FILE).read_text())
+    return ExportResult(out_dir / "model.onnx", outputs, diff, report.weight_bytes, report)
 
 
 def float32_export(name: str, cache: Path, top_k: int = 64, steps: Steps | None = None) -> Path:

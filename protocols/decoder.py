@@ -117,6 +117,10 @@ class DecoderInfo(FrozenModel):
     verifying k drafted tokens in one pass would then not give the tokens one-at-a-time
     decoding gives, so speculative decoding is off."""
 
+    draft_vocabulary: PositiveInt | None = None
+    """Set on a draft-only export (``fedshard export --draft``): its output head scores only
+    this many of the ``vocab_size`` tokens, so it may propose drafts but must not be served."""
+
     @property
     def kv_bytes_per_token(self) -> int:
         """Bytes of key/value cache one token adds across all layers (float32)."""

@@ -198,6 +198,67 @@ def test_another_draft_model_keeps_the_greedy_text(
     assert verifier.rewinds > 0  # drafts were rejected and cut back
 
 
+@pytest.fixture(scope="module")
+def lean_llama(tiny_llama_dir: Path, tmp_path_factory: pytest.TempPathFactory) -> Path:
+    """tiny-llama's draft-only export (``fedshard export --draft``), its head cut to half of
+    its vocabulary."""
+    from partitioner.frontdoor import export_decoder
+
+    base = tmp_path_factory.mktemp("lean-llama")
+    vocabulary = _info(tiny_llama_dir).vocab_size // 2
+    export_decoder(
+        "tiny-llama", base / "draft", cache_dir=base / "cache", draft_vocabulary=vocabulary
+    )
+    return base / "draft"
+
+
+class RecordingStream:
+    """A draft stream that keeps every token it proposed."""
+
+    blocking = True
+
+    def __init__(self, stream: DraftStream) -> None:
+        self.stream = stream
+        self.proposed: list[int] = []
+
+    def prepare(self, tokens: Sequence[int]) -> None:
+        self.stream.prepare(tokens)
+
+    def propose(self, tokens: Sequence[int], count: int) -> list[int]:
+        drafts = self.stream.propose(tokens, count)
+        self.proposed.extend(drafts)
+        return drafts
+
+
+def test_a_draft_only_export_drafts_kept_tokens_and_keeps_the_greedy_text(
+    tiny_llama_dir: Path, lean_llama: Path, plain_text: tuple[str, int]
+) -> None:
+    from partitioner.decoders.draft_head import kept_ids, special_ids
+    from partitioner.decoders.precision import model_scheme
+
+    info = _info(lean_llama)
+    half = _info(tiny_llama_dir).vocab_size // 2
+    kept = kept_ids(info.vocab_size, special_ids(lean_llama, info), half)
+    assert info.draft_vocabulary == len(kept) < info.vocab_size
+    assert info.weights == "int4"
+    assert "block 128" in (model_scheme(lean_llama / "model.onnx") or "")
+    draft = DraftModel(lean_llama, tiny_llama_dir)
+    recording = RecordingStream(draft.stream(0.0))
+    model = _model(LocalVerifier(WholeModel(tiny_llama_dir)), tiny_llama_dir, lambda: recording)
+    assert _generate(model, _prompt(tiny_llama_dir)) == plain_text
+    assert len(recording.proposed) >= TOKENS // 2
+    assert set(recording.proposed) <= set(kept)
+
+
+def test_a_draft_only_export_is_not_deployed(tiny_llama_dir: Path, lean_llama: Path) -> None:
+    from coordinator.deploy.cutting import refuse_draft_only
+    from coordinator.errors import DeployError
+
+    with pytest.raises(DeployError, match="draft-only export"):
+        refuse_draft_only(lean_llama / "model.onnx")
+    refuse_draft_only(tiny_llama_dir / "model.onnx")
+
+
 def _kv_of(stream: DraftStream) -> list[np.ndarray]:
     return [kv.copy() for kv in stream._past]
 

@@ -25,6 +25,7 @@ from coordinator.deploy.limits import (
 from coordinator.deploy.stage_timing import CALIBRATION_RUNS, calibrates_at_deploy
 from coordinator.errors import DeployError, NoFitError
 from partitioner.baselines import Baseline
+from protocols.decoder import DECODER_FILE, DecoderInfo
 from protocols.deploy import ShapeLimits
 from protocols.errors import SchemaError
 from protocols.manifest import Manifest
@@ -241,3 +242,22 @@ def baseline_planner(baseline: Baseline) -> Callable[[PlanningProblem, Objective
         return result.plan
 
     return choose
+
+
+def refuse_draft_only(model_path: Path) -> None:
+    """:class:`DeployError` when ``model_path`` belongs to a draft-only decoder export
+    (``fedshard export --draft``: its head scores only some tokens, so it may draft for a
+    served model but would generate wrong text itself)."""
+    info_file = model_path.parent / DECODER_FILE
+    if not info_file.is_file():
+        return
+    try:
+        info = DecoderInfo.from_json(info_file.read_bytes())
+    except SchemaError as exc:
+        raise DeployError(f"cannot read {info_file}: {exc}") from exc
+    if info.draft_vocabulary is not None:
+        raise DeployError(
+            f"{model_path.parent} is a draft-only export (its output head scores "
+            f"{info.draft_vocabulary} of {info.vocab_size} tokens): use it as a deployment's "
+            "draft_model, and deploy the full export"
+        )

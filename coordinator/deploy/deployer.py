@@ -22,6 +22,7 @@ from coordinator.deploy.cutting import (
     Arrays,
     DeployCommand,
     SplitOutcome,
+    refuse_draft_only,
     split_and_run,
     version_outcome,
 )
@@ -93,6 +94,7 @@ class Deployer:
         """The whole deployment; raises DeployError (the live version keeps serving)."""
         if not command.model_path.is_file():
             raise DeployError(f"no model file at {command.model_path}")
+        refuse_draft_only(command.model_path)
         with self._lock:
             plan_version = self._store.reserve_plan_version()
             out = self.segment_dir(command.model_id, plan_version)

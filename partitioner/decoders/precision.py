@@ -76,9 +76,32 @@ CPU with VNNI; 7-bit weights score 20.85 and 87.5% on the AVX2-only one (u8u8 we
 and 82.8%)."""
 SCHEME_METADATA_KEY = "fedshard.weights.scheme"
 """Metadata key naming how a quantized decoder's weights were stored (see :data:`SCHEMES`)."""
+
+
+@dataclass(frozen=True)
+class Int4Layout:
+    """How int4 weights are stored: the served models' layout by default."""
+
+    block_size: int = BLOCK_SIZE
+    """Weights per scale and zero point."""
+    two_rows: bool = True
+    """Whether the float products run on two rows or more, so that every row decodes alike in
+    a pass of any size (:func:`~partitioner.decoders.rowwise.two_row_products`; a draft model,
+    whose proposals the served model checks, does without)."""
+
+    @property
+    def scheme(self) -> str:
+        """Its :data:`SCHEMES` entry."""
+        rows = ", two-row products" if self.two_rows else ""
+        return f"MatMulNBits block {self.block_size}, accuracy_level {ACCURACY_LEVEL}{rows}"
+
+
+SERVED_INT4 = Int4Layout()
+
+
 SCHEMES: dict[Weights, str] = {
     "int8": "quantize_dynamic per-channel s8, 7-bit range, per-row activations, two-row products",
-    "int4": f"MatMulNBits block {BLOCK_SIZE}, accuracy_level {ACCURACY_LEVEL}, two-row products",
+    "int4": SERVED_INT4.scheme,
 }
 """The current storage scheme of each quantized precision: an export recorded under another
 (or none: made before the scheme was recorded) is out of date and made again by the demo."""
@@ -148,11 +171,14 @@ def model_weights(model: onnx.ModelProto) -> Weights:
     return "fp32"
 
 
-def quantize_model(model: onnx.ModelProto, weights: Weights) -> onnx.ModelProto:
+def quantize_model(
+    model: onnx.ModelProto, weights: Weights, layout: Int4Layout = SERVED_INT4
+) -> onnx.ModelProto:
     """``model`` (float32, weights loaded) with its weights stored in ``weights``.
 
     The graph's inputs, outputs and metadata are kept; the result's metadata records the
-    precision. ``model`` itself may be modified.
+    precision. ``layout``: how int4 is stored (a draft model's differs, see
+    :mod:`partitioner.decoders.draft_head`). ``model`` itself may be modified.
     """
     weights = parse_weights(weights)
     metadata = _float_metadata(model)
@@ -162,11 +188,13 @@ def quantize_model(model: onnx.ModelProto, weights: Weights) -> onnx.ModelProto:
         elif weights == "int8":
             result = _per_row_int8(_dynamic_int8(fold_weight_transposes(model)))
         elif weights == "int4":
-            result = _nbits(fold_weight_transposes(model), 4, ("MatMul", "Gather"))
-            result = two_row_products(result)
+            ops = ("MatMul", "Gather")
+            result = _nbits(fold_weight_transposes(model), 4, ops, layout.block_size)
+            result = two_row_products(result) if layout.two_rows else result
         else:
             result = model
-    return _record_precision(result, metadata, weights)
+    scheme = layout.scheme if weights == "int4" else SCHEMES.get(weights)
+    return _record_precision(result, metadata, weights, scheme)
 
 
 def _float_metadata(model: onnx.ModelProto) -> list[tuple[str, str]]:
@@ -177,15 +205,19 @@ def _float_metadata(model: onnx.ModelProto) -> list[tuple[str, str]]:
 
 
 def _record_precision(
-    result: onnx.ModelProto, metadata: list[tuple[str, str]], weights: Weights
+    result: onnx.ModelProto,
+    metadata: list[tuple[str, str]],
+    weights: Weights,
+    scheme: str | None,
 ) -> onnx.ModelProto:
-    """``result`` with the source's ``metadata`` and the precision it was stored in."""
+    """``result`` with the source's ``metadata``, the precision it was stored in and how
+    (``scheme``, :data:`SCHEMES`)."""
     metadata = [
         (k, stored_info_json(v, weights) if k == DECODER_METADATA_KEY else v) for k, v in metadata
     ]
     del result.metadata_props[:]
-    scheme = [(SCHEME_METADATA_KEY, SCHEMES[weights])] if weights in SCHEMES else []
-    for key, value in [*metadata, (WEIGHTS_METADATA_KEY, weights), *scheme]:
+    schemes = [(SCHEME_METADATA_KEY, scheme)] if scheme is not None else []
+    for key, value in [*metadata, (WEIGHTS_METADATA_KEY, weights), *schemes]:
         entry = result.metadata_props.add()
         entry.key, entry.value = key, value
     return result
@@ -228,9 +260,15 @@ def report(source: onnx.ModelProto, converted: onnx.ModelProto) -> Report:
 
 
 def quantize_decoder(
-    src_dir: Path, dst_dir: Path, weights: Weights, *, steps: Steps | None = None
+    src_dir: Path,
+    dst_dir: Path,
+    weights: Weights,
+    *,
+    steps: Steps | None = None,
+    layout: Int4Layout = SERVED_INT4,
 ) -> Report:
-    """Write the decoder export in ``src_dir`` to ``dst_dir`` with its weights in ``weights``.
+    """Write the decoder export in ``src_dir`` to ``dst_dir`` with its weights in ``weights``
+    (int4 stored in ``layout``).
 
     Every file but the model is copied (``decoder.json``, tokenizer files); the model is
     loaded with its external data, converted by :func:`quantize_model` and saved (weights to
@@ -260,7 +298,7 @@ def quantize_decoder(
             model = onnx.load(str(src_model), load_external_data=True)
         source = _shapes_only(model)
         with steps.step(f"storing the weights in {weights}"):
-            converted = quantize_model(model, weights)
+            converted = quantize_model(model, weights, layout)
     done = report(source, converted)
     with steps.step(f"writing {dst_dir / MODEL_FILE}"):
         save_model(converted, dst_dir / MODEL_FILE)
@@ -316,13 +354,15 @@ def fold_weight_transposes(model: onnx.ModelProto) -> onnx.ModelProto:
     return model
 
 
-def _nbits(model: onnx.ModelProto, bits: int, ops: tuple[str, ...]) -> onnx.ModelProto:
+def _nbits(
+    model: onnx.ModelProto, bits: int, ops: tuple[str, ...], block_size: int
+) -> onnx.ModelProto:
     from onnxruntime.quantization.matmul_nbits_quantizer import MatMulNBitsQuantizer
 
     quantizer = MatMulNBitsQuantizer(
         model,
         bits=bits,
-        block_size=BLOCK_SIZE,
+        block_size=block_size,
         is_symmetric=False,
         accuracy_level=ACCURACY_LEVEL,
         op_types_to_quantize=ops,
@@ -351,7 +391,7 @@ def per_pass_int8(model: onnx.ModelProto) -> onnx.ModelProto:
     metadata = _float_metadata(model)
     with _quiet_quantizer():
         result = _dynamic_int8(fold_weight_transposes(model))
-    return _record_precision(result, metadata, "int8")
+    return _record_precision(result, metadata, "int8", SCHEMES["int8"])
 
 
 def _per_row_int8(model: onnx.ModelProto) -> onnx.ModelProto:
@@ -372,7 +412,7 @@ def _int8_from_file(src_model: Path) -> tuple[onnx.ModelProto, onnx.ModelProto]:
         with _quiet_quantizer():
             _quantize_dynamic_file(folded, out)
         converted = _per_row_int8(onnx.load(str(out), load_external_data=True))
-    return source, _record_precision(converted, metadata, "int8")
+    return source, _record_precision(converted, metadata, "int8", SCHEMES["int8"])
 
 
 def _folded_copy(src_model: Path, out: Path) -> tuple[onnx.ModelProto, list[tuple[str, str]]]:
