@@ -164,6 +164,9 @@ class SpecRow:
     prompt: str
     mode: str
     one_tps: float
+    """The median of ``one_runs``."""
+    one_runs: tuple[float, ...]
+    """Each one-stream run's decode tokens/s, in order."""
     four_tps: float
     acceptance: float | None
     text: str
@@ -201,7 +204,8 @@ def speculative_rows(
                 raise AssertionError(f"{label}, {mode}: greedy streams differ: {texts}")
             one = statistics.median(r.decode_tps for r in single)
             rate = accepted / drafted if drafted else None
-            rows.append(SpecRow(label, mode, one, four, rate, texts.pop()))
+            runs_tps = tuple(r.decode_tps for r in single)
+            rows.append(SpecRow(label, mode, one, runs_tps, four, rate, texts.pop()))
         if len({row.text for row in rows[-len(modes) :]}) != 1:
             raise AssertionError(f"{label}: speculation changed the greedy text")
     return rows
@@ -591,7 +595,12 @@ def spec_speedups(spec: list[SpecRow]) -> dict[tuple[str, str, str], float]:
 def speculative_lines(console: Console, spec: list[SpecRow]) -> list[str]:
     """The speculative table (printed) as markdown lines."""
     table = Table(title="speculative decoding, 3 agents: greedy text identical in every row pair")
-    heads = ("prompt", "speculative", "1 stream decode tokens/s", "4 streams total tokens/s")
+    heads = (
+        "prompt",
+        "speculative",
+        "1 stream decode tokens/s (each run)",
+        "4 streams total tokens/s",
+    )
     for column in (*heads, "accepted drafts", "speedup 1 / 4 streams"):
         table.add_column(column)
     speedups = spec_speedups(spec)
@@ -609,7 +618,9 @@ def speculative_lines(console: Console, spec: list[SpecRow]) -> list[str]:
             if row.mode != "off"
             else "–"
         )
-        cells = (row.prompt, row.mode, f"{row.one_tps:.1f}", f"{row.four_tps:.1f}", rate, gain)
+        each = ", ".join(f"{tps:.1f}" for tps in row.one_runs)
+        one = f"{row.one_tps:.1f} ({each})" if len(row.one_runs) > 1 else f"{row.one_tps:.1f}"
+        cells = (row.prompt, row.mode, one, f"{row.four_tps:.1f}", rate, gain)
         table.add_row(*cells)
         lines.append(f"| {' | '.join(cells)} |")
     console.print(table)

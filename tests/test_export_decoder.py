@@ -255,6 +255,11 @@ def test_cli_passes_top_k_and_the_cache_dir_from_the_environment(
         ("out", 8, tmp_path / "env-cache"),
         ("o2", 64, tmp_path / "c"),
     ]
+    assert all("draft_vocabulary" not in c for c in calls)
+    for extra, vocabulary in (["--draft"], 32768), (["--draft", "1000"], 1000):
+        args = parser.parse_args(["export", "tiny-llama", str(tmp_path / "d"), *extra])
+        assert args.run(args) == 0
+        assert calls[-1]["draft_vocabulary"] == vocabulary
 
 
 @pytest.fixture(scope="module")

@@ -100,3 +100,17 @@ def test_a_pass_that_drafted_nothing_times_a_plain_step() -> None:
     assert throughput.plain == pytest.approx(1.7)
     throughput.record_pass(5, 3.7)
     assert throughput.position == pytest.approx(0.5)
+
+
+def test_a_generation_after_a_busy_spell_times_its_own_drafts() -> None:
+    throughput = Throughput()
+    busy = DraftLength(7, throughput, "draft")
+    _passes(busy, 30, 0.8, Costs(plain=1.0, position=0.05, draft=2.0))  # drafts cost 2 steps
+    costs = throughput.costs("draft")
+    assert costs is not None and costs.draft > 1.5
+    assert best_length(0.8, costs, 7) == 0  # the deployment's estimate says: do not draft
+    quiet = Costs(plain=1.0, position=0.05, draft=0.05)
+    alone = DraftLength(7, throughput, "draft")
+    chosen = _passes(alone, 12, 0.8, quiet)
+    assert chosen[:2] != [0, 0]  # it starts with a probe
+    assert chosen[2:].count(0) <= 1  # and, having timed its own drafts, keeps drafting

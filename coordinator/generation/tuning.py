@@ -10,8 +10,12 @@ second; ``k = 0`` (one token per ``plain``) wins whenever drafting does not pay.
 The times are running averages per deployment (:class:`Throughput`: what load does to a pass
 is the same for every generation), the draft time and a starting acceptance rate per drafter
 kind; each generation tracks its own acceptance rate (:class:`DraftLength`: it depends on the
-text). So the estimates stay fresh, a generation that steps plainly probes a draft now and
-then (less often while probes keep losing) and one that drafts takes a plain step now and then.
+text) and, once it has timed a draft of its own, its own drafting time: a draft is timed only
+while drafting, so the deployment's figure may date from a busier spell (four streams drafting
+at once on the same cores) and would otherwise keep a lone stream from ever drafting. So the
+estimates stay fresh, every generation starts with a probe (a draft whatever the estimates
+say), one that steps plainly probes a draft now and then (less often while probes keep losing)
+and one that drafts takes a plain step now and then.
 """
 
 from __future__ import annotations
@@ -117,12 +121,12 @@ class DraftLength:
     """One generation's draft lengths (see the module docstring).
 
     A generation steps plainly until a plain step is timed; then every pass drafts
-    :func:`best_length` tokens, with two exceptions that keep the estimates fresh: after
-    ``probe`` plain passes in a row it drafts anyway for ``PROBE_PASSES`` passes (the best
-    ``k >= 1``; the first drafting pass after plain steps is not timed, since a draft model
-    then catches up on the text it skipped; each probe after which plain steps still win
+    :func:`best_length` tokens, with two exceptions that keep the estimates fresh: at its start
+    and after ``probe`` plain passes in a row it drafts anyway for ``PROBE_PASSES`` passes (the
+    best ``k >= 1``; the first drafting pass after plain steps is not timed, since a draft
+    model then catches up on the text it skipped; each probe after which plain steps still win
     doubles the wait, up to ``max_probe``), and after ``refresh`` drafting passes in a row it
-    steps plainly once.
+    steps plainly once. Its drafting time is its own once it has timed one.
     """
 
     PROBE_PASSES = 2
@@ -148,12 +152,14 @@ class DraftLength:
         self._refresh = refresh
         self._plain_run = 0
         self._draft_run = 0
-        self._probing = 0
+        self._probing = self.PROBE_PASSES
+        self._draft: float | None = None
+        """This generation's drafting time per token (None until it timed a draft)."""
 
     @property
     def k(self) -> int:
         """The draft length of the next pass (0: a plain step)."""
-        costs = self.throughput.costs(self.kind)
+        costs = self._costs()
         if costs is None or self.limit == 0:
             return 0
         if self._probing > 0:
@@ -179,6 +185,8 @@ class DraftLength:
                 self._probing = self.PROBE_PASSES
             return
         self.throughput.record_draft(self.kind, drafted, accepted, draft_s)
+        if draft_s is not None:
+            self._draft = _average(self._draft, max(draft_s, 0.0) / drafted)
         self.rate = _average(self.rate, _acceptance(drafted, accepted))
         self._plain_run = 0
         self._draft_run += 1
@@ -187,9 +195,17 @@ class DraftLength:
             if self._probing == 0:
                 self._back_off()
 
+    def _costs(self) -> Costs | None:
+        """The deployment's measured costs, with this generation's own drafting time once it
+        has one."""
+        costs = self.throughput.costs(self.kind)
+        if costs is None or self._draft is None:
+            return costs
+        return Costs(costs.plain, costs.position, self._draft)
+
     def _back_off(self) -> None:
         """After a probe: wait longer for the next one if plain steps still win."""
-        costs = self.throughput.costs(self.kind)
+        costs = self._costs()
         if costs is not None and best_length(self.rate, costs, self.limit) == 0:
             self.probe = min(2 * self.probe, self._max_probe)
         else:
