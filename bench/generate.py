@@ -373,8 +373,8 @@ def draft_exports(console: Console, name: str, whole_head: bool) -> dict[str, Pa
 def lean_draft_export(console: Console, name: str) -> Path:
     """Decoder ``name``'s draft-only export under the cache (``fedshard export --draft``,
     once)."""
-    from partitioner.decoders.draft_head import DRAFT_VOCABULARY
     from partitioner.decoders.progress import RichSteps
+    from partitioner.decoders.weights import DRAFT_VOCABULARY
     from partitioner.frontdoor import export_decoder as export_model
 
     out = CACHE / "exports" / f"{name}-draft"

@@ -11,9 +11,8 @@ from partitioner.cli_args import EXIT_BAD_INPUT, human_size, positive_int
 
 def register_export(subparsers: Any) -> None:
     """Add the ``export`` subcommand to an argparse subparsers object."""
-    from partitioner.decoders.draft_head import DRAFT_BLOCK_SIZE, DRAFT_VOCABULARY
     from partitioner.decoders.sources import DECODER_NAMES
-    from partitioner.decoders.weights import WEIGHTS
+    from partitioner.decoders.weights import DRAFT_BLOCK_SIZE, DRAFT_VOCABULARY, WEIGHTS
     from partitioner.frontdoor import FRONT_DOORS
 
     export = subparsers.add_parser(

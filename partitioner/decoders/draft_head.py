@@ -41,13 +41,10 @@ from partitioner.decoders.precision import (
     quantize_decoder,
 )
 from partitioner.decoders.progress import Steps
+from partitioner.decoders.weights import DRAFT_BLOCK_SIZE, DRAFT_VOCABULARY
 from partitioner.errors import GraphError
 from protocols.decoder import DECODER_FILE, DECODER_METADATA_KEY, MODEL_FILE, DecoderInfo
 
-DRAFT_VOCABULARY = 32768
-"""Tokens a draft head scores by default (the most frequent; special tokens come on top)."""
-DRAFT_BLOCK_SIZE = 128
-"""int4 weights per scale and zero point in a draft export."""
 DRAFT_INT4 = Int4Layout(block_size=DRAFT_BLOCK_SIZE, two_rows=False)
 """How a draft export stores its weights: coarser blocks, and the float products on the rows
 there are (the served models pad them to two rows so that a row decodes alike alone and in a
