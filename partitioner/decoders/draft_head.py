@@ -38,7 +38,7 @@ from partitioner.decoders.precision import (
     SCHEME_METADATA_KEY,
     Int4Layout,
     Report,
-    quantize_decoder,
+    converted_decoder,
 )
 from partitioner.decoders.progress import Steps
 from partitioner.decoders.weights import DRAFT_BLOCK_SIZE, DRAFT_VOCABULARY
@@ -75,11 +75,11 @@ def lean_head(model: onnx.ModelProto, keep: Sequence[int]) -> onnx.ModelProto:
     topks = [n for n in graph.node if n.op_type == "TopK"]
     if not topks:
         raise GraphError("the graph has no TopK: not a decoder export")
-    heads = {_head_of(graph, n).name for n in topks}
-    if len(heads) != 1:
-        raise GraphError(f"the TopKs rank {len(heads)} different heads, not one")
-    head = _head_of(graph, topks[0])
-    _cut_head(graph, head, np.asarray(keep, dtype=np.int64))
+    producers = {out: node for node in graph.node for out in node.output}
+    heads = [_head_of(producers, n) for n in topks]
+    if len({head.name for head in heads}) != 1:
+        raise GraphError(f"the TopKs rank {len({h.name for h in heads})} different heads, not one")
+    _cut_head(graph, heads[0], np.asarray(keep, dtype=np.int64))
     graph.initializer.append(numpy_helper.from_array(np.asarray(keep, np.int64), VOCABULARY_IDS))
     for topk in topks:
         ids, local = topk.output[1], f"{topk.output[1]}_in_draft_vocabulary"
@@ -90,9 +90,9 @@ def lean_head(model: onnx.ModelProto, keep: Sequence[int]) -> onnx.ModelProto:
     return model
 
 
-def _head_of(graph: onnx.GraphProto, topk: onnx.NodeProto) -> onnx.NodeProto:
-    """The node producing the scores ``topk`` ranks, through shape-only operators."""
-    producers = {out: node for node in graph.node for out in node.output}
+def _head_of(producers: dict[str, onnx.NodeProto], topk: onnx.NodeProto) -> onnx.NodeProto:
+    """The node producing the scores ``topk`` ranks (``producers``: each node by its outputs),
+    through shape-only operators."""
     node = producers.get(topk.input[0])
     while node is not None and node.op_type in _WALK_OPS:
         node = producers.get(node.input[0])
@@ -147,24 +147,28 @@ def write_draft_decoder(
 ) -> Report:
     """Write the float32 decoder export in ``src_dir`` to ``dst_dir`` as a draft-only export:
     int4 in blocks of :data:`DRAFT_BLOCK_SIZE`, the head cut to ``vocabulary`` tokens
-    (:func:`lean_head`), ``decoder.json``'s ``draft_vocabulary`` set (so it is not served)."""
+    (:func:`lean_head`), ``decoder.json``'s ``draft_vocabulary`` set (so it is not served).
+    Rows are not probed as the served exports' are (a draft needs no row exactness), and
+    ``rows_independent`` says none is promised."""
     from partitioner.modelio import initializer_bytes, save_model
 
     steps = steps or Steps()
-    report = quantize_decoder(src_dir, dst_dir, "int4", steps=steps, layout=DRAFT_INT4)
+    report, model = converted_decoder(src_dir, dst_dir, "int4", steps=steps, layout=DRAFT_INT4)
     info_file, model_file = dst_dir / DECODER_FILE, dst_dir / MODEL_FILE
     info = DecoderInfo.from_json(info_file.read_bytes())
     keep = kept_ids(info.vocab_size, special_ids(dst_dir, info), vocabulary)
     with steps.step(f"cutting the output head to {len(keep)} of {info.vocab_size} tokens"):
-        model = lean_head(onnx.load(str(model_file), load_external_data=True), keep)
-        info = info.model_copy(update={"draft_vocabulary": len(keep)})
-        for prop in model.metadata_props:
-            if prop.key == DECODER_METADATA_KEY:
-                prop.value = info.to_json()
-            elif prop.key == SCHEME_METADATA_KEY:
-                prop.value = draft_scheme(len(keep))
+        model = lean_head(model, keep)
+    # unprobed, and without the two-row products a row may differ alone and in a pass
+    info = info.model_copy(update={"draft_vocabulary": len(keep), "rows_independent": False})
+    for prop in model.metadata_props:
+        if prop.key == DECODER_METADATA_KEY:
+            prop.value = info.to_json()
+        elif prop.key == SCHEME_METADATA_KEY:
+            prop.value = draft_scheme(len(keep))
+    with steps.step(f"writing {model_file}"):
         save_model(model, model_file)
-        info_file.write_text(info.to_json() + "\n")
+    info_file.write_text(info.to_json() + "\n")
     return replace(report, weight_bytes=initializer_bytes(model))
 
 

@@ -265,10 +265,8 @@ def quantize_decoder(
     weights: Weights,
     *,
     steps: Steps | None = None,
-    layout: Int4Layout = SERVED_INT4,
 ) -> Report:
-    """Write the decoder export in ``src_dir`` to ``dst_dir`` with its weights in ``weights``
-    (int4 stored in ``layout``).
+    """Write the decoder export in ``src_dir`` to ``dst_dir`` with its weights in ``weights``.
 
     Every file but the model is copied (``decoder.json``, tokenizer files); the model is
     loaded with its external data, converted by :func:`quantize_model` and saved (weights to
@@ -276,8 +274,31 @@ def quantize_decoder(
     """
     from partitioner.modelio import save_model
 
-    weights = parse_weights(weights)
     steps = steps or Steps()
+    done, converted = converted_decoder(src_dir, dst_dir, weights, steps=steps)
+    with steps.step(f"writing {dst_dir / MODEL_FILE}"):
+        save_model(converted, dst_dir / MODEL_FILE)
+    if parse_weights(weights) in ROW_PROBED and (dst_dir / DECODER_FILE).is_file():
+        with steps.step("checking that a token decodes alike alone and in a verify pass"):
+            alike = rows_decode_alike(dst_dir)
+        if not alike:
+            mark_rows_coupled(dst_dir)
+    return done
+
+
+def converted_decoder(
+    src_dir: Path,
+    dst_dir: Path,
+    weights: Weights,
+    *,
+    steps: Steps,
+    layout: Int4Layout = SERVED_INT4,
+) -> tuple[Report, onnx.ModelProto]:
+    """What :func:`quantize_decoder` writes, but the model: the files beside it are copied to
+    ``dst_dir`` (``decoder.json`` with the precision recorded), and the model converted to
+    ``weights`` (int4 stored in ``layout``) is returned with its report, for the caller to
+    finish and save."""
+    weights = parse_weights(weights)
     src_model = src_dir / MODEL_FILE
     if not src_model.is_file():
         raise GraphError(f"{src_dir}: no {MODEL_FILE} (not a decoder export)")
@@ -299,15 +320,7 @@ def quantize_decoder(
         source = _shapes_only(model)
         with steps.step(f"storing the weights in {weights}"):
             converted = quantize_model(model, weights, layout)
-    done = report(source, converted)
-    with steps.step(f"writing {dst_dir / MODEL_FILE}"):
-        save_model(converted, dst_dir / MODEL_FILE)
-    if weights in ROW_PROBED and info_file.is_file():
-        with steps.step("checking that a token decodes alike alone and in a verify pass"):
-            alike = rows_decode_alike(dst_dir)
-        if not alike:
-            mark_rows_coupled(dst_dir)
-    return done
+    return report(source, converted), converted
 
 
 def _shapes_only(model: onnx.ModelProto) -> onnx.ModelProto:
