@@ -368,22 +368,30 @@ def _plan_devices(api: Api) -> dict[str, dict[int, frozenset[str]]]:
 def _active_sizes(api: Api, models: Sequence[str], using: str | None = None) -> dict[str, int]:
     """How many devices each model's active version uses now (only those using device
     ``using``, when given: the models that losing it affects)."""
-    sizes = {}
+    return {
+        model: len(devices)
+        for model, devices in _active_devices(api, models).items()
+        if using is None or using in devices
+    }
+
+
+def _active_devices(api: Api, models: Sequence[str]) -> dict[str, list[str]]:
+    """Each model's active version's devices now, one per segment."""
+    active = {}
     for record in api.get("/v1/deployments"):
         if record["model_id"] in models and record.get("active") is not None:
-            active = record["active"]
-            version = next(v for v in record["versions"] if v["plan_version"] == active)
-            devices = [segment["device"] for segment in version["segments"]]
-            if using is None or using in devices:
-                sizes[record["model_id"]] = len(devices)
-    return sizes
+            version = next(v for v in record["versions"] if v["plan_version"] == record["active"])
+            active[record["model_id"]] = [segment["device"] for segment in version["segments"]]
+    return active
 
 
 def _whole_again(api: Api, victim: str, before: dict[str, int]) -> bool:
-    """:attr:`ChaosOutcome.whole_again`, from the active versions now."""
-    now = _active_sizes(api, list(before))
-    on_victim = _active_sizes(api, list(before), using=victim)
-    return all(now.get(model, 0) >= size or model in on_victim for model, size in before.items())
+    """:attr:`ChaosOutcome.whole_again`, from the active versions now (one reading)."""
+    now = _active_devices(api, list(before))
+    return all(
+        len(now.get(model, [])) >= size or victim in now.get(model, [])
+        for model, size in before.items()
+    )
 
 
 def _await_expand_back(
