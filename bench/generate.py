@@ -40,6 +40,7 @@ from __future__ import annotations
 
 import argparse
 import concurrent.futures
+import contextlib
 import json
 import os
 import secrets
@@ -47,6 +48,7 @@ import statistics
 import sys
 import tempfile
 import time
+from collections.abc import Iterator
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -182,33 +184,61 @@ def speculative_rows(
 ) -> list[SpecRow]:
     """Each prompt without speculation, with prompt lookup and with each of ``drafts`` (draft
     model exports by mode label, see :data:`DRAFTERS`), side by side on one chain; the greedy
-    texts must be equal (one stream, four streams, every mode)."""
+    texts must be equal (one stream, four streams, every mode).
+
+    The one-stream runs go round the modes ``runs`` times, each round starting one mode later,
+    so every mode's runs sit next to the others' in time and a machine that drifts during the
+    benchmark moves them alike; then each mode's four streams."""
     drafts = drafts or {}
     modes = ("off", "lookup", *drafts)
     rows = []
     for label in prompts:
         question = PROMPTS[label]
+        single: dict[str, list[Run]] = {mode: [] for mode in modes}
+        counts = dict.fromkeys(modes, (0, 0))
+        for round_ in range(runs):
+            turn = round_ % len(modes)
+            for mode in modes[turn:] + modes[:turn]:
+                _set_speculative(api, model_id, mode, drafts)
+                with _counting(api, model_id, counts, mode):
+                    single[mode].append(stream_chat(api, model_id, tokens, question))
         for mode in modes:
-            body: dict[str, Any] = {"speculative": mode if mode not in drafts else "draft"}
-            if mode in drafts:
-                body["draft_model"] = str(drafts[mode])
-            code, reply = api.call("PUT", f"/v1/deployments/{model_id}/speculative", body)
-            if code != 200:
-                raise RuntimeError(f"cannot set speculative={mode}: {code} {reply}")
-            before = _counts(api, model_id)
-            single = [stream_chat(api, model_id, tokens, question) for _ in range(runs)]
-            four, streams = concurrent_runs(api, model_id, tokens, 4, question)
-            drafted, accepted = (a - b for a, b in zip(_counts(api, model_id), before, strict=True))
-            texts = {r.text for r in [*single, *streams]}
+            _set_speculative(api, model_id, mode, drafts)
+            with _counting(api, model_id, counts, mode):
+                four, streams = concurrent_runs(api, model_id, tokens, 4, question)
+            texts = {r.text for r in [*single[mode], *streams]}
             if len(texts) != 1:
                 raise AssertionError(f"{label}, {mode}: greedy streams differ: {texts}")
-            one = statistics.median(r.decode_tps for r in single)
+            drafted, accepted = counts[mode]
+            one_runs = tuple(r.decode_tps for r in single[mode])
             rate = accepted / drafted if drafted else None
-            runs_tps = tuple(r.decode_tps for r in single)
-            rows.append(SpecRow(label, mode, one, runs_tps, four, rate, texts.pop()))
+            one = statistics.median(one_runs)
+            rows.append(SpecRow(label, mode, one, one_runs, four, rate, texts.pop()))
         if len({row.text for row in rows[-len(modes) :]}) != 1:
             raise AssertionError(f"{label}: speculation changed the greedy text")
     return rows
+
+
+def _set_speculative(api: Api, model_id: str, mode: str, drafts: dict[str, Path]) -> None:
+    """Switch the deployment to ``mode`` (a key of ``drafts`` means that draft model)."""
+    body: dict[str, Any] = {"speculative": mode if mode not in drafts else "draft"}
+    if mode in drafts:
+        body["draft_model"] = str(drafts[mode])
+    code, reply = api.call("PUT", f"/v1/deployments/{model_id}/speculative", body)
+    if code != 200:
+        raise RuntimeError(f"cannot set speculative={mode}: {code} {reply}")
+
+
+@contextlib.contextmanager
+def _counting(
+    api: Api, model_id: str, counts: dict[str, tuple[int, int]], mode: str
+) -> Iterator[None]:
+    """Add the drafted and accepted tokens of the block's generations to ``counts[mode]``."""
+    before = _counts(api, model_id)
+    yield
+    after = _counts(api, model_id)
+    drafted, accepted = counts[mode]
+    counts[mode] = (drafted + after[0] - before[0], accepted + after[1] - before[1])
 
 
 def _counts(api: Api, model_id: str) -> tuple[int, int]:
@@ -371,14 +401,15 @@ def draft_exports(console: Console, name: str, whole_head: bool) -> dict[str, Pa
 
 
 def lean_draft_export(console: Console, name: str) -> Path:
-    """Decoder ``name``'s draft-only export under the cache (``fedshard export --draft``,
-    once)."""
+    """Decoder ``name``'s draft-only export under the cache (``fedshard export --draft``, again
+    whenever the cached one is not :func:`current_draft_export`)."""
+    from partitioner.decoders.draft_head import current_draft_export
     from partitioner.decoders.progress import RichSteps
     from partitioner.decoders.weights import DRAFT_VOCABULARY
     from partitioner.frontdoor import export_decoder as export_model
 
     out = CACHE / "exports" / f"{name}-draft"
-    if not (out / "decoder.json").is_file():
+    if not current_draft_export(out, DRAFT_VOCABULARY):
         export_model(
             name, out, cache_dir=CACHE, steps=RichSteps(console), draft_vocabulary=DRAFT_VOCABULARY
         )
@@ -581,13 +612,15 @@ STREAMS = {"one": "1 stream", "four": "4 streams"}
 
 
 def spec_speedups(spec: list[SpecRow]) -> dict[tuple[str, str, str], float]:
-    """Each mode over no speculation, by prompt, mode and ``one`` / ``four`` streams."""
+    """Each mode over no speculation, by prompt, mode and ``one`` / ``four`` streams; one
+    stream's is the median over rounds of each run over the same round's run without."""
     off = {row.prompt: row for row in spec if row.mode == "off"}
     out = {}
     for row in spec:
         if row.mode != "off":
             base = off[row.prompt]
-            out[(row.prompt, row.mode, "one")] = row.one_tps / base.one_tps
+            paired = [a / b for a, b in zip(row.one_runs, base.one_runs, strict=True)]
+            out[(row.prompt, row.mode, "one")] = statistics.median(paired)
             out[(row.prompt, row.mode, "four")] = row.four_tps / base.four_tps
     return out
 

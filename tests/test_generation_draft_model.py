@@ -18,6 +18,7 @@ from collections.abc import Callable, Sequence
 from pathlib import Path
 
 import numpy as np
+import onnx
 import pytest
 
 from coordinator.deploy.store import DeploymentStore, ModelRecord, VersionRecord
@@ -44,6 +45,7 @@ from coordinator.http.errors import entry_of
 from coordinator.serving.decoder import ChainDecoderBackend
 from coordinator.transport.dataplane import DataPlane, SessionStep
 from partitioner.decoders.ort_runner import OrtDecoder
+from partitioner.decoders.precision import SCHEME_METADATA_KEY
 from protocols.decoder import (
     INPUT_IDS,
     TOP_IDS,
@@ -257,6 +259,26 @@ def test_a_draft_only_export_is_not_deployed(tiny_llama_dir: Path, lean_llama: P
     with pytest.raises(DeployError, match="draft-only export"):
         refuse_draft_only(lean_llama / "model.onnx")
     refuse_draft_only(tiny_llama_dir / "model.onnx")
+
+
+def test_a_cache_tells_a_current_draft_export_from_others(
+    tiny_llama_dir: Path, lean_llama: Path, tmp_path: Path
+) -> None:
+    from partitioner.decoders.draft_head import current_draft_export
+
+    half = _info(tiny_llama_dir).vocab_size // 2
+    assert current_draft_export(lean_llama, half)
+    assert not current_draft_export(lean_llama, half // 2)  # cut for another vocabulary
+    assert not current_draft_export(tiny_llama_dir, half)  # a whole export
+    assert not current_draft_export(tmp_path, half)  # nothing there
+    stale = tmp_path / "stale"
+    shutil.copytree(lean_llama, stale)
+    model = onnx.load(str(stale / "model.onnx"))
+    for prop in model.metadata_props:
+        if prop.key == SCHEME_METADATA_KEY:
+            prop.value = "int4, blocks of 32"  # an older draft layout
+    onnx.save(model, str(stale / "model.onnx"))
+    assert not current_draft_export(stale, half)
 
 
 def _kv_of(stream: DraftStream) -> list[np.ndarray]:

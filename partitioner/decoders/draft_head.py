@@ -39,6 +39,7 @@ from partitioner.decoders.precision import (
     Int4Layout,
     Report,
     converted_decoder,
+    model_scheme,
 )
 from partitioner.decoders.progress import Steps
 from partitioner.decoders.weights import DRAFT_BLOCK_SIZE, DRAFT_VOCABULARY
@@ -51,6 +52,9 @@ there are (the served models pad them to two rows so that a row decodes alike al
 verify pass; a draft model's proposals need no such guarantee)."""
 VOCABULARY_IDS = "draft_vocabulary_ids"
 """The initializer mapping a lean head's columns back to token ids."""
+_MAX_SPECIAL = 4096
+"""More special tokens than any tokenizer has beyond its frequent ones (Qwen2.5 has 22): an
+export keeping ``vocabulary`` plus up to this many ids was cut for ``vocabulary``."""
 _WALK_OPS = frozenset({"Gather", "Slice", "Reshape", "Squeeze", "Identity"})
 """Operators between the output head and a ``TopK`` that keep its last axis."""
 
@@ -175,3 +179,15 @@ def write_draft_decoder(
 def draft_scheme(kept: int) -> str:
     """The storage scheme a draft export records (see :data:`precision.SCHEMES`)."""
     return f"{DRAFT_INT4.scheme}, output head of {kept} tokens"
+
+
+def current_draft_export(export_dir: Path, vocabulary: int = DRAFT_VOCABULARY) -> bool:
+    """Whether ``export_dir`` holds a draft-only export of ``vocabulary`` frequent tokens stored
+    the current way (:func:`draft_scheme`); a cache should export anything else again."""
+    info_file, model_file = export_dir / DECODER_FILE, export_dir / MODEL_FILE
+    if not (info_file.is_file() and model_file.is_file()):
+        return False
+    kept = DecoderInfo.from_json(info_file.read_bytes()).draft_vocabulary
+    if kept is None or not vocabulary <= kept < vocabulary + _MAX_SPECIAL:
+        return False
+    return model_scheme(model_file) == draft_scheme(kept)
