@@ -42,6 +42,10 @@ class Outcome:
     stages_sequential: list[dict[str, Any]]
     stages_pipelined: list[dict[str, Any]]
     deploy_s: float
+    placements: list[dict[str, Any]]
+    """The deployed version's segments (``GET /v1/deployments``): the coordinator's own
+    predicted stage time, calibrated on what earlier deploys measured, and the agent's
+    warm-up median."""
 
 
 def median_ms(run: LoadRun) -> float:
@@ -104,6 +108,41 @@ def stage_rows(outcome: Outcome) -> list[list[str]]:
                 _ms(seq.get("mean_send_ms")),
                 _ms(pipe.get("mean_send_ms")),
                 send,
+            ]
+        )
+    return rows
+
+
+BAND = (0.75, 1.33)
+"""Issue 18's band for a stage's predicted / measured time."""
+
+
+def band_ratios(outcome: Outcome) -> list[float]:
+    """The coordinator's predicted over the agent's warm-up stage time, per stage."""
+    return [
+        p["predicted_compute_s"] / p["warmup_s"] for p in outcome.placements if p["warmup_s"] > 0
+    ]
+
+
+def band_rows(outcome: Outcome) -> list[list[str]]:
+    """Per stage: the coordinator's prediction against the agent's warm-up median and its
+    mean compute one request at a time."""
+    rows = []
+    for p, seq in zip(outcome.placements, outcome.stages_sequential, strict=True):
+        predicted, warm = p["predicted_compute_s"] * 1e3, p["warmup_s"] * 1e3
+        mean = seq.get("mean_compute_ms")
+        ratio = predicted / warm if warm > 0 else float("nan")
+        inside = "yes" if BAND[0] <= ratio <= BAND[1] else "**no**"
+        rows.append(
+            [
+                outcome.strategy,
+                f"{p['index']}: {p['device']}",
+                f"{predicted:.2f}",
+                f"{warm:.2f}",
+                f"{ratio:.2f}",
+                inside,
+                _ms(mean),
+                "–" if not mean else f"{predicted / mean:.2f}",
             ]
         )
     return rows
@@ -196,6 +235,16 @@ STAGE_HEADERS = [
     "send, pipelined",
     "send",
 ]
+BAND_HEADERS = [
+    "split",
+    "stage: device",
+    "coordinator predicted ms",
+    "agent warm-up ms",
+    "predicted / warm-up",
+    "in 0.75-1.33x",
+    "compute, 1 at a time",
+    "predicted / 1 at a time",
+]
 PAPER_HEADERS = [
     "plan",
     "stages (device[units))",
@@ -274,6 +323,16 @@ def report(
         "the throughput (a link-bound plan runs at the link's pace) and in the latency.",
         "",
         *_table(STAGE_HEADERS, [row for o in outcomes for row in stage_rows(o)]),
+        "",
+        "## Per stage: the coordinator's prediction against the agent's warm-up (ms per request)",
+        "",
+        "The coordinator's own predicted stage time, as the console's Plan page and the demo's "
+        "plan tables show it: the roofs the agent announced, scaled by the factors the "
+        "coordinator fitted on what earlier deploys of this run measured (the first deploy has "
+        "none). The agent's warm-up is the median of its timed runs of the segment at the "
+        "deploy; *compute, 1 at a time* is its mean over the latency requests.",
+        "",
+        *_table(BAND_HEADERS, [row for o in outcomes for row in band_rows(o)]),
         "",
         f"even / optimal measured throughput ×{by['even'].pipelined.throughput / opt:.2f}, "
         f"exo / optimal ×{by['exo'].pipelined.throughput / opt:.2f}.",
@@ -354,6 +413,16 @@ def headlines(outcomes: list[Outcome], by: dict[str, Outcome]) -> list[Headline]
                 opt.pipelined.throughput / by["single"].pipelined.throughput,
                 "x",
                 ">= 0.95",
+            )
+        )
+    ratios = [r for o in outcomes for r in band_ratios(o)]
+    if ratios:
+        rows.append(
+            Headline(
+                "lab: stages predicted within 0.75-1.33x of their warm-up",
+                sum(BAND[0] <= r <= BAND[1] for r in ratios) / len(ratios),
+                "share",
+                ">= 1",
             )
         )
     errors = sum(len(o.sequential.errors) + len(o.pipelined.errors) for o in outcomes)

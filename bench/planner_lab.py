@@ -292,7 +292,15 @@ def measure(
         stages_sequential=stages_sequential,
         stages_pipelined=stages_pipelined,
         deploy_s=deploy_s,
+        placements=_placements(cluster, version),
     )
+
+
+def _placements(cluster: LabCluster, version: int) -> list[dict[str, Any]]:
+    """The deployed version's segments as the coordinator records them."""
+    [record] = [r for r in cluster.api.get("/v1/deployments") if r["model_id"] == MODEL_ID]
+    [deployed] = [v for v in record["versions"] if v["plan_version"] == version]
+    return sorted(deployed["segments"], key=lambda p: int(p["index"]))
 
 
 def _stages(cluster: LabCluster, path: str) -> list[dict[str, Any]]:
