@@ -40,7 +40,7 @@ from coordinator.generation.speculative import (
     trailing_candidates,
 )
 from coordinator.generation.tokenizer import ChatTokenizer
-from coordinator.generation.tuning import Throughput
+from coordinator.generation.tuning import Costs, Throughput
 from coordinator.http.errors import entry_of
 from coordinator.serving.decoder import ChainDecoderBackend
 from coordinator.transport.dataplane import DataPlane, SessionStep
@@ -106,17 +106,9 @@ class SteadyCosts(Throughput):
     draft length follows only the acceptance rate, whatever the machine's load: the wall-time
     tuning has its own tests (``test_generation_tuning.py``)."""
 
-    def __init__(self) -> None:
-        super().__init__()
-        self.plain = 1.0
-        self.position = 0.05
-
-    def record_pass(self, positions: int, seconds: float) -> None:
-        """Ignored: the costs stay fixed."""
-
-    def record_draft(self, kind: str, drafted: int, accepted: int, seconds: float | None) -> None:
-        """The acceptance rate only; the draft time stays free."""
-        super().record_draft(kind, drafted, accepted, None)
+    def costs(self, kind: str) -> Costs:
+        """The same at every load."""
+        return Costs(plain=1.0, position=0.05, draft=0.0)
 
 
 def _info(export: Path) -> DecoderInfo:

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import contextlib
+
 import pytest
 
 from coordinator.generation.tuning import (
@@ -97,9 +99,29 @@ def test_a_pass_that_drafted_nothing_times_a_plain_step() -> None:
     throughput = Throughput()
     throughput.record_pass(1, 2.0)
     throughput.record_pass(1, 1.0)
-    assert throughput.plain == pytest.approx(1.7)
+    costs = throughput.costs("draft")
+    assert costs is not None and costs.plain == pytest.approx(1.7)
     throughput.record_pass(5, 3.7)
-    assert throughput.position == pytest.approx(0.5)
+    costs = throughput.costs("draft")
+    assert costs is not None and costs.position == pytest.approx(0.5)
+
+
+def test_a_lone_stream_is_priced_by_lone_passes_not_by_four_streams_before_it() -> None:
+    throughput = Throughput()
+    with throughput.generating():
+        _passes(DraftLength(7, throughput, "draft"), 30, 0.8, Costs(1.0, 0.05, 0.05))
+    with contextlib.ExitStack() as streams:
+        for _ in range(4):
+            streams.enter_context(throughput.generating())
+        _passes(DraftLength(7, throughput, "draft"), 30, 0.8, Costs(3.0, 3.0, 0.2))
+        busy = throughput.costs("draft")
+        assert busy is not None and busy.plain > 2.0 and busy.position > 2.0
+        assert best_length(0.8, busy, 7) == 0  # under four streams drafting does not pay
+    with throughput.generating():
+        alone = throughput.costs("draft")
+        assert alone is not None and alone.plain < 1.5 and alone.position < 0.5
+        assert best_length(throughput.rate("draft"), alone, 7) > 1
+    assert throughput.rate("draft") > 0.7  # the acceptance is shared by every load
 
 
 def test_a_generation_after_a_busy_spell_times_its_own_drafts() -> None:

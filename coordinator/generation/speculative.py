@@ -188,23 +188,24 @@ async def speculative_tokens(
     produced = 1
     throughput = speculation.stats.throughput
     length = DraftLength(speculation.max_positions - 1, throughput, type(drafter).__name__)
-    while produced < budget:
-        count = min(length.k, budget - produced - 1)
-        warm = length.warm  # a draft after plain steps catches up first: not its usual time
-        start = time.perf_counter()
-        drafts = (await _propose(drafter, context, count))[:count]
-        drafted = time.perf_counter()
-        candidates = await backend.verify(session, held, [context[-1], *drafts])
-        tokens = accept(drafts, candidates, params, rng)
-        accepted = len(tokens) - 1
-        done = time.perf_counter()
-        speculation.stats.record(len(drafts), accepted, len(tokens), done - start)
-        length.record(len(drafts), accepted, drafted - start if warm else None, done - drafted)
-        held += 1 + accepted
-        for token in tokens:
-            context.append(token)
-            produced += 1
-            yield token
+    with throughput.generating():  # its passes are timed at the load they run under
+        while produced < budget:
+            count = min(length.k, budget - produced - 1)
+            warm = length.warm  # a draft after plain steps catches up first: not its usual time
+            start = time.perf_counter()
+            drafts = (await _propose(drafter, context, count))[:count]
+            drafted = time.perf_counter()
+            candidates = await backend.verify(session, held, [context[-1], *drafts])
+            tokens = accept(drafts, candidates, params, rng)
+            accepted = len(tokens) - 1
+            done = time.perf_counter()
+            speculation.stats.record(len(drafts), accepted, len(tokens), done - start)
+            length.record(len(drafts), accepted, drafted - start if warm else None, done - drafted)
+            held += 1 + accepted
+            for token in tokens:
+                context.append(token)
+                produced += 1
+                yield token
 
 
 async def prefill_with_drafter(

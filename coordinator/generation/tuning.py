@@ -7,21 +7,23 @@ A pass that feeds the last token and ``k`` drafts yields on average
 measured time to draft one token. :func:`best_length` picks the ``k`` with the most tokens per
 second; ``k = 0`` (one token per ``plain``) wins whenever drafting does not pay.
 
-The times are running averages per deployment (:class:`Throughput`: what load does to a pass
-is the same for every generation), the draft time and a starting acceptance rate per drafter
-kind; each generation tracks its own acceptance rate (:class:`DraftLength`: it depends on the
-text) and, once it has timed a draft of its own, its own drafting time: a draft is timed only
-while drafting, so the deployment's figure may date from a busier spell (four streams drafting
-at once on the same cores) and would otherwise keep a lone stream from ever drafting. So the
-estimates stay fresh, every generation starts with a probe (a draft whatever the estimates
-say), one that steps plainly probes a draft now and then (less often while probes keep losing)
-and one that drafts takes a plain step now and then.
+The times are running averages per deployment and number of generations in flight
+(:class:`Throughput`: what load does to a pass is the same for every generation, and a pass
+among four streams' passes takes longer than a lone one), the draft time and a starting
+acceptance rate per drafter kind; each generation tracks its own acceptance rate
+(:class:`DraftLength`: it depends on the text) and, once it has timed a draft of its own, its
+own drafting time: a draft is timed only while drafting, so the figure at its load may date
+from a busier spell. So the estimates stay fresh, every generation starts with a probe (a draft
+whatever the estimates say), one that steps plainly probes a draft now and then (less often
+while probes keep losing) and one that drafts takes a plain step now and then.
 """
 
 from __future__ import annotations
 
+import contextlib
 import threading
-from dataclasses import dataclass
+from collections.abc import Iterator
+from dataclasses import dataclass, field
 
 SMOOTHING = 0.3
 """Weight of a new measurement in the running averages."""
@@ -70,26 +72,60 @@ def _acceptance(drafted: int, accepted: int) -> float:
     return accepted / min(drafted, accepted + 1)
 
 
+MAX_LOAD = 4
+"""Generations in flight from which on a deployment's pass times are kept together."""
+
+
+@dataclass
+class _PassTimes:
+    """Running averages of pass and drafting times at one load."""
+
+    plain: float | None = None
+    position: float | None = None
+    draft: dict[str, float] = field(default_factory=dict)
+
+
 class Throughput:
-    """One deployment's measured pass times and acceptance, shared by its generations."""
+    """One deployment's measured pass times and acceptance, shared by its generations.
+
+    Times are kept apart by how many generations are in flight (1 to :data:`MAX_LOAD`, counted
+    by :meth:`generating`): with other streams' passes between its stages a pass takes longer,
+    so four streams' times must not price a lone stream's drafts after them. Acceptance rates
+    depend on the text, not the load, and are shared."""
 
     def __init__(self) -> None:
         self._lock = threading.Lock()
-        self.plain: float | None = None
-        self.position: float | None = None
-        self._draft: dict[str, float] = {}
+        self._times: dict[int, _PassTimes] = {}
         self._rate: dict[str, float] = {}
+        self._in_flight = 0
+
+    @contextlib.contextmanager
+    def generating(self) -> Iterator[None]:
+        """Count one generation in flight while the block runs."""
+        with self._lock:
+            self._in_flight += 1
+        try:
+            yield
+        finally:
+            with self._lock:
+                self._in_flight -= 1
+
+    def _now(self) -> _PassTimes:
+        """The times at the current load (call under the lock)."""
+        load = min(max(self._in_flight, 1), MAX_LOAD)
+        return self._times.setdefault(load, _PassTimes())
 
     def record_pass(self, positions: int, seconds: float) -> None:
         """A verifying pass of ``positions`` positions took ``seconds`` (drafting excluded)."""
         if seconds <= 0 or positions < 1:
             return
         with self._lock:
+            times = self._now()
             if positions == 1:
-                self.plain = _average(self.plain, seconds)
-            elif self.plain is not None:
-                extra = max(seconds - self.plain, 0.0) / (positions - 1)
-                self.position = _average(self.position, extra)
+                times.plain = _average(times.plain, seconds)
+            elif times.plain is not None:
+                extra = max(seconds - times.plain, 0.0) / (positions - 1)
+                times.position = _average(times.position, extra)
 
     def record_draft(self, kind: str, drafted: int, accepted: int, seconds: float | None) -> None:
         """``kind`` drafted ``drafted`` tokens (in ``seconds``, None: not a usual call, such as
@@ -97,10 +133,10 @@ class Throughput:
         if drafted <= 0:
             return
         with self._lock:
-            rate = self._rate.get(kind)
-            self._rate[kind] = _average(rate, _acceptance(drafted, accepted))
+            self._rate[kind] = _average(self._rate.get(kind), _acceptance(drafted, accepted))
             if seconds is not None:
-                self._draft[kind] = _average(self._draft.get(kind), max(seconds, 0.0) / drafted)
+                draft = self._now().draft
+                draft[kind] = _average(draft.get(kind), max(seconds, 0.0) / drafted)
 
     def rate(self, kind: str) -> float:
         """The running acceptance rate of ``kind``'s drafts."""
@@ -108,13 +144,15 @@ class Throughput:
             return self._rate.get(kind, START_RATE)
 
     def costs(self, kind: str) -> Costs | None:
-        """The measured costs for ``kind`` (None before any plain step was timed); what is not
-        measured yet is assumed cheap, so that a draft is tried and measured."""
+        """The measured costs for ``kind`` at the current load (None before a plain step was
+        timed at it); what is not measured yet is assumed cheap, so that a draft is tried and
+        measured."""
         with self._lock:
-            if self.plain is None:
+            times = self._now()
+            if times.plain is None:
                 return None
-            position = START_POSITION * self.plain if self.position is None else self.position
-            return Costs(self.plain, position, self._draft.get(kind, 0.0))
+            position = START_POSITION * times.plain if times.position is None else times.position
+            return Costs(times.plain, position, times.draft.get(kind, 0.0))
 
 
 class DraftLength:
