@@ -136,3 +136,20 @@ def test_a_generation_after_a_busy_spell_times_its_own_drafts() -> None:
     chosen = _passes(alone, 12, 0.8, quiet)
     assert chosen[:2] != [0, 0]  # it starts with a probe
     assert chosen[2:].count(0) <= 1  # and, having timed its own drafts, keeps drafting
+
+
+def test_a_stretch_of_rejections_does_not_stop_a_drafter_that_pays_in_the_long_run() -> None:
+    costs = Costs(plain=1.0, position=0.25, draft=0.25)  # one drafted token pays above 0.5
+    throughput = Throughput()
+    _passes(DraftLength(7, throughput, "draft"), 200, 0.8, costs)  # a long run at 0.8
+    assert throughput.long_rate("draft") > 0.7
+    length = DraftLength(7, throughput, "draft")
+    hard = _passes(length, 6, 0.0, costs)  # six passes with every draft rejected
+    assert length.rate < 0.2 and best_length(length.rate, costs, 7) == 0
+    assert hard[-3:] == [1, 1, 1]  # it keeps drafting one token
+    assert throughput.long_rate("draft") > 0.6
+
+    fresh = Throughput()  # a drafter never known to pay
+    _passes(DraftLength(7, fresh, "draft"), 200, 0.1, costs)
+    assert fresh.long_rate("draft") < 0.5
+    assert _passes(DraftLength(7, fresh, "draft"), 20, 0.1, costs)[4:].count(0) >= 12

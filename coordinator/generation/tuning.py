@@ -27,6 +27,8 @@ from dataclasses import dataclass, field
 
 SMOOTHING = 0.3
 """Weight of a new measurement in the running averages."""
+LONG_SMOOTHING = 0.03
+"""Weight of a pass's acceptance in a drafter's long-run rate (its last hundred or so passes)."""
 START_RATE = 0.5
 """Acceptance rate assumed before any draft was verified."""
 START_POSITION = 0.2
@@ -63,8 +65,8 @@ def best_length(acceptance: float, costs: Costs, limit: int, least: int = 0) -> 
     return max(range(least, limit + 1), key=lambda k: (tokens_per_s(k, acceptance, costs), -k))
 
 
-def _average(old: float | None, new: float) -> float:
-    return new if old is None else old + SMOOTHING * (new - old)
+def _average(old: float | None, new: float, weight: float = SMOOTHING) -> float:
+    return new if old is None else old + weight * (new - old)
 
 
 def _acceptance(drafted: int, accepted: int) -> float:
@@ -97,6 +99,7 @@ class Throughput:
         self._lock = threading.Lock()
         self._times: dict[int, _PassTimes] = {}
         self._rate: dict[str, float] = {}
+        self._long_rate: dict[str, float] = {}
         self._in_flight = 0
 
     @contextlib.contextmanager
@@ -133,7 +136,11 @@ class Throughput:
         if drafted <= 0:
             return
         with self._lock:
-            self._rate[kind] = _average(self._rate.get(kind), _acceptance(drafted, accepted))
+            rate = _acceptance(drafted, accepted)
+            self._rate[kind] = _average(self._rate.get(kind), rate)
+            self._long_rate[kind] = _average(
+                self._long_rate.get(kind, START_RATE), rate, LONG_SMOOTHING
+            )
             if seconds is not None:
                 draft = self._now().draft
                 draft[kind] = _average(draft.get(kind), max(seconds, 0.0) / drafted)
@@ -142,6 +149,12 @@ class Throughput:
         """The running acceptance rate of ``kind``'s drafts."""
         with self._lock:
             return self._rate.get(kind, START_RATE)
+
+    def long_rate(self, kind: str) -> float:
+        """``kind``'s acceptance rate over its last hundred or so passes: what a stretch of
+        rejections in one generation does not move much."""
+        with self._lock:
+            return self._long_rate.get(kind, START_RATE)
 
     def costs(self, kind: str) -> Costs | None:
         """The measured costs for ``kind`` at the current load (None before a plain step was
@@ -159,12 +172,15 @@ class DraftLength:
     """One generation's draft lengths (see the module docstring).
 
     A generation steps plainly until a plain step is timed; then every pass drafts
-    :func:`best_length` tokens, with two exceptions that keep the estimates fresh: at its start
-    and after ``probe`` plain passes in a row it drafts anyway for ``PROBE_PASSES`` passes (the
-    best ``k >= 1``; the first drafting pass after plain steps is not timed, since a draft
-    model then catches up on the text it skipped; each probe after which plain steps still win
-    doubles the wait, up to ``max_probe``), and after ``refresh`` drafting passes in a row it
-    steps plainly once. Its drafting time is its own once it has timed one.
+    :func:`best_length` tokens at the generation's own acceptance rate, and at least one
+    while the drafter's long-run rate (:meth:`Throughput.long_rate`) makes one pay: a model
+    drafter's acceptance comes in stretches, and a generation that stepped plainly after a few
+    rejections would learn of the next easy stretch only at its next probe. Two exceptions
+    keep the estimates fresh: at its start and after ``probe`` plain passes in a row it drafts
+    anyway for ``PROBE_PASSES`` passes (the best ``k >= 1``; the first drafting pass after
+    plain steps is not timed, since a draft model then catches up on the text it skipped; each
+    probe after which plain steps still win doubles the wait, up to ``max_probe``), and after
+    ``refresh`` drafting passes in a row it steps plainly once. Its drafting time is its own once it has timed one.
     """
 
     PROBE_PASSES = 2
@@ -203,6 +219,8 @@ class DraftLength:
         if self._probing > 0:
             return best_length(self.rate, costs, self.limit, least=1)
         best = best_length(self.rate, costs, self.limit)
+        if best == 0 and best_length(self.throughput.long_rate(self.kind), costs, 1) == 1:
+            best = 1  # a few rejections in a row do not stop a drafter that pays in the long run
         if best > 0 and self._draft_run >= self._refresh:
             return 0
         return best
