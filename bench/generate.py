@@ -3,8 +3,8 @@ vs llama.cpp.
 
 Same prompt (a chat message rendered with the model's own template), same number of new tokens,
 greedy, one intra-op thread per stage and per session (the agents' default; a draft model
-runs on the coordinator's ``--draft-threads``, its default: the machine's cores, at most 4),
-in one run:
+runs on the coordinator's ``--draft-threads``, by default the machine's cores, at most 4), in
+one run:
 
 - fedshard: a coordinator and three (``--agents``) agents on 127.0.0.1 (planning caps, or the
   agents' own ``--memory`` budgets with ``--no-caps``, force the split), streamed
@@ -300,13 +300,15 @@ def transformers_run(name: str, ids: list[int], tokens: int) -> Run:
 
 @dataclass(frozen=True)
 class Fleet:
-    """The agents the model is deployed on."""
+    """The agents the model is deployed on, and the coordinator's drafting threads."""
 
     agents: int
     memory: str
     """Each agent's memory budget (``--memory``)."""
     caps: bool
     """Plan under :func:`decoder_caps` (else only under the agents' own budgets)."""
+    draft_threads: int
+    """The coordinator's ``--draft-threads``."""
 
 
 def fedshard_runs(
@@ -332,7 +334,11 @@ def fedshard_runs(
     with tempfile.TemporaryDirectory(prefix="fedshard-bench-gen-") as tmp:
         work = Path(tmp)
         with demo_processes(work) as procs:
-            coordinator = procs.start_coordinator(work / "coordinator", free_port())
+            coordinator = procs.start_coordinator(
+                work / "coordinator",
+                free_port(),
+                options=["--draft-threads", str(fleet.draft_threads)],
+            )
             suffix = secrets.token_hex(2)
             names = [f"gen{i}-{suffix}" for i in range(fleet.agents)]
             first = None
@@ -451,6 +457,12 @@ def main() -> int:
         "(the whole output head), side by side",
     )
     parser.add_argument(
+        "--draft-threads",
+        type=int,
+        default=default_draft_threads(),
+        help="the coordinator's threads for a draft model (default: its own default, %(default)s)",
+    )
+    parser.add_argument(
         "--prompt",
         action="append",
         choices=list(PROMPTS),
@@ -462,7 +474,7 @@ def main() -> int:
     export = args.export or prepared_export(console, args.model, args.weights)
     drafts = draft_exports(console, args.draft_model, args.whole_head) if args.draft_model else {}
     ids = prompt_ids(export)
-    fleet = Fleet(args.agents, args.memory, not args.no_caps)
+    fleet = Fleet(args.agents, args.memory, not args.no_caps, args.draft_threads)
     single, whole, total_tps, slowest, placements, spec = fedshard_runs(
         console,
         args.model,
@@ -543,7 +555,7 @@ def report(
         "",
         f"`.venv/bin/python bench/generate.py {command}` on {os.cpu_count()} cores; one "
         f"intra-op thread per stage and per session (a draft model: the coordinator's "
-        f"default `--draft-threads`, {default_draft_threads()}); {len(ids)}-token chat prompt, "
+        f"`--draft-threads`, {args.draft_threads}); {len(ids)}-token chat prompt, "
         f"{args.tokens} new tokens, greedy; agents of {args.memory} each.",
         "",
         "| engine | time to first token (prefill) | decode tokens/s | total tokens/s |",

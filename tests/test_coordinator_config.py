@@ -28,7 +28,8 @@ def test_coordinator_flags_build_the_training_and_cache_config(
         assert args.run(args) == 0
     plain, agents = seen
     assert plain.agent_training is None
-    assert plain.draft_threads == min(4, os.cpu_count() or 1) and agents.draft_threads == 3
+    assert plain.draft_threads == max(1, min(4, (os.cpu_count() or 1) // 2))
+    assert agents.draft_threads == 3
     with pytest.raises(SystemExit):
         build_parser().parse_args([*base, "--draft-threads", "0"])
     assert agents.agent_training == AgentTrainingConfig(superlink_port=9093, clients=4)

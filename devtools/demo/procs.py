@@ -21,7 +21,7 @@ import socket
 import subprocess
 import sys
 import time
-from collections.abc import Iterator
+from collections.abc import Iterator, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 from types import FrameType
@@ -147,8 +147,10 @@ class DemoProcesses:
         port: int,
         segment_cache: Path | None = None,
         training_target: Path | None = None,
+        options: Sequence[str] = (),
     ) -> CoordinatorChild:
-        """Start ``fedshard coordinator`` on 127.0.0.1:``port``; wait until its API answers."""
+        """Start ``fedshard coordinator`` on 127.0.0.1:``port`` (with ``options``, further
+        command-line options); wait until its API answers."""
         import httpx
 
         log_path = self.workdir / "coordinator.log"
@@ -158,6 +160,7 @@ class DemoProcesses:
             command += ["--segment-cache", str(segment_cache)]
         if training_target is not None:
             command += ["--training-target", str(training_target)]
+        command += options
         proc = self._spawn("coordinator", command, log_path)
         child = CoordinatorChild("coordinator", proc, log_path, port=port, state_dir=state_dir)
         self.children.append(child)
