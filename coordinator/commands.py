@@ -116,8 +116,9 @@ def _positive_int(text: str) -> int:
 def default_draft_threads() -> int:
     """A draft model's threads unless told: half the machine's cores (at least 1, at most 4).
     The drafter shares the machine with the coordinator's own serving and often with an agent;
-    on 2 cores beside three agents one thread gave 1.27x on chat where two gave 1.22x, and
-    four streams 1.27x where two gave 0.97-1.10x (``bench/generate.py``)."""
+    on 2 cores beside three agents, one thread gave four streams on chat 1.27x-1.37x where two
+    gave 0.99x-1.10x, and one stream 1.14x-1.27x where two gave 1.22x-1.23x
+    (``bench/generate.py``, README "Interleaved runs")."""
     return max(1, min(4, (os.cpu_count() or 1) // 2))
 
 

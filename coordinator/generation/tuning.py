@@ -31,6 +31,8 @@ LONG_SMOOTHING = 0.03
 """Weight of a pass's acceptance in a drafter's long-run rate (its last hundred or so passes)."""
 START_RATE = 0.5
 """Acceptance rate assumed before any draft was verified."""
+MAX_LOAD = 4
+"""Generations in flight from which on a deployment's pass times are kept together."""
 START_POSITION = 0.2
 """Extra time of a verified position, as a share of a plain step, before it was measured."""
 
@@ -72,10 +74,6 @@ def _average(old: float | None, new: float, weight: float = SMOOTHING) -> float:
 def _acceptance(drafted: int, accepted: int) -> float:
     """A pass's per-token acceptance: each drafted token up to the first rejection."""
     return accepted / min(drafted, accepted + 1)
-
-
-MAX_LOAD = 4
-"""Generations in flight from which on a deployment's pass times are kept together."""
 
 
 @dataclass
@@ -180,7 +178,8 @@ class DraftLength:
     anyway for ``PROBE_PASSES`` passes (the best ``k >= 1``; the first drafting pass after
     plain steps is not timed, since a draft model then catches up on the text it skipped; each
     probe after which plain steps still win doubles the wait, up to ``max_probe``), and after
-    ``refresh`` drafting passes in a row it steps plainly once. Its drafting time is its own once it has timed one.
+    ``refresh`` drafting passes in a row it steps plainly once. Its drafting time is its own
+    once it has timed one.
     """
 
     PROBE_PASSES = 2
