@@ -3,8 +3,8 @@ vs llama.cpp.
 
 Same prompt (a chat message rendered with the model's own template), same number of new tokens,
 greedy, one intra-op thread per stage and per session (the agents' default; a draft model
-runs on the coordinator's ``--draft-threads``, by default the machine's cores, at most 4), in
-one run:
+runs on the coordinator's ``--draft-threads``, by default half the machine's cores, at most
+4), in one run:
 
 - fedshard: a coordinator and three (``--agents``) agents on 127.0.0.1 (planning caps, or the
   agents' own ``--memory`` budgets with ``--no-caps``, force the split), streamed
@@ -651,6 +651,10 @@ def speculative_lines(console: Console, spec: list[SpecRow]) -> list[str]:
     speedups = spec_speedups(spec)
     lines = [
         "## Speculative decoding (same chain, same prompts, greedy text asserted equal)",
+        "",
+        "One-stream runs go round the modes (each round one mode later); a speedup for one "
+        "stream is the median of each round's run over the same round's run without "
+        "speculation. Four streams run after the rounds.",
         "",
         f"| {' | '.join(heads)} | accepted drafts | speedup 1 / 4 streams |",
         "|---|---|---|---|---|---|",
