@@ -29,6 +29,8 @@ TARGET_FILE = "lora-target.json"
 DELTA = 1e-5
 ANSWER_STOP = ("\nAnswer:", "\n\n")
 """A base model would go on answering its own answer again."""
+ANSWER_TOKENS = 40
+"""The most tokens of a held-out answer."""
 
 
 @dataclass(frozen=True)
@@ -146,8 +148,19 @@ def summary(console: Console, model_id: str, run: dict[str, Any]) -> float:
 
 
 def ask(api: Api, model_id: str, question: str, stop: tuple[str, ...]) -> str:
-    """The served model's greedy answer through ``/v1/chat/completions``."""
+    """The served model's greedy answer through ``/v1/chat/completions``: its text from the
+    first non-blank character up to the first of ``stop`` or :data:`ANSWER_STOP`."""
     from devtools.demo.decoder import chat
 
-    reply = chat(api, model_id, question, max_tokens=40, stop=(*stop, *ANSWER_STOP))
-    return str(reply["choices"][0]["message"]["content"]).strip()
+    reply = chat(api, model_id, question, max_tokens=ANSWER_TOKENS)
+    return answer_text(str(reply["choices"][0]["message"]["content"]), (*stop, *ANSWER_STOP))
+
+
+def answer_text(text: str, stop: tuple[str, ...]) -> str:
+    """``text`` from its first non-blank character up to the first of ``stop``. The stops are
+    applied after the leading blanks, not by the server from the first token: a fine-tuned
+    base model may open with a blank line (an :data:`ANSWER_STOP`), and its answer was then
+    empty (a CI run of the demo)."""
+    text = text.lstrip()
+    cut = min((i for i in (text.find(s) for s in stop) if i >= 0), default=len(text))
+    return text[:cut].strip()
