@@ -15,6 +15,7 @@ from report import plots
 from report.headlines import Headline, write_headlines
 from report.machine import stamp
 
+from devtools.demo.steps import PREDICTION_BAND as BAND
 from protocols.devices import DeviceList
 from protocols.plan import Plan
 
@@ -111,10 +112,6 @@ def stage_rows(outcome: Outcome) -> list[list[str]]:
             ]
         )
     return rows
-
-
-BAND = (0.75, 1.33)
-"""Issue 18's band for a stage's predicted / measured time."""
 
 
 def band_ratios(outcome: Outcome) -> list[float]:
