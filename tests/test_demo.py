@@ -117,13 +117,13 @@ def test_demo_exit(tmp_path: Path) -> None:
         line for line in out.splitlines() if any(name in line for name in names[1:]) and "│" in line
     ]
     # two plans (MiniLM, Gemma), each a row per device its shown (last) deploy went across, with
-    # unit ranges; a model whose first plan fell out of the band is deployed once more
+    # unit ranges; a model whose plan fell out of the band is deployed again, at most twice
     deploys = re.findall(r"^deployed (\S+) v\d+ in .* across (\d+) devices", out, re.M)
     last = {model: int(n) for model, n in deploys}
-    assert list(last) == ["all-minilm-l6-v2", "gemma3-270m"] and len(deploys) <= 4, out
+    assert list(last) == ["all-minilm-l6-v2", "gemma3-270m"] and len(deploys) <= 6, out
     spans = list(last.values())
     assert spans[0] >= 2 and spans[1] >= 3, out
-    replans = re.findall(r"^(\S+)'s first plan predicted its stages at", out, re.M)
+    replans = re.findall(r"^(\S+)'s (?:first plan|re-plan) predicted its stages at", out, re.M)
     assert len(deploys) == 2 + len(replans), out
     assert len([row for row in plan_rows if re.search(r"\d+-\d+", row)]) == sum(spans), out
     matrix = [

@@ -3,19 +3,22 @@ model and prices its later plans (unit tests; the real agents in test_prediction
 
 from __future__ import annotations
 
+import itertools
 import math
+import random
 from pathlib import Path
 
 import onnx
 import pytest
 from graph_helpers import block_stack
+from pydantic import ValidationError
 
 from coordinator.deploy.stage_timing import StageTime, StageTiming, TimingFile
 from coordinator.deploy.term_fit import StageTerms
 from coordinator.deploy.unit_residuals import (
     HIGHEST,
     LOWEST,
-    RESIDUAL_WINDOW,
+    RESIDUAL_STAGES,
     UnitResiduals,
     unit_scales,
     with_stage,
@@ -26,21 +29,78 @@ from protocols.devices import DeviceList
 from protocols.problem import Roofs, Work
 
 
-def test_residuals_keep_the_latest_window_per_unit_and_average_geometrically() -> None:
+def test_a_stage_cut_the_same_way_again_is_priced_at_its_geometric_mean() -> None:
     residuals = UnitResiduals()
     assert unit_scales(residuals) is None
     residuals = with_stage(residuals, 4, (0, 1), 0.5)
     residuals = with_stage(residuals, 4, (1, 4), 2.0)
     assert unit_scales(residuals) == pytest.approx([0.5, 2.0, 2.0, 2.0])
-    for ratio in (1.0, 4.0, 1.0, 1.0):
-        residuals = with_stage(residuals, 4, (0, 2), ratio)
-    assert residuals.ratios[0] == [4.0, 1.0, 1.0][-RESIDUAL_WINDOW:]
-    assert unit_scales(residuals)[0] == pytest.approx(4 ** (1 / 3))  # type: ignore[index]
-    # out-of-range means are clamped: one odd measurement cannot make a unit free
+    for ratio in (1.0, 4.0):
+        residuals = with_stage(residuals, 4, (0, 1), ratio)
+    assert unit_scales(residuals)[0] == pytest.approx(2 ** (1 / 3))  # type: ignore[index]
+    # out-of-range scales are clamped: one odd measurement cannot make a unit free
     clamped = with_stage(with_stage(UnitResiduals(), 2, (0, 1), 1e-3), 2, (1, 2), 1e3)
     assert unit_scales(clamped) == [LOWEST, HIGHEST]
     # the model cut into another number of units starts again
-    assert with_stage(residuals, 3, (2, 3), 3.0).ratios == [[], [], [3.0]]
+    assert unit_scales(with_stage(residuals, 3, (2, 3), 3.0)) == pytest.approx([1.0, 1.0, 3.0])
+
+
+def test_only_the_latest_stages_are_kept() -> None:
+    residuals = UnitResiduals()
+    for _ in range(RESIDUAL_STAGES):
+        residuals = with_stage(residuals, 2, (0, 2), 3.0)
+    residuals = with_stage(residuals, 2, (0, 2), 1.0)
+    assert len(residuals.stages) == RESIDUAL_STAGES
+    assert residuals.stages[-1].ratio == 1.0 and residuals.stages[0].ratio == 3.0
+
+
+def test_a_second_cut_tells_the_parts_of_a_stage_apart() -> None:
+    """Gemma's shape: one stage of units 2-28 measured 1.5x; the next plan cut it at 23, and
+    units 23-28 alone measured 1.05x: the rest of the old stage was the slow part."""
+    count = 31
+    residuals = with_stage(UnitResiduals(), count, (2, 29), 1.5)
+    first = unit_scales(residuals)
+    assert first is not None
+    assert first[2:29] == pytest.approx([1.5] * 27) and first[0] == first[29] == 1.0
+    residuals = with_stage(residuals, count, (23, 29), 1.05)
+    scales = unit_scales(residuals)
+    assert scales is not None
+    assert scales[23:29] == pytest.approx([1.05] * 6)
+    rest = math.exp((27 * math.log(1.5) - 6 * math.log(1.05)) / 21)
+    assert scales[2:23] == pytest.approx([rest] * 21)  # both stages as measured, in logs
+    assert math.fsum(math.log(s) for s in scales[2:29]) / 27 == pytest.approx(math.log(1.5))
+
+
+@pytest.mark.parametrize("seed", range(20))
+def test_scales_reproduce_every_stage_of_consistent_cuts(seed: int) -> None:
+    """Against the truth: units with random scales, measured by random cuts of whole plans;
+    every stage's mean log scale is what it measured (the system is consistent), and a unit
+    some stage held alone gets its own scale."""
+    rng = random.Random(seed)
+    count = rng.randint(2, 9)
+    truth = [math.exp(rng.uniform(-1.0, 1.0)) for _ in range(count)]
+    residuals = UnitResiduals()
+    for _ in range(rng.randint(1, 3)):
+        cuts = sorted(rng.sample(range(1, count), rng.randint(0, min(3, count - 1))))
+        for lo, hi in itertools.pairwise([0, *cuts, count]):
+            mean = math.fsum(math.log(t) for t in truth[lo:hi]) / (hi - lo)
+            residuals = with_stage(residuals, count, (lo, hi), math.exp(mean))
+    scales = unit_scales(residuals)
+    assert scales is not None
+    for stage in residuals.stages:
+        lo, hi = stage.units
+        got = math.fsum(math.log(s) for s in scales[lo:hi]) / (hi - lo)
+        assert got == pytest.approx(math.log(stage.ratio), abs=1e-9)
+        if hi - lo == 1:
+            assert scales[lo] == pytest.approx(truth[lo])
+
+
+def test_residuals_written_per_unit_are_read_as_one_unit_stages() -> None:
+    old = UnitResiduals.model_validate({"ratios": [[2.0], [], [0.5, 2.0]]})
+    assert old.unit_count == 3
+    assert unit_scales(old) == pytest.approx([2.0, 1.0, 1.0])
+    with pytest.raises(ValidationError, match="units 2-5 of a model of 3"):
+        UnitResiduals.model_validate({"unit_count": 3, "stages": [{"units": [2, 5], "ratio": 1}]})
 
 
 def _stage(units: tuple[int, int], terms: StageTerms, measured_s: float, version: int) -> StageTime:

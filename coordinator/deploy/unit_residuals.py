@@ -7,32 +7,72 @@ roof. MiniLM's embedding stage (LayerNorm and additions, 0.19 ms) was predicted 
 by the factors its 25 ms attention stages set (softmax and GELU).
 
 So after each deploy, every measured stage's *residual* (measured time over its prediction
-with the model's newly fitted factors) is kept for each unit the stage held, the latest
-:data:`RESIDUAL_WINDOW` of them a unit; later plans of the model price each unit's work that
-many times (:func:`unit_scales`: the geometric mean, within [:data:`LOWEST`, :data:`HIGHEST`]).
-A stage cut the same way again is then predicted at what it measured; a unit that moves to a
-new stage carries its old stage's residual. Pure functions over plain data.
+with the model's newly fitted factors) is kept with the units it held, the latest
+:data:`RESIDUAL_STAGES` of a model; later plans of the model price each unit's work
+:func:`unit_scales` times. The scales are the least-squares solution, in logarithms, of "a
+stage's residual is the mean of its units' scales" over the kept stages (the smallest
+solution where the stages leave it open, within [:data:`LOWEST`, :data:`HIGHEST`]):
+
+- a stage cut the same way again is predicted at what it measured (the geometric mean of its
+  measurements when it was measured more than once);
+- a unit first measured inside a longer stage carries that stage's residual;
+- once two plans cut the model differently, the parts of a stage are told apart: Gemma 3
+  270M's layers 3-17 measured 1.5x their prediction together, but layers 13-17 on their own
+  about 1.05x, so a plan that cut the model once more between them had priced layers 13-17 at
+  1.4-1.5x with one residual a unit.
+
+Pure functions over plain data.
 """
 
 from __future__ import annotations
 
 import math
-from collections.abc import Sequence
+from typing import Any
 
-from pydantic import Field, PositiveFloat
+import numpy as np
+from pydantic import Field, NonNegativeInt, PositiveFloat, model_validator
 
 from protocols.base import FrozenModel
 
-RESIDUAL_WINDOW = 3
-"""Residuals kept per unit (the latest deploys')."""
+RESIDUAL_STAGES = 16
+"""Measured stages kept per model (about the latest four deploys')."""
 LOWEST = 0.25
 HIGHEST = 4.0
 
 
-class UnitResiduals(FrozenModel):
-    """One model's residuals: ``ratios[u]`` are unit ``u``'s latest, oldest first."""
+class StageResidual(FrozenModel):
+    """One measured stage: the units it held (half-open) and its measured/predicted time."""
 
-    ratios: list[list[PositiveFloat]] = Field(default_factory=list)
+    units: tuple[NonNegativeInt, NonNegativeInt]
+    ratio: PositiveFloat
+
+
+class UnitResiduals(FrozenModel):
+    """One model's residuals: its latest measured stages, oldest first, for a model of
+    ``unit_count`` units. Files written before the stages were kept (``ratios``: each unit's
+    latest residuals) are read as one-unit stages."""
+
+    unit_count: NonNegativeInt = 0
+    stages: list[StageResidual] = Field(default_factory=list, max_length=RESIDUAL_STAGES)
+
+    @model_validator(mode="before")
+    @classmethod
+    def _from_unit_ratios(cls, data: Any) -> Any:
+        if not (isinstance(data, dict) and "ratios" in data and "stages" not in data):
+            return data
+        per_unit = data["ratios"]
+        stages = [
+            {"units": (u, u + 1), "ratio": r} for u, kept in enumerate(per_unit) for r in kept
+        ]
+        return {"unit_count": len(per_unit), "stages": stages[-RESIDUAL_STAGES:]}
+
+    @model_validator(mode="after")
+    def _units_in_range(self) -> UnitResiduals:
+        for stage in self.stages:
+            lo, hi = stage.units
+            if not 0 <= lo < hi <= self.unit_count:
+                raise ValueError(f"units {lo}-{hi} of a model of {self.unit_count} units")
+        return self
 
 
 def with_stage(
@@ -41,26 +81,22 @@ def with_stage(
     """``residuals`` of a model of ``unit_count`` units after a stage holding ``units``
     (half-open) measured ``ratio`` times its prediction; residuals of another unit count (the
     model cut into other units) are dropped."""
-    ratios = residuals.ratios if len(residuals.ratios) == unit_count else [[]] * unit_count
-    lo, hi = units
-    return UnitResiduals(
-        ratios=[
-            [*kept, ratio][-RESIDUAL_WINDOW:] if lo <= u < hi else kept
-            for u, kept in enumerate(ratios)
-        ]
-    )
+    kept = residuals.stages if residuals.unit_count == unit_count else []
+    stage = StageResidual(units=units, ratio=ratio)
+    return UnitResiduals(unit_count=unit_count, stages=[*kept, stage][-RESIDUAL_STAGES:])
 
 
 def unit_scales(residuals: UnitResiduals | None) -> list[float] | None:
-    """How many times its roofline work each unit is priced at (1 for a unit without
-    residuals); None without any."""
-    if residuals is None or not residuals.ratios:
+    """How many times its roofline work each unit is priced at (1 for a unit no kept stage
+    held); None without any kept stage."""
+    if residuals is None or not residuals.stages:
         return None
-    return [_mean(kept) for kept in residuals.ratios]
-
-
-def _mean(ratios: Sequence[float]) -> float:
-    if not ratios:
-        return 1.0
-    mean = math.exp(math.fsum(math.log(r) for r in ratios) / len(ratios))
-    return min(HIGHEST, max(LOWEST, mean))
+    count = residuals.unit_count
+    means = np.zeros((len(residuals.stages), count))
+    logs = np.zeros(len(residuals.stages))
+    for row, stage in enumerate(residuals.stages):
+        lo, hi = stage.units
+        means[row, lo:hi] = 1.0 / (hi - lo)
+        logs[row] = math.log(stage.ratio)
+    solution = np.linalg.lstsq(means, logs, rcond=None)[0]
+    return [min(HIGHEST, max(LOWEST, math.exp(float(x)))) for x in solution]
