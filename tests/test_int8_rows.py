@@ -16,7 +16,7 @@ import pytest
 from onnx import TensorProto, helper, numpy_helper
 
 from partitioner.decoders.int8rows import per_row_activations
-from partitioner.decoders.precision import _dynamic_int8
+from partitioner.decoders.ort_quantizers import dynamic_int8
 from partitioner.errors import GraphError
 
 K, N = 48, 24
@@ -71,8 +71,8 @@ def _reference(x: np.ndarray, model: onnx.ModelProto) -> np.ndarray:
 def test_each_row_of_a_pass_computes_what_it_computes_alone(opset: int) -> None:
     rng = np.random.default_rng(3)
     weight = rng.standard_normal((K, N)).astype(np.float32)
-    per_pass = _dynamic_int8(_product(weight, opset))
-    per_row = per_row_activations(_dynamic_int8(_product(weight, opset)))
+    per_pass = dynamic_int8(_product(weight, opset))
+    per_row = per_row_activations(dynamic_int8(_product(weight, opset)))
     assert not [n for n in per_row.graph.node if n.op_type == "DynamicQuantizeLinear"]
     x = _rows()
     together = _run(per_row, x)
@@ -90,7 +90,7 @@ def test_each_row_of_a_pass_computes_what_it_computes_alone(opset: int) -> None:
 def test_a_weight_that_is_not_stored_in_the_graph_is_refused(tmp_path: Path) -> None:
     """A ``MatMulInteger`` whose weight is computed (no column sums at export) is a
     :class:`GraphError` naming the node, not a graph that computes something else."""
-    model = _dynamic_int8(_product(np.ones((K, N), np.float32), 17))
+    model = dynamic_int8(_product(np.ones((K, N), np.float32), 17))
     (product,) = [n for n in model.graph.node if n.op_type == "MatMulInteger"]
     weight = product.input[1]
     stored = next(t for t in model.graph.initializer if t.name == weight)

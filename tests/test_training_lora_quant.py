@@ -94,7 +94,8 @@ def test_merge_requantizes_exactly_as_onnx_runtime_and_changes_one_segment(
 ) -> None:
     """Reference: ONNX Runtime's own quantizer run on the float32 graph whose adapted weights
     are ``W_deq + scale·B·A`` (the served weight, dequantized, plus the update)."""
-    from partitioner.decoders.precision import fold_weight_transposes, quantize_model
+    from partitioner.decoders.ort_quantizers import fold_weight_transposes
+    from partitioner.decoders.precision import quantize_model
     from partitioner.lora import adapters_by_module
     from partitioner.lora_quant import dequantized
 

@@ -12,7 +12,7 @@ the last axis). ONNX Runtime's CPU ``MatMulInteger`` takes only one zero point f
 operand, so the product runs with none and each row's zero point is taken out afterwards in
 int32: ``(q - z) @ W = q @ W - z * colsum(W)``, where ``colsum`` is the weight's column sums
 less its zero points, a constant of the export. The integer product is exact (7-bit weights
-never saturate the kernels, see :data:`~partitioner.decoders.precision.INT8_REDUCE_RANGE`), so
+never saturate the kernels, see :data:`~partitioner.decoders.ort_quantizers.INT8_REDUCE_RANGE`), so
 each row's result depends on that row alone. The float products left (attention) are padded to
 two rows by :func:`~partitioner.decoders.rowwise.two_row_products`; the export then checks the
 written graph on its machine, as for int4.
