@@ -95,10 +95,20 @@ def test_scales_reproduce_every_stage_of_consistent_cuts(seed: int) -> None:
             assert scales[lo] == pytest.approx(truth[lo])
 
 
-def test_residuals_written_per_unit_are_read_as_one_unit_stages() -> None:
+def test_residuals_written_per_unit_are_read_with_the_scales_they_gave() -> None:
     old = UnitResiduals.model_validate({"ratios": [[2.0], [], [0.5, 2.0]]})
     assert old.unit_count == 3
     assert unit_scales(old) == pytest.approx([2.0, 1.0, 1.0])
+    # MiniLM's shape: 14 units, three deploys of an embedding stage and three layer stages,
+    # more per-unit residuals than stages are kept; the embedding's unit keeps its own
+    embedding, layers = [0.5, 0.45, 0.55], [[1.1, 0.9, 1.0], [1.2, 1.3, 1.25], [0.8, 0.85, 0.9]]
+    per_unit = [embedding] + [layers[0]] * 5 + [layers[1]] * 4 + [layers[2]] * 4
+    before = [math.exp(math.fsum(math.log(r) for r in kept) / 3) for kept in per_unit]
+    minilm = UnitResiduals.model_validate({"ratios": per_unit})
+    assert len(minilm.stages) == 4
+    assert unit_scales(minilm) == pytest.approx(before)
+    with pytest.raises(ValidationError, match="per-unit residuals"):
+        UnitResiduals.model_validate({"ratios": [[2.0], [-1.0]]})
     with pytest.raises(ValidationError, match="units 2-5 of a model of 3"):
         UnitResiduals.model_validate({"unit_count": 3, "stages": [{"units": [2, 5], "ratio": 1}]})
 

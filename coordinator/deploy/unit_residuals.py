@@ -32,7 +32,14 @@ import math
 from typing import Any
 
 import numpy as np
-from pydantic import Field, NonNegativeInt, PositiveFloat, model_validator
+from pydantic import (
+    Field,
+    NonNegativeInt,
+    PositiveFloat,
+    TypeAdapter,
+    ValidationError,
+    model_validator,
+)
 
 from protocols.base import FrozenModel
 
@@ -40,6 +47,7 @@ RESIDUAL_STAGES = 16
 """Measured stages kept per model (about the latest four deploys')."""
 LOWEST = 0.25
 HIGHEST = 4.0
+_PER_UNIT = TypeAdapter(list[list[PositiveFloat]])
 
 
 class StageResidual(FrozenModel):
@@ -52,7 +60,8 @@ class StageResidual(FrozenModel):
 class UnitResiduals(FrozenModel):
     """One model's residuals: its latest measured stages, oldest first, for a model of
     ``unit_count`` units. Files written before the stages were kept (``ratios``: each unit's
-    latest residuals) are read as one-unit stages."""
+    latest residuals) are read as one stage per run of units with the same residuals, at their
+    geometric mean: the scales those files gave."""
 
     unit_count: NonNegativeInt = 0
     stages: list[StageResidual] = Field(default_factory=list, max_length=RESIDUAL_STAGES)
@@ -62,11 +71,11 @@ class UnitResiduals(FrozenModel):
     def _from_unit_ratios(cls, data: Any) -> Any:
         if not (isinstance(data, dict) and "ratios" in data and "stages" not in data):
             return data
-        per_unit = data["ratios"]
-        stages = [
-            {"units": (u, u + 1), "ratio": r} for u, kept in enumerate(per_unit) for r in kept
-        ]
-        return {"unit_count": len(per_unit), "stages": stages[-RESIDUAL_STAGES:]}
+        try:
+            per_unit = _PER_UNIT.validate_python(data["ratios"])
+        except ValidationError as exc:
+            raise ValueError(f"per-unit residuals: {exc}") from exc
+        return {"unit_count": len(per_unit), "stages": _unit_runs(per_unit)}
 
     @model_validator(mode="after")
     def _units_in_range(self) -> UnitResiduals:
@@ -75,6 +84,23 @@ class UnitResiduals(FrozenModel):
             if not 0 <= lo < hi <= self.unit_count:
                 raise ValueError(f"units {lo}-{hi} of a model of {self.unit_count} units")
         return self
+
+
+def _unit_runs(per_unit: list[list[float]]) -> list[dict[str, Any]]:
+    """Per-unit residual lists (the units of one stage kept the same ones) as one stage per run
+    of units with the same list, at its geometric mean; where there are more runs than
+    :data:`RESIDUAL_STAGES`, the ones furthest from 1."""
+    runs: list[tuple[int, int, list[float]]] = []
+    for unit, kept in enumerate(per_unit):
+        if not kept:
+            continue
+        if runs and runs[-1][1] == unit and runs[-1][2] == kept:
+            runs[-1] = (runs[-1][0], unit + 1, kept)
+        else:
+            runs.append((unit, unit + 1, kept))
+    means = [((lo, hi), math.fsum(math.log(r) for r in kept) / len(kept)) for lo, hi, kept in runs]
+    furthest = sorted(means, key=lambda run: abs(run[1]), reverse=True)[:RESIDUAL_STAGES]
+    return [{"units": units, "ratio": math.exp(log)} for units, log in sorted(furthest)]
 
 
 def with_stage(
