@@ -2,9 +2,9 @@
 vs llama.cpp.
 
 Same prompt (a chat message rendered with the model's own template), same number of new tokens,
-greedy, one intra-op thread per stage and per session (the agents' default; a draft model
-runs on the coordinator's ``--draft-threads``, by default half the machine's cores, at most
-4), in one run:
+greedy, one intra-op thread per stage and per session unless told (``--agent-threads``; a
+draft model runs on the coordinator's ``--draft-threads``, by default half the machine's cores,
+at most 4), in one run:
 
 - fedshard: a coordinator and three (``--agents``) agents on 127.0.0.1 (planning caps, or the
   agents' own ``--memory`` budgets with ``--no-caps``, force the split), streamed
@@ -309,6 +309,9 @@ class Fleet:
     """Plan under :func:`decoder_caps` (else only under the agents' own budgets)."""
     draft_threads: int
     """The coordinator's ``--draft-threads``."""
+    agent_threads: int = 1
+    """Each agent's ``--threads`` (ONNX Runtime intra-op threads), and the whole-model
+    session's."""
 
 
 def fedshard_runs(
@@ -329,7 +332,7 @@ def fedshard_runs(
     and measured memory per device)."""
     from partitioner.decoders.ort_runner import OrtDecoder
 
-    decoder = OrtDecoder(export, threads=1)
+    decoder = OrtDecoder(export, threads=fleet.agent_threads)
     model_id = name
     with tempfile.TemporaryDirectory(prefix="fedshard-bench-gen-") as tmp:
         work = Path(tmp)
@@ -344,7 +347,13 @@ def fedshard_runs(
             first = None
             state_dirs = {}
             for agent in names:
-                child = procs.start_agent(agent, fleet.memory, work / agent, profile_from=first)
+                child = procs.start_agent(
+                    agent,
+                    fleet.memory,
+                    work / agent,
+                    profile_from=first,
+                    options=["--threads", str(fleet.agent_threads)],
+                )
                 first = first or child.state_dir / "profile.json"
                 state_dirs[agent] = child.state_dir
             api = Api(coordinator.url, coordinator.token)
@@ -463,6 +472,13 @@ def main() -> int:
         help="the coordinator's threads for a draft model (default: its own default, %(default)s)",
     )
     parser.add_argument(
+        "--agent-threads",
+        type=int,
+        default=1,
+        help="each agent's ONNX Runtime intra-op threads, and the whole-model session's "
+        "(default %(default)s)",
+    )
+    parser.add_argument(
         "--prompt",
         action="append",
         choices=list(PROMPTS),
@@ -474,7 +490,9 @@ def main() -> int:
     export = args.export or prepared_export(console, args.model, args.weights)
     drafts = draft_exports(console, args.draft_model, args.whole_head) if args.draft_model else {}
     ids = prompt_ids(export)
-    fleet = Fleet(args.agents, args.memory, not args.no_caps, args.draft_threads)
+    fleet = Fleet(
+        args.agents, args.memory, not args.no_caps, args.draft_threads, args.agent_threads
+    )
     single, whole, total_tps, slowest, placements, spec = fedshard_runs(
         console,
         args.model,
@@ -553,8 +571,9 @@ def report(
     lines = [
         f"# Generation speed ({args.model}, {args.weights})",
         "",
-        f"`.venv/bin/python bench/generate.py {command}` on {os.cpu_count()} cores; one "
-        f"intra-op thread per stage and per session (a draft model: the coordinator's "
+        f"`.venv/bin/python bench/generate.py {command}` on {os.cpu_count()} cores; "
+        f"{args.agent_threads} intra-op thread(s) per stage and per session (a draft model: "
+        f"the coordinator's "
         f"`--draft-threads`, {args.draft_threads}); {len(ids)}-token chat prompt, "
         f"{args.tokens} new tokens, greedy; agents of {args.memory} each.",
         "",

@@ -89,6 +89,9 @@ class DraftModel:
         options.log_severity_level = 3
         options.intra_op_num_threads = threads
         options.inter_op_num_threads = 1
+        # ONNX Runtime's workers spin for tens of milliseconds after a run by default: on a
+        # machine that also runs stages they would take a core from the pass verifying the draft
+        options.add_session_config_entry("session.force_spinning_stop", "1")
         self._session = ort.InferenceSession(
             str(directory / MODEL_FILE), options, providers=["CPUExecutionProvider"]
         )
