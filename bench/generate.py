@@ -352,7 +352,7 @@ def fedshard_runs(
                     fleet.memory,
                     work / agent,
                     profile_from=first,
-                    options=["--threads", str(fleet.agent_threads)],
+                    threads=fleet.agent_threads,
                 )
                 first = first or child.state_dir / "profile.json"
                 state_dirs[agent] = child.state_dir

@@ -91,7 +91,7 @@ def measure_rate(
             cert, key = ca.issue("hop")
             agent = [py, "-m", "edge_agent", "agent", "--name", "hop", "--memory", "256MiB"]
             agent += ["--state-dir", str(state), "--interface", h1.address, "--no-advertise"]
-            agent += ["--max-frame", "64MiB", "--ca", str(ca.ca_path)]
+            agent += ["--max-frame", "64MiB", "--ca", str(ca.ca_path), "--threads", "1"]
             agent += ["--cert", str(cert), "--key", str(key)]
             start("agent", agent)
             tcp_file, raw_file = work / "tcp.port", work / "raw.port"

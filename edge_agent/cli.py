@@ -12,7 +12,14 @@ import os
 from pathlib import Path
 from typing import Any
 
-from edge_agent.config import AgentConfig, RuntimeConfig, TlsFiles, TrainConfig, parse_size
+from edge_agent.config import (
+    AgentConfig,
+    RuntimeConfig,
+    TlsFiles,
+    TrainConfig,
+    parse_size,
+    usable_cores,
+)
 from edge_agent.errors import AgentError, ConfigError
 from protocols.constants import DEFAULT_QUEUE_DEPTH
 
@@ -70,7 +77,11 @@ def register(subparsers: Any) -> None:
 
 def _add_runtime_args(parser: argparse.ArgumentParser) -> None:
     parser.add_argument(
-        "--threads", type=int, default=1, help="ONNX Runtime intra-op threads (default 1)"
+        "--threads",
+        type=int,
+        default=usable_cores(),
+        help="ONNX Runtime intra-op threads (default: the cores this process may use, "
+        "%(default)s here; several agents on one machine: 1 each)",
     )
     parser.add_argument(
         "--inter-op-threads", type=int, default=1, help="ONNX Runtime inter-op threads"

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import os
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -29,9 +30,18 @@ class TlsFiles:
     key: Path
 
 
+def usable_cores() -> int:
+    """The cores this process may run on: ``fedshard agent``'s intra-op threads unless told
+    (one agent per device; several agents on one machine take ``--threads 1`` each)."""
+    if hasattr(os, "sched_getaffinity"):
+        return max(1, len(os.sched_getaffinity(0)))
+    return max(1, os.cpu_count() or 1)
+
+
 @dataclass(frozen=True)
 class RuntimeConfig:
-    """How ONNX Runtime sessions are built; small thread counts so agents share a machine."""
+    """How ONNX Runtime sessions are built (the command line's default: :func:`usable_cores`
+    intra-op threads; this class's, one, for agents sharing a machine)."""
 
     intra_op_threads: int = 1
     inter_op_threads: int = 1

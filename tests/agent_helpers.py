@@ -287,7 +287,7 @@ def start_agent(
     state = tmp / f"state-{name}"
     state.mkdir(parents=True, exist_ok=True)
     args = [PYTHON, "-m", "edge_agent", "agent", "--name", name, "--memory", memory]
-    args += ["--state-dir", str(state), "--interface", "127.0.0.1"]
+    args += ["--state-dir", str(state), "--interface", "127.0.0.1", "--threads", "1"]
     if ca is not None:
         cert, key = ca.issue(name)
         args += ["--ca", str(ca.ca_path), "--cert", str(cert), "--key", str(key)]

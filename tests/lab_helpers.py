@@ -259,6 +259,7 @@ def _start_agents(lab: Lab, work: Path, hosts: Sequence[str], started: list[Agen
             shutil.copy(started[0].state_dir / "profile.json", state / "profile.json")
         command = [PYTHON, "-m", "edge_agent", "agent", "--name", host, "--memory", AGENT_MEMORY]
         command += ["--state-dir", str(state), "--interface", lab.plan.node(host).address]
+        command += ["--threads", "1"]  # the lab's hosts share this machine's cores
         log_path = work / f"{host}.log"
         with log_path.open("wb") as log_file:
             proc = subprocess.Popen(

@@ -12,7 +12,7 @@ import pytest
 from agent_helpers import TestCA, manifest_for, tiny_chain
 
 from edge_agent.checks import InputSpec, check_tensors
-from edge_agent.config import AgentConfig, RuntimeConfig, parse_size
+from edge_agent.config import AgentConfig, RuntimeConfig, parse_size, usable_cores
 from edge_agent.errors import (
     BudgetError,
     ConfigError,
@@ -224,6 +224,8 @@ def test_cli_builds_one_config() -> None:
         config_from_args(parser.parse_args([*base, "--ca", "ca.pem"]))
     with pytest.raises(ConfigError, match="at least 1"):
         config_from_args(parser.parse_args([*base, "--threads", "0"]))
+    # one agent per device: it uses the device's cores unless told
+    assert config_from_args(parser.parse_args(base)).runtime.intra_op_threads == usable_cores()
 
 
 def test_store_refuses_a_segment_whose_measured_memory_is_over_budget(tmp_path: Path) -> None:

@@ -169,6 +169,7 @@ def test_exec_and_agent_command_lines() -> None:
     assert argv[4:8] == ["/py", "-m", "edge_agent", "agent"]
     assert argv[argv.index("--interface") + 1] == "10.77.0.2"
     assert argv[argv.index("--memory") + 1] == str(64 << 20)
+    assert argv[argv.index("--threads") + 1] == "1"  # the lab's hosts share the machine
     with pytest.raises(LabSpecError, match="no host 'h9'"):
         plan.node("h9")
 

@@ -83,8 +83,8 @@ class AgentChild(Child):
 
     state_dir: Path = Path()
     memory: str = ""
-    options: tuple[str, ...] = ()
-    """The further command-line options it was started with."""
+    threads: int = 1
+    """Its ``--threads``."""
     control_port: int = 0
     device_id: str = ""
 
@@ -188,10 +188,10 @@ class DemoProcesses:
         memory: str,
         state_dir: Path,
         profile_from: Path | None = None,
-        options: Sequence[str] = (),
+        threads: int = 1,
     ) -> AgentChild:
-        """Start ``python -m edge_agent agent`` (with ``options``, further command-line
-        options); wait for its ready file.
+        """Start ``python -m edge_agent agent`` with ``threads`` ONNX Runtime intra-op threads
+        (1: the agents share this machine); wait for its ready file.
 
         ``profile_from``: a sibling's measured ``profile.json`` to reuse (saves a measurement).
         """
@@ -203,11 +203,11 @@ class DemoProcesses:
             shutil.copy(profile_from, state_dir / "profile.json")
         command = [sys.executable, "-m", "edge_agent", "agent", "--name", name]
         command += ["--memory", memory, "--state-dir", str(state_dir), "--interface", "127.0.0.1"]
-        command += options
+        command += ["--threads", str(threads)]
         log_path = self.workdir / f"agent-{name}.log"
         proc = self._spawn(name, command, log_path)
         child = AgentChild(
-            name, proc, log_path, state_dir=state_dir, memory=memory, options=tuple(options)
+            name, proc, log_path, state_dir=state_dir, memory=memory, threads=threads
         )
         self.children.append(child)
         deadline = time.monotonic() + START_TIMEOUT_S
@@ -225,7 +225,7 @@ class DemoProcesses:
         if child.alive():
             raise DemoProcessError(f"agent {child.name} is still running")
         self.children.remove(child)
-        return self.start_agent(child.name, child.memory, child.state_dir, options=child.options)
+        return self.start_agent(child.name, child.memory, child.state_dir, threads=child.threads)
 
     def agent(self, name: str) -> AgentChild:
         """The running child for agent ``name``."""

@@ -139,7 +139,7 @@ class LabPlan(FrozenModel):
         """The argv of the edge agent of ``host``, run in its namespace on its lab address."""
         agent = [python, "-m", "edge_agent", "agent", "--name", host.name]
         agent += ["--memory", str(host.memory_bytes), "--state-dir", str(state_dir)]
-        agent += ["--interface", host.address]
+        agent += ["--interface", host.address, "--threads", "1"]  # the hosts share the cores
         return self.exec_argv(host.name, agent)
 
     def links(self) -> list[dict[str, object]]:
