@@ -43,7 +43,7 @@ def masked_vector_bytes(plan: LoraPlan) -> int:
     ``secaggplus_mod`` quantizes, masks and sends each array as int64 (``ndarray_to_bytes``)."""
     from flwr.common import ndarray_to_bytes
 
-    from partitioner.lora import initial_adapters
+    from partitioner.models.lora import initial_adapters
 
     arrays = initial_adapters(plan.adapters, plan.lora.rank, seed=0)
     return sum(len(ndarray_to_bytes(np.zeros(a.shape, np.int64))) for a in arrays)

@@ -33,7 +33,7 @@ from torch.distributed.pipelining import PipelineStage, ScheduleGPipe
 from transformers import AutoModel
 from transformers.masking_utils import create_bidirectional_mask
 
-from partitioner.frontdoor import minilm_dir
+from partitioner.models.frontdoor import minilm_dir
 
 WARMUP = 3
 OPS = ("quit", "whole", "latency", "throughput")

@@ -26,11 +26,11 @@ from edge_agent import membench
 from edge_agent.config import RuntimeConfig
 from edge_agent.runtime import session_options
 from edge_agent.vectorbench import measure_vector_gflops
-from partitioner.modelio import load_model
-from partitioner.roofline import stage_seconds, unit_traffic
-from partitioner.segment_files import write_segments
-from partitioner.split import Analysis, analyse, analysis_work
-from partitioner.units import StaticClosures
+from partitioner.analysis.modelio import load_model
+from partitioner.analysis.roofline import stage_seconds, unit_traffic
+from partitioner.analysis.units import StaticClosures
+from partitioner.cutting.segment_files import write_segments
+from partitioner.cutting.split import Analysis, analyse, analysis_work
 from protocols.problem import Roofs
 
 

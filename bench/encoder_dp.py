@@ -193,7 +193,7 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--rank", type=int, default=4)
     parser.add_argument("--out", type=Path, default=RESULTS / "encoder_dp.md")
     args = parser.parse_args(argv)
-    from partitioner.frontdoor import export_minilm
+    from partitioner.models.frontdoor import export_minilm
 
     console = Console()
     all_runs = []

@@ -113,8 +113,8 @@ device: 0.02 went 5.22 -> 8.92 -> 4.63 nats/token, 0.005 went 5.22 -> 2.38 -> 2.
 def export_dir(model: str, cache: Path) -> Path:
     """The cached export of ``model`` in its default precision (exported once, into
     ``CACHE/exports/MODEL-WEIGHTS`` as ``fedshard demo`` names it)."""
-    from partitioner.decoders.precision import current_export, default_weights
-    from partitioner.frontdoor import export_decoder
+    from partitioner.models.decoders.precision import current_export, default_weights
+    from partitioner.models.frontdoor import export_decoder
 
     weights = default_weights(model)
     out = cache / "exports" / f"{model}-{weights}"
@@ -126,8 +126,8 @@ def export_dir(model: str, cache: Path) -> Path:
 @functools.cache
 def torch_model(model: str, cache: Path) -> Any:
     """The decoder's torch definition (loaded once a process)."""
-    from partitioner.decoders.progress import Steps
-    from partitioner.decoders.sources import load_source
+    from partitioner.models.decoders.progress import Steps
+    from partitioner.models.decoders.sources import load_source
 
     return load_source(model, cache, Steps()).model
 
@@ -256,7 +256,7 @@ def rows(modes: list[ModeRuns]) -> list[tuple[str, ...]]:
 
 def report(args: argparse.Namespace, modes: list[ModeRuns], console: Console) -> None:
     """Print the table; write ``federated.md``, ``federated.json`` and ``federated.png``."""
-    from partitioner.decoders.precision import default_weights
+    from partitioner.models.decoders.precision import default_weights
 
     header = (
         "mode",

@@ -275,8 +275,8 @@ def transformers_run(name: str, ids: list[int], tokens: int) -> Run:
     """transformers' ``generate`` on the same weights (torch, one thread)."""
     import torch
 
-    from partitioner.decoders.progress import Steps
-    from partitioner.decoders.sources import load_source
+    from partitioner.models.decoders.progress import Steps
+    from partitioner.models.decoders.sources import load_source
 
     torch.set_num_threads(1)
     model = load_source(name, CACHE, Steps()).model
@@ -330,7 +330,7 @@ def fedshard_runs(
     concurrent streams; then the speculative comparison (:func:`speculative_rows`) when the
     export has trailing top-k outputs. Also returns the deployment's placements (predicted
     and measured memory per device)."""
-    from partitioner.decoders.ort_runner import OrtDecoder
+    from partitioner.models.decoders.ort_runner import OrtDecoder
 
     decoder = OrtDecoder(export, threads=fleet.agent_threads)
     model_id = name
@@ -380,12 +380,12 @@ def prepared_export(console: Console, name: str, weights: str) -> Path:
     """The model's export in ``weights`` under the cache (``fedshard export --weights``, once)."""
     if weights == "fp32":
         return export_decoder(console, name, CACHE / "exports" / name, CACHE)
-    from partitioner.decoders.precision import current_export, parse_weights
+    from partitioner.models.decoders.precision import current_export, parse_weights
 
     out = CACHE / "exports" / f"{name}-{weights}"
     if not current_export(out, parse_weights(weights)):  # missing, or an older scheme's
-        from partitioner.decoders.progress import RichSteps
-        from partitioner.frontdoor import export_decoder as export_weights
+        from partitioner.models.decoders.progress import RichSteps
+        from partitioner.models.frontdoor import export_decoder as export_weights
 
         steps = RichSteps(console)
         export_weights(name, out, cache_dir=CACHE, weights=parse_weights(weights), steps=steps)
@@ -404,7 +404,7 @@ DRAFTERS = {
 def draft_exports(console: Console, name: str, whole_head: bool) -> dict[str, Path]:
     """The draft models to compare, by mode label: ``name`` itself (an export directory), or
     decoder ``name``'s cached draft-only export and, with ``whole_head``, its int4 export."""
-    from partitioner.decoders.precision import default_weights
+    from partitioner.models.decoders.precision import default_weights
 
     path = Path(name)
     if (path / "decoder.json").is_file():
@@ -418,10 +418,10 @@ def draft_exports(console: Console, name: str, whole_head: bool) -> dict[str, Pa
 def lean_draft_export(console: Console, name: str) -> Path:
     """Decoder ``name``'s draft-only export under the cache (``fedshard export --draft``, again
     whenever the cached one is not :func:`current_draft_export`)."""
-    from partitioner.decoders.draft_head import current_draft_export
-    from partitioner.decoders.progress import RichSteps
-    from partitioner.decoders.weights import DRAFT_VOCABULARY
-    from partitioner.frontdoor import export_decoder as export_model
+    from partitioner.models.decoders.draft_head import current_draft_export
+    from partitioner.models.decoders.progress import RichSteps
+    from partitioner.models.decoders.weights import DRAFT_VOCABULARY
+    from partitioner.models.frontdoor import export_decoder as export_model
 
     out = CACHE / "exports" / f"{name}-draft"
     if not current_draft_export(out, DRAFT_VOCABULARY):
@@ -433,8 +433,8 @@ def lean_draft_export(console: Console, name: str) -> Path:
 
 def gguf_file(name: str) -> Path:
     """The GGUF file the model's weights come from (assembled from its packages once)."""
-    from partitioner.decoders import qwen
-    from partitioner.decoders.progress import Steps
+    from partitioner.models.decoders import qwen
+    from partitioner.models.decoders.progress import Steps
 
     if name != qwen.NAME:
         raise SystemExit(f"--llama-cpp: no GGUF file known for {name}")

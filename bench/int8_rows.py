@@ -2,11 +2,11 @@
 
 ``quantize_dynamic`` quantizes a ``MatMulInteger``'s activations with one scale per pass, so a
 token decodes differently alone and in a speculative verify pass; ``fedshard export --weights
-int8`` quantizes them per row instead (:mod:`partitioner.decoders.int8rows`). Both graphs are
+int8`` quantizes them per row instead (:mod:`partitioner.models.decoders.int8rows`). Both graphs are
 made here from the cached float32 export (the demo's), side by side in one run:
 
 - whether a token decodes bit for bit alike alone and in a two-token pass;
-- quality against float32 (:func:`partitioner.decoders.quality.compare_decoders`: top-1
+- quality against float32 (:func:`partitioner.models.decoders.quality.compare_decoders`: top-1
   agreement and perplexity on 128 tokens of real text, one token a step);
 - the whole model in one ONNX Runtime session: a one-token step and a 4-token pass, at one
   and two threads, timed round-robin (median of ``--rounds`` rounds of 8 calls each).
@@ -33,12 +33,12 @@ from rich.console import Console  # noqa: E402
 from rich.progress import track  # noqa: E402
 from rich.table import Table  # noqa: E402
 
-from partitioner.decoders.int8rows import per_row_activations  # noqa: E402
-from partitioner.decoders.ort_runner import OrtDecoder  # noqa: E402
-from partitioner.decoders.precision import per_pass_int8  # noqa: E402
-from partitioner.decoders.quality import compare_decoders, evaluation_ids  # noqa: E402
-from partitioner.decoders.rowwise import rows_decode_alike, two_row_products  # noqa: E402
-from partitioner.modelio import save_model  # noqa: E402
+from partitioner.analysis.modelio import save_model  # noqa: E402
+from partitioner.models.decoders.int8rows import per_row_activations  # noqa: E402
+from partitioner.models.decoders.ort_runner import OrtDecoder  # noqa: E402
+from partitioner.models.decoders.precision import per_pass_int8  # noqa: E402
+from partitioner.models.decoders.quality import compare_decoders, evaluation_ids  # noqa: E402
+from partitioner.models.decoders.rowwise import rows_decode_alike, two_row_products  # noqa: E402
 
 RESULTS = REPO / "bench" / "results" / "int8_rows.md"
 CACHE = REPO / ".cache" / "fedshard"
@@ -83,7 +83,7 @@ def step_times(
 
 
 def main() -> None:
-    from partitioner.frontdoor import float32_export
+    from partitioner.models.frontdoor import float32_export
 
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--rounds", type=int, default=5)

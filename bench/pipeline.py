@@ -83,7 +83,7 @@ def main() -> int:
 def roofline_split(model: Path, out: Path, profile: ComputeProfile) -> Manifest:
     """``fedshard split`` of MiniLM onto MINILM_DEVICES with this machine's measured roofs,
     costed at the benchmark's shapes (batch 1, 128 tokens), verified; the manifest."""
-    from partitioner.split import SplitOptions, split_model
+    from partitioner.cutting.split import SplitOptions, split_model
     from protocols.devices import DeviceList
 
     # the measured roofs; one not measured is left out (the device's default)

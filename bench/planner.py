@@ -28,10 +28,10 @@ from report.headlines import Headline, write_headlines
 from rich.console import Console
 from rich.table import Table
 
-from partitioner.baselines import Baseline, BaselineResult, run_baseline
-from partitioner.planner import plan
 from partitioner.planning import synthetic
+from partitioner.planning.baselines import Baseline, BaselineResult, run_baseline
 from partitioner.planning.fleet import build_fleet
+from partitioner.planning.planner import plan
 from protocols.plan import Objective, Plan
 from protocols.problem import PlanningProblem
 

@@ -43,7 +43,7 @@ from agent_helpers import minilm_model  # noqa: E402
 from lab_helpers import LabCluster, lab_cluster  # noqa: E402
 
 from devtools.lab.executor import unavailable_reason  # noqa: E402
-from partitioner.split import Analysis  # noqa: E402
+from partitioner.cutting.split import Analysis  # noqa: E402
 from protocols.devices import DeviceList  # noqa: E402
 from protocols.plan import Objective, Plan  # noqa: E402
 from protocols.roofs import ROOF_FIELD_NAMES  # noqa: E402
@@ -142,7 +142,7 @@ def with_samples(model: Path, feeds: dict[str, Any], out: Path) -> Path:
     warms up and health-checks at the shape of the bench's requests."""
     import onnx
 
-    from partitioner.samples import SAMPLE_INPUTS_KEY, encode_samples
+    from partitioner.analysis.samples import SAMPLE_INPUTS_KEY, encode_samples
 
     proto = onnx.load(str(model))
     kept = [p for p in proto.metadata_props if p.key != SAMPLE_INPUTS_KEY]
@@ -156,8 +156,8 @@ def with_samples(model: Path, feeds: dict[str, Any], out: Path) -> Path:
 
 def analyse_model(model: Path) -> Analysis:
     """The partitioner's analysis of the model, as the coordinator's deploy makes it."""
-    from partitioner.modelio import load_model
-    from partitioner.split import analyse
+    from partitioner.analysis.modelio import load_model
+    from partitioner.cutting.split import analyse
 
     return analyse(load_model(model))
 
@@ -191,7 +191,7 @@ def lab_devices(
 
 def problem_of(analysis: Analysis, devices: DeviceList) -> Any:
     """The planning problem a deploy builds (same options as the coordinator's split)."""
-    from partitioner.split import SplitOptions, planning_problem
+    from partitioner.cutting.split import SplitOptions, planning_problem
 
     return planning_problem(analysis, devices, SplitOptions(), MODEL_ID)
 
@@ -200,7 +200,7 @@ def best_single(analysis: Analysis, devices: DeviceList) -> str:
     """The device that alone serves the model best on paper (throughput), among those whose
     planning cap holds it."""
     from partitioner.errors import InfeasiblePlanError
-    from partitioner.planner import plan
+    from partitioner.planning.planner import plan
 
     best: tuple[float, str] | None = None
     for device in devices.devices:
@@ -226,8 +226,8 @@ def _only(devices: DeviceList, name: str) -> DeviceList:
 
 def paper_plan(analysis: Analysis, devices: DeviceList, strategy: str, single: str) -> Plan:
     """What ``strategy`` gives on paper with the lab's devices and measured links."""
-    from partitioner.baselines import Baseline, run_baseline
-    from partitioner.planner import plan_preferring_one_device as plan
+    from partitioner.planning.baselines import Baseline, run_baseline
+    from partitioner.planning.planner import plan_preferring_one_device as plan
 
     if strategy == "single":
         devices = _only(devices, single)

@@ -125,7 +125,7 @@ def _cli(coordinator: CoordinatorProc, *args: str) -> None:
 
 
 def _decoder_export(name: str) -> Path:
-    from partitioner.frontdoor import export_decoder
+    from partitioner.models.frontdoor import export_decoder
 
     out = EXPORTS / name
     if not (out / "decoder.json").is_file():

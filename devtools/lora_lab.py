@@ -18,7 +18,7 @@ from typing import Any
 import numpy as np
 import onnx
 
-from partitioner.lora import (
+from partitioner.models.lora import (
     Q_PROJECTIONS,
     adapter_specs,
     initial_adapters,
@@ -65,14 +65,14 @@ def split_version(export_dir: Path, out_dir: Path, memory_mb: int | None = None)
 
 def split_encoder(onnx_path: Path, out_dir: Path) -> Path:
     """``fedshard split`` exported MiniLM onto :data:`ENCODER_DEVICES`, with its tokenizer."""
-    from partitioner.frontdoor import minilm_dir
+    from partitioner.models.frontdoor import minilm_dir
 
     tokenizer = minilm_dir() / "tokenizer.json"
     return _split(onnx_path, tokenizer, ENCODER_DEVICES, out_dir)
 
 
 def _split(onnx_path: Path, tokenizer: Path, devices: dict[str, Any], out_dir: Path) -> Path:
-    from partitioner.split import split_model
+    from partitioner.cutting.split import split_model
     from protocols.devices import DeviceList
 
     split_model(onnx_path, DeviceList.model_validate(devices), out_dir)
@@ -84,7 +84,7 @@ def minilm_model() -> Any:
     """all-MiniLM-L6-v2 as transformers' ``BertModel`` (the package's weights, offline)."""
     from transformers import AutoModel
 
-    from partitioner.frontdoor import minilm_dir, offline
+    from partitioner.models.frontdoor import minilm_dir, offline
 
     offline()
     return AutoModel.from_pretrained(minilm_dir()).eval()
@@ -271,8 +271,8 @@ def main(argv: list[str] | None = None) -> int:
     """Run the lab on an exported decoder and print its measurements as JSON."""
     import argparse
 
-    from partitioner.decoders.progress import Steps
-    from partitioner.decoders.sources import load_source
+    from partitioner.models.decoders.progress import Steps
+    from partitioner.models.decoders.sources import load_source
 
     parser = argparse.ArgumentParser(prog="python -m devtools.lora_lab")
     parser.add_argument("export_dir", type=Path, help="a decoder export (fp32, int8 or int4)")

@@ -32,7 +32,7 @@ def main(argv: list[str] | None = None) -> int:
     from devtools.wordnet import write_shares
     from edge_agent.training.client_app import ShardClient
     from edge_agent.training.local import LocalSettings
-    from partitioner.decoders import tiny
+    from partitioner.models.decoders import tiny
     from protocols.lora import RecordDp
 
     version = args.work_dir / "v0001"

@@ -34,7 +34,7 @@ def greedy_reference(export: Path, prompt: str, max_tokens: int) -> tuple[str, i
     ONNX Runtime session, and how many tokens it generated (an end-of-text token stops it)."""
     from tokenizers import Tokenizer
 
-    from partitioner.decoders.ort_runner import OrtDecoder
+    from partitioner.models.decoders.ort_runner import OrtDecoder
 
     tokenizer = Tokenizer.from_file(str(export / "tokenizer.json"))
     decoder = OrtDecoder(export)
@@ -54,7 +54,7 @@ def greedy_chat_reference(
     with the prompt rendered by the served chat template exactly as the coordinator renders it,
     cut before the first ``stop`` string as ``/v1/chat/completions`` cuts it."""
     from coordinator.generation.tokenizer import ChatTokenizer
-    from partitioner.decoders.ort_runner import OrtDecoder
+    from partitioner.models.decoders.ort_runner import OrtDecoder
 
     decoder = OrtDecoder(export)
     eos = set(decoder.info.eos_token_ids)

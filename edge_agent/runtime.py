@@ -37,8 +37,8 @@ What a loaded segment really costs in resident memory, and the choices made here
   segment 0) before the protobuf is freed. :func:`peak_resident_bytes` reports that peak; the
   budget is checked against what stays resident.
 
-The partitioner's memory model (``partitioner.runtime_memory``) predicts exactly these parts:
-weights, the fixed per-session overhead, and the arena's share of the activation workspace.
+The partitioner's memory model (``partitioner.analysis.runtime_memory``) predicts exactly these
+parts: weights, the fixed per-session overhead, and the arena's share of the activation workspace.
 """
 
 from __future__ import annotations

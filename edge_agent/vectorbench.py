@@ -10,9 +10,9 @@ encoder stages were predicted at 0.59-0.69x of their time.
 The model is :data:`BLOCKS` repetitions of that element-wise pattern on a ``[1, ROWS, WIDTH]``
 hidden state (opset 20, written as raw protobuf like the other micro-benchmarks: the agent does
 not depend on ``onnx``). Its elements are counted as the planner counts them
-(:func:`partitioner.costs.node_flops`: one per element of a node's largest input or output), so
-``vector_gflops`` is what one such counted element costs: the planner prices every operator
-that is not a product, a gather, a view or a ``TopK`` at it.
+(:func:`partitioner.analysis.costs.node_flops`: one per element of a node's largest input or
+output), so ``vector_gflops`` is what one such counted element costs: the planner prices every
+operator that is not a product, a gather, a view or a ``TopK`` at it.
 """
 
 from __future__ import annotations

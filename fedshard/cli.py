@@ -19,7 +19,7 @@ from coordinator import commands as coord_cli
 from coordinator.training import cli as train_cli
 from devtools.demo import cli as demo_cli
 from devtools.lab import cli as lab_cli
-from partitioner import plan_cli, split_cli
+from partitioner.cli import plan_cli, split_cli
 from protocols.constants import SOFTWARE_VERSION
 
 

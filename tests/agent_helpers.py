@@ -477,7 +477,7 @@ MINILM_DEVICES = {
 
 def minilm_model(cache: Path) -> Path:
     """all-MiniLM-L6-v2 exported by the partitioner's front door (cached in ``cache``)."""
-    from partitioner import frontdoor
+    from partitioner.models import frontdoor
 
     key = hashlib.sha256(Path(frontdoor.__file__).read_bytes()).hexdigest()[:16]
     path = cache / f"minilm-{key}.onnx"
@@ -489,7 +489,7 @@ def minilm_model(cache: Path) -> Path:
 
 def minilm_split(model: Path, out: Path) -> Manifest:
     """``fedshard split`` of MiniLM onto :data:`MINILM_DEVICES`, verified; the manifest."""
-    from partitioner.split import SplitOptions, split_model
+    from partitioner.cutting.split import SplitOptions, split_model
     from protocols.devices import DeviceList
 
     devices = DeviceList.from_obj(MINILM_DEVICES)

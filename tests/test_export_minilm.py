@@ -8,9 +8,9 @@ import numpy as np
 import onnx
 import pytest
 
-from partitioner.modelio import load_model
-from partitioner.samples import embedded_samples
-from partitioner.verify import run_model
+from partitioner.analysis.modelio import load_model
+from partitioner.analysis.samples import embedded_samples
+from partitioner.cutting.verify import run_model
 
 pytestmark = pytest.mark.slow
 

@@ -46,8 +46,8 @@ from coordinator.generation.tuning import Costs, Throughput
 from coordinator.http.errors import entry_of
 from coordinator.serving.decoder import ChainDecoderBackend
 from coordinator.transport.dataplane import DataPlane, SessionStep
-from partitioner.decoders.ort_runner import OrtDecoder
-from partitioner.decoders.precision import SCHEME_METADATA_KEY
+from partitioner.models.decoders.ort_runner import OrtDecoder
+from partitioner.models.decoders.precision import SCHEME_METADATA_KEY
 from protocols.decoder import (
     INPUT_IDS,
     TOP_IDS,
@@ -198,7 +198,7 @@ def test_another_draft_model_keeps_the_greedy_text(
 def lean_llama(tiny_llama_dir: Path, tmp_path_factory: pytest.TempPathFactory) -> Path:
     """tiny-llama's draft-only export (``fedshard export --draft``), its head cut to half of
     its vocabulary."""
-    from partitioner.frontdoor import export_decoder
+    from partitioner.models.frontdoor import export_decoder
 
     base = tmp_path_factory.mktemp("lean-llama")
     vocabulary = _info(tiny_llama_dir).vocab_size // 2
@@ -229,8 +229,8 @@ class RecordingStream:
 def test_a_draft_only_export_drafts_kept_tokens_and_keeps_the_greedy_text(
     tiny_llama_dir: Path, lean_llama: Path, plain_text: tuple[str, int]
 ) -> None:
-    from partitioner.decoders.draft_head import kept_ids, special_ids
-    from partitioner.decoders.precision import model_scheme
+    from partitioner.models.decoders.draft_head import kept_ids, special_ids
+    from partitioner.models.decoders.precision import model_scheme
 
     info = _info(lean_llama)
     half = _info(tiny_llama_dir).vocab_size // 2
@@ -258,7 +258,7 @@ def test_a_draft_only_export_is_not_deployed(tiny_llama_dir: Path, lean_llama: P
 def test_a_cache_tells_a_current_draft_export_from_others(
     tiny_llama_dir: Path, lean_llama: Path, tmp_path: Path
 ) -> None:
-    from partitioner.decoders.draft_head import current_draft_export
+    from partitioner.models.decoders.draft_head import current_draft_export
 
     half = _info(tiny_llama_dir).vocab_size // 2
     assert current_draft_export(lean_llama, half)

@@ -48,9 +48,9 @@ def _chat(lab: GenLab, max_tokens: int, question: str = QUESTION) -> dict:  # ty
 def _reference_ids(lab: GenLab, max_tokens: int) -> tuple[list[int], list[int]]:
     """The prompt's ids as the coordinator renders them, and transformers' greedy answer."""
     from coordinator.generation.tokenizer import ChatTokenizer
-    from partitioner.decoders.progress import Steps
-    from partitioner.decoders.reference import transformers_greedy
-    from partitioner.decoders.sources import load_source
+    from partitioner.models.decoders.progress import Steps
+    from partitioner.models.decoders.reference import transformers_greedy
+    from partitioner.models.decoders.sources import load_source
     from protocols.decoder import DecoderInfo
 
     info = DecoderInfo.from_json((lab.export / "decoder.json").read_bytes())

@@ -2,7 +2,7 @@
 what the same quantized model does in one ONNX Runtime session, with and without speculation.
 
 ``tiny-llama`` is exported, stored in int4 (int8) by ONNX Runtime's quantizer
-(:func:`partitioner.decoders.precision.quantize_decoder`) and deployed on three paired agents
+(:func:`partitioner.models.decoders.precision.quantize_decoder`) and deployed on three paired agents
 under per-device caps that no single device can meet for the whole quantized model.
 """
 
@@ -17,8 +17,8 @@ import onnx
 import pytest
 from generation_lab import GenLab, decoder_lab, greedy_reference
 
-from partitioner.decoders.ort_runner import read_info
-from partitioner.decoders.precision import Weights
+from partitioner.models.decoders.ort_runner import read_info
+from partitioner.models.decoders.precision import Weights
 
 pytestmark = [pytest.mark.slow, pytest.mark.timeout(900)]
 
@@ -37,7 +37,7 @@ def _quantized_lab(
     source: Path, factory: pytest.TempPathFactory, weights: Weights, model_id: str, cap: str
 ) -> Iterator[GenLab]:
     """``source`` stored in ``weights`` and deployed on three agents under ``cap`` each."""
-    from partitioner.decoders.precision import quantize_decoder
+    from partitioner.models.decoders.precision import quantize_decoder
 
     tmp = factory.mktemp(f"generation-{weights}")
     export = tmp / "export"
@@ -103,7 +103,7 @@ def test_int4_speculates_and_keeps_the_greedy_text(lab: GenLab) -> None:
 
 def test_int8_speculates_across_agents_and_keeps_the_greedy_text(int8_lab: GenLab) -> None:
     """int8 graphs quantize each row's activations alone
-    (:mod:`partitioner.decoders.int8rows`), so a drafted token verified in a pass of several
+    (:mod:`partitioner.models.decoders.int8rows`), so a drafted token verified in a pass of several
     decodes as it does alone: ``auto`` speculation is in effect on every CPU, the chain
     verifies drafts (and cuts every stage's KV cache back where the random model rejects them)
     and answers what one session's one-token steps answer. The random model seldom repeats a

@@ -53,7 +53,7 @@ def test_greedy_chat_equals_one_onnx_runtime_session(lab: GenLab) -> None:
     from tokenizers import Tokenizer
 
     from coordinator.generation.tokenizer import ChatTokenizer
-    from partitioner.decoders.ort_runner import OrtDecoder
+    from partitioner.models.decoders.ort_runner import OrtDecoder
 
     decoder = OrtDecoder(lab.export)
     chat = ChatTokenizer.from_file(lab.export, decoder.info)
@@ -96,7 +96,7 @@ def test_int4_rows_decode_alike_alone_and_in_a_verify_pass(lab: GenLab) -> None:
     was 0.067 apart), so the export leaves speculation on for it."""
     import numpy as np
 
-    from partitioner.decoders.ort_runner import OrtDecoder
+    from partitioner.models.decoders.ort_runner import OrtDecoder
 
     decoder = OrtDecoder(lab.export)
     ids = [14582, 264, 13027, 729, 429, 4675, 279, 9334, 315]

@@ -22,11 +22,11 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 from onnx import TensorProto, helper
 
+from partitioner.analysis.frontier import build_frontier
+from partitioner.analysis.graph import index_graph
+from partitioner.cutting.segments import plan_segments
+from partitioner.cutting.split import analyse
 from partitioner.errors import GraphError
-from partitioner.frontier import build_frontier
-from partitioner.graph import index_graph
-from partitioner.segments import plan_segments
-from partitioner.split import analyse
 
 
 def test_static_nodes_are_constants_shapes_and_weight_only_work() -> None:

@@ -11,14 +11,14 @@ from graph_helpers import OPSET, block_stack
 from onnx import TensorProto, helper, numpy_helper
 
 from hostkit.files import file_sha256
-from partitioner.errors import GraphError
-from partitioner.modelio import (
+from partitioner.analysis.modelio import (
     EXTERNAL_DATA_SHA256_KEY,
     initializer_bytes,
     load_model,
 )
-from partitioner.split import analyse, write_segments
-from partitioner.verify import verify_chain
+from partitioner.cutting.split import analyse, write_segments
+from partitioner.cutting.verify import verify_chain
+from partitioner.errors import GraphError
 
 
 def _save_external(model: onnx.ModelProto, path: Path) -> None:

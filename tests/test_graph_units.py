@@ -12,13 +12,13 @@ from hypothesis import given
 from hypothesis import strategies as st
 from onnx import TensorProto, helper, numpy_helper
 
-from partitioner.costs import node_flops
-from partitioner.graph import index_graph
-from partitioner.problem_from_graph import build_problem
-from partitioner.samples import decode_samples, encode_samples, synthesize
-from partitioner.shapes import infer_shapes
-from partitioner.split import analyse
-from partitioner.units import _window_min, choose_boundaries
+from partitioner.analysis.costs import node_flops
+from partitioner.analysis.graph import index_graph
+from partitioner.analysis.samples import decode_samples, encode_samples, synthesize
+from partitioner.analysis.shapes import infer_shapes
+from partitioner.analysis.units import _window_min, choose_boundaries
+from partitioner.cutting.split import analyse
+from partitioner.planning.problem_from_graph import build_problem
 from protocols.devices import DeviceList
 
 

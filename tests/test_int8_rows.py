@@ -1,4 +1,4 @@
-"""int8 activations quantized per row (:mod:`partitioner.decoders.int8rows`), on one product.
+"""int8 activations quantized per row (:mod:`partitioner.models.decoders.int8rows`), on one product.
 
 A weight product quantized by ONNX Runtime's own ``quantize_dynamic``, then rewritten: each row
 of a pass computes the same bits as that row alone, and the values are what quantizing that
@@ -15,9 +15,9 @@ import onnx
 import pytest
 from onnx import TensorProto, helper, numpy_helper
 
-from partitioner.decoders.int8rows import per_row_activations
-from partitioner.decoders.ort_quantizers import dynamic_int8
 from partitioner.errors import GraphError
+from partitioner.models.decoders.int8rows import per_row_activations
+from partitioner.models.decoders.ort_quantizers import dynamic_int8
 
 K, N = 48, 24
 

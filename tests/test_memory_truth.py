@@ -128,10 +128,10 @@ def _feeds(batch: int, tokens: int) -> dict[str, np.ndarray]:
 
 
 def test_runtime_memory_is_charged_once_per_stage() -> None:
+    from partitioner.analysis.runtime_memory import GRAPH_ONLY, RuntimeMemory
+    from partitioner.analysis.units import GraphUnit, UnitPlan
+    from partitioner.planning.problem_from_graph import build_problem
     from partitioner.planning.semantics import stage_memory
-    from partitioner.problem_from_graph import build_problem
-    from partitioner.runtime_memory import GRAPH_ONLY, RuntimeMemory
-    from partitioner.units import GraphUnit, UnitPlan
     from protocols.devices import DeviceList
 
     units = UnitPlan(
@@ -158,8 +158,8 @@ def test_runtime_memory_is_charged_once_per_stage() -> None:
 def test_deployment_dims_override_sample_shapes_and_scale_the_workspace(
     minilm_onnx: Path,
 ) -> None:
-    from partitioner.modelio import load_model
-    from partitioner.split import analyse
+    from partitioner.analysis.modelio import load_model
+    from partitioner.cutting.split import analyse
 
     model = load_model(minilm_onnx)
     small = analyse(model)
@@ -196,8 +196,8 @@ def test_agent_trims_freed_heap_and_reads_its_peak() -> None:
 def test_split_cli_reads_the_runtime_model() -> None:
     import argparse
 
-    from partitioner import split_cli
-    from partitioner.runtime_memory import RuntimeMemory
+    from partitioner.analysis.runtime_memory import RuntimeMemory
+    from partitioner.cli import split_cli
 
     parser = argparse.ArgumentParser(prog="fedshard")
     split_cli.register(parser.add_subparsers(dest="command", required=True))
@@ -218,9 +218,9 @@ def test_split_cli_reads_the_runtime_model() -> None:
 def test_predicted_memory_covers_what_each_agent_segment_keeps_resident(
     minilm_onnx: Path, tmp_path: Path
 ) -> None:
-    from partitioner.modelio import initializer_bytes, load_model
-    from partitioner.runtime_memory import RuntimeMemory
-    from partitioner.split import SplitOptions, analyse, split_model
+    from partitioner.analysis.modelio import initializer_bytes, load_model
+    from partitioner.analysis.runtime_memory import RuntimeMemory
+    from partitioner.cutting.split import SplitOptions, analyse, split_model
     from protocols.devices import DeviceList
 
     runtime = RuntimeMemory()

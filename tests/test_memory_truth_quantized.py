@@ -27,10 +27,10 @@ def test_int4_segments_predicted_within_the_band_of_what_agents_hold(
 ) -> None:
     from test_memory_truth import _segment_inputs
 
-    from partitioner.decoders.precision import quantize_decoder
-    from partitioner.modelio import initializer_bytes, load_model
-    from partitioner.samples import SAMPLE_INPUTS_KEY, decode_samples
-    from partitioner.split import SplitOptions, split_model
+    from partitioner.analysis.modelio import initializer_bytes, load_model
+    from partitioner.analysis.samples import SAMPLE_INPUTS_KEY, decode_samples
+    from partitioner.cutting.split import SplitOptions, split_model
+    from partitioner.models.decoders.precision import quantize_decoder
     from protocols.devices import DeviceList
     from protocols.manifest import SessionLimits
 
@@ -38,7 +38,8 @@ def test_int4_segments_predicted_within_the_band_of_what_agents_hold(
     quantize_decoder(gemma_export_dir, export, "int4")
     model = load_model(export / "model.onnx")
     # int4 products of int8 activations keep two more copies of their scales once loaded
-    # (partitioner.runtime_memory.PACKED_SCALE_COPIES): a little over half of the stored size
+    # (partitioner.analysis.runtime_memory.PACKED_SCALE_COPIES): a little over half of the stored
+    # size
     budget = int(initializer_bytes(model) * 0.56)
     devices = DeviceList.from_obj(
         {

@@ -20,10 +20,9 @@ import pytest
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
-from partitioner import planner
 from partitioner.errors import InfeasiblePlanError
-from partitioner.planner import evaluate, memory_overflows, plan, shortfall_bytes
-from partitioner.planning import engine, reach
+from partitioner.planning import engine, planner, reach
+from partitioner.planning.planner import evaluate, memory_overflows, plan, shortfall_bytes
 from protocols.plan import Objective
 from protocols.problem import PlanningProblem
 

@@ -9,8 +9,8 @@ from pathlib import Path
 
 import pytest
 
-from partitioner import plan_cli
-from partitioner.planner import evaluate
+from partitioner.cli import plan_cli
+from partitioner.planning.planner import evaluate
 from protocols.plan import Objective, Plan
 from protocols.problem import PlanningProblem
 

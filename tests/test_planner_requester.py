@@ -15,11 +15,11 @@ from typing import Any
 
 import pytest
 
-from partitioner import plan_cli
-from partitioner.planner import evaluate, plan
+from partitioner.analysis.units import GraphUnit, UnitPlan
+from partitioner.cli import plan_cli
 from partitioner.planning.fleet import build_fleet
-from partitioner.problem_from_graph import build_problem
-from partitioner.units import GraphUnit, UnitPlan
+from partitioner.planning.planner import evaluate, plan
+from partitioner.planning.problem_from_graph import build_problem
 from protocols.devices import DeviceList
 from protocols.errors import SchemaError
 from protocols.links import Requester, RequesterLink

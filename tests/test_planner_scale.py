@@ -7,11 +7,11 @@ from pathlib import Path
 
 import pytest
 
-from partitioner.baselines import Baseline, baseline_arrangement, run_baseline
 from partitioner.errors import InfeasiblePlanError
-from partitioner.planner import PlanningInputError, evaluate, memory_overflows, plan
 from partitioner.planning import synthetic
+from partitioner.planning.baselines import Baseline, baseline_arrangement, run_baseline
 from partitioner.planning.fleet import build_fleet
+from partitioner.planning.planner import PlanningInputError, evaluate, memory_overflows, plan
 from partitioner.planning.semantics import stage_memory
 from protocols.plan import Objective, Plan
 from protocols.problem import PlanningProblem

@@ -1,9 +1,9 @@
 """Decoders stored in fp16, int8 and int4 by ONNX Runtime's own tools, through the partitioner.
 
 The tiny random decoders (Llama, Gemma 3) are converted by
-:func:`partitioner.decoders.precision.quantize_decoder`, cut at every unit boundary and chained
-in ONNX Runtime against the whole converted model (the same quantized graph on both sides, so
-they agree as closely as float32 does; float16 within a few units in the last place). Weights
+:func:`partitioner.models.decoders.precision.quantize_decoder`, cut at every unit boundary and
+chained in ONNX Runtime against the whole converted model (the same quantized graph on both sides,
+so they agree as closely as float32 does; float16 within a few units in the last place). Weights
 count at their stored size, scales and zero points included.
 """
 
@@ -17,9 +17,20 @@ import onnx
 import pytest
 from onnx import TensorProto, helper
 
-from partitioner.costs import tensor_proto_bytes
-from partitioner.decoders.ort_runner import read_info
-from partitioner.decoders.precision import (
+from partitioner.analysis.costs import tensor_proto_bytes
+from partitioner.analysis.modelio import initializer_bytes, load_model
+from partitioner.analysis.runtime_memory import packed_extra_bytes
+from partitioner.cutting.segment_files import write_segments
+from partitioner.cutting.split import analyse
+from partitioner.cutting.verify import (
+    HALF_TOLERANCE,
+    default_tolerance,
+    run_chain,
+    run_model,
+    verify_chain,
+)
+from partitioner.models.decoders.ort_runner import read_info
+from partitioner.models.decoders.precision import (
     SCHEMES,
     WEIGHTS,
     Weights,
@@ -28,18 +39,7 @@ from partitioner.decoders.precision import (
     model_weights,
     quantize_decoder,
 )
-from partitioner.lora_quant import linear_bits
-from partitioner.modelio import initializer_bytes, load_model
-from partitioner.runtime_memory import packed_extra_bytes
-from partitioner.segment_files import write_segments
-from partitioner.split import analyse
-from partitioner.verify import (
-    HALF_TOLERANCE,
-    default_tolerance,
-    run_chain,
-    run_model,
-    verify_chain,
-)
+from partitioner.models.lora_quant import linear_bits
 from protocols.decoder import DECODER_FILE, MODEL_FILE, DecoderInfo
 
 pytestmark = pytest.mark.timeout(900)
@@ -144,11 +144,11 @@ def test_rows_independent_says_what_a_pass_computes(
 ) -> None:
     """What ``rows_independent`` says is so: a token's candidates from a pass of one row equal
     those from a pass that also runs the token before it. int8 computes them bit for bit alike
-    (its activations quantized per row, :mod:`partitioner.decoders.int8rows`), and so does int4
-    where ONNX Runtime's int4 kernel does (both have their float products run on two rows or
-    more, see :mod:`partitioner.decoders.rowwise`); float32's one-row product differs in the
+    (its activations quantized per row, :mod:`partitioner.models.decoders.int8rows`), and so does
+    int4 where ONNX Runtime's int4 kernel does (both have their float products run on two rows or
+    more, see :mod:`partitioner.models.decoders.rowwise`); float32's one-row product differs in the
     last bits."""
-    from partitioner.decoders.ort_runner import OrtDecoder
+    from partitioner.models.decoders.ort_runner import OrtDecoder
 
     decoder = OrtDecoder(converted(exports, "tiny-llama", weights, tmp_path_factory))
     ids = [1, 17, 301, 45, 9, 230, 77]
@@ -176,8 +176,8 @@ def test_an_export_whose_rows_differ_is_marked_coupled_in_both_copies(
     ``decoder.json`` and in the graph's own copy, and still loads and decodes."""
     import shutil
 
-    from partitioner.decoders.ort_runner import OrtDecoder
-    from partitioner.decoders.rowwise import mark_rows_coupled
+    from partitioner.models.decoders.ort_runner import OrtDecoder
+    from partitioner.models.decoders.rowwise import mark_rows_coupled
 
     out = tmp_path / "int4"
     shutil.copytree(converted(exports, "tiny-llama", "int4", tmp_path_factory), out)
@@ -196,8 +196,8 @@ def test_two_row_products_compute_each_row_as_a_pass_of_many_does() -> None:
     bits, and the values are the product's."""
     import onnxruntime as ort
 
-    from partitioner.decoders.rowwise import two_row_products
     from partitioner.errors import GraphError
+    from partitioner.models.decoders.rowwise import two_row_products
 
     graph = helper.make_graph(
         [helper.make_node("MatMul", ["q", "k"], ["scores"], name="attn")],
@@ -281,7 +281,7 @@ def test_fedshard_split_verifies_an_int4_decoder_over_three_devices(
     import argparse
     import json
 
-    from partitioner import split_cli
+    from partitioner.cli import split_cli
     from protocols.manifest import Manifest
 
     export = converted(exports, "tiny-gemma3", "int4", tmp_path_factory)
@@ -353,9 +353,9 @@ def test_a_tied_int8_table_is_counted_once_in_every_stage_that_reads_it(tmp_path
     from graph_helpers import token_decoder, token_decoder_feeds
     from onnxruntime.quantization import CalibrationDataReader, QuantFormat, quantize_static
 
+    from partitioner.analysis.runtime_memory import GRAPH_ONLY
+    from partitioner.planning.problem_from_graph import build_problem
     from partitioner.planning.semantics import stage_memory
-    from partitioner.problem_from_graph import build_problem
-    from partitioner.runtime_memory import GRAPH_ONLY
     from protocols.devices import DeviceList
 
     class Feeds(CalibrationDataReader):  # type: ignore[misc]
@@ -411,7 +411,7 @@ def test_an_int4_embedding_lookup_reads_the_rows_it_gathers_not_its_table(
     """A decode step's ``GatherBlockQuantized`` reads one packed row with its scales and zero
     points, not the whole table (Qwen2.5-Coder-1.5B's first stage was predicted at 1.81x its
     measured time while its 117 MB packed embedding counted whole)."""
-    from partitioner.roofline import unit_traffic
+    from partitioner.analysis.roofline import unit_traffic
 
     export = converted(exports, "tiny-llama", "int4", tmp_path_factory)
     analysis = analyse(load_model(export / MODEL_FILE), dims={"batch": 1, "sequence": 1})

@@ -15,9 +15,9 @@ from pathlib import Path
 
 import pytest
 
-from partitioner.decoders import qwen
-from partitioner.decoders.progress import Steps
 from partitioner.errors import GraphError
+from partitioner.models.decoders import qwen
+from partitioner.models.decoders.progress import Steps
 
 MODELS = pytest.mark.parametrize("model", [qwen.CODER_1_5B, qwen.CODER_0_5B], ids=lambda m: m.name)
 
@@ -88,9 +88,9 @@ def test_a_file_without_the_gguf_magic_is_refused(tmp_path: Path) -> None:
 
 @MODELS
 def test_qwen_is_a_decoder_front_door(model: qwen.QwenGguf) -> None:
-    from partitioner.decoders.precision import default_weights
-    from partitioner.decoders.sources import DECODER_NAMES
-    from partitioner.frontdoor import FRONT_DOORS
+    from partitioner.models.decoders.precision import default_weights
+    from partitioner.models.decoders.sources import DECODER_NAMES
+    from partitioner.models.frontdoor import FRONT_DOORS
 
     assert model.name in DECODER_NAMES and model.name in FRONT_DOORS
     assert default_weights(model.name) == "int4"

@@ -27,9 +27,9 @@ from edge_agent.membench import (
     run_spread,
 )
 from edge_agent.vectorbench import counted_elements, measure_vector_gflops, vector_model_bytes
-from partitioner.planner import evaluate, plan
-from partitioner.roofline import bound_by, stage_seconds, unit_traffic
-from partitioner.split import analyse, analysis_work
+from partitioner.analysis.roofline import bound_by, stage_seconds, unit_traffic
+from partitioner.cutting.split import analyse, analysis_work
+from partitioner.planning.planner import evaluate, plan
 from protocols.errors import SchemaError
 from protocols.plan import Objective
 from protocols.problem import PlanningProblem, Roofs, Work, roofline_s
@@ -320,7 +320,7 @@ def test_sharding_is_chosen_only_when_it_beats_the_best_single_device() -> None:
 
 
 def test_a_sharded_plan_must_beat_the_best_one_device_plan_by_the_margin() -> None:
-    from partitioner.planner import ONE_DEVICE_MARGIN, plan_preferring_one_device
+    from partitioner.planning.planner import ONE_DEVICE_MARGIN, plan_preferring_one_device
 
     kept = {"one device over a slightly better shard": 0, "shard": 0}
     for tenth in range(20, 200, 2):  # the small devices from 2 to 20 GB/s
@@ -393,9 +393,9 @@ def test_corrections_are_clamped_and_ignore_timer_noise(tmp_path: Path) -> None:
 
 
 def test_a_prefill_prices_the_element_wise_work_of_its_whole_prompt(tiny_llama_dir: Path) -> None:
-    from partitioner.modelio import load_model
-    from partitioner.phases import PREFILL_TOKENS
-    from partitioner.split import analysis_prefill
+    from partitioner.analysis.modelio import load_model
+    from partitioner.analysis.phases import PREFILL_TOKENS
+    from partitioner.cutting.split import analysis_prefill
 
     analysis = analyse(load_model(tiny_llama_dir / "model.onnx"))
     decode = analysis_work(analysis)

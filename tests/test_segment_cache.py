@@ -10,10 +10,10 @@ import onnx
 import pytest
 from graph_helpers import block_stack
 
-from partitioner import segment_files
-from partitioner.runtime_memory import RuntimeMemory
-from partitioner.segment_cache import SegmentCache
-from partitioner.split import SplitOptions, split_model
+from partitioner.analysis.runtime_memory import RuntimeMemory
+from partitioner.cutting import segment_files
+from partitioner.cutting.segment_cache import SegmentCache
+from partitioner.cutting.split import SplitOptions, split_model
 from protocols.devices import DeviceList
 
 BLOCKS = 6

@@ -52,7 +52,7 @@ DEVICES = {
 
 
 def _split(model: Path, out: Path) -> Manifest:
-    from partitioner.split import SplitOptions, split_model
+    from partitioner.cutting.split import SplitOptions, split_model
     from protocols.devices import DeviceList
 
     options = SplitOptions(dims={"batch": 2, "sequence": 256})

@@ -100,9 +100,9 @@ def _devices(fast_cap: int) -> DeviceList:
 
 
 def _fits_on_the_fast_pair(model: Any, dims: dict[str, int], cap: int) -> bool:
+    from partitioner.cutting.split import SplitOptions, analyse, planning_problem
     from partitioner.errors import InfeasiblePlanError
-    from partitioner.planner import plan
-    from partitioner.split import SplitOptions, analyse, planning_problem
+    from partitioner.planning.planner import plan
 
     devices = _devices(cap).devices[:2]
     options = SplitOptions(dims=dims)
@@ -126,7 +126,7 @@ def _smallest_cap(model: Any, dims: dict[str, int]) -> int:
 @pytest.mark.slow
 def test_a_deploy_plans_the_rung_the_fast_devices_hold(minilm_onnx: Path, tmp_path: Path) -> None:
     from coordinator.serving.embeddings import default_tokenizer_dir
-    from partitioner.modelio import load_model
+    from partitioner.analysis.modelio import load_model
 
     tokenizer = default_tokenizer_dir("all-minilm-l6-v2")
     if tokenizer is None:

@@ -18,12 +18,13 @@ import pytest
 from graph_helpers import OPSET, block_stack
 from onnx import TensorProto, helper, numpy_helper
 
-from partitioner import split, split_cli
-from partitioner.calibrate import Calibration, shares_of, time_chain
+from partitioner.analysis.units import GraphUnit, UnitPlan
+from partitioner.cli import split_cli
+from partitioner.cutting import split
+from partitioner.cutting.calibrate import Calibration, shares_of, time_chain
+from partitioner.cutting.split import SplitOptions, analyse, split_model
 from partitioner.errors import CalibrationError, GraphError, InfeasiblePlanError
-from partitioner.problem_from_graph import build_problem
-from partitioner.split import SplitOptions, analyse, split_model
-from partitioner.units import GraphUnit, UnitPlan
+from partitioner.planning.problem_from_graph import build_problem
 from protocols.devices import DeviceList
 from protocols.manifest import Manifest
 
@@ -246,7 +247,7 @@ def test_calibrated_split_prices_the_slow_unit_by_its_measured_time(
 def test_calibration_reads_external_data_and_direct_io(
     tmp_path: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:
-    monkeypatch.setattr("partitioner.modelio.INLINE_ON_LOAD_BYTES", 0)
+    monkeypatch.setattr("partitioner.analysis.modelio.INLINE_ON_LOAD_BYTES", 0)
     source = tmp_path / "model"
     source.mkdir()
     path = source / "trig.onnx"

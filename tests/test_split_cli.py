@@ -15,9 +15,9 @@ import pytest
 from graph_helpers import block_stack, kitchen_feeds, kitchen_sink
 
 from hostkit.files import file_sha256
-from partitioner import split_cli
-from partitioner.frontdoor import ExportResult
-from partitioner.runtime_memory import RuntimeMemory
+from partitioner.analysis.runtime_memory import RuntimeMemory
+from partitioner.cli import split_cli
+from partitioner.models.frontdoor import ExportResult
 from protocols.manifest import Manifest
 
 RUNTIME_ROOM = RuntimeMemory().stage_bytes(1 << 20)
@@ -177,7 +177,7 @@ def test_export_handler_reports_the_front_door_result(
         calls.append((out, pooled))
         return ExportResult(out, ("last_hidden_state",), 1e-6, 1234)
 
-    from partitioner import frontdoor
+    from partitioner.models import frontdoor
 
     monkeypatch.setitem(frontdoor.FRONT_DOORS, "minilm", fake)
     target = tmp_path / "m.onnx"
@@ -205,7 +205,7 @@ def test_console_script_runs_split(stack_model: Path, tmp_path: Path) -> None:
 
 def test_importing_the_cli_module_is_light() -> None:
     code = (
-        "import sys; import partitioner.split_cli; "
+        "import sys; import partitioner.cli.split_cli; "
         "heavy = {'onnx', 'onnxruntime', 'torch', 'transformers'} & set(sys.modules); "
         "print(sorted(heavy))"
     )

@@ -11,13 +11,13 @@ import pytest
 from graph_helpers import token_decoder, token_decoder_feeds
 
 from coordinator.deploy.plan import forward_names
-from partitioner.decoding import decoder_layout, find_state_pairs
+from partitioner.analysis.decoding import decoder_layout, find_state_pairs
+from partitioner.analysis.graph import index_graph
+from partitioner.analysis.modelio import save_model
+from partitioner.analysis.runtime_memory import GRAPH_ONLY
+from partitioner.cutting.split import SplitOptions, analyse, split_model
+from partitioner.cutting.verify import run_model
 from partitioner.errors import InfeasiblePlanError
-from partitioner.graph import index_graph
-from partitioner.modelio import save_model
-from partitioner.runtime_memory import GRAPH_ONLY
-from partitioner.split import SplitOptions, analyse, split_model
-from partitioner.verify import run_model
 from protocols.devices import DeviceList
 from protocols.manifest import SessionLimits
 

@@ -16,11 +16,11 @@ import onnx
 import pytest
 
 from hostkit.files import file_sha256
+from partitioner.analysis.modelio import initializer_bytes, load_model
+from partitioner.analysis.runtime_memory import RuntimeMemory
+from partitioner.cutting.split import Analysis, SplitOptions, SplitResult, analyse, split_model
+from partitioner.cutting.verify import verify_chain
 from partitioner.errors import InfeasiblePlanError
-from partitioner.modelio import initializer_bytes, load_model
-from partitioner.runtime_memory import RuntimeMemory
-from partitioner.split import Analysis, SplitOptions, SplitResult, analyse, split_model
-from partitioner.verify import verify_chain
 from protocols.devices import DeviceList
 from protocols.manifest import Manifest
 
@@ -96,7 +96,7 @@ def test_minilm_needs_all_three_devices_and_matches_the_whole_model(
 
     from transformers import AutoTokenizer
 
-    from partitioner.frontdoor import minilm_dir
+    from partitioner.models.frontdoor import minilm_dir
 
     tokenizer = AutoTokenizer.from_pretrained(minilm_dir())
     sentences = ["Sharding is runtime placement.", "Two", "A much longer sentence " * 6]

@@ -36,7 +36,7 @@ from edge_agent.membench import (
     cache_points,
     mean_costs,
 )
-from partitioner.roofline import stage_seconds
+from partitioner.analysis.roofline import stage_seconds
 from protocols.deploy import DeployReport, FixedCosts
 from protocols.errors import SchemaError
 from protocols.problem import Work

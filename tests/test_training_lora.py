@@ -30,7 +30,7 @@ PER_DEVICE = 100
 
 @pytest.fixture(scope="module")
 def lab(tiny_llama_dir: Path, tmp_path_factory: pytest.TempPathFactory) -> LabRun:
-    from partitioner.decoders import tiny
+    from partitioner.models.decoders import tiny
 
     root = tmp_path_factory.mktemp("lora")
     version = split_version(tiny_llama_dir, root / "v0001")
@@ -92,8 +92,8 @@ def test_merged_version_changes_one_segment_and_equals_the_adapted_model(
     from coordinator.training.rollout import verify_signature
     from coordinator.training.version import SIGNATURE_FILE, Version
     from coordinator.trust.ca import CertificateAuthority
-    from partitioner.decoders.export import step_feeds
-    from partitioner.lora import adapters_by_module
+    from partitioner.models.decoders.export import step_feeds
+    from partitioner.models.lora import adapters_by_module
 
     setup, arrays, root = lab.setup, lab.arrays, lab.setup.version_dir.parent
     parent = Version.load(setup.version_dir)

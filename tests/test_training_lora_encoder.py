@@ -91,7 +91,7 @@ def test_merged_version_embeds_as_the_adapted_model(lab: LabRun) -> None:
 
     from coordinator.training.lora.version import write_lora_version
     from coordinator.training.version import Version
-    from partitioner.lora import adapters_by_module
+    from partitioner.models.lora import adapters_by_module
 
     setup, arrays = lab.setup, lab.arrays
     parent = Version.load(setup.version_dir)

@@ -32,8 +32,8 @@ IDS = [101, 2054, 2515, 3899, 2812, 1029, 102]
 def quantized_lab(
     request: pytest.FixtureRequest, tiny_llama_dir: Path, tmp_path_factory: pytest.TempPathFactory
 ) -> tuple[str, Path, LabRun]:
-    from partitioner.decoders import tiny
-    from partitioner.decoders.precision import quantize_decoder
+    from partitioner.models.decoders import tiny
+    from partitioner.models.decoders.precision import quantize_decoder
 
     weights = str(request.param)
     root = tmp_path_factory.mktemp(f"qlora-{weights}")
@@ -94,10 +94,10 @@ def test_merge_requantizes_exactly_as_onnx_runtime_and_changes_one_segment(
 ) -> None:
     """Reference: ONNX Runtime's own quantizer run on the float32 graph whose adapted weights
     are ``W_deq + scale·B·A`` (the served weight, dequantized, plus the update)."""
-    from partitioner.decoders.ort_quantizers import fold_weight_transposes
-    from partitioner.decoders.precision import quantize_model
-    from partitioner.lora import adapters_by_module
-    from partitioner.lora_quant import dequantized
+    from partitioner.models.decoders.ort_quantizers import fold_weight_transposes
+    from partitioner.models.decoders.precision import quantize_model
+    from partitioner.models.lora import adapters_by_module
+    from partitioner.models.lora_quant import dequantized
 
     weights, _, lab = quantized_lab
     plan = lab.setup.plan
@@ -151,7 +151,7 @@ def _chain(segments: list[onnx.ModelProto]) -> np.ndarray:
     """``top_logits`` of the split chain for :data:`IDS` (empty caches)."""
     import onnxruntime as ort
 
-    from partitioner.decoders.export import step_feeds
+    from partitioner.models.decoders.export import step_feeds
 
     past = [np.zeros((1, 2, 0, 16), np.float32) for _ in range(8)]
     names = ["input_ids", "attention_mask", "position_ids"] + [
@@ -176,8 +176,8 @@ def _float_reference(
     merged in float when ``adapters_on``."""
     import torch
 
-    from partitioner.lora import adapters_by_module
-    from partitioner.lora_quant import dequantized
+    from partitioner.models.lora import adapters_by_module
+    from partitioner.models.lora_quant import dequantized
 
     plan = lab.setup.plan
     model = lab.setup.model
@@ -228,7 +228,7 @@ def test_requantizing_costs_little_held_out_loss(
     with the unmerged adapters, on the same devices' records."""
     from edge_agent.training.client_app import ShardClient
     from edge_agent.training.local import LocalSettings
-    from partitioner.lora import initial_adapters
+    from partitioner.models.lora import initial_adapters
 
     weights, _, lab = quantized_lab
     plan = lab.setup.plan

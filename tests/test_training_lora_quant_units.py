@@ -7,10 +7,10 @@ import onnx
 import pytest
 from onnx import helper, numpy_helper
 
-from partitioner.decoders.precision import quantize_model
 from partitioner.errors import GraphError
-from partitioner.lora import merged_by_segment, weight_map
-from partitioner.lora_quant import dequantized, quantized_weights
+from partitioner.models.decoders.precision import quantize_model
+from partitioner.models.lora import merged_by_segment, weight_map
+from partitioner.models.lora_quant import dequantized, quantized_weights
 
 K, N = 64, 32
 
@@ -69,11 +69,11 @@ def test_a_merge_writes_the_scale_to_the_segment_that_holds_it() -> None:
 
 def test_a_merged_int8_product_computes_the_merged_weight() -> None:
     """int8 products subtract each row's zero point times the weight's column sums
-    (:mod:`partitioner.decoders.int8rows`); a merge changes the weight, so it rewrites the sums
-    with it, and the merged graph in ONNX Runtime computes ``x @ (W + scale · B · A).T``."""
+    (:mod:`partitioner.models.decoders.int8rows`); a merge changes the weight, so it rewrites the
+    sums with it, and the merged graph in ONNX Runtime computes ``x @ (W + scale · B · A).T``."""
     import onnxruntime as ort
 
-    from partitioner.decoders.int8rows import column_sums_name
+    from partitioner.models.decoders.int8rows import column_sums_name
 
     model, w = _quantized("int8")
     wmap = weight_map({"m.weight": w}, model)

@@ -12,7 +12,7 @@ from onnx import TensorProto, helper, numpy_helper
 
 from edge_agent.training.errors import EmptyDataError, MalformedRecordError, OneClassDataError
 from edge_agent.training.text_data import is_held_out, load_pairs, load_text
-from partitioner.lora import (
+from partitioner.models.lora import (
     adapters_by_module,
     initial_adapters,
     merge_adapters,

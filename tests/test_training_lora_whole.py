@@ -26,10 +26,10 @@ def test_a_lora_version_carries_a_whole_model_that_replans(
     tiny_llama_dir: Path, tmp_path: Path
 ) -> None:
     from devtools.lora_lab import DEVICES, lora_setup, split_version
-    from partitioner.decoders import tiny
-    from partitioner.samples import embedded_samples
-    from partitioner.split import split_model
-    from partitioner.verify import run_chain
+    from partitioner.analysis.samples import embedded_samples
+    from partitioner.cutting.split import split_model
+    from partitioner.cutting.verify import run_chain
+    from partitioner.models.decoders import tiny
     from protocols.devices import DeviceList
 
     parent_dir = split_version(tiny_llama_dir, tmp_path / "v0001")

@@ -375,7 +375,7 @@ def test_a_trained_version_is_rolled_out_live_to_the_served_deployment(
     from coordinator.training.server_app import save_weights
     from coordinator.training.target import LivePublisher
     from coordinator.training.version import Version
-    from partitioner.split import split_model
+    from partitioner.cutting.split import split_model
     from protocols.devices import DeviceList
 
     model, _ = cnn

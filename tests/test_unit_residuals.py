@@ -23,8 +23,8 @@ from coordinator.deploy.unit_residuals import (
     unit_scales,
     with_stage,
 )
-from partitioner.roofline import scaled_work, stage_seconds
-from partitioner.split import SplitOptions, analyse, analysis_work, planning_problem
+from partitioner.analysis.roofline import scaled_work, stage_seconds
+from partitioner.cutting.split import SplitOptions, analyse, analysis_work, planning_problem
 from protocols.devices import DeviceList
 from protocols.problem import Roofs, Work
 

@@ -29,7 +29,7 @@ from protocols.plan import Objective, Plan
 from protocols.roofs import slowed_roofs
 
 if TYPE_CHECKING:
-    from partitioner.split import Analysis
+    from partitioner.cutting.split import Analysis
 
 MANIFEST_FILE = "manifest.json"
 
@@ -90,9 +90,9 @@ class AnalysisCache:
 
     def get(self, path: Path) -> Analysis:
         """The analysis of the ONNX file at ``path``; raises DeployError if it cannot be read."""
+        from partitioner.analysis.modelio import load_model
+        from partitioner.cutting.split import analyse
         from partitioner.errors import PartitionerError
-        from partitioner.modelio import load_model
-        from partitioner.split import analyse
 
         try:
             stat = path.stat()
@@ -266,8 +266,8 @@ def what_if(analysis: Analysis, devices: DeviceList, objective: Objective, name:
 
     Raises DeployError when no arrangement fits (with the shortfall in plain words).
     """
+    from partitioner.cutting.split import SplitOptions, choose_plan, planning_problem
     from partitioner.errors import InfeasiblePlanError, PartitionerError
-    from partitioner.split import SplitOptions, choose_plan, planning_problem
 
     opts = SplitOptions(objective)
     try:

@@ -24,7 +24,7 @@ from coordinator.deploy.limits import (
 )
 from coordinator.deploy.stage_timing import CALIBRATION_RUNS, calibrates_at_deploy
 from coordinator.errors import DeployError, NoFitError
-from partitioner.baselines import Baseline
+from partitioner.planning.baselines import Baseline
 from protocols.decoder import DECODER_FILE, DecoderInfo
 from protocols.deploy import ShapeLimits
 from protocols.errors import SchemaError
@@ -78,8 +78,8 @@ def version_outcome(version_dir: Path, out: Path, samples: Arrays) -> SplitOutco
     answer. For a decoder (``sessions`` in the manifest) ``samples`` needs only ``input_ids``:
     the health check is a one-shot prefill, as for :func:`split_and_run`."""
     from coordinator.generation.feeds import health_feeds, state_names
+    from partitioner.cutting.verify import run_chain
     from partitioner.errors import PartitionerError
-    from partitioner.verify import run_chain
 
     try:
         manifest = Manifest.from_json((out / "manifest.json").read_bytes())
@@ -117,9 +117,9 @@ def split_and_run(
     answer. Partitioner errors become DeployError.
     """
     from coordinator.generation.feeds import health_feeds, state_names
+    from partitioner.cutting.split import analysis_work
+    from partitioner.cutting.verify import run_chain
     from partitioner.errors import InfeasiblePlanError, PartitionerError
-    from partitioner.split import analysis_work
-    from partitioner.verify import run_chain
 
     try:
         result = _split_at_serving_shapes(command, devices, out, segment_cache, work_scales)
@@ -161,8 +161,8 @@ def _split_at_serving_shapes(
     """Plan and cut at the serving shapes with the best plan the devices can hold (see
     :func:`coordinator.deploy.limits.rungs_by_quality`): they become the deployment's limits.
     A baseline cut takes the largest shapes that fit."""
+    from partitioner.cutting.split import SplitOptions, split_model
     from partitioner.errors import InfeasiblePlanError
-    from partitioner.split import SplitOptions, split_model
 
     planner = None if command.baseline is None else baseline_planner(command.baseline)
     ladder = planning_ladder(command.tokenizer_dir)
@@ -194,9 +194,9 @@ def _plan_times(
     """Each sequence-keeping rung's plan seconds, under the command's objective and under the
     other one (None where the devices cannot hold it), planned without cutting: an analysis
     and a plan take milliseconds for a text encoder."""
+    from partitioner.analysis.modelio import load_model
+    from partitioner.cutting.split import SplitOptions, analyse, choose_plan, planning_problem
     from partitioner.errors import InfeasiblePlanError
-    from partitioner.modelio import load_model
-    from partitioner.split import SplitOptions, analyse, choose_plan, planning_problem
 
     model = load_model(command.model_path)
     times: list[tuple[float, float] | None] = []
@@ -230,8 +230,8 @@ def _input_binding(manifest: Manifest, binding: Mapping[str, int]) -> dict[str, 
 def baseline_planner(baseline: Baseline) -> Callable[[PlanningProblem, Objective], Plan]:
     """A planner that splits the way ``baseline`` does; InfeasiblePlanError when a stage of
     that split does not fit its device (baselines do not look at memory)."""
-    from partitioner.baselines import run_baseline
     from partitioner.errors import InfeasiblePlanError
+    from partitioner.planning.baselines import run_baseline
 
     def choose(problem: PlanningProblem, objective: Objective) -> Plan:
         result = run_baseline(problem, objective, baseline)

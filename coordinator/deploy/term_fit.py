@@ -92,7 +92,7 @@ def stage_terms(work: Sequence[Work], roofs: Roofs, costs: FixedCosts | None) ->
     """The parts of a stage made of ``work``'s units under ``roofs``, the fixed one priced with
     ``costs`` (the agent's measurement of the same second) when given, else with the roofs' own
     ``op_us``, ``call_us`` and ``topk_ns``. With ``costs`` None they add up to the stage's
-    roofline time (:func:`partitioner.roofline.stage_seconds`)."""
+    roofline time (:func:`partitioner.analysis.roofline.stage_seconds`)."""
     fixed = costs or FixedCosts(op_us=roofs.op_us, call_us=roofs.call_us, topk_ns=roofs.topk_ns)
     stage_bytes = sum(w.bytes_read for w in work)
     compute = memory = gemv = 0.0

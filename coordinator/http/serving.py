@@ -42,7 +42,7 @@ from coordinator.http.npz import load_npz
 from coordinator.serving.embeddings import Embedder, default_tokenizer_dir
 from coordinator.serving.failover import Failover
 from coordinator.serving.router import Router
-from partitioner.baselines import Baseline
+from partitioner.planning.baselines import Baseline
 from protocols.links import Link as DeviceLink
 from protocols.links import RequesterLink
 from protocols.plan import Objective

@@ -210,7 +210,7 @@ def lora_runner(
 ) -> LoraRunner:
     """The runner of ``method: lora`` requests (see :mod:`coordinator.training.lora.target`):
     on the target's local text SuperNodes, or on the paired agents when there are any."""
-    from partitioner.decoders.cache import default_cache_dir
+    from partitioner.models.decoders.cache import default_cache_dir
 
     data: tuple[Path, ...] = ()
     cache = state_dir / "training" / LOCAL_CACHE

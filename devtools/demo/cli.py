@@ -293,7 +293,7 @@ def _decoder(
         plan_table,
         planning_limits,
     )
-    from partitioner.decoders.precision import default_weights
+    from partitioner.models.decoders.precision import default_weights
     from protocols.sizes import parse_size
 
     weights = default_weights(name)

@@ -17,7 +17,7 @@ from rich.console import Console
 
 from devtools.demo.procs import fedshard_command
 from devtools.demo.steps import Api, DemoStepError
-from partitioner.decoders.precision import current_export, parse_weights
+from partitioner.models.decoders.precision import current_export, parse_weights
 from protocols.decoder import DECODER_FILE, MODEL_FILE, DecoderInfo
 
 DEPLOY_TIMEOUT_S = 900.0

@@ -83,7 +83,7 @@ class DemoStepError(RuntimeError):
 
 def export_model(console: Console, cache: Path) -> Path:
     """all-MiniLM-L6-v2 exported from its package to ONNX (reused when already there)."""
-    from partitioner.frontdoor import export_minilm
+    from partitioner.models.frontdoor import export_minilm
 
     cache.mkdir(parents=True, exist_ok=True)
     model = cache / "all-MiniLM-L6-v2.onnx"

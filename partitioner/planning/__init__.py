@@ -1,7 +1,7 @@
 """The planner's internals: exact semantics, device classes, the layered dynamic programme.
 
-The public entry points are :func:`partitioner.planner.plan` and
-:func:`partitioner.planner.evaluate`; the modules here are how they work:
+The public entry points are :func:`partitioner.planning.planner.plan` and
+:func:`partitioner.planning.planner.evaluate`; the modules here are how they work:
 
 - :mod:`~partitioner.planning.semantics`: the ``fedshard.problem/1`` cost model, scalar and exact;
 - :mod:`~partitioner.planning.tables`: the same model as numpy tables indexed by cut position;

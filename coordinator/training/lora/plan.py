@@ -5,9 +5,9 @@ tail from it) and the weight map (torch parameter -> ONNX initializers). fedshar
 exports record which model they are: ``decoder.json`` next to ``model.onnx``
 (:class:`~protocols.decoder.DecoderInfo`: front-door name such as ``tiny-llama`` or
 ``gemma3-270m``, and architecture). From that name the coordinator loads the torch definition
-with :func:`partitioner.decoders.sources.load_source` (offline: the tiny decoders are built from
-a seed, the real ones come from the converted-checkpoint cache) once, matches its parameters to
-the initializers by value (:func:`partitioner.lora.weight_map`), and keeps only the result, a
+with :func:`partitioner.models.decoders.sources.load_source` (offline: the tiny decoders are built
+from a seed, the real ones come from the converted-checkpoint cache) once, matches its parameters to
+the initializers by value (:func:`partitioner.models.lora.weight_map`), and keeps only the result, a
 :class:`LoraBase` (architecture, config, weight map, parameter shapes; a few hundred KB), in
 the model cache, ``$FEDSHARD_CACHE/lora-base/<model sha256>.json`` (the runner's
 ``LORA_BASE_CACHE``). The torch model and the graph are dropped
@@ -135,17 +135,17 @@ def model_kind(model_file: Path) -> tuple[Objective, str]:
 def _torch_model(objective: Objective, name: str, cache_dir: Path) -> tuple[Any, dict[str, Any]]:
     """The torch definition of export ``name`` and its parameters (BERT's unused pooler left
     out: the export has no pooler)."""
-    from partitioner.lora import torch_params
+    from partitioner.models.lora import torch_params
 
     if objective == "causal-lm":
-        from partitioner.decoders.progress import Steps
-        from partitioner.decoders.sources import load_source
+        from partitioner.models.decoders.progress import Steps
+        from partitioner.models.decoders.sources import load_source
 
         model = load_source(name, cache_dir, Steps()).model
         return model, torch_params(model)
     from transformers import AutoModel
 
-    from partitioner.frontdoor import minilm_dir, offline
+    from partitioner.models.frontdoor import minilm_dir, offline
 
     offline()
     model = AutoModel.from_pretrained(minilm_dir()).eval()
@@ -156,7 +156,7 @@ def _torch_model(objective: Objective, name: str, cache_dir: Path) -> tuple[Any,
 def build_base(model_file: Path, cache_dir: Path) -> LoraBase:
     """Load the model's torch definition and match it to ``model_file`` (module doc)."""
     from partitioner.errors import PartitionerError
-    from partitioner.lora import weight_map
+    from partitioner.models.lora import weight_map
 
     objective, name = model_kind(model_file)
     try:
@@ -226,7 +226,7 @@ def first_layer_of(options: LoraOptions | None, num_layers: int) -> int:
 def _boundary(version_dir: Path, manifest: Manifest, base: LoraBase, layer: int) -> tuple[int, str]:
     """(index of the segment holding layer ``layer``'s q_proj, the tensor feeding the layer)."""
     from partitioner.errors import PartitionerError
-    from partitioner.lora import Q_PROJECTIONS, layer_boundary
+    from partitioner.models.lora import Q_PROJECTIONS, layer_boundary
 
     suffixes = tuple(q.format(i=layer) for q in Q_PROJECTIONS)
     key = next((k for k in base.weight_map if k.endswith(suffixes)), None)
@@ -255,7 +255,7 @@ def build_plan(
 ) -> LoraPlan:
     """The plan that adapts the served version ``version_dir`` (segments as its manifest says)."""
     from partitioner.errors import PartitionerError
-    from partitioner.lora import adapter_specs
+    from partitioner.models.lora import adapter_specs
 
     tuning = tuning or LoraTuning()
     manifest = Manifest.from_json((version_dir / "manifest.json").read_bytes())

@@ -32,7 +32,7 @@ from coordinator.training.errors import TrainingRunError
 from coordinator.training.lora.records import LoraRecord, LoraRound, LoraRunConfig, token_weighted
 from coordinator.training.server_app import RUN_FILE_KEY, save_weights
 from coordinator.training.strategy import failure_reasons
-from partitioner.lora import initial_adapters
+from partitioner.models.lora import initial_adapters
 from protocols import lora as lora_wire
 from protocols.lora import LORA_PLAN_KEY, LoraPlan, max_reply_weight
 from protocols.training import METRIC_LOSS, METRIC_UPLOAD_BYTES

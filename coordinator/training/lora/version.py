@@ -16,7 +16,7 @@ import numpy as np
 from coordinator.training.records import Lineage, TrainingSettings
 from coordinator.training.rollout import Signer, write_version
 from coordinator.training.version import LINEAGE_FILE, Version
-from partitioner.lora import adapters_by_module, merged_by_segment
+from partitioner.models.lora import adapters_by_module, merged_by_segment
 from protocols.errors import SchemaError
 from protocols.lora import LoraPlan
 

@@ -19,7 +19,7 @@ import onnx
 
 from coordinator.training.lora.plan import LORA_BASE_FILE, LoraBase
 from hostkit.files import write_atomic
-from partitioner.lora import adapters_by_module, merge_adapters
+from partitioner.models.lora import adapters_by_module, merge_adapters
 from protocols.decoder import MODEL_FILE
 from protocols.lora import LoraPlan
 
