@@ -1,0 +1,234 @@
+"""GGUF quantized blocks as integer codes, per-block scales and per-block mins.
+
+Every block type :mod:`partitioner.models.gguf.kernels` maps decodes, exactly, to
+
+    value[n, k] = (code[n, k] - zero) * scale[n, k // block] (+ low[n, k // block])
+
+with ``code`` an unsigned integer of at most 8 bits, ``zero`` an integer constant of the type,
+``scale`` the float32 product ggml itself forms (``d * sc`` of the K-quants) and ``low`` the
+float32 per-block "min" term where the type has one (``m`` of Q4_1/Q5_1, ``-dmin * m`` of
+Q2_K/Q4_K/Q5_K). Computed in float32 in this order, the values are bit for bit those of
+``gguf.quants.dequantize``. Layouts follow ggml's ``ggml-common.h`` (and gguf-py's
+``quants.py``, which mirrors it). Decoding runs over row chunks, so the temporaries stay a
+small multiple of one chunk whatever the tensor's size.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from dataclasses import dataclass
+
+import numpy as np
+from gguf import GGML_QUANT_SIZES, GGMLQuantizationType
+
+from partitioner.errors import GraphError
+
+T = GGMLQuantizationType
+ROWS_PER_CHUNK = 1024
+"""Rows decoded at once; temporaries are about 8 bytes per value of one chunk."""
+
+
+class UnsupportedTensorType(GraphError):
+    """A GGUF tensor type that has no exact ONNX Runtime mapping here; ``ggml_type`` names it."""
+
+    def __init__(self, ggml_type: GGMLQuantizationType, why: str = "") -> None:
+        detail = f": {why}" if why else ""
+        super().__init__(
+            f"GGUF tensor type {ggml_type.name} has no exact ONNX Runtime kernel mapping{detail}"
+        )
+        self.ggml_type = ggml_type
+
+
+@dataclass(frozen=True)
+class Layout:
+    """What one block type decodes to: ``block`` values share a scale; codes lie in
+    ``[0, 2**code_bits)``; ``zero`` is subtracted; ``has_low`` says whether a min term exists."""
+
+    block: int
+    code_bits: int
+    zero: int
+    has_low: bool
+
+
+@dataclass(frozen=True)
+class Codes:
+    """A weight ``[rows, cols]`` decoded: ``codes`` uint8 ``[rows, cols]``, ``scales`` and
+    ``lows`` (or None) float32 ``[rows, cols // layout.block]``."""
+
+    layout: Layout
+    codes: np.ndarray
+    scales: np.ndarray
+    lows: np.ndarray | None
+
+
+_Decoded = tuple[np.ndarray, np.ndarray, np.ndarray | None]
+"""One chunk: codes [n_blocks, values], scales [n_blocks, subs], lows or None."""
+
+
+def _f16(b: np.ndarray) -> np.ndarray:
+    return np.ascontiguousarray(b).view(np.float16).astype(np.float32)
+
+
+def _nibbles(qs: np.ndarray, group: int) -> np.ndarray:
+    """Low nibbles of each ``group`` bytes, then their high nibbles (ggml's order)."""
+    n = qs.shape[0]
+    q = qs.reshape(n, -1, 1, group) >> np.array([0, 4], np.uint8).reshape(1, 1, 2, 1)
+    return (q & np.uint8(0x0F)).reshape(n, -1)
+
+
+def _high_bits(qh: np.ndarray, n_values: int) -> np.ndarray:
+    """Bit ``j`` of a block's little-endian bit field, for ``j < n_values`` (Q5_0/Q5_1)."""
+    bits = np.unpackbits(np.ascontiguousarray(qh), axis=-1, bitorder="little")
+    return bits[:, :n_values]
+
+
+def _q4_0(b: np.ndarray) -> _Decoded:
+    return _nibbles(b[:, 2:], 16), _f16(b[:, :2]), None
+
+
+def _q4_1(b: np.ndarray) -> _Decoded:
+    return _nibbles(b[:, 4:], 16), _f16(b[:, :2]), _f16(b[:, 2:4])
+
+
+def _q5_0(b: np.ndarray) -> _Decoded:
+    codes = _nibbles(b[:, 6:], 16) | (_high_bits(b[:, 2:6], 32) << np.uint8(4))
+    return codes, _f16(b[:, :2]), None
+
+
+def _q5_1(b: np.ndarray) -> _Decoded:
+    codes = _nibbles(b[:, 8:], 16) | (_high_bits(b[:, 4:8], 32) << np.uint8(4))
+    return codes, _f16(b[:, :2]), _f16(b[:, 2:4])
+
+
+def _q8_0(b: np.ndarray) -> _Decoded:
+    return b[:, 2:] ^ np.uint8(0x80), _f16(b[:, :2]), None
+
+
+def _k_scale_min(scales: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+    """The 6-bit scales and mins of Q4_K/Q5_K's 12 packed bytes (``get_scale_k4``)."""
+    n = scales.shape[0]
+    d, m, m_d = np.split(scales.reshape(n, 3, 4), 3, axis=-2)
+    sc = np.concatenate([d & 0x3F, (m_d & 0x0F) | ((d >> 2) & 0x30)], axis=-1)
+    mn = np.concatenate([m & 0x3F, (m_d >> 4) | ((m >> 2) & 0x30)], axis=-1)
+    return sc.reshape(n, 8).astype(np.float32), mn.reshape(n, 8).astype(np.float32)
+
+
+def _q2_k(b: np.ndarray) -> _Decoded:
+    n = b.shape[0]
+    sc, qs, d, dmin = b[:, :16], b[:, 16:80], _f16(b[:, 80:82]), _f16(b[:, 82:84])
+    shift = np.array([0, 2, 4, 6], np.uint8).reshape(1, 1, 4, 1)
+    codes = ((qs.reshape(n, 2, 1, 32) >> shift) & np.uint8(3)).reshape(n, 256)
+    scales = d * (sc & 0x0F).astype(np.float32)
+    return codes, scales, -(dmin * (sc >> 4).astype(np.float32))
+
+
+def _q3_k(b: np.ndarray) -> _Decoded:
+    n = b.shape[0]
+    hmask, qs, packed, d = b[:, :32], b[:, 32:96], b[:, 96:108], _f16(b[:, 108:110])
+    low = (packed[:, :8].reshape(n, 1, 8) >> np.array([0, 4], np.uint8).reshape(1, 2, 1)).reshape(
+        n, 16
+    )
+    high = (packed[:, 8:].reshape(n, 1, 4) >> np.array([0, 2, 4, 6], np.uint8).reshape(1, 4, 1)).reshape(
+        n, 16
+    )
+    sc = ((low & 0x0F) | ((high & 0x03) << 4)).astype(np.float32) - np.float32(32)
+    ql = (qs.reshape(n, 2, 1, 32) >> np.array([0, 2, 4, 6], np.uint8).reshape(1, 1, 4, 1)) & 3
+    qh = (hmask.reshape(n, 1, 32) >> np.arange(8, dtype=np.uint8).reshape(1, 8, 1)) & 1
+    codes = ql.reshape(n, 256) | (qh.reshape(n, 256) << np.uint8(2))
+    return codes, d * sc, None
+
+
+def _q4_k(b: np.ndarray) -> _Decoded:
+    d, dmin = _f16(b[:, 0:2]), _f16(b[:, 2:4])
+    sc, mn = _k_scale_min(b[:, 4:16])
+    return _nibbles(b[:, 16:], 32), d * sc, -(dmin * mn)
+
+
+def _q5_k(b: np.ndarray) -> _Decoded:
+    n = b.shape[0]
+    d, dmin = _f16(b[:, 0:2]), _f16(b[:, 2:4])
+    sc, mn = _k_scale_min(b[:, 4:16])
+    qh = (b[:, 16:48].reshape(n, 1, 32) >> np.arange(8, dtype=np.uint8).reshape(1, 8, 1)) & 1
+    codes = _nibbles(b[:, 48:], 32) | (qh.reshape(n, 256) << np.uint8(4))
+    return codes, d * sc, -(dmin * mn)
+
+
+def _q6_k(b: np.ndarray) -> _Decoded:
+    n = b.shape[0]
+    ql, qh = b[:, :128], b[:, 128:192]
+    sc = np.ascontiguousarray(b[:, 192:208]).view(np.int8).astype(np.float32)
+    d = _f16(b[:, 208:210])
+    low = _nibbles(ql, 64)
+    high = (qh.reshape(n, 2, 1, 32) >> np.array([0, 2, 4, 6], np.uint8).reshape(1, 1, 4, 1)) & 3
+    return low | (high.reshape(n, 256) << np.uint8(4)), d * sc, None
+
+
+LAYOUTS: dict[GGMLQuantizationType, tuple[Layout, Callable[[np.ndarray], _Decoded]]] = {
+    T.Q4_0: (Layout(32, 4, 8, False), _q4_0),
+    T.Q4_1: (Layout(32, 4, 0, True), _q4_1),
+    T.Q5_0: (Layout(32, 5, 16, False), _q5_0),
+    T.Q5_1: (Layout(32, 5, 0, True), _q5_1),
+    T.Q8_0: (Layout(32, 8, 128, False), _q8_0),
+    T.Q2_K: (Layout(16, 2, 0, True), _q2_k),
+    T.Q3_K: (Layout(16, 3, 4, False), _q3_k),
+    T.Q4_K: (Layout(32, 4, 0, True), _q4_k),
+    T.Q5_K: (Layout(32, 5, 0, True), _q5_k),
+    T.Q6_K: (Layout(16, 6, 32, False), _q6_k),
+}
+"""Block types decoded to codes (the quantized types :mod:`kernels` maps)."""
+
+
+def layout(ggml_type: GGMLQuantizationType) -> Layout:
+    """The decoded layout of ``ggml_type``; :class:`UnsupportedTensorType` if it has none."""
+    entry = LAYOUTS.get(ggml_type)
+    if entry is None:
+        raise UnsupportedTensorType(ggml_type)
+    return entry[0]
+
+
+def block_rows(raw: np.ndarray, ggml_type: GGMLQuantizationType, rows: int, cols: int) -> np.ndarray:
+    """``raw`` as uint8 ``[rows, bytes per row]``; :class:`GraphError` on a size mismatch."""
+    values, nbytes = GGML_QUANT_SIZES[ggml_type]
+    if cols % values:
+        raise GraphError(f"{ggml_type.name} rows of {cols} values are not whole {values}-blocks")
+    data = np.ascontiguousarray(raw).view(np.uint8).reshape(-1)
+    row_bytes = cols // values * nbytes
+    if data.size != rows * row_bytes:
+        raise GraphError(
+            f"{ggml_type.name} tensor [{rows}, {cols}] needs {rows * row_bytes} bytes, "
+            f"got {data.size}"
+        )
+    return data.reshape(rows, row_bytes)
+
+
+def decode(raw: np.ndarray, ggml_type: GGMLQuantizationType, rows: int, cols: int) -> Codes:
+    """Decode a ``[rows, cols]`` tensor of ``ggml_type`` blocks (see the module docstring)."""
+    lay = layout(ggml_type)
+    decoder = LAYOUTS[ggml_type][1]
+    values, nbytes = GGML_QUANT_SIZES[ggml_type]
+    data = block_rows(raw, ggml_type, rows, cols)
+    codes = np.empty((rows, cols), np.uint8)
+    subs = cols // lay.block
+    scales = np.empty((rows, subs), np.float32)
+    lows = np.empty((rows, subs), np.float32) if lay.has_low else None
+    for start in range(0, rows, ROWS_PER_CHUNK):
+        stop = min(rows, start + ROWS_PER_CHUNK)
+        blocks = data[start:stop].reshape(-1, nbytes)
+        c, s, low = decoder(blocks)
+        codes[start:stop] = c.reshape(stop - start, cols)
+        scales[start:stop] = s.reshape(stop - start, subs)
+        if lows is not None and low is not None:
+            lows[start:stop] = low.reshape(stop - start, subs)
+    return Codes(lay, codes, scales, lows)
+
+
+def values(decoded: Codes) -> np.ndarray:
+    """Float32 ``[rows, cols]`` from ``decoded``, bit for bit as ``gguf.quants.dequantize``."""
+    lay = decoded.layout
+    rows, cols = decoded.codes.shape
+    q = decoded.codes.reshape(rows, -1, lay.block).astype(np.float32) - np.float32(lay.zero)
+    out = decoded.scales[..., None] * q
+    if decoded.lows is not None:
+        out += decoded.lows[..., None]
+    result: np.ndarray = out.reshape(rows, cols)
+    return result
