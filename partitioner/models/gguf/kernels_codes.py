@@ -17,13 +17,20 @@ from __future__ import annotations
 
 from collections.abc import Callable
 from dataclasses import dataclass
+from typing import Literal
 
 import numpy as np
+import onnx
 from gguf import GGML_QUANT_SIZES, GGMLQuantizationType
+from gguf.quants import dequantize as gguf_dequantize
+from onnx import TensorProto, helper, numpy_helper
 
 from partitioner.errors import GraphError
 
 T = GGMLQuantizationType
+WeightsMode = Literal["keep", "int4", "int8"]
+MS_DOMAIN = "com.microsoft"
+FLOAT_TYPES = {T.F32: TensorProto.FLOAT, T.F16: TensorProto.FLOAT16, T.BF16: TensorProto.BFLOAT16}
 ROWS_PER_CHUNK = 1024
 """Rows decoded at once; temporaries are about 8 bytes per value of one chunk."""
 
@@ -37,6 +44,52 @@ class UnsupportedTensorType(GraphError):
             f"GGUF tensor type {ggml_type.name} has no exact ONNX Runtime kernel mapping{detail}"
         )
         self.ggml_type = ggml_type
+
+
+@dataclass(frozen=True)
+class GraphPart:
+    """Nodes and initializers that compute one output tensor from graph tensors."""
+
+    nodes: tuple[onnx.NodeProto, ...]
+    initializers: tuple[onnx.TensorProto, ...]
+    output: str
+
+
+def float_values(raw: np.ndarray, ggml_type: GGMLQuantizationType) -> np.ndarray:
+    """F32/F16 data as numpy floats, BF16 as its uint16 bit patterns (flat or as given)."""
+    dtype = {T.F32: np.float32, T.F16: np.float16, T.BF16: np.uint16}[ggml_type]
+    data = np.ascontiguousarray(raw)
+    if data.dtype == dtype:
+        return data
+    if data.dtype in (np.uint8, np.int8):
+        return data.reshape(-1).view(dtype)
+    if ggml_type == T.BF16:
+        raise GraphError(f"BF16 data given as {data.dtype}, expected its raw bytes")
+    return data.astype(dtype)
+
+
+def float_tensor(name: str, values: np.ndarray, ggml_type: GGMLQuantizationType) -> TensorProto:
+    """An initializer of ``values`` in ``ggml_type``'s float type (BF16 from bit patterns)."""
+    if ggml_type == T.BF16:
+        return helper.make_tensor(
+            name, TensorProto.BFLOAT16, values.shape, values.tobytes(), raw=True
+        )
+    return numpy_helper.from_array(values, name)
+
+
+def float_rows(raw: np.ndarray, ggml_type: GGMLQuantizationType, start: int, stop: int, cols: int) -> np.ndarray:
+    """Float32 rows ``[start, stop)`` of a ``[rows, cols]`` tensor of any type gguf-py reads."""
+    if ggml_type in FLOAT_TYPES:
+        vals = float_values(raw, ggml_type).reshape(-1, cols)[start:stop]
+        if ggml_type == T.BF16:
+            return (vals.astype(np.uint32) << np.uint32(16)).view(np.float32)
+        return vals.astype(np.float32)
+    values, nbytes = GGML_QUANT_SIZES[ggml_type]
+    data = np.ascontiguousarray(raw).view(np.uint8).reshape(-1)
+    row_bytes = cols // values * nbytes
+    part = data[start * row_bytes : stop * row_bytes].reshape(stop - start, row_bytes)
+    result: np.ndarray = gguf_dequantize(part, ggml_type).astype(np.float32, copy=False)
+    return result.reshape(stop - start, cols)
 
 
 @dataclass(frozen=True)

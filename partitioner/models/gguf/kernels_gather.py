@@ -1,0 +1,75 @@
+"""Embedding rows of GGUF blocks through ``GatherBlockQuantized``, bit for bit.
+
+The codes go into a uint8 ``GatherBlockQuantized`` (gather axis 0, quantize axis 1) under its
+default zero point ``2**(bits-1)``: 4-bit where every code minus the type's zero plus 8 fits
+in a nibble (Q4_0, Q3_K, Q2_K), else 8-bit. It returns ``(code - zero) * scale`` in float32,
+which is how gguf-py forms the value; types with a per-block min (Q4_1, Q5_1, Q2_K, Q4_K,
+Q5_K) then add the gathered mins per block (``v + low`` is ggml's ``d*q - dmin*m``, as
+``a + (-b) == a - b`` in IEEE arithmetic).
+"""
+
+from __future__ import annotations
+
+import numpy as np
+import onnx
+from onnx import TensorProto, helper, numpy_helper
+
+from partitioner.models.gguf.kernels_codes import MS_DOMAIN, Codes, GraphPart
+
+
+def gather_bits(codes: Codes) -> int:
+    """4 where the shifted codes fit a nibble under the default zero point 8, else 8."""
+    lay = codes.layout
+    shift = 8 - lay.zero
+    return 4 if shift >= 0 and (1 << lay.code_bits) - 1 + shift < 16 else 8
+
+
+def quantized_gather(name: str, ids: str, codes: Codes) -> GraphPart:
+    """``GatherBlockQuantized`` of ``codes`` (plus the mins) for int64 ``ids``, as ``{name}/out``."""
+    lay = codes.layout
+    n_rows, n_cols = codes.codes.shape
+    bits = gather_bits(codes)
+    stored = codes.codes + np.uint8((1 << (bits - 1)) - lay.zero)
+    if bits == 4:
+        stored = stored[:, 0::2] | (stored[:, 1::2] << np.uint8(4))
+    data = numpy_helper.from_array(np.ascontiguousarray(stored), f"{name}.qtable")
+    scales = numpy_helper.from_array(codes.scales, f"{name}.scales")
+    out = f"{name}/out"
+    node = helper.make_node(
+        "GatherBlockQuantized",
+        [data.name, ids, scales.name],
+        [out if codes.lows is None else f"{name}/scaled"],
+        f"{name}/GatherBlockQuantized",
+        domain=MS_DOMAIN,
+        gather_axis=0,
+        quantize_axis=1,
+        block_size=lay.block,
+        bits=bits,
+    )
+    if codes.lows is None:
+        return GraphPart((node,), (data, scales), out)
+    nodes, inits = _add_lows(name, ids, f"{name}/scaled", codes.lows, lay.block, n_cols)
+    return GraphPart((node, *nodes), (data, scales, *inits), out)
+
+
+def _add_lows(
+    name: str, ids: str, scaled: str, lows: np.ndarray, block: int, n_cols: int
+) -> tuple[list[onnx.NodeProto], list[TensorProto]]:
+    blocks = n_cols // block
+    p = f"{name}/lows"
+    table = numpy_helper.from_array(lows, f"{name}.lows")
+    by_block = numpy_helper.from_array(np.array([-1, blocks, block], np.int64), f"{name}.by_block")
+    per_block = numpy_helper.from_array(np.array([-1, blocks, 1], np.int64), f"{name}.per_block")
+    width = numpy_helper.from_array(np.array([n_cols], np.int64), f"{name}.width")
+    nodes = [
+        helper.make_node("Gather", [table.name, ids], [f"{p}/rows"], f"{p}/Gather"),
+        helper.make_node("Reshape", [f"{p}/rows", per_block.name], [f"{p}/col"], f"{p}/Col"),
+        helper.make_node("Reshape", [scaled, by_block.name], [f"{p}/blocks"], f"{p}/Blocks"),
+        helper.make_node("Add", [f"{p}/blocks", f"{p}/col"], [f"{p}/sum"], f"{p}/Add"),
+        helper.make_node("Shape", [ids], [f"{p}/ids_shape"], f"{p}/IdsShape"),
+        helper.make_node(
+            "Concat", [f"{p}/ids_shape", width.name], [f"{p}/shape"], f"{p}/Shape", axis=0
+        ),
+        helper.make_node("Reshape", [f"{p}/sum", f"{p}/shape"], [f"{name}/out"], f"{p}/Back"),
+    ]
+    return nodes, [table, by_block, per_block, width]
