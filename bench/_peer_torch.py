@@ -33,7 +33,7 @@ from torch.distributed.pipelining import PipelineStage, ScheduleGPipe
 from transformers import AutoModel
 from transformers.masking_utils import create_bidirectional_mask
 
-from partitioner.models.frontdoor import minilm_dir
+from partitioner.models.packaged import minilm_dir
 
 WARMUP = 3
 OPS = ("quit", "whole", "latency", "throughput")
@@ -166,7 +166,7 @@ class Rank:
         import onnxruntime as ort
 
         from edge_agent.config import RuntimeConfig
-        from edge_agent.runtime import session_options
+        from edge_agent.runtime.engine import session_options
 
         session = ort.InferenceSession(
             self.cfg["onnx_model"],

@@ -17,7 +17,7 @@ from pathlib import Path
 import httpx
 import psutil
 
-from edge_agent.discovery import ZeroconfAdvertiser
+from edge_agent.net.discovery import ZeroconfAdvertiser
 from protocols.profile import AgentState, Announcement, DeviceProfile
 
 MiB = 1 << 20

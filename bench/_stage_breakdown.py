@@ -1,7 +1,7 @@
 """What a stage's predicted time is made of, next to the stage timed the agent's way.
 
 Cuts a model in two at a unit boundary, measures this machine's roofs the way an agent does
-(``edge_agent.membench``, one thread), and prints per stage: the roofline terms the planner
+(``edge_agent.profile.membench``, one thread), and prints per stage: the roofline terms the planner
 charges (bytes or FLOPs, ``ops x op_us`` with the operators counted per unit, ``TopK``, one
 call), the operators the stage counts per unit against the nodes its segment really holds and
 the kernels ONNX Runtime runs after graph optimisation, and the segment's median time at the
@@ -22,15 +22,17 @@ from typing import Any
 
 import onnx
 
-from edge_agent import membench
 from edge_agent.config import RuntimeConfig
-from edge_agent.runtime import session_options
-from edge_agent.vectorbench import measure_vector_gflops
+from edge_agent.profile import membench
+from edge_agent.profile.vectorbench import measure_vector_gflops
+from edge_agent.runtime.engine import session_options
+from edge_agent.runtime.fixed_costs import median_run
 from partitioner.analysis.modelio import load_model
 from partitioner.analysis.roofline import stage_seconds, unit_traffic
 from partitioner.analysis.units import StaticClosures
+from partitioner.cutting.inputs import Analysis
 from partitioner.cutting.segment_files import write_segments
-from partitioner.cutting.split import Analysis, analyse, analysis_work
+from partitioner.cutting.split import analyse, analysis_work
 from protocols.problem import Roofs
 
 
@@ -129,7 +131,7 @@ def _time_chain(
         feeds = {i.name: values[i.name] for i in session.get_inputs()}
         outputs = session.run(None, feeds)
         values.update(zip([o.name for o in session.get_outputs()], outputs, strict=True))
-        times.append(membench._median_run(session, feeds, runs, runtime.intra_op_threads))
+        times.append(median_run(session, feeds, runs, runtime.intra_op_threads))
     return times
 
 

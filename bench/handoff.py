@@ -52,7 +52,7 @@ from report.headlines import Headline, write_headlines  # noqa: E402
 from rich.console import Console  # noqa: E402
 from rich.table import Table  # noqa: E402
 
-from edge_agent.channel import FrameChannel, FrameServer, open_channel  # noqa: E402
+from edge_agent.net.channel import FrameChannel, FrameServer, open_channel  # noqa: E402
 from protocols.deploy import PROBE_PREFIX  # noqa: E402
 from protocols.frames import FrameHeader  # noqa: E402
 
@@ -305,8 +305,8 @@ def report(rows: list[Row]) -> str:
         "",
         "`.venv/bin/python bench/handoff.py` — median round trip of one frame of N bytes plus a "
         "header-only answer, over a real agent's TLS data plane and over plain TCP with the same "
-        "frame code (`edge_agent.channel`), in one run, interleaved. *raw*: the same round trip "
-        "on blocking sockets between two processes, no frames and no event loop (`sendall`, "
+        "frame code (`edge_agent.net.channel`), in one run, interleaved. *raw*: the same round "
+        "trip on blocking sockets between two processes, no frames and no event loop (`sendall`, "
         "`recv_into` a preallocated buffer): TLS 1.3 (`ssl.SSLSocket`, client certificate) vs "
         "plain TCP, the ratio Python's ssl module, OpenSSL and this CPU allow before any of our "
         "code. *TLS crypto only* encrypts and decrypts N bytes with a TLS 1.3 session over memory "
@@ -395,8 +395,8 @@ def report_lab(rows: list[Row], rates: list[float]) -> str:
         "between two network namespaces of a `devtools.lab` lab on one bridge, both hosts' "
         "links shaped with `tbf` at the rate shown (both directions). Servers in `h1` bound to "
         "its 10.77.x address: a real `fedshard agent` (TLS data plane), the plain-TCP frame "
-        "echo (same `edge_agent.channel` code, TLS off) and the raw blocking-socket echoes; the "
-        "client runs in `h0`. Fewer repeats below 1 Gbit/s.",
+        "echo (same `edge_agent.net.channel` code, TLS off) and the raw blocking-socket echoes; "
+        "the client runs in `h0`. Fewer repeats below 1 Gbit/s.",
         "",
         "| " + " | ".join(handoff_lab.COLUMNS) + " |",
         "|" + "---|" * len(handoff_lab.COLUMNS),

@@ -55,8 +55,8 @@ from rich.table import Table  # noqa: E402
 
 from devtools.requester import Requester  # noqa: E402
 from edge_agent.config import RuntimeConfig  # noqa: E402
-from edge_agent.microbench import ComputeProfile, measure_profile  # noqa: E402
-from edge_agent.runtime import session_options  # noqa: E402
+from edge_agent.profile.microbench import ComputeProfile, measure_profile  # noqa: E402
+from edge_agent.runtime.engine import session_options  # noqa: E402
 from protocols.manifest import Manifest  # noqa: E402
 
 CACHE = REPO / ".pytest_cache" / "d" / "fedshard-minilm"
@@ -83,7 +83,8 @@ def main() -> int:
 def roofline_split(model: Path, out: Path, profile: ComputeProfile) -> Manifest:
     """``fedshard split`` of MiniLM onto MINILM_DEVICES with this machine's measured roofs,
     costed at the benchmark's shapes (batch 1, 128 tokens), verified; the manifest."""
-    from partitioner.cutting.split import SplitOptions, split_model
+    from partitioner.cutting.inputs import SplitOptions
+    from partitioner.cutting.split import split_model
     from protocols.devices import DeviceList
 
     # the measured roofs; one not measured is left out (the device's default)

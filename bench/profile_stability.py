@@ -2,7 +2,7 @@
 
 Target (issues 3 and 18): each roof stable to about +-10% from run to run. Prints each
 measurement and, per roof, the largest deviation from the median
-(:func:`edge_agent.membench.run_spread`).
+(:func:`edge_agent.profile.membench.run_spread`).
 
     .venv/bin/python bench/profile_stability.py [--repeat N]
 """
@@ -19,8 +19,8 @@ from rich.console import Console
 from rich.table import Table
 
 from edge_agent.config import RuntimeConfig
-from edge_agent.membench import run_spread
-from edge_agent.microbench import measure_profile
+from edge_agent.profile.membench import run_spread
+from edge_agent.profile.microbench import measure_profile
 
 RESULTS = Path(__file__).parent / "results" / "profile_stability.md"
 

@@ -14,11 +14,11 @@ import logging
 import ssl
 from collections.abc import Mapping, Sequence
 
-from edge_agent.channel import FrameChannel, open_channel
-from edge_agent.checks import Array
 from edge_agent.errors import LinkError
-from edge_agent.tls import check_peer
-from edge_agent.wire_errors import remote_error
+from edge_agent.net.channel import FrameChannel, open_channel
+from edge_agent.net.tls import check_peer
+from edge_agent.net.wire_errors import remote_error
+from edge_agent.runtime.checks import Array
 from protocols.deploy import ROLE_AGENT, Hop
 from protocols.errors import FrameError
 from protocols.frames import Frame, FrameHeader, FrameKind

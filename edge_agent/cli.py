@@ -170,10 +170,13 @@ def run_agent(args: argparse.Namespace) -> int:
     try:
         config = config_from_args(args)
         private_state_dir(config.state_dir)
-        from edge_agent.service import serve
+        # heavy: keeps onnxruntime, zeroconf and cryptography (fedshard[agent]) off a light
+        # install's `fedshard` parser (fedshard.cli imports this module)
+        from edge_agent.serve.service import serve
 
         if config.training is None:
             return serve(config)
+        # heavy: keeps cryptography (fedshard[agent]) off a light install's `fedshard` parser
         from edge_agent.training.supernode import agent_supernode
 
         with agent_supernode(config):
@@ -191,7 +194,8 @@ def run_profile(args: argparse.Namespace) -> int:
     from rich.console import Console
     from rich.table import Table
 
-    from edge_agent.microbench import load_or_measure
+    # heavy: keeps onnxruntime (fedshard[agent]) off a light install's `fedshard` parser
+    from edge_agent.profile.microbench import load_or_measure
 
     console = Console()
     try:

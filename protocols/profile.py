@@ -41,7 +41,7 @@ class DeviceProfile(FrozenModel):
     """Compute roof of a one-row 4-bit weight product (``MatMulNBits``), GFLOP/s."""
     vector_gflops: PositiveFloat | None = None
     """Element-wise roof: counted elements per nanosecond of a transformer block's element-wise
-    operators (:mod:`edge_agent.vectorbench`)."""
+    operators (:mod:`edge_agent.profile.vectorbench`)."""
     int4_rows_exact: bool | None = None
     """Whether this device's ONNX Runtime computes a 4-bit weight product's row bit for bit
     alike alone and in a pass of several (true of its AVX-512 kernel, not its AVX2 one): an

@@ -33,11 +33,11 @@ from cryptography.x509.oid import NameOID
 from onnx import TensorProto, helper, numpy_helper
 
 from coordinator.trust.ca import CertificateAuthority
-from edge_agent.channel import ChannelHandler, FrameChannel, FrameServer
 from edge_agent.config import AgentConfig, TlsFiles
-from edge_agent.identity import Identity, load_identity
-from edge_agent.links import PeerLink
-from edge_agent.tls import client_context, server_context
+from edge_agent.net.channel import ChannelHandler, FrameChannel, FrameServer
+from edge_agent.net.links import PeerLink
+from edge_agent.net.tls import client_context, server_context
+from edge_agent.trust.identity import Identity, load_identity
 from protocols.deploy import (
     ROLE_AGENT,
     ROLE_COORDINATOR,
@@ -489,7 +489,8 @@ def minilm_model(cache: Path) -> Path:
 
 def minilm_split(model: Path, out: Path) -> Manifest:
     """``fedshard split`` of MiniLM onto :data:`MINILM_DEVICES`, verified; the manifest."""
-    from partitioner.cutting.split import SplitOptions, split_model
+    from partitioner.cutting.inputs import SplitOptions
+    from partitioner.cutting.split import split_model
     from protocols.devices import DeviceList
 
     devices = DeviceList.from_obj(MINILM_DEVICES)

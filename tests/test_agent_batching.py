@@ -4,8 +4,8 @@ from __future__ import annotations
 
 import numpy as np
 
-from edge_agent.batching import batch_axis_symbol, signature, split, stack
-from edge_agent.checks import InputSpec
+from edge_agent.runtime.batching import batch_axis_symbol, signature, split, stack
+from edge_agent.runtime.checks import InputSpec
 
 
 def test_only_a_shared_free_first_axis_makes_a_segment_batchable() -> None:

@@ -16,8 +16,8 @@ from agent_helpers import (
     tls_identity,
 )
 
-from edge_agent.channel import FrameChannel
 from edge_agent.errors import LinkError
+from edge_agent.net.channel import FrameChannel
 from protocols.frames import FrameHeader
 
 

@@ -26,7 +26,7 @@ from agent_helpers import (
 )
 
 from devtools.requester import Requester
-from edge_agent.discovery import ZeroconfBrowser
+from edge_agent.net.discovery import ZeroconfBrowser
 from protocols.manifest import Manifest
 
 pytestmark = [pytest.mark.slow, pytest.mark.timeout(600)]

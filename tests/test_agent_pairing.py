@@ -24,7 +24,7 @@ from cryptography import x509
 from cryptography.hazmat.primitives import serialization
 
 from devtools.requester import Requester
-from edge_agent.discovery import ZeroconfBrowser
+from edge_agent.net.discovery import ZeroconfBrowser
 from protocols.deploy import Hop
 from protocols.pairing import (
     CODE_FILE,

@@ -11,9 +11,9 @@ import pytest
 from agent_helpers import WIDTH, TestCA, chain_weights, manifest_for, tiny_chain
 from test_agent_units import _store
 
-from edge_agent.metrics import AgentMetrics
-from edge_agent.pipeline import Pipeline
-from edge_agent.tls import Peer
+from edge_agent.net.tls import Peer
+from edge_agent.serve.metrics import AgentMetrics
+from edge_agent.serve.pipeline import Pipeline
 from protocols.deploy import Hop
 from protocols.errors import WireErrorCode
 from protocols.frames import Frame, FrameHeader, FrameKind, decode_frame, encode_frame
@@ -98,7 +98,7 @@ def test_first_stage_routes_requests_by_requester_name(tmp_path: Path) -> None:
 def test_last_stage_returns_results_to_the_claim(
     tmp_path: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:
-    monkeypatch.setattr("edge_agent.routing.MAX_CLAIMS", 1)  # answered claims must be freed
+    monkeypatch.setattr("edge_agent.net.routing.MAX_CLAIMS", 1)  # answered claims must be freed
     ca = TestCA(tmp_path)
     chain = [Hop(device=f"a{i}", host="127.0.0.1", data_port=9000 + i) for i in range(3)]
     store = _store(ca, name="a2")

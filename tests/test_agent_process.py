@@ -35,8 +35,8 @@ from cryptography import x509
 from cryptography.hazmat.primitives import hashes
 
 from devtools.requester import Requester
-from edge_agent.discovery import ZeroconfBrowser
 from edge_agent.errors import LinkError, RemoteRequestError
+from edge_agent.net.discovery import ZeroconfBrowser
 from protocols.deploy import ROLE_AGENT, Hop
 from protocols.frames import PREFIX, FrameHeader, encode_frame
 

@@ -1,4 +1,4 @@
-"""Unit tests of edge_agent.routing: admission of a request and the last stage's claims."""
+"""Unit tests of edge_agent.net.routing: admission of a request and the last stage's claims."""
 
 from __future__ import annotations
 
@@ -8,11 +8,11 @@ import numpy as np
 import pytest
 from agent_helpers import manifest_for, tiny_chain
 
-from edge_agent import routing
-from edge_agent.channel import FrameChannel
 from edge_agent.errors import NoSegmentError, PeerRejectedError, RequestError
-from edge_agent.routing import AnswerDesk, request_id_of, routed_header
-from edge_agent.tls import Peer
+from edge_agent.net import routing
+from edge_agent.net.channel import FrameChannel
+from edge_agent.net.routing import AnswerDesk, request_id_of, routed_header
+from edge_agent.net.tls import Peer
 from protocols.deploy import Hop
 from protocols.frames import FrameHeader, FrameKind
 

@@ -5,14 +5,14 @@ from __future__ import annotations
 import numpy as np
 import pytest
 
-from edge_agent.checks import InputSpec
 from edge_agent.errors import (
     ContextLengthError,
     SessionLimitError,
     SessionRewindError,
     SessionStateError,
 )
-from edge_agent.sessions import SessionTable, check_session_fields, session_key
+from edge_agent.runtime.checks import InputSpec
+from edge_agent.runtime.sessions import SessionTable, check_session_fields, session_key
 from protocols.decoder import StatePair
 from protocols.manifest import SessionLimits
 

@@ -11,7 +11,6 @@ import onnxruntime as ort
 import pytest
 from agent_helpers import TestCA, manifest_for, tiny_chain
 
-from edge_agent.checks import InputSpec, check_tensors
 from edge_agent.config import AgentConfig, RuntimeConfig, parse_size, usable_cores
 from edge_agent.errors import (
     BudgetError,
@@ -22,9 +21,11 @@ from edge_agent.errors import (
     SignatureError,
     WrongTargetError,
 )
-from edge_agent.identity import Identity, load_identity, verify_signature
-from edge_agent.microbench import load_or_measure, matmul_model_bytes
-from edge_agent.segments import SegmentStore
+from edge_agent.profile.microbench import load_or_measure
+from edge_agent.protobuf.writer import matmul_model_bytes
+from edge_agent.runtime.checks import InputSpec, check_tensors
+from edge_agent.runtime.segments import SegmentStore
+from edge_agent.trust.identity import Identity, load_identity, verify_signature
 from protocols.deploy import (
     DeployRequest,
     Hop,
@@ -98,7 +99,7 @@ def test_profile_is_cached_and_remeasured_on_request(tmp_path: Path) -> None:
 def test_the_int4_row_probe_says_what_this_cpu_computes() -> None:
     """The agent's probe (a 256-wide chain at 1, 2 and 5 rows) agrees with another 4-bit
     product on this CPU (2048 wide, 1 and 3 rows): exact on AVX-512, not on AVX2."""
-    from edge_agent.gemvbench import gemv_model_bytes, measure_int4_rows_exact
+    from edge_agent.profile.gemvbench import gemv_model_bytes, measure_int4_rows_exact
 
     exact = measure_int4_rows_exact(RuntimeConfig())
     session = ort.InferenceSession(gemv_model_bytes(count=1, rows="rows"))

@@ -33,7 +33,7 @@ from coordinator.serving.embeddings import Embedder
 from coordinator.transport.agent_client import AgentClient
 from coordinator.trust.ca import CertificateAuthority
 from coordinator.trust.pairing import Pairing
-from edge_agent.metrics import AgentMetrics
+from edge_agent.serve.metrics import AgentMetrics
 from protocols.devices import DeviceList
 from protocols.links import Link
 from protocols.plan import Objective
@@ -288,7 +288,8 @@ def _pair(services: Services, name: str, memory: int) -> None:
 @pytest.fixture
 def deployed(tmp_path: Path) -> tuple[TestClient, Services]:
     """A coordinator app with three paired devices and a 3-stage split of a real model."""
-    from partitioner.cutting.split import SplitOptions, split_model
+    from partitioner.cutting.inputs import SplitOptions
+    from partitioner.cutting.split import split_model
 
     source = tmp_path / "stack.onnx"
     onnx.save(block_stack(6, width=128), source)

@@ -17,10 +17,10 @@ from agent_helpers import WIDTH, TestCA, manifest_for, tiny_chain
 from test_agent_pipeline import FakeChannel, FakeLink
 from test_agent_units import _store
 
-from edge_agent.metrics import AgentMetrics
-from edge_agent.pipeline import Pipeline
-from edge_agent.segments import SegmentStore
-from edge_agent.tls import Peer
+from edge_agent.net.tls import Peer
+from edge_agent.runtime.segments import SegmentStore
+from edge_agent.serve.metrics import AgentMetrics
+from edge_agent.serve.pipeline import Pipeline
 from protocols.deploy import Hop
 from protocols.errors import WireErrorCode
 from protocols.frames import Frame, FrameHeader, FrameKind, encode_frame

@@ -46,9 +46,9 @@ from coordinator.trust.ca import CertificateAuthority
 from coordinator.trust.delivery import TrustService
 from coordinator.trust.identity import open_identity
 from coordinator.trust.pairing import Pairing
-from edge_agent.channel import FrameServer
-from edge_agent.control import ControlServer, Response, Route
-from edge_agent.tls import Peer, client_context, server_context
+from edge_agent.net.channel import FrameServer
+from edge_agent.net.control import ControlServer, Response, Route
+from edge_agent.net.tls import Peer, client_context, server_context
 from protocols.deploy import ROLE_AGENT
 from protocols.frames import FrameHeader, encode_frame
 from protocols.profile import AgentState, Announcement, DeviceProfile

@@ -20,7 +20,7 @@ from onnx import TensorProto, helper, numpy_helper
 from test_agent_units import CHAIN, _store
 
 from edge_agent.errors import BudgetError, SegmentLoadError
-from edge_agent.onnx_limits import check_declared_sizes
+from edge_agent.protobuf.limits import check_declared_sizes
 
 HUGE = [1 << 20, 1 << 20]
 WIDTH = 8

@@ -18,7 +18,7 @@ import pytest
 from agent_helpers import TestCA, link_to_server, request_id_recorder, tls_identity
 
 from edge_agent.errors import LinkError
-from edge_agent.tls import client_context
+from edge_agent.net.tls import client_context
 from protocols.frames import FrameHeader, encode_frame
 
 pytestmark = pytest.mark.timeout(60)

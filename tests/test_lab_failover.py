@@ -39,7 +39,7 @@ from lab_helpers import COORDINATOR_HOST, LabCluster, client_argv, lab_cluster
 from devtools.lab.executor import lab_netns, run_command, unavailable_reason
 from devtools.lab.lab import Lab
 from devtools.lab.plan import HostPlan
-from edge_agent.links import UNACKED_TIMEOUT_S
+from edge_agent.net.links import UNACKED_TIMEOUT_S
 
 log = logging.getLogger(__name__)
 

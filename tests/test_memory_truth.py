@@ -3,8 +3,8 @@
 MiniLM is split for three devices whose budgets are 60%, 30% and 30% of its weights plus the
 runtime memory the partitioner's model says a stage needs, costed at the deployment's shapes
 (batch 1 x 128 tokens). Each segment is then deployed through the agent's own
-:class:`~edge_agent.segments.SegmentStore` (hash, signature, budget, load, warm-up at 1 x 128,
-measure), each in a fresh process so one segment's heap does not blur another's, with the
+:class:`~edge_agent.runtime.segments.SegmentStore` (hash, signature, budget, load, warm-up at
+1 x 128, measure), each in a fresh process so one segment's heap does not blur another's, with the
 device's budget from the split. The prediction must cover what was measured, and not by much.
 
 Run as a script (``python tests/test_memory_truth.py SPLIT_DIR INDEX WARMUP.npz BUDGET``) it
@@ -42,9 +42,9 @@ def deploy_in_this_process(split_dir: Path, index: int, warmup: Path, budget: in
 
     from coordinator.deploy.plan import forward_names
     from edge_agent.config import RuntimeConfig
-    from edge_agent.identity import Identity
-    from edge_agent.runtime import prime, release_freed_heap, resident_bytes
-    from edge_agent.segments import SegmentStore
+    from edge_agent.runtime.engine import prime, release_freed_heap, resident_bytes
+    from edge_agent.runtime.segments import SegmentStore
+    from edge_agent.trust.identity import Identity
     from protocols.deploy import DeployManifest, DeployRequest, Hop, signing_bytes
     from protocols.frames import FrameHeader, decode_frame, encode_frame
     from protocols.manifest import Manifest
@@ -174,7 +174,7 @@ def test_deployment_dims_override_sample_shapes_and_scale_the_workspace(
 
 
 def test_agent_trims_freed_heap_and_reads_its_peak() -> None:
-    from edge_agent.runtime import (
+    from edge_agent.runtime.engine import (
         peak_resident_bytes,
         release_freed_heap,
         reset_peak_resident,
@@ -220,7 +220,8 @@ def test_predicted_memory_covers_what_each_agent_segment_keeps_resident(
 ) -> None:
     from partitioner.analysis.modelio import initializer_bytes, load_model
     from partitioner.analysis.runtime_memory import RuntimeMemory
-    from partitioner.cutting.split import SplitOptions, analyse, split_model
+    from partitioner.cutting.inputs import SplitOptions
+    from partitioner.cutting.split import analyse, split_model
     from protocols.devices import DeviceList
 
     runtime = RuntimeMemory()

@@ -2,7 +2,7 @@
 
 Gemma 3 270M is stored in int4 by ONNX Runtime's quantizer, cut in three at its embedded
 sample step (one session of 64 tokens reserved per stage), and each segment is deployed through
-the agent's own :class:`~edge_agent.segments.SegmentStore` in a fresh process (see
+the agent's own :class:`~edge_agent.runtime.segments.SegmentStore` in a fresh process (see
 ``tests/test_memory_truth.py``). The prediction must be within 0.85-1.15x of the measurement.
 """
 
@@ -29,7 +29,8 @@ def test_int4_segments_predicted_within_the_band_of_what_agents_hold(
 
     from partitioner.analysis.modelio import initializer_bytes, load_model
     from partitioner.analysis.samples import SAMPLE_INPUTS_KEY, decode_samples
-    from partitioner.cutting.split import SplitOptions, split_model
+    from partitioner.cutting.inputs import SplitOptions
+    from partitioner.cutting.split import split_model
     from partitioner.models.decoders.precision import quantize_decoder
     from protocols.devices import DeviceList
     from protocols.manifest import SessionLimits

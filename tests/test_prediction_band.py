@@ -21,8 +21,8 @@ deploy's minute can run 1.6x faster or slower than the next (CI once measured ti
 1.59x and 1.91x after a slow deploy, and at 0.98x and 1.01x on a quiet machine), and one such
 minute must not decide whether the calibration holds. The faster stage, a few tenths of a
 millisecond mostly of fixed costs, is priced with the median of each agent's latest cost
-measurements (:class:`edge_agent.membench.RecentCosts`): priced with the latest alone, one slow
-warm-up put it at 1.9x in the deploy after (2026-12-05); under CI's load it still swings.
+measurements (:class:`edge_agent.runtime.fixed_costs.RecentCosts`): priced with the latest alone,
+one slow warm-up put it at 1.9x in the deploy after (2026-12-05); under CI's load it still swings.
 """
 
 from __future__ import annotations

@@ -17,7 +17,7 @@ from onnx import TensorProto, helper, numpy_helper
 from coordinator.deploy.plan import LiveDevice
 from coordinator.deploy.stage_timing import HIGHEST, StageTime, StageTiming, corrected
 from edge_agent.config import RuntimeConfig
-from edge_agent.membench import (
+from edge_agent.profile.membench import (
     cache_level,
     measure_call_us,
     measure_memory_gbps,
@@ -26,7 +26,11 @@ from edge_agent.membench import (
     parse_cache_size,
     run_spread,
 )
-from edge_agent.vectorbench import counted_elements, measure_vector_gflops, vector_model_bytes
+from edge_agent.profile.vectorbench import (
+    counted_elements,
+    measure_vector_gflops,
+    vector_model_bytes,
+)
 from partitioner.analysis.roofline import bound_by, stage_seconds, unit_traffic
 from partitioner.cutting.split import analyse, analysis_work
 from partitioner.planning.planner import evaluate, plan

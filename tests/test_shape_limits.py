@@ -19,10 +19,10 @@ from coordinator.http.errors import CATALOGUE
 from coordinator.serving.decoder import ChainDecoderBackend, prefill_chunk
 from coordinator.serving.microbatch import join_runs, row_runs
 from coordinator.transport.wire_errors import remote_error
-from edge_agent.checks import InputSpec, check_planned, check_tensors
-from edge_agent.compute import Work, take_batch
 from edge_agent.errors import ShapeLimitError
-from edge_agent.wire_errors import error_header
+from edge_agent.net.wire_errors import error_header
+from edge_agent.runtime.checks import InputSpec, check_planned, check_tensors
+from edge_agent.serve.compute import Work, take_batch
 from protocols.deploy import ShapeLimits
 from protocols.errors import WireErrorCode
 from protocols.frames import FrameHeader

@@ -31,7 +31,7 @@ from coordinator.console.slowness import (
 from coordinator.console.stats import RequestStats
 from coordinator.deploy.store import Placement, VersionRecord
 from coordinator.http.console import LiveMetrics
-from edge_agent.metrics import AgentMetrics
+from edge_agent.serve.metrics import AgentMetrics
 
 log = logging.getLogger(__name__)
 

@@ -28,14 +28,8 @@ from coordinator.deploy.term_fit import (
     stage_terms,
 )
 from edge_agent.config import RuntimeConfig
-from edge_agent.membench import (
-    CACHE_PROBE_BYTES,
-    COSTS_WINDOW,
-    FixedCostProbe,
-    RecentCosts,
-    cache_points,
-    mean_costs,
-)
+from edge_agent.profile.membench import CACHE_PROBE_BYTES, cache_points
+from edge_agent.runtime.fixed_costs import COSTS_WINDOW, FixedCostProbe, RecentCosts, mean_costs
 from partitioner.analysis.roofline import stage_seconds
 from protocols.deploy import DeployReport, FixedCosts
 from protocols.errors import SchemaError

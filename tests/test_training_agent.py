@@ -131,8 +131,8 @@ def test_the_pairing_offer_carries_the_node_key_and_the_coordinator_registers_it
     from coordinator.trust.ca import CertificateAuthority
     from coordinator.trust.pairing import Pairing
     from edge_agent.config import AgentConfig
-    from edge_agent.identity import load_identity
-    from edge_agent.pairing import make_node_key, node_key_dir, pairing_offer
+    from edge_agent.trust.identity import load_identity
+    from edge_agent.trust.pairing import make_node_key, node_key_dir, pairing_offer
     from protocols.errors import SchemaError
     from protocols.pairing import CODE_FILE, PairingOffer
 

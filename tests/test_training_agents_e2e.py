@@ -124,7 +124,7 @@ def cluster(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Cluster]:
 
 def _node_keys(cluster: Cluster) -> dict[str, str]:
     """What the pairing book holds: each agent's node public key, made by the agent itself."""
-    from edge_agent.pairing import node_key_dir
+    from edge_agent.trust.pairing import node_key_dir
 
     keys = {}
     for agent in cluster.agents:

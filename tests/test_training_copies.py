@@ -19,8 +19,8 @@ from cryptography.hazmat.primitives.asymmetric import ec
 from coordinator.training.copies import send_copy, signed_offer, training_copy
 from coordinator.transport.agent_client import AgentAddress
 from coordinator.trust.ca import CertificateAuthority
-from edge_agent.control import Response
 from edge_agent.errors import IntegrityError, SignatureError, StorageError
+from edge_agent.net.control import Response
 from edge_agent.training.copies import TrainingCopies, training_routes
 from protocols.errors import SchemaError
 from protocols.manifest import Manifest, ModelInfo, SegmentEntry
@@ -174,8 +174,8 @@ def test_the_control_plane_refuses_oversized_files_and_other_roles_before_the_bo
 ) -> None:
     """Through the real :class:`ControlServer`: a declared body over the largest missing file
     is answered 413 without a byte of it sent; an agent-role peer gets 403."""
-    from edge_agent.control import ControlServer
-    from edge_agent.tls import Peer
+    from edge_agent.net.control import ControlServer
+    from edge_agent.net.tls import Peer
     from protocols.deploy import ROLE_AGENT, ROLE_COORDINATOR
 
     ca = CertificateAuthority.open(tmp_path / "coordinator")

@@ -15,7 +15,7 @@ from hypothesis import strategies as st
 from coordinator import errors as coord
 from coordinator.transport.wire_errors import REMOTE, remote_error
 from edge_agent import errors as agent
-from edge_agent.wire_errors import CODES, CONTROL_CODES, code_of, control_code_of, error_header
+from edge_agent.net.wire_errors import CODES, CONTROL_CODES, code_of, control_code_of, error_header
 from protocols.deploy import ErrorReply
 from protocols.errors import (
     ControlErrorCode,

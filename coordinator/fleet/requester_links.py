@@ -2,7 +2,7 @@
 
 The planner counts the hand-off of each request's input to the first stage and of the result
 back from the last stage to the coordinator (``DeviceList.requester``). The coordinator measures
-those links the way agents measure the links between them (``edge_agent.probe``): on a
+those links the way agents measure the links between them (``edge_agent.net.probe``): on a
 data-plane connection to the agent, round trips of header-only probe frames give the latency,
 round trips of one large probe frame the bandwidth. The agent answers every probe frame with a
 header-only frame, so the large frame's round trip minus the small one's is the payload's time

@@ -30,9 +30,9 @@ import threading
 from collections.abc import Callable
 from pathlib import Path
 
-from edge_agent.control import COORDINATOR_ONLY, Response, Route, json_response
 from edge_agent.errors import IntegrityError, SignatureError, StorageError
-from edge_agent.identity import PublicKey, verify_signature
+from edge_agent.net.control import COORDINATOR_ONLY, Response, Route, json_response
+from edge_agent.trust.identity import PublicKey, verify_signature
 from hostkit.files import write_atomic
 from protocols.training_copy import (
     TrainingCopy,

@@ -25,8 +25,8 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from edge_agent.config import AgentConfig
-from edge_agent.pairing import make_node_key, node_key_dir, node_public_key
 from edge_agent.training.errors import SuperNodeError
+from edge_agent.trust.pairing import make_node_key, node_key_dir, node_public_key
 from hostkit.processes import stop_tree
 
 log = logging.getLogger(__name__)
@@ -241,8 +241,8 @@ def agent_supernode(config: AgentConfig) -> Iterator[SupervisedSuperNode]:
     version the coordinator sends before each run (:mod:`edge_agent.training.copies`). It is
     restarted whenever it exits, so the coordinator may start runs (and register the key) later.
     """
-    from edge_agent.pairing import CA_FILE
     from edge_agent.training.copies import CURRENT
+    from edge_agent.trust.pairing import CA_FILE
 
     train = config.training
     if train is None:

@@ -2,9 +2,9 @@
 
 A decode step of an int4 decoder multiplies one row by every weight matrix of its layers. ONNX
 Runtime's ``MatMulNBits`` unpacks and scales each 4-bit weight for that one row, so it runs far
-below the float32 ``MatMul`` roof of :mod:`edge_agent.microbench` (measured here, one thread, a
-1536 x 8960 weight at ``accuracy_level`` 0: 22.7 GFLOP/s at one row, 26 at four, 121 at 64,
-against 209 for float32 ``MatMul``; this chain at level 4, what the export writes: 69.5). The
+below the float32 ``MatMul`` roof of :mod:`edge_agent.profile.microbench` (measured here, one
+thread, a 1536 x 8960 weight at ``accuracy_level`` 0: 22.7 GFLOP/s at one row, 26 at four, 121 at
+64, against 209 for float32 ``MatMul``; this chain at level 4, what the export writes: 69.5). The
 planner prices a decode step's 4-bit products at this roof (``gemv_gflops``).
 
 The model is a chain of :data:`PRODUCTS` ``[1, K] x [K, K]`` products with 4-bit weights in
@@ -17,13 +17,14 @@ from __future__ import annotations
 import numpy as np
 
 from edge_agent.config import RuntimeConfig
-from edge_agent.microbench import (
-    best_gflops,
+from edge_agent.profile.base import best_gflops
+from edge_agent.protobuf.writer import (
     field_bytes,
     initializer_bytes,
     int_attribute_bytes,
     model_bytes,
 )
+from edge_agent.runtime.engine import session_options
 
 K = 2048
 PRODUCTS = 8
@@ -64,8 +65,6 @@ def measure_gemv_gflops(runtime: RuntimeConfig, budget_s: float = 0.5, trials: i
     the smaller of wall time and CPU time per thread, as the ``MatMul`` roof does)."""
     import onnxruntime as ort
 
-    from edge_agent.runtime import session_options
-
     session = ort.InferenceSession(
         gemv_model_bytes(), session_options(runtime), providers=["CPUExecutionProvider"]
     )
@@ -80,8 +79,6 @@ def measure_int4_rows_exact(runtime: RuntimeConfig) -> bool:
     Runtime 1.32's AVX-512 kernel does; its AVX2 kernel runs one row through a kernel of its
     own."""
     import onnxruntime as ort
-
-    from edge_agent.runtime import session_options
 
     model = gemv_model_bytes(k=256, count=2, rows="rows")
     session = ort.InferenceSession(

@@ -8,9 +8,9 @@ import uuid
 
 import numpy as np
 
-from edge_agent.channel import FrameChannel, open_channel
 from edge_agent.errors import LinkError
-from edge_agent.tls import check_peer
+from edge_agent.net.channel import FrameChannel, open_channel
+from edge_agent.net.tls import check_peer
 from protocols.deploy import PROBE_PREFIX, ROLE_AGENT, ProbeReport, ProbeRequest
 from protocols.frames import FrameHeader
 from protocols.links import probe_estimate

@@ -24,14 +24,14 @@ from dataclasses import dataclass
 
 import numpy as np
 
-from edge_agent.checks import Array, InputSpec
 from edge_agent.errors import (
     ContextLengthError,
     SessionLimitError,
     SessionRewindError,
     SessionStateError,
 )
-from edge_agent.runtime import release_freed_heap
+from edge_agent.runtime.checks import Array, InputSpec
+from edge_agent.runtime.engine import release_freed_heap
 from protocols.decoder import StatePair
 from protocols.deploy import ORIGIN_SEPARATOR
 from protocols.frames import DTYPES

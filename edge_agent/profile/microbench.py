@@ -10,13 +10,13 @@ on the ``onnx`` package).
   trial (as ``timeit`` advises): that keeps it within about 10% on a machine shared with other
   work.
 - **Memory bandwidth, the cache level, operator, call and selection costs**: see
-  :mod:`edge_agent.membench` (a matrix-vector product over a matrix larger than the caches;
+  :mod:`edge_agent.profile.membench` (a matrix-vector product over a matrix larger than the caches;
   the fixed costs of a kernel launch, of a segment run and of a ``TopK`` element, which
   dominate small segments).
 - **One-row 4-bit products** (a decode step of an int4 decoder): see
-  :mod:`edge_agent.gemvbench`.
+  :mod:`edge_agent.profile.gemvbench`.
 - **Element-wise operators** (a transformer block's adds, norms, activations, softmax and
-  transposes): see :mod:`edge_agent.vectorbench`.
+  transposes): see :mod:`edge_agent.profile.vectorbench`.
 """
 
 from __future__ import annotations
@@ -24,15 +24,11 @@ from __future__ import annotations
 import datetime as dt
 import logging
 import platform
-import time
-from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
 
 import numpy as np
 from pydantic import (
-    BaseModel,
-    ConfigDict,
     NonNegativeFloat,
     NonNegativeInt,
     PositiveFloat,
@@ -41,6 +37,16 @@ from pydantic import (
 )
 
 from edge_agent.config import RuntimeConfig
+from edge_agent.profile.base import ProfileModel, best_gflops
+from edge_agent.profile.gemvbench import (
+    ACCURACY_LEVEL,
+    measure_gemv_gflops,
+    measure_int4_rows_exact,
+)
+from edge_agent.profile.membench import measure_memory
+from edge_agent.profile.vectorbench import measure_vector_gflops
+from edge_agent.protobuf.writer import matmul_model_bytes
+from edge_agent.runtime.engine import session_options
 from hostkit.files import write_atomic
 from protocols.roofs import ROOF_FIELD_NAMES
 
@@ -49,14 +55,6 @@ log = logging.getLogger(__name__)
 PROFILE_FILE = "profile.json"
 MATRIX = 256
 MATMULS = 4
-_FLOAT = 1  # TensorProto.FLOAT
-
-
-class ProfileModel(BaseModel):
-    """The base of the profile's models: frozen, unknown fields refused (a cache written by
-    another version is measured again)."""
-
-    model_config = ConfigDict(frozen=True, extra="forbid")
 
 
 class ComputeProfile(ProfileModel):
@@ -79,16 +77,16 @@ class ComputeProfile(ProfileModel):
     topk_ns: NonNegativeFloat | None = None
     """Cost of a ``TopK`` per element it selects from, nanoseconds."""
     gemv_gflops: PositiveFloat | None = None
-    """GFLOP/s of a one-row 4-bit weight product (:mod:`edge_agent.gemvbench`)."""
+    """GFLOP/s of a one-row 4-bit weight product (:mod:`edge_agent.profile.gemvbench`)."""
     gemv_accuracy_level: NonNegativeInt | None = None
     """The ``MatMulNBits`` kernel it was measured with (a cache measured with another one is
     measured again)."""
     vector_gflops: PositiveFloat | None = None
     """Counted elements per nanosecond of a transformer block's element-wise operators
-    (:mod:`edge_agent.vectorbench`); None in caches written before it (measured again)."""
+    (:mod:`edge_agent.profile.vectorbench`); None in caches written before it (measured again)."""
     int4_rows_exact: bool | None = None
     """Whether a 4-bit product computes a row alike alone and in a pass
-    (:func:`edge_agent.gemvbench.measure_int4_rows_exact`); None in caches written before it
+    (:func:`edge_agent.profile.gemvbench.measure_int4_rows_exact`); None in caches written before it
     (measured again)."""
     intra_op_threads: PositiveInt
     inter_op_threads: PositiveInt
@@ -107,61 +105,9 @@ ROOF_FIELDS = ("gflops", *ROOF_FIELD_NAMES)
 """The measured roofs, as ``DeviceProfile`` and ``AgentStatus`` name them too."""
 
 
-def matmul_model_bytes(n: int = MATRIX, count: int = MATMULS) -> bytes:
-    """A serialized ONNX model: ``y = ((x @ w) @ w) ...`` with ``count`` MatMuls of ``n x n``."""
-    shape = [n, n]
-    nodes = []
-    prev = "x"
-    for i in range(count):
-        out = "y" if i == count - 1 else f"h{i}"
-        nodes.append(node_bytes("MatMul", [prev, "w"], [out], f"mm{i}"))
-        prev = out
-    return model_bytes(nodes, "fedshard_microbench", [("x", shape), ("w", shape)], [("y", shape)])
-
-
-def model_bytes(
-    nodes: list[bytes],
-    name: str,
-    inputs: Sequence[tuple[str, Sequence[int | str]]],
-    outputs: Sequence[tuple[str, Sequence[int | str]]],
-    types: dict[str, int] | None = None,
-    initializers: Sequence[bytes] = (),
-    opsets: Sequence[tuple[str, int]] = (("", 17),),
-) -> bytes:
-    """A serialized ONNX model of ``nodes`` (from :func:`node_bytes`) with ``initializers``
-    (from :func:`initializer_bytes`), ``inputs`` and ``outputs`` of the given shapes (a string
-    is a symbolic dimension), float32 unless ``types`` gives a ``TensorProto`` element type by
-    name, importing ``opsets`` (domain, version; the default opset 17)."""
-    kinds = types or {}
-    graph = b"".join(
-        [
-            *(field_bytes(1, node) for node in nodes),
-            field_bytes(2, name.encode()),
-            *(field_bytes(5, tensor) for tensor in initializers),
-            *(
-                field_bytes(11, value_info_bytes(n, shape, kinds.get(n, _FLOAT)))
-                for n, shape in inputs
-            ),
-            *(
-                field_bytes(12, value_info_bytes(n, shape, kinds.get(n, _FLOAT)))
-                for n, shape in outputs
-            ),
-        ]
-    )
-    imports = b"".join(
-        field_bytes(8, field_bytes(1, domain.encode()) + varint_field_bytes(2, version))
-        for domain, version in opsets
-    )
-    return varint_field_bytes(1, 8) + field_bytes(2, b"fedshard") + field_bytes(7, graph) + imports
-
-
 def measure_profile(runtime: RuntimeConfig) -> ComputeProfile:
     """Both roofs, the cache level and the operator cost with the agent's thread settings
     (about two seconds)."""
-    from edge_agent.gemvbench import ACCURACY_LEVEL, measure_gemv_gflops, measure_int4_rows_exact
-    from edge_agent.membench import measure_memory
-    from edge_agent.vectorbench import measure_vector_gflops
-
     compute = measure_gflops(runtime)
     memory = measure_memory(runtime)
     gemv = measure_gemv_gflops(runtime)
@@ -184,10 +130,10 @@ def measure_gflops(
     seconds (the profile it returns has no bandwidth; see :func:`measure_profile`)."""
     import onnxruntime as ort
 
-    from edge_agent.runtime import session_options
-
     session = ort.InferenceSession(
-        matmul_model_bytes(), session_options(runtime), providers=["CPUExecutionProvider"]
+        matmul_model_bytes(MATRIX, MATMULS),
+        session_options(runtime),
+        providers=["CPUExecutionProvider"],
     )
     rng = np.random.default_rng(0)
     feeds = {
@@ -207,42 +153,11 @@ def measure_gflops(
     )
 
 
-def best_gflops(
-    session: Any,
-    feeds: dict[str, np.ndarray],
-    flops: float,
-    runtime: RuntimeConfig,
-    budget_s: float,
-    trials: int,
-) -> float:
-    """GFLOP/s of ``session`` on ``feeds`` (``flops`` a run): the best of ``trials`` trials
-    of about ``budget_s / trials`` seconds each, rounded to 3 decimals."""
-    session.run(None, feeds)
-    start = time.perf_counter()
-    session.run(None, feeds)
-    one = max(time.perf_counter() - start, 1e-6)
-    runs = max(1, int(budget_s / trials / one))
-    best = 0.0
-    threads = runtime.intra_op_threads
-    for _ in range(trials):
-        start, cpu_start = time.perf_counter(), time.process_time()
-        for _ in range(runs):
-            session.run(None, feeds)
-        wall = time.perf_counter() - start
-        # CPU time per thread is what the runs cost when the cores are not shared with other
-        # processes; wall time is the bound when they are not saturated.
-        busy = min(wall, max((time.process_time() - cpu_start) / threads, 1e-9))
-        best = max(best, flops * runs / busy / 1e9)
-    return round(best, 3)
-
-
 def load_or_measure(
     state_dir: Path, runtime: RuntimeConfig, remeasure: bool = False
 ) -> ComputeProfile:
     """The cached profile when it was measured with the same settings, else a fresh measurement."""
     import onnxruntime as ort
-
-    from edge_agent.gemvbench import ACCURACY_LEVEL
 
     path = state_dir / PROFILE_FILE
     if not remeasure and path.exists():
@@ -275,67 +190,3 @@ def load_or_measure(
         runtime.intra_op_threads,
     )
     return profile
-
-
-def _varint(value: int) -> bytes:
-    out = bytearray()
-    while True:
-        byte = value & 0x7F
-        value >>= 7
-        if value:
-            out.append(byte | 0x80)
-        else:
-            out.append(byte)
-            return bytes(out)
-
-
-def varint_field_bytes(number: int, value: int) -> bytes:
-    """A protobuf varint field."""
-    return _varint(number << 3) + _varint(value)
-
-
-def field_bytes(number: int, payload: bytes) -> bytes:
-    """A protobuf length-delimited field."""
-    return _varint(number << 3 | 2) + _varint(len(payload)) + payload
-
-
-def int_attribute_bytes(name: str, value: int) -> bytes:
-    """A serialized ``AttributeProto`` of type INT (negative values as protobuf's int64)."""
-    encoded = value & 0xFFFFFFFFFFFFFFFF
-    kind = varint_field_bytes(20, 2)  # AttributeProto.INT
-    return field_bytes(1, name.encode()) + varint_field_bytes(3, encoded) + kind
-
-
-def initializer_bytes(name: str, array: np.ndarray, data_type: int = _FLOAT) -> bytes:
-    """A serialized ``TensorProto`` initializer: ``array``'s raw little-endian bytes."""
-    dims = b"".join(varint_field_bytes(1, d) for d in array.shape)
-    return (
-        dims
-        + varint_field_bytes(2, data_type)
-        + field_bytes(8, name.encode())
-        + field_bytes(9, np.ascontiguousarray(array).tobytes())
-    )
-
-
-def node_bytes(op: str, inputs: list[str], outputs: list[str], name: str) -> bytes:
-    """A serialized ``NodeProto`` without attributes."""
-    return b"".join(
-        [
-            *(field_bytes(1, i.encode()) for i in inputs),
-            *(field_bytes(2, o.encode()) for o in outputs),
-            field_bytes(3, name.encode()),
-            field_bytes(4, op.encode()),
-        ]
-    )
-
-
-def value_info_bytes(name: str, shape: Sequence[int | str], elem_type: int = _FLOAT) -> bytes:
-    """A serialized ``ValueInfoProto``: a tensor's name, element type and shape."""
-    dims = b"".join(
-        field_bytes(
-            1, field_bytes(2, d.encode()) if isinstance(d, str) else varint_field_bytes(1, d)
-        )
-        for d in shape
-    )
-    tensor_type = varint_field_bytes(1, elem_type) + field_bytes(2, dims)
-    return field_bytes(1, name.encode()) + field_bytes(2, field_bytes(1, tensor_type))

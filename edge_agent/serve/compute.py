@@ -1,9 +1,9 @@
 """A stage's compute: one request, one step of a session, or a batch of queued requests.
 
-The pipeline (:mod:`edge_agent.pipeline`) queues :class:`Work`; :func:`take_batch` takes the next
-request with the queued ones that may share its ONNX Runtime call (see :mod:`edge_agent.batching`),
-and :class:`StageRunner` runs them on the stage's single compute thread, feeding and keeping each
-session's state (see :mod:`edge_agent.sessions`).
+The pipeline (:mod:`edge_agent.serve.pipeline`) queues :class:`Work`; :func:`take_batch` takes the
+next request with the queued ones that may share its ONNX Runtime call (see
+:mod:`edge_agent.runtime.batching`), and :class:`StageRunner` runs them on the stage's single
+compute thread, feeding and keeping each session's state (see :mod:`edge_agent.runtime.sessions`).
 """
 
 from __future__ import annotations
@@ -14,13 +14,13 @@ from collections.abc import Sequence
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
 
-from edge_agent.batching import MAX_BATCH, signature, split, stack
-from edge_agent.channel import FrameChannel
-from edge_agent.checks import Array
 from edge_agent.errors import RequestError
-from edge_agent.metrics import AgentMetrics
-from edge_agent.segments import Deployed
-from edge_agent.sessions import SessionTable, session_key
+from edge_agent.net.channel import FrameChannel
+from edge_agent.runtime.batching import MAX_BATCH, signature, split, stack
+from edge_agent.runtime.checks import Array
+from edge_agent.runtime.segments import Deployed
+from edge_agent.runtime.sessions import SessionTable, session_key
+from edge_agent.serve.metrics import AgentMetrics
 from protocols.frames import FrameHeader
 
 

@@ -12,8 +12,8 @@ import os
 from cryptography import x509
 
 from edge_agent.errors import PairingError
-from edge_agent.identity import Identity
-from edge_agent.pairing import check_agent_certificate
+from edge_agent.trust.identity import Identity
+from edge_agent.trust.pairing import check_agent_certificate
 from protocols.deploy import CertificateRenewal
 
 

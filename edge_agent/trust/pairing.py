@@ -30,7 +30,7 @@ from cryptography.x509.oid import NameOID
 
 from edge_agent.config import TlsFiles
 from edge_agent.errors import PairingError
-from edge_agent.identity import KEY_FILE, Identity, load_private_key, spki
+from edge_agent.trust.identity import KEY_FILE, Identity, load_private_key, spki
 from hostkit.files import write_atomic
 from protocols.deploy import ROLE_AGENT
 from protocols.pairing import (

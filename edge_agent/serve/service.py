@@ -7,13 +7,13 @@ import dataclasses
 import logging
 import signal
 
-from edge_agent.agent import Agent
 from edge_agent.config import AgentConfig
-from edge_agent.discovery import ZeroconfAdvertiser
-from edge_agent.identity import load_identity
-from edge_agent.microbench import load_or_measure
-from edge_agent.pairing import stored_tls
-from edge_agent.runtime import prime
+from edge_agent.net.discovery import ZeroconfAdvertiser
+from edge_agent.profile.microbench import load_or_measure
+from edge_agent.runtime.engine import prime
+from edge_agent.serve.agent import Agent
+from edge_agent.trust.identity import load_identity
+from edge_agent.trust.pairing import stored_tls
 
 log = logging.getLogger(__name__)
 

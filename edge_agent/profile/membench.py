@@ -1,7 +1,9 @@
 """Memory side of the device profile: bandwidth beyond and within the caches, operator cost.
 
 All three run in ONNX Runtime with the agent's own thread settings, on models written as raw
-protobuf (:func:`edge_agent.microbench.model_bytes`; the agent does not depend on ``onnx``):
+protobuf (:func:`edge_agent.protobuf.writer.model_bytes`; the agent does not depend on ``onnx``);
+the operator, call and selection models and their probe live in
+:mod:`edge_agent.runtime.fixed_costs`, since an agent measures them again next to every warm-up:
 
 - **memory roof**: a matrix-vector product (one row times a float32 matrix) over a matrix
   larger than the caches (twice the largest cache the OS reports, within 64-256 MiB, see
@@ -37,15 +39,20 @@ import numpy as np
 from pydantic import NonNegativeFloat, NonNegativeInt, PositiveFloat, PositiveInt
 
 from edge_agent.config import RuntimeConfig
-from edge_agent.microbench import ProfileModel, model_bytes, node_bytes
-from protocols.deploy import FixedCosts
+from edge_agent.profile.base import ProfileModel
+from edge_agent.protobuf.writer import model_bytes, node_bytes
+from edge_agent.runtime.engine import model_session
+from edge_agent.runtime.fixed_costs import (
+    OPS,
+    TOPK_ELEMENTS,
+    TOPK_K,
+    FixedCostProbe,
+    chain_model_bytes,
+    identity_model_bytes,
+    median_run,
+    topk_model_bytes,
+)
 
-OPS = 256
-OP_MIX = ("MatMul", "Add", "Softmax", "Mul", "Sigmoid", "Neg", "Sqrt", "Abs")
-"""The operator kinds the operator-cost chain cycles through."""
-TOPK_ELEMENTS = 1 << 15
-TOPK_K = 64
-_INT64 = 7  # TensorProto.INT64
 STREAM_MIN_BYTES = 64 << 20
 STREAM_MAX_BYTES = 256 << 20
 CACHE_PROBE_BYTES = tuple(1 << (20 + k) for k in range(7))
@@ -80,43 +87,6 @@ def stream_model_bytes(rows: int = STREAM_ROWS) -> bytes:
     return model_bytes([node], "fedshard_stream", inputs, [("y", [1, "n"])])
 
 
-def chain_model_bytes(count: int = OPS, width: int = 64) -> bytes:
-    """A serialized ONNX model: ``count`` chained operators over a ``[1, rows, width]`` hidden
-    state (``rows`` symbolic, as a decoder's sequence is; run on one row), the
-    kinds of :data:`OP_MIX` in turn (``MatMul`` by the ``[width, width]`` input ``w``; binary
-    ones with the input ``x``)."""
-    nodes = []
-    prev = "x"
-    for i in range(count):
-        op = OP_MIX[i % len(OP_MIX)]
-        out = "y" if i == count - 1 else f"h{i}"
-        inputs = {"MatMul": [prev, "w"], "Add": [prev, "x"], "Mul": [prev, "x"]}.get(op, [prev])
-        nodes.append(node_bytes(op, inputs, [out], f"op{i}"))
-        prev = out
-    shapes: list[tuple[str, list[int | str]]] = [("x", [1, "rows", width]), ("w", [width, width])]
-    return model_bytes(nodes, "fedshard_ops", shapes, [("y", [1, "rows", width])])
-
-
-def identity_model_bytes(width: int = 64) -> bytes:
-    """A serialized ONNX model: ``y = Identity(x)``, the cheapest segment there is."""
-    node = node_bytes("Identity", ["x"], ["y"], "id")
-    return model_bytes([node], "fedshard_call", [("x", [width])], [("y", [width])])
-
-
-def topk_model_bytes(elements: int = TOPK_ELEMENTS, k: int = TOPK_K) -> bytes:
-    """A serialized ONNX model: the ``k`` largest of a ``[1, elements]`` row (``TopK`` with
-    ``k`` as an int64 input)."""
-    node = node_bytes("TopK", ["x", "k"], ["v", "i"], "topk")
-    kinds = {"k": _INT64, "i": _INT64}
-    return model_bytes(
-        [node],
-        "fedshard_topk",
-        [("x", [1, elements]), ("k", [1])],
-        [("v", [1, k]), ("i", [1, k])],
-        kinds,
-    )
-
-
 def stream_bytes(cache_dir: Path = _CACHE_DIR) -> int:
     """Buffer size for the memory roof: twice the largest CPU cache the OS reports, within
     [:data:`STREAM_MIN_BYTES`, :data:`STREAM_MAX_BYTES`], a multiple of 1 MiB."""
@@ -142,7 +112,7 @@ def measure_memory_gbps(runtime: RuntimeConfig, size: int, trials: int = 10) -> 
     """Best streaming-read bandwidth (GB/s) of ``trials`` matrix-vector products over a
     ``size``-byte matrix (:func:`stream_model_bytes`)."""
     columns = max(1, size // 4 // STREAM_ROWS)
-    session = _session(stream_model_bytes(), runtime)
+    session = model_session(stream_model_bytes(), runtime)
     matrix = np.full((STREAM_ROWS, columns), 0.5, dtype=np.float32)
     feeds = {"x": np.ones((1, STREAM_ROWS), dtype=np.float32), "w": matrix}
     best = _best_run(session, feeds, trials, runtime.intra_op_threads)
@@ -152,25 +122,25 @@ def measure_memory_gbps(runtime: RuntimeConfig, size: int, trials: int = 10) -> 
 def measure_op_us(runtime: RuntimeConfig, trials: int = 20) -> float:
     """Typical per-operator time (microseconds): the median of ``trials`` runs of the
     :data:`OPS`-long chain, less one call's cost."""
-    session = _session(chain_model_bytes(), runtime)
+    session = model_session(chain_model_bytes(), runtime)
     feeds = {"x": np.full((1, 1, 64), 0.01, np.float32), "w": np.eye(64, dtype=np.float32)}
-    typical = _median_run(session, feeds, trials, runtime.intra_op_threads)
+    typical = median_run(session, feeds, trials, runtime.intra_op_threads)
     return max(0.0, typical - measure_call_us(runtime) / 1e6) / OPS * 1e6
 
 
 def measure_call_us(runtime: RuntimeConfig, trials: int = 50) -> float:
     """Typical time (microseconds) of one ``session.run`` of a single ``Identity``."""
-    session = _session(identity_model_bytes(), runtime)
+    session = model_session(identity_model_bytes(), runtime)
     feeds = {"x": np.ones(64, dtype=np.float32)}
-    return _median_run(session, feeds, trials, runtime.intra_op_threads) * 1e6
+    return median_run(session, feeds, trials, runtime.intra_op_threads) * 1e6
 
 
 def measure_topk_ns(runtime: RuntimeConfig, trials: int = 10) -> float:
     """Typical ``TopK`` time per element (nanoseconds) over :data:`TOPK_ELEMENTS` floats."""
-    session = _session(topk_model_bytes(), runtime)
+    session = model_session(topk_model_bytes(), runtime)
     row = np.random.default_rng(0).standard_normal((1, TOPK_ELEMENTS), dtype=np.float32)
     feeds: dict[str, np.ndarray[Any, Any]] = {"x": row, "k": np.array([TOPK_K], np.int64)}
-    typical = _median_run(session, feeds, trials, runtime.intra_op_threads)
+    typical = median_run(session, feeds, trials, runtime.intra_op_threads)
     return max(0.0, typical - measure_call_us(runtime) / 1e6) / TOPK_ELEMENTS * 1e9
 
 
@@ -216,85 +186,6 @@ def measure_memory(runtime: RuntimeConfig) -> MemoryProfile:
     )
 
 
-class FixedCostProbe:
-    """The operator, call and selection benchmarks, their sessions built once: an agent
-    measures them again next to every warm-up (:meth:`measure`, a few milliseconds), since
-    they move with the load by up to 2.5x in a few minutes."""
-
-    def __init__(self, runtime: RuntimeConfig) -> None:
-        self._threads = runtime.intra_op_threads
-        self._chain = _session(chain_model_bytes(), runtime)
-        self._call = _session(identity_model_bytes(), runtime)
-        self._topk = _session(topk_model_bytes(), runtime)
-        row = np.random.default_rng(0).standard_normal((1, TOPK_ELEMENTS), dtype=np.float32)
-        self._feeds: tuple[dict[str, np.ndarray[Any, Any]], ...] = (
-            {"x": np.full((1, 1, 64), 0.01, np.float32), "w": np.eye(64, dtype=np.float32)},
-            {"x": np.ones(64, dtype=np.float32)},
-            {"x": row, "k": np.array([TOPK_K], np.int64)},
-        )
-
-    def measure(self, trials: int = 20) -> FixedCosts:
-        """``op_us``, ``call_us`` and ``topk_ns`` as :func:`measure_op_us`,
-        :func:`measure_call_us` and :func:`measure_topk_ns` measure them."""
-        chain, call, topk = self._feeds
-        call_s = _median_run(self._call, call, 2 * trials, self._threads)
-        op_s = _median_run(self._chain, chain, trials, self._threads) - call_s
-        topk_s = _median_run(self._topk, topk, trials // 2, self._threads) - call_s
-        return FixedCosts(
-            op_us=round(max(0.0, op_s) / OPS * 1e6, 3),
-            call_us=round(call_s * 1e6, 3),
-            topk_ns=round(max(0.0, topk_s) / TOPK_ELEMENTS * 1e9, 3),
-        )
-
-
-def mean_costs(first: FixedCosts, second: FixedCosts) -> FixedCosts:
-    """The average of two measurements (before a segment's load and after its warm-up)."""
-    return FixedCosts(
-        op_us=round((first.op_us + second.op_us) / 2, 3),
-        call_us=round((first.call_us + second.call_us) / 2, 3),
-        topk_ns=round((first.topk_ns + second.topk_ns) / 2, 3),
-    )
-
-
-COSTS_WINDOW = 5
-"""How many of its latest cost measurements an agent announces the median of."""
-
-
-class RecentCosts:
-    """An agent's latest fixed-cost measurements (one per warm-up), announced as their
-    element-wise median (:meth:`add` returns it).
-
-    The next plan is priced with what the agent announces, before the deploy it prices is
-    measured. One warm-up's costs can run 1.8x the ones before and after it (tiny-llama's
-    0.14 ms stage, 2026-12-05: the fixed part measured 0.20 ms once between 0.11 ms ones, and
-    the stage with it), which priced the stage after it at 1.86x; the median of the latest
-    :data:`COSTS_WINDOW` leaves such a minute out and still follows a device that stays slower.
-    The start-up profile's costs are not among them: they may be a cached profile's, measured
-    in another hour (with them, tiny-gemma3's first calibrated deploys were priced at 1.5-1.7x).
-    """
-
-    def __init__(self) -> None:
-        self._latest: list[FixedCosts] = []
-
-    def add(self, costs: FixedCosts) -> FixedCosts:
-        """Keep ``costs`` as the newest measurement; returns the element-wise median of the
-        kept ones."""
-        self._latest = [*self._latest, costs][-COSTS_WINDOW:]
-        return FixedCosts(
-            op_us=statistics.median(c.op_us for c in self._latest),
-            call_us=statistics.median(c.call_us for c in self._latest),
-            topk_ns=statistics.median(c.topk_ns for c in self._latest),
-        )
-
-
-def _session(model: bytes, runtime: RuntimeConfig) -> Any:
-    import onnxruntime as ort
-
-    from edge_agent.runtime import session_options
-
-    return ort.InferenceSession(model, session_options(runtime), providers=["CPUExecutionProvider"])
-
-
 def _best_run(
     session: Any, feeds: dict[str, np.ndarray[Any, Any]], trials: int, threads: int
 ) -> float:
@@ -309,23 +200,6 @@ def _best_run(
         wall = time.perf_counter() - start
         best = min(best, min(wall, time.thread_time() - cpu) if threads == 1 else wall)
     return best
-
-
-def _median_run(
-    session: Any, feeds: dict[str, np.ndarray[Any, Any]], trials: int, threads: int
-) -> float:
-    """Median of ``trials`` runs, each timed as :func:`_best_run` times them: the fixed costs
-    are measured the way the agent measures its stages (the median of its warm-up runs), so
-    both move together when the cores are shared (the best run of a 1 us kernel is the one
-    that found the caches warm, which a real stage seldom does)."""
-    session.run(None, feeds)
-    times = []
-    for _ in range(trials):
-        start, cpu = time.perf_counter(), time.thread_time()
-        session.run(None, feeds)
-        wall = time.perf_counter() - start
-        times.append(min(wall, time.thread_time() - cpu) if threads == 1 else wall)
-    return float(statistics.median(times))
 
 
 def run_spread(values: list[float]) -> float:

@@ -28,10 +28,10 @@ from typing import Protocol
 
 import numpy as np
 
-from edge_agent.checks import Array
 from edge_agent.errors import PeerRejectedError
-from edge_agent.frame_budget import UnfinishedBudget
-from edge_agent.tls import Peer, peer_of
+from edge_agent.net.frame_budget import UnfinishedBudget
+from edge_agent.net.tls import Peer, peer_of
+from edge_agent.runtime.checks import Array
 from protocols.errors import FrameError, TruncatedFrameError
 from protocols.frames import (
     PREFIX_BYTES,

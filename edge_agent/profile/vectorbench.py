@@ -20,14 +20,15 @@ from __future__ import annotations
 import numpy as np
 
 from edge_agent.config import RuntimeConfig
-from edge_agent.microbench import (
-    best_gflops,
+from edge_agent.profile.base import best_gflops
+from edge_agent.protobuf.writer import (
     field_bytes,
     initializer_bytes,
     int_attribute_bytes,
     model_bytes,
     varint_field_bytes,
 )
+from edge_agent.runtime.engine import session_options
 
 ROWS = 128
 WIDTH = 384
@@ -85,8 +86,6 @@ def measure_vector_gflops(runtime: RuntimeConfig, budget_s: float = 0.5, trials:
     """Counted elements per nanosecond (as GFLOP/s) of the block chain with the agent's thread
     settings (best trial, each the smaller of wall and thread CPU time, as the other roofs)."""
     import onnxruntime as ort
-
-    from edge_agent.runtime import session_options
 
     session = ort.InferenceSession(
         vector_model_bytes(), session_options(runtime), providers=["CPUExecutionProvider"]

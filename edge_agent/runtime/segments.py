@@ -6,7 +6,7 @@ is parsed; the predicted memory is checked against the budget before loading; th
 memory actually added is measured after loading and warm-up and checked again.
 
 Resident memory is measured with the C heap trimmed before and after (see
-:mod:`edge_agent.runtime`), so the report counts what the segment keeps, not heap that ORT
+:mod:`edge_agent.runtime.engine`), so the report counts what the segment keeps, not heap that ORT
 freed while loading. The transient peak while the session was built (the parsed protobuf next
 to ORT's copy of the weights) is logged next to it.
 """
@@ -19,7 +19,6 @@ import threading
 from dataclasses import dataclass
 from pathlib import Path
 
-from edge_agent.checks import Array, InputSpec, check_tensors
 from edge_agent.config import RuntimeConfig
 from edge_agent.errors import (
     BudgetError,
@@ -30,17 +29,18 @@ from edge_agent.errors import (
     SignatureError,
     WrongTargetError,
 )
-from edge_agent.identity import Identity, verify_signature
-from edge_agent.membench import FixedCostProbe, mean_costs
-from edge_agent.onnx_limits import check_declared_sizes
-from edge_agent.runtime import (
+from edge_agent.protobuf.limits import check_declared_sizes
+from edge_agent.runtime.checks import Array, InputSpec, check_tensors
+from edge_agent.runtime.engine import (
     SegmentSession,
     peak_resident_bytes,
     release_freed_heap,
     reset_peak_resident,
     resident_bytes,
 )
-from edge_agent.sessions import SessionTable
+from edge_agent.runtime.fixed_costs import FixedCostProbe, mean_costs
+from edge_agent.runtime.sessions import SessionTable
+from edge_agent.trust.identity import Identity, verify_signature
 from protocols.deploy import (
     DeployManifest,
     DeployReport,
@@ -64,7 +64,7 @@ class Deployed:
     sessions: SessionTable | None = None
     """Per-session state (a decoder's KV cache), when the segment keeps any."""
     batchable: bool = False
-    """Queued requests may run together (see :mod:`edge_agent.batching`)."""
+    """Queued requests may run together (see :mod:`edge_agent.runtime.batching`)."""
     batch_symbol: str | None = None
     """The name of the shared first axis requests are stacked along, when batchable."""
 

@@ -7,7 +7,7 @@ can claim the answer); each agent sends its ``forward`` tensors to the next; the
 the result to the claiming connection. Errors after a request was accepted travel the same way,
 skipping compute; the first agent answers its own refusals, and link failures it sees, on the
 requester's connection. Every accepted request gets one answer. Who may send what, the routed
-ids and the claims are decided in :mod:`edge_agent.routing`; this module does the I/O.
+ids and the claims are decided in :mod:`edge_agent.net.routing`; this module does the I/O.
 
 Per agent there are two bounded queues (compute and send) and one compute thread. A full compute
 queue stops the connection readers, so TCP pushes back on the previous agent: backpressure.
@@ -23,17 +23,17 @@ from collections import deque
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass
 
-from edge_agent.channel import FrameChannel
-from edge_agent.checks import Array, check_planned, check_tensors
-from edge_agent.compute import StageRunner, Work, take_batch
 from edge_agent.errors import AgentError, LinkError, NoSegmentError, PeerRejectedError, RequestError
-from edge_agent.links import Link
-from edge_agent.metrics import AgentMetrics
-from edge_agent.routing import AnswerDesk, request_id_of, routed_header, routed_id
-from edge_agent.segments import Deployed, SegmentStore
-from edge_agent.sessions import check_session_fields
-from edge_agent.tls import check_peer
-from edge_agent.wire_errors import error_header
+from edge_agent.net.channel import FrameChannel
+from edge_agent.net.links import Link
+from edge_agent.net.routing import AnswerDesk, request_id_of, routed_header, routed_id
+from edge_agent.net.tls import check_peer
+from edge_agent.net.wire_errors import error_header
+from edge_agent.runtime.checks import Array, check_planned, check_tensors
+from edge_agent.runtime.segments import Deployed, SegmentStore
+from edge_agent.runtime.sessions import check_session_fields
+from edge_agent.serve.compute import StageRunner, Work, take_batch
+from edge_agent.serve.metrics import AgentMetrics
 from protocols.deploy import ORIGIN_SEPARATOR, PROBE_PREFIX, ROLE_AGENT, ROLE_COORDINATOR, Hop
 from protocols.errors import FrameError
 from protocols.frames import FrameHeader, FrameKind

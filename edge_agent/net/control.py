@@ -26,8 +26,8 @@ from collections.abc import Awaitable, Callable
 from dataclasses import dataclass
 
 from edge_agent.errors import DeployError, LinkError, PairingError, PeerRejectedError
-from edge_agent.tls import Peer, check_peer
-from edge_agent.wire_errors import control_code_of
+from edge_agent.net.tls import Peer, check_peer
+from edge_agent.net.wire_errors import control_code_of
 from protocols.deploy import ROLE_AGENT, ROLE_COORDINATOR, ErrorReply
 from protocols.errors import ControlErrorCode, ProtocolError
 

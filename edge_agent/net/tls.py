@@ -8,7 +8,7 @@ from collections.abc import Collection
 from dataclasses import dataclass
 
 from edge_agent.errors import PeerRejectedError
-from edge_agent.identity import Identity
+from edge_agent.trust.identity import Identity
 from protocols.deploy import ROLE_AGENT
 
 

@@ -20,7 +20,7 @@ What a loaded segment really costs in resident memory, and the choices made here
   (78-87 MB for segment 0 after 20 runs) unless every large allocation is forced to ``mmap``,
   which made runs 40% slower (14 -> 20 ms).
 - **What bounds the arena while serving** is the deployment's planned shapes: every frame is
-  checked against the signed manifest's limits (:func:`edge_agent.checks.check_planned`) and
+  checked against the signed manifest's limits (:func:`edge_agent.runtime.checks.check_planned`) and
   the stage's batching never stacks past them, so the arena holds at most the workspace of the
   largest allowed run. Measured on the whole MiniLM after runs at 2 x 256, 4 x 128, 64 x 8 and
   1 x 200 tokens: arena on +46 MiB; arena off +150 MiB (glibc keeps the freed activations of
@@ -56,9 +56,11 @@ from typing import Any
 import numpy as np
 import psutil
 
-from edge_agent.checks import Array, InputSpec
 from edge_agent.config import RuntimeConfig
 from edge_agent.errors import ExecutionError, InputMismatchError, SegmentLoadError
+from edge_agent.protobuf.writer import matmul_model_bytes
+from edge_agent.runtime.batching import batch_axis_symbol
+from edge_agent.runtime.checks import Array, InputSpec
 from protocols.frames import DTYPES
 
 
@@ -178,8 +180,6 @@ class SegmentSession:
 
     def batch_axis(self) -> str | None:
         """The symbol of the free first axis shared by every input and output, if any."""
-        from edge_agent.batching import batch_axis_symbol
-
         shapes = [arg.shape for arg in self.session.get_outputs()]
         return batch_axis_symbol(self.inputs, shapes)
 
@@ -232,12 +232,18 @@ class SegmentSession:
         return times[0], statistics.median(times[1:]) if runs else times[0]
 
 
+def model_session(model: bytes, runtime: RuntimeConfig) -> Any:
+    """A CPU session of a small serialized model (a benchmark's or a probe's) with the
+    configured session options."""
+    import onnxruntime as ort
+
+    return ort.InferenceSession(model, session_options(runtime), providers=["CPUExecutionProvider"])
+
+
 def prime(runtime: RuntimeConfig) -> None:
     """Create and run one tiny session, so ONNX Runtime's one-off start-up memory (environment,
     thread pools) is part of the agent's baseline, not charged to the first segment loaded."""
     import onnxruntime as ort
-
-    from edge_agent.microbench import matmul_model_bytes
 
     session = ort.InferenceSession(
         matmul_model_bytes(8, 1), session_options(runtime), providers=["CPUExecutionProvider"]

@@ -16,7 +16,7 @@ from collections.abc import Mapping, Sequence
 
 import numpy as np
 
-from edge_agent.checks import Array, InputSpec
+from edge_agent.runtime.checks import Array, InputSpec
 
 MAX_BATCH = 8
 """Most requests run together in one call."""

@@ -4,7 +4,7 @@ The first agent admits a request from a requester by prefixing its id with the r
 verified name (``NAME|ID``, :func:`routed_header`), so only that requester can claim the answer;
 later stages admit only their chain predecessor. On the last stage a requester claims the answer
 to ``ID`` on its own connection, and :class:`AnswerDesk` keeps who claimed what and the answers
-that arrived before their claim. Nothing here does I/O: :mod:`edge_agent.pipeline` writes what
+that arrived before their claim. Nothing here does I/O: :mod:`edge_agent.serve.pipeline` writes what
 these decide.
 """
 
@@ -15,10 +15,10 @@ import time
 from collections import OrderedDict
 from collections.abc import Mapping
 
-from edge_agent.channel import FrameChannel
-from edge_agent.checks import Array
 from edge_agent.errors import NoSegmentError, RequestError
-from edge_agent.tls import Peer, check_peer
+from edge_agent.net.channel import FrameChannel
+from edge_agent.net.tls import Peer, check_peer
+from edge_agent.runtime.checks import Array
 from protocols.deploy import MAX_CLAIMS, ORIGIN_SEPARATOR, ROLE_AGENT, DeployManifest
 from protocols.frames import FrameHeader, FrameKind
 

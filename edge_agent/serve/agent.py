@@ -11,9 +11,10 @@ import ssl
 from collections.abc import Awaitable, Callable
 from pathlib import Path
 
-from edge_agent.channel import FrameServer
 from edge_agent.config import AgentConfig, TlsFiles
-from edge_agent.control import (
+from edge_agent.errors import ConfigError, PeerRejectedError
+from edge_agent.net.channel import FrameServer
+from edge_agent.net.control import (
     ANY_PEER,
     COORDINATOR_ONLY,
     ControlServer,
@@ -21,26 +22,26 @@ from edge_agent.control import (
     Route,
     json_response,
 )
-from edge_agent.discovery import Advertiser
-from edge_agent.errors import ConfigError, PeerRejectedError
-from edge_agent.identity import Identity, load_identity
-from edge_agent.links import PeerLink
-from edge_agent.membench import RecentCosts
-from edge_agent.metrics import AgentMetrics
-from edge_agent.microbench import ComputeProfile
-from edge_agent.pairing import (
+from edge_agent.net.discovery import Advertiser
+from edge_agent.net.links import PeerLink
+from edge_agent.net.probe import probe_link
+from edge_agent.net.tls import Peer, Revocation, client_context, peer_of, server_context
+from edge_agent.profile.microbench import ComputeProfile
+from edge_agent.runtime.engine import resident_bytes
+from edge_agent.runtime.fixed_costs import RecentCosts
+from edge_agent.runtime.segments import SegmentStore
+from edge_agent.serve.metrics import AgentMetrics
+from edge_agent.serve.pipeline import Pipeline
+from edge_agent.training.copies import TrainingCopies, training_routes
+from edge_agent.trust.identity import Identity, load_identity
+from edge_agent.trust.pairing import (
     accept_grant,
     grant_key,
     pairing_offer,
     pairing_server_context,
     shown_code,
 )
-from edge_agent.pipeline import Pipeline
-from edge_agent.probe import probe_link
-from edge_agent.renewal import accept_renewal
-from edge_agent.runtime import resident_bytes
-from edge_agent.segments import SegmentStore
-from edge_agent.tls import Peer, Revocation, client_context, peer_of, server_context
+from edge_agent.trust.renewal import accept_renewal
 from hostkit.files import write_atomic
 from protocols.deploy import (
     AgentStatus,
@@ -232,8 +233,6 @@ class Agent:
         """``/v1/training/copy`` and ``/file`` when the agent trains (no torch imported)."""
         if self.config.training is None:
             return {}
-        from edge_agent.training.copies import TrainingCopies, training_routes
-
         train = self.config.training
         root = self.config.state_dir / "training"
         copies = TrainingCopies(root, train.storage_bytes, lambda: self.identity.ca_public_key)

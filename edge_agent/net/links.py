@@ -8,10 +8,10 @@ import ssl
 from collections.abc import Callable, Mapping
 from typing import Protocol
 
-from edge_agent.channel import FrameChannel, open_channel
-from edge_agent.checks import Array
 from edge_agent.errors import LinkError, PeerRejectedError
-from edge_agent.tls import Peer, check_peer
+from edge_agent.net.channel import FrameChannel, open_channel
+from edge_agent.net.tls import Peer, check_peer
+from edge_agent.runtime.checks import Array
 from protocols.deploy import ROLE_AGENT, Hop
 from protocols.errors import FrameError
 from protocols.frames import FrameHeader
