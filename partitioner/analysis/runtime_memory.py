@@ -1,8 +1,8 @@
 """What ONNX Runtime on an edge agent really keeps resident for a segment, beyond its weights.
 
-The agent (see :mod:`edge_agent.runtime` for its session options and why) measures a segment's
-resident memory after loading and a warm-up at the deployment's shapes, with freed heap returned
-to the OS. That is, per segment:
+The agent (see :mod:`edge_agent.runtime.engine` for its session options and why) measures a
+segment's resident memory after loading and a warm-up at the deployment's shapes, with freed heap
+returned to the OS. That is, per segment:
 
 - the weights (the planner's ``weight_bytes`` and shared weights);
 - a fixed per-session overhead: the session, its graph and kernels, pre-packed weight padding

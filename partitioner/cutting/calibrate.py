@@ -170,7 +170,7 @@ def _session(path: Path, threads: int) -> Any:
     options.inter_op_num_threads = 1
     options.execution_mode = ort.ExecutionMode.ORT_SEQUENTIAL
     options.graph_optimization_level = ort.GraphOptimizationLevel.ORT_ENABLE_ALL
-    options.enable_mem_pattern = False  # as on the edge agent (edge_agent.runtime)
+    options.enable_mem_pattern = False  # as on the edge agent (edge_agent.runtime.engine)
     options.add_session_config_entry("session.intra_op.allow_spinning", "0")
     options.add_session_config_entry("session.inter_op.allow_spinning", "0")
     try:
