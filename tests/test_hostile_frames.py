@@ -13,9 +13,8 @@ import asyncio
 from pathlib import Path
 
 import numpy as np
+from agent_fakes import FakeChannel, FakeLink, segment_store
 from agent_helpers import WIDTH, TestCA, manifest_for, tiny_chain
-from test_agent_pipeline import FakeChannel, FakeLink
-from test_agent_units import _store
 
 from edge_agent.net.tls import Peer
 from edge_agent.runtime.segments import SegmentStore
@@ -31,7 +30,7 @@ X = np.ones((1, WIDTH), np.float32)
 
 def _stage(tmp_path: Path, index: int, plan_versions: tuple[int, ...] = (1,)) -> SegmentStore:
     ca = TestCA(tmp_path)
-    store = _store(ca, name=f"a{index}")
+    store = segment_store(ca, name=f"a{index}")
     seg = tiny_chain()[index]
     for version in plan_versions:
         store.deploy(ca.sign(manifest_for(index, seg, CHAIN, plan_version=version)), seg)

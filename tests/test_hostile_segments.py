@@ -13,11 +13,11 @@ from pathlib import Path
 import numpy as np
 import onnx
 import pytest
+from agent_fakes import CHAIN, segment_store
 from agent_helpers import TestCA, manifest_for, tiny_chain
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 from onnx import TensorProto, helper, numpy_helper
-from test_agent_units import CHAIN, _store
 
 from edge_agent.errors import BudgetError, SegmentLoadError
 from edge_agent.protobuf.limits import check_declared_sizes
@@ -93,7 +93,7 @@ def test_declared_shapes_over_the_budget_are_refused_before_loading(
     tmp_path: Path, build: object, named: str
 ) -> None:
     ca = TestCA(tmp_path)
-    store = _store(ca)
+    store = segment_store(ca)
     segment = build()  # type: ignore[operator]
     with pytest.raises(BudgetError, match="refused before loading") as refused:
         store.deploy(ca.sign(manifest_for(0, segment, CHAIN)), segment)
@@ -105,7 +105,7 @@ def test_declared_shapes_over_the_budget_are_refused_before_loading(
 
 def test_huge_warmup_shapes_are_refused_before_loading(tmp_path: Path) -> None:
     ca = TestCA(tmp_path)
-    store = _store(ca)
+    store = segment_store(ca)
     seg = tiny_chain()[0]
     manifest = manifest_for(0, seg, CHAIN, warmup_shapes={"x": [1 << 30, WIDTH]})
     with pytest.raises(BudgetError, match="warm-up input 'x'"):

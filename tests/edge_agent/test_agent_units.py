@@ -9,6 +9,7 @@ import numpy as np
 import onnx
 import onnxruntime as ort
 import pytest
+from agent_fakes import CHAIN, segment_store
 from agent_helpers import TestCA, manifest_for, tiny_chain
 
 from edge_agent.config import AgentConfig, RuntimeConfig, parse_size, usable_cores
@@ -24,18 +25,14 @@ from edge_agent.errors import (
 from edge_agent.profile.microbench import load_or_measure
 from edge_agent.protobuf.writer import matmul_model_bytes
 from edge_agent.runtime.checks import InputSpec, check_tensors
-from edge_agent.runtime.segments import SegmentStore
-from edge_agent.trust.identity import Identity, load_identity, verify_signature
+from edge_agent.trust.identity import load_identity, verify_signature
 from protocols.deploy import (
     DeployRequest,
-    Hop,
     decode_deploy_body,
     encode_deploy_body,
     signing_bytes,
 )
 from protocols.errors import SchemaError
-
-CHAIN = [Hop(device=f"a{i}", host="127.0.0.1", data_port=9000 + i) for i in range(3)]
 
 
 def test_parse_size() -> None:
@@ -163,24 +160,9 @@ def test_identity_checks_name_and_issuer(tmp_path: Path) -> None:
     assert load_identity(AgentConfig("a0", 1 << 20, tmp_path / "u")).device_id == unpaired.device_id
 
 
-def _store(ca: TestCA, budget: int = 64 << 20, name: str = "a0") -> SegmentStore:
-    """A store verifying with ``ca``'s key, its segment files in the CA's directory."""
-    identity = Identity(
-        name=name,
-        device_id="0" * 32,
-        cert_fingerprint="0" * 64,
-        paired=True,
-        cert_path=Path("unused"),
-        key_path=Path("unused"),
-        ca_path=ca.ca_path,
-        ca_public_key=ca.cert.public_key(),  # type: ignore[arg-type]
-    )
-    return SegmentStore(identity, budget, RuntimeConfig(), ca.directory / f"segments-{name}")
-
-
 def test_store_deploys_and_refuses(tmp_path: Path) -> None:
     ca = TestCA(tmp_path)
-    store = _store(ca)
+    store = segment_store(ca)
     seg = tiny_chain()[0]
     good = ca.sign(manifest_for(0, seg, CHAIN))
     bad = bytearray(seg)
@@ -200,7 +182,7 @@ def test_store_deploys_and_refuses(tmp_path: Path) -> None:
     with pytest.raises(SegmentLoadError):
         store.deploy(ca.sign(junk_manifest), junk)
     with pytest.raises(WrongTargetError):
-        _store(ca, name="a1").deploy(good, seg)
+        segment_store(ca, name="a1").deploy(good, seg)
     deployed = store.deploy(good, seg)
     assert deployed.report.segment_sha256 == hashlib.sha256(seg).hexdigest()
     assert deployed.report.warmup_s > 0 and deployed.passthrough == ("x",)
@@ -247,7 +229,7 @@ def test_store_refuses_a_segment_whose_measured_memory_is_over_budget(tmp_path: 
     model.ir_version = 8
     seg = model.SerializeToString()
     ca = TestCA(tmp_path)
-    store = _store(ca, budget=2 << 20)
+    store = segment_store(ca, budget=2 << 20)
     io = [(["x"], ["h"], ["h"])]
     manifest = manifest_for(0, seg, CHAIN[:1], io=io, predicted_memory=1024)
     with pytest.raises(BudgetError, match="resident bytes after load"):

@@ -8,55 +8,21 @@ from pathlib import Path
 
 import numpy as np
 import pytest
+from agent_fakes import FakeChannel, FakeLink, segment_store
 from agent_helpers import WIDTH, TestCA, chain_weights, manifest_for, tiny_chain
-from test_agent_units import _store
 
 from edge_agent.net.tls import Peer
 from edge_agent.serve.metrics import AgentMetrics
 from edge_agent.serve.pipeline import Pipeline
 from protocols.deploy import Hop
 from protocols.errors import WireErrorCode
-from protocols.frames import Frame, FrameHeader, FrameKind, decode_frame, encode_frame
-
-
-class FakeChannel:
-    """Incoming frames from a queue; sent frames recorded."""
-
-    def __init__(self, peer: Peer) -> None:
-        self.peer = peer
-        self.incoming: asyncio.Queue[bytes | None] = asyncio.Queue()
-        self.sent: asyncio.Queue[Frame] = asyncio.Queue()
-        self.closed = False
-
-    async def read(self) -> tuple[Frame, int] | None:
-        data = await self.incoming.get()
-        return None if data is None else (decode_frame(data), len(data))
-
-    async def write(self, header: FrameHeader, tensors: Mapping[str, np.ndarray]) -> int:
-        data = encode_frame(header, tensors)
-        await self.sent.put(decode_frame(data))
-        return len(data)
-
-    async def close(self) -> None:
-        self.closed = True
-
-
-class FakeLink:
-    def __init__(self, hop: Hop, log: list[tuple[str, Frame]]) -> None:
-        self.hop, self.log = hop, log
-
-    async def send(self, header: FrameHeader, tensors: Mapping[str, np.ndarray]) -> int:
-        self.log.append((self.hop.device, decode_frame(encode_frame(header, tensors))))
-        return 0
-
-    async def close(self) -> None:
-        pass
+from protocols.frames import Frame, FrameHeader, FrameKind, encode_frame
 
 
 def test_first_stage_routes_requests_by_requester_name(tmp_path: Path) -> None:
     ca = TestCA(tmp_path)
     chain = [Hop(device=f"a{i}", host="127.0.0.1", data_port=9000 + i) for i in range(3)]
-    store = _store(ca, name="a0")
+    store = segment_store(ca, name="a0")
     seg = tiny_chain()[0]
     store.deploy(ca.sign(manifest_for(0, seg, chain)), seg)
     sent: list[tuple[str, Frame]] = []
@@ -101,7 +67,7 @@ def test_last_stage_returns_results_to_the_claim(
     monkeypatch.setattr("edge_agent.net.routing.MAX_CLAIMS", 1)  # answered claims must be freed
     ca = TestCA(tmp_path)
     chain = [Hop(device=f"a{i}", host="127.0.0.1", data_port=9000 + i) for i in range(3)]
-    store = _store(ca, name="a2")
+    store = segment_store(ca, name="a2")
     seg = tiny_chain()[2]
     store.deploy(ca.sign(manifest_for(2, seg, chain)), seg)
 
@@ -171,7 +137,7 @@ def test_backpressure_stops_reading(tmp_path: Path) -> None:
     """With the compute and send queues full, the reader stops taking frames off the channel."""
     ca = TestCA(tmp_path)
     chain = [Hop(device=f"a{i}", host="127.0.0.1", data_port=9000 + i) for i in range(3)]
-    store = _store(ca, name="a0")
+    store = segment_store(ca, name="a0")
     seg = tiny_chain()[0]
     store.deploy(ca.sign(manifest_for(0, seg, chain)), seg)
     release = asyncio.Event()
@@ -204,7 +170,7 @@ def test_backpressure_stops_reading(tmp_path: Path) -> None:
 def test_queued_requests_run_as_one_batch_and_each_gets_its_own_answer(tmp_path: Path) -> None:
     ca = TestCA(tmp_path)
     chain = [Hop(device=f"a{i}", host="127.0.0.1", data_port=9000 + i) for i in range(3)]
-    store = _store(ca, name="a0")
+    store = segment_store(ca, name="a0")
     seg = tiny_chain()[0]
     store.deploy(ca.sign(manifest_for(0, seg, chain)), seg)
     assert store.get(1) is not None and store.get(1).batchable  # type: ignore[union-attr]
