@@ -17,7 +17,7 @@ the operator, call and selection models and their probe live in
   must fit in to be read at cache speed (on a VM the OS's cache sizes say little about the
   share a guest really gets: a 2-core guest reporting a 300 MiB L3 reads 16 MiB at DRAM speed);
 - **operator cost**: a chain of :data:`OPS` operators on a 64-wide row, cycling through the
-  kinds a decode step is made of (:data:`OP_MIX`: a 64 x 64 ``MatMul``, element-wise
+  kinds a decode step is made of (``fixed_costs.OP_MIX``: a 64 x 64 ``MatMul``, element-wise
   arithmetic and activations, a ``Softmax``); the median run's time per operator is the fixed
   cost every kernel launch pays. An ``Add`` chain alone says 0.45 us here, where the operators
   of a real decode step cost 0.7-0.8 us each (tiny-llama's attention units timed alone);
