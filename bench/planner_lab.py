@@ -43,7 +43,7 @@ from agent_helpers import minilm_model  # noqa: E402
 from lab_helpers import LabCluster, lab_cluster  # noqa: E402
 
 from devtools.lab.executor import unavailable_reason  # noqa: E402
-from partitioner.cutting.split import Analysis  # noqa: E402
+from partitioner.cutting.inputs import Analysis  # noqa: E402
 from protocols.devices import DeviceList  # noqa: E402
 from protocols.plan import Objective, Plan  # noqa: E402
 from protocols.roofs import ROOF_FIELD_NAMES  # noqa: E402
@@ -191,7 +191,8 @@ def lab_devices(
 
 def problem_of(analysis: Analysis, devices: DeviceList) -> Any:
     """The planning problem a deploy builds (same options as the coordinator's split)."""
-    from partitioner.cutting.split import SplitOptions, planning_problem
+    from partitioner.cutting.inputs import SplitOptions
+    from partitioner.cutting.split import planning_problem
 
     return planning_problem(analysis, devices, SplitOptions(), MODEL_ID)
 

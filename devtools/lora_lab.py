@@ -65,7 +65,7 @@ def split_version(export_dir: Path, out_dir: Path, memory_mb: int | None = None)
 
 def split_encoder(onnx_path: Path, out_dir: Path) -> Path:
     """``fedshard split`` exported MiniLM onto :data:`ENCODER_DEVICES`, with its tokenizer."""
-    from partitioner.models.frontdoor import minilm_dir
+    from partitioner.models.packaged import minilm_dir
 
     tokenizer = minilm_dir() / "tokenizer.json"
     return _split(onnx_path, tokenizer, ENCODER_DEVICES, out_dir)
@@ -84,7 +84,7 @@ def minilm_model() -> Any:
     """all-MiniLM-L6-v2 as transformers' ``BertModel`` (the package's weights, offline)."""
     from transformers import AutoModel
 
-    from partitioner.models.frontdoor import minilm_dir, offline
+    from partitioner.models.packaged import minilm_dir, offline
 
     offline()
     return AutoModel.from_pretrained(minilm_dir()).eval()

@@ -11,8 +11,9 @@ from onnx import TensorProto, helper, numpy_helper
 
 from partitioner.analysis.frontier import Frontier
 from partitioner.analysis.graph import GraphIndex
+from partitioner.cutting.inputs import Analysis
 from partitioner.cutting.segments import plan_segments
-from partitioner.cutting.split import Analysis, write_segments
+from partitioner.cutting.split import write_segments
 from partitioner.cutting.verify import run_chain, run_model
 
 OPSET = [helper.make_opsetid("", 17)]

@@ -128,7 +128,7 @@ def _reference(texts: list[str]) -> np.ndarray:
     import torch
     from transformers import AutoModel, AutoTokenizer
 
-    from partitioner.models.frontdoor import minilm_dir
+    from partitioner.models.packaged import minilm_dir
 
     tokenizer = AutoTokenizer.from_pretrained(minilm_dir())
     model = AutoModel.from_pretrained(minilm_dir()).eval()

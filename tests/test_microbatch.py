@@ -68,7 +68,7 @@ class _Router:
 
 def _tokenizer_dir() -> str:
     from partitioner.errors import GraphError
-    from partitioner.models.frontdoor import minilm_dir
+    from partitioner.models.packaged import minilm_dir
 
     try:
         return str(minilm_dir())

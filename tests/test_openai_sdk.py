@@ -136,7 +136,7 @@ def test_embeddings_default_and_float_agree_with_the_unsharded_model(cluster: Cl
 def test_token_ids_dimensions_and_user(cluster: Cluster) -> None:
     from tokenizers import Tokenizer
 
-    from partitioner.models.frontdoor import minilm_dir
+    from partitioner.models.packaged import minilm_dir
 
     client = cluster.sdk()
     tokenizer = Tokenizer.from_file(str(minilm_dir() / "tokenizer.json"))

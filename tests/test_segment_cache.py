@@ -12,8 +12,9 @@ from graph_helpers import block_stack
 
 from partitioner.analysis.runtime_memory import RuntimeMemory
 from partitioner.cutting import segment_files
+from partitioner.cutting.inputs import SplitOptions
 from partitioner.cutting.segment_cache import SegmentCache
-from partitioner.cutting.split import SplitOptions, split_model
+from partitioner.cutting.split import split_model
 from protocols.devices import DeviceList
 
 BLOCKS = 6

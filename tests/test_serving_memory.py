@@ -52,7 +52,8 @@ DEVICES = {
 
 
 def _split(model: Path, out: Path) -> Manifest:
-    from partitioner.cutting.split import SplitOptions, split_model
+    from partitioner.cutting.inputs import SplitOptions
+    from partitioner.cutting.split import split_model
     from protocols.devices import DeviceList
 
     options = SplitOptions(dims={"batch": 2, "sequence": 256})

@@ -100,7 +100,8 @@ def _devices(fast_cap: int) -> DeviceList:
 
 
 def _fits_on_the_fast_pair(model: Any, dims: dict[str, int], cap: int) -> bool:
-    from partitioner.cutting.split import SplitOptions, analyse, planning_problem
+    from partitioner.cutting.inputs import SplitOptions
+    from partitioner.cutting.split import analyse, planning_problem
     from partitioner.errors import InfeasiblePlanError
     from partitioner.planning.planner import plan
 

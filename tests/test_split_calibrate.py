@@ -22,7 +22,8 @@ from partitioner.analysis.units import GraphUnit, UnitPlan
 from partitioner.cli import split_cli
 from partitioner.cutting import split
 from partitioner.cutting.calibrate import Calibration, shares_of, time_chain
-from partitioner.cutting.split import SplitOptions, analyse, split_model
+from partitioner.cutting.inputs import Analysis, SplitOptions
+from partitioner.cutting.split import analyse, split_model
 from partitioner.errors import CalibrationError, GraphError, InfeasiblePlanError
 from partitioner.planning.problem_from_graph import build_problem
 from protocols.devices import DeviceList
@@ -190,7 +191,7 @@ def trig_then_matmuls(chain: int = 40, blocks: int = 6, seed: int = 0) -> onnx.M
     return helper.make_model(graph, opset_imports=OPSET)
 
 
-def _trig_units(analysis: split.Analysis) -> list[int]:
+def _trig_units(analysis: Analysis) -> list[int]:
     order, nodes = analysis.frontier.order, analysis.index.nodes
     return [
         k

@@ -15,7 +15,8 @@ from partitioner.analysis.decoding import decoder_layout, find_state_pairs
 from partitioner.analysis.graph import index_graph
 from partitioner.analysis.modelio import save_model
 from partitioner.analysis.runtime_memory import GRAPH_ONLY
-from partitioner.cutting.split import SplitOptions, analyse, split_model
+from partitioner.cutting.inputs import SplitOptions
+from partitioner.cutting.split import analyse, split_model
 from partitioner.cutting.verify import run_model
 from partitioner.errors import InfeasiblePlanError
 from protocols.devices import DeviceList

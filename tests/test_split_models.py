@@ -18,7 +18,8 @@ import pytest
 from hostkit.files import file_sha256
 from partitioner.analysis.modelio import initializer_bytes, load_model
 from partitioner.analysis.runtime_memory import RuntimeMemory
-from partitioner.cutting.split import Analysis, SplitOptions, SplitResult, analyse, split_model
+from partitioner.cutting.inputs import Analysis, SplitOptions
+from partitioner.cutting.split import SplitResult, analyse, split_model
 from partitioner.cutting.verify import verify_chain
 from partitioner.errors import InfeasiblePlanError
 from protocols.devices import DeviceList
@@ -96,7 +97,7 @@ def test_minilm_needs_all_three_devices_and_matches_the_whole_model(
 
     from transformers import AutoTokenizer
 
-    from partitioner.models.frontdoor import minilm_dir
+    from partitioner.models.packaged import minilm_dir
 
     tokenizer = AutoTokenizer.from_pretrained(minilm_dir())
     sentences = ["Sharding is runtime placement.", "Two", "A much longer sentence " * 6]

@@ -54,7 +54,7 @@ def pair_dirs(tmp_path_factory: pytest.TempPathFactory) -> list[Path]:
 def lab(
     minilm_onnx: Path, pair_dirs: list[Path], tmp_path_factory: pytest.TempPathFactory
 ) -> Iterator[GenLab]:
-    from partitioner.models.frontdoor import minilm_dir
+    from partitioner.models.packaged import minilm_dir
 
     tmp = tmp_path_factory.mktemp("lora-encoder-agents")
     export = tmp / "export"

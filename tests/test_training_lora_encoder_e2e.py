@@ -36,7 +36,7 @@ TEXTS = ["dog, domestic dog, Canis familiaris", "an edible fruit", "a woody plan
 @pytest.fixture(scope="module")
 def lab(minilm_onnx: Path, tmp_path_factory: pytest.TempPathFactory) -> Iterator[GenLab]:
     from devtools.wordnet import write_shares
-    from partitioner.models.frontdoor import minilm_dir
+    from partitioner.models.packaged import minilm_dir
 
     tmp = tmp_path_factory.mktemp("lora-encoder-e2e")
     export = tmp / "export"

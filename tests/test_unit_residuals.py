@@ -24,7 +24,8 @@ from coordinator.deploy.unit_residuals import (
     with_stage,
 )
 from partitioner.analysis.roofline import scaled_work, stage_seconds
-from partitioner.cutting.split import SplitOptions, analyse, analysis_work, planning_problem
+from partitioner.cutting.inputs import SplitOptions
+from partitioner.cutting.split import analyse, analysis_work, planning_problem
 from protocols.devices import DeviceList
 from protocols.problem import Roofs, Work
 

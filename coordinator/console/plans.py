@@ -29,7 +29,7 @@ from protocols.plan import Objective, Plan
 from protocols.roofs import slowed_roofs
 
 if TYPE_CHECKING:
-    from partitioner.cutting.split import Analysis
+    from partitioner.cutting.inputs import Analysis
 
 MANIFEST_FILE = "manifest.json"
 
@@ -266,7 +266,8 @@ def what_if(analysis: Analysis, devices: DeviceList, objective: Objective, name:
 
     Raises DeployError when no arrangement fits (with the shortfall in plain words).
     """
-    from partitioner.cutting.split import SplitOptions, choose_plan, planning_problem
+    from partitioner.cutting.inputs import SplitOptions
+    from partitioner.cutting.split import choose_plan, planning_problem
     from partitioner.errors import InfeasiblePlanError, PartitionerError
 
     opts = SplitOptions(objective)

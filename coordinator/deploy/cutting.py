@@ -161,7 +161,8 @@ def _split_at_serving_shapes(
     """Plan and cut at the serving shapes with the best plan the devices can hold (see
     :func:`coordinator.deploy.limits.rungs_by_quality`): they become the deployment's limits.
     A baseline cut takes the largest shapes that fit."""
-    from partitioner.cutting.split import SplitOptions, split_model
+    from partitioner.cutting.inputs import SplitOptions
+    from partitioner.cutting.split import split_model
     from partitioner.errors import InfeasiblePlanError
 
     planner = None if command.baseline is None else baseline_planner(command.baseline)
@@ -195,7 +196,8 @@ def _plan_times(
     other one (None where the devices cannot hold it), planned without cutting: an analysis
     and a plan take milliseconds for a text encoder."""
     from partitioner.analysis.modelio import load_model
-    from partitioner.cutting.split import SplitOptions, analyse, choose_plan, planning_problem
+    from partitioner.cutting.inputs import SplitOptions
+    from partitioner.cutting.split import analyse, choose_plan, planning_problem
     from partitioner.errors import InfeasiblePlanError
 
     model = load_model(command.model_path)

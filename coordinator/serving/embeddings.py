@@ -46,7 +46,7 @@ def default_tokenizer_dir(model_id: str) -> str | None:
     if model_id != "all-minilm-l6-v2":
         return None
     from partitioner.errors import GraphError
-    from partitioner.models.frontdoor import minilm_dir
+    from partitioner.models.packaged import minilm_dir
 
     try:
         return str(minilm_dir())

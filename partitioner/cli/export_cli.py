@@ -7,14 +7,16 @@ from pathlib import Path
 from typing import Any
 
 from partitioner.cli.cli_args import EXIT_BAD_INPUT, human_size, positive_int
+from partitioner.errors import GraphError
+from partitioner.models.decoders.cache import CACHE_ENV, default_cache_dir
+from partitioner.models.decoders.progress import RichSteps
+from partitioner.models.decoders.sources import DECODER_NAMES
+from partitioner.models.decoders.weights import DRAFT_BLOCK_SIZE, DRAFT_VOCABULARY, WEIGHTS
+from partitioner.models.frontdoor import FRONT_DOORS
 
 
 def register_export(subparsers: Any) -> None:
     """Add the ``export`` subcommand to an argparse subparsers object."""
-    from partitioner.models.decoders.sources import DECODER_NAMES
-    from partitioner.models.decoders.weights import DRAFT_BLOCK_SIZE, DRAFT_VOCABULARY, WEIGHTS
-    from partitioner.models.frontdoor import FRONT_DOORS
-
     export = subparsers.add_parser(
         "export",
         help="export a packaged model to ONNX",
@@ -75,12 +77,6 @@ def run_export(args: argparse.Namespace) -> int:
     import os
 
     from rich.console import Console
-
-    from partitioner.errors import GraphError
-    from partitioner.models.decoders.cache import CACHE_ENV, default_cache_dir
-    from partitioner.models.decoders.progress import RichSteps
-    from partitioner.models.decoders.sources import DECODER_NAMES
-    from partitioner.models.frontdoor import FRONT_DOORS
 
     console = Console()
     options: dict[str, Any] = {"pooled": args.pooled}

@@ -14,6 +14,8 @@ from pathlib import Path
 from typing import Any
 
 from partitioner.cli.cli_args import EXIT_BAD_INPUT, human_size, positive_int
+from partitioner.cli.export_cli import register_export
+from partitioner.errors import InfeasiblePlanError, PartitionerError, VerificationError
 from protocols.constants import DEFAULT_QUEUE_DEPTH
 from protocols.manifest import DEFAULT_SESSIONS
 
@@ -133,8 +135,6 @@ def register(subparsers: Any) -> None:
     )
     split.set_defaults(run=run_split)
 
-    from partitioner.cli.export_cli import register_export
-
     register_export(subparsers)
 
 
@@ -155,6 +155,7 @@ def _size_arg(text: str) -> int:
 
 
 def _runtime_model(args: argparse.Namespace) -> Any:
+    # heavy: keeps onnx off a light import
     from partitioner.analysis.runtime_memory import RuntimeMemory
 
     model = RuntimeMemory()
@@ -181,8 +182,11 @@ def run_split(args: argparse.Namespace) -> int:
     """Handler of ``fedshard split``."""
     from rich.console import Console
 
-    from partitioner.cutting.split import SplitOptions, split_model
-    from partitioner.errors import InfeasiblePlanError, PartitionerError, VerificationError
+    # heavy: keeps onnx off a light import
+    from partitioner.cutting.inputs import SplitOptions
+
+    # heavy: keeps onnx off a light import
+    from partitioner.cutting.split import split_model
     from protocols.devices import DeviceList
     from protocols.errors import SchemaError
     from protocols.manifest import SessionLimits

@@ -4,7 +4,6 @@ from __future__ import annotations
 
 from collections.abc import Sequence
 from pathlib import Path
-from typing import TYPE_CHECKING
 
 import onnx
 
@@ -12,6 +11,7 @@ from hostkit.files import file_sha256
 from partitioner.analysis.decoding import segment_state, unit_state_bytes
 from partitioner.analysis.modelio import initializer_bytes
 from partitioner.analysis.phases import stage_prefill_s
+from partitioner.cutting.inputs import Analysis
 from partitioner.cutting.segment_files import WrittenSegment
 from protocols.manifest import (
     DEFAULT_SESSIONS,
@@ -23,9 +23,6 @@ from protocols.manifest import (
 )
 from protocols.plan import Plan
 from protocols.problem import PlanningProblem
-
-if TYPE_CHECKING:
-    from partitioner.cutting.split import Analysis
 
 
 def build_manifest(

@@ -6,7 +6,6 @@ import re
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 from pathlib import Path
-from typing import TYPE_CHECKING
 
 import onnx
 from onnx import external_data_helper
@@ -14,11 +13,9 @@ from onnx import external_data_helper
 from hostkit.files import file_sha256
 from partitioner.analysis.modelio import save_model
 from partitioner.analysis.shapes import symbolic_types
+from partitioner.cutting.inputs import Analysis, SplitOptions
 from partitioner.cutting.segment_cache import SegmentCache
 from partitioner.cutting.segments import SegmentSpec, build_segment, plan_segments
-
-if TYPE_CHECKING:
-    from partitioner.cutting.split import Analysis, SplitOptions
 
 SEGMENT_FILE = re.compile(r"^segment\d+\.onnx(\.data)?$")
 

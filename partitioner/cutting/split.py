@@ -8,26 +8,23 @@ from __future__ import annotations
 
 import tempfile
 from collections.abc import Callable, Mapping, Sequence
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from pathlib import Path
 
 import onnx
 
 from hostkit.files import file_sha256
-from partitioner.analysis.costs import ShapeTable
 from partitioner.analysis.decoding import (
-    DecoderLayout,
     decoder_layout,
     describe_state,
     replicated_inputs,
     unit_state_bytes,
 )
-from partitioner.analysis.frontier import Frontier, build_frontier
-from partitioner.analysis.graph import GraphIndex, index_graph
+from partitioner.analysis.frontier import build_frontier
+from partitioner.analysis.graph import index_graph
 from partitioner.analysis.modelio import load_model
 from partitioner.analysis.phases import prefill_work
 from partitioner.analysis.roofline import scaled_work, unit_work
-from partitioner.analysis.runtime_memory import RuntimeMemory
 from partitioner.analysis.samples import (
     Samples,
     check_samples,
@@ -43,35 +40,20 @@ from partitioner.cutting.calibrate import (
     Calibration,
     time_chain,
 )
+from partitioner.cutting.inputs import Analysis, SplitOptions
 from partitioner.cutting.manifests import build_manifest
 from partitioner.cutting.segment_files import WrittenSegment, cached_cuts, write_segments
 from partitioner.cutting.verify import VerifyResult, default_tolerance, verify_chain
 from partitioner.errors import GraphError, InfeasiblePlanError
+from partitioner.planning.planner import plan_preferring_one_device
 from partitioner.planning.problem_from_graph import build_problem
-from protocols.constants import DEFAULT_QUEUE_DEPTH
 from protocols.devices import DeviceList
-from protocols.manifest import DEFAULT_SESSIONS, Manifest, SessionLimits
+from protocols.manifest import Manifest, SessionLimits
 from protocols.plan import Objective, Plan
 from protocols.problem import PlanningProblem, Work
 
 MANIFEST_NAME = "manifest.json"
 Planner = Callable[[PlanningProblem, Objective], Plan]
-
-
-@dataclass(frozen=True)
-class Analysis:
-    """Everything known about a model before planning."""
-
-    model: onnx.ModelProto
-    index: GraphIndex
-    table: ShapeTable
-    frontier: Frontier
-    units: UnitPlan
-    samples: Samples
-    samples_source: str
-    """``"given"``, ``"embedded"`` (front door metadata) or ``"synthesised"``."""
-    decoder: DecoderLayout | None = None
-    """The model's per-session state (KV cache), if it has any."""
 
 
 @dataclass(frozen=True)
@@ -88,40 +70,6 @@ class SplitResult:
     """Per-unit times on this machine when the split was calibrated."""
     flop_plan: Plan | None = None
     """When calibrated: the plan FLOP estimates alone would have given (for comparison)."""
-
-
-@dataclass(frozen=True)
-class SplitOptions:
-    """Knobs of :func:`split_model` (the CLI flags)."""
-
-    objective: Objective = Objective.THROUGHPUT
-    queue_depth: int = DEFAULT_QUEUE_DEPTH
-    verify: bool = False
-    tolerance: float | None = None
-    """For ``verify``: largest accepted difference; None: by the model's compute precision
-    (:func:`partitioner.cutting.verify.default_tolerance`)."""
-    dims: Mapping[str, int] = field(default_factory=dict)
-    samples_path: Path | None = None
-    max_units: int = DEFAULT_MAX_UNITS
-    carry_io: bool | None = None
-    """Hand model inputs and outputs along the chain (True) or let each segment read and emit
-    its own (False); None: direct for a model with per-session state, carried otherwise."""
-    external_threshold_bytes: int | None = None
-    calibrate: bool = False
-    """Time every unit in ONNX Runtime and plan with the measured distribution of compute."""
-    calibration_runs: int = DEFAULT_RUNS
-    calibration_threads: int = DEFAULT_THREADS
-    runtime: RuntimeMemory = field(default_factory=RuntimeMemory)
-    """What the agent's ONNX Runtime keeps resident per segment beyond weights and queued
-    frames; predicted memory includes it (see :mod:`partitioner.analysis.runtime_memory`)."""
-    sessions: SessionLimits = DEFAULT_SESSIONS
-    """For a model with per-session state: the KV cache every stage reserves memory for."""
-    segment_cache: Path | None = None
-    """Keep segment files here and reuse them when the same model is cut the same way."""
-    work_scales: Sequence[float] | None = None
-    """How many times its roofline work each unit is priced at (measured against predicted
-    on the devices before, see ``coordinator.deploy.unit_residuals``); ignored unless there is
-    one per unit."""
 
 
 def analyse(
@@ -356,6 +304,5 @@ def choose_plan(
 
 
 def _default_planner() -> Planner:
-    from partitioner.planning.planner import plan_preferring_one_device
 
     return plan_preferring_one_device

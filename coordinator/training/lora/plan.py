@@ -145,7 +145,7 @@ def _torch_model(objective: Objective, name: str, cache_dir: Path) -> tuple[Any,
         return model, torch_params(model)
     from transformers import AutoModel
 
-    from partitioner.models.frontdoor import minilm_dir, offline
+    from partitioner.models.packaged import minilm_dir, offline
 
     offline()
     model = AutoModel.from_pretrained(minilm_dir()).eval()

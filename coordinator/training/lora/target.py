@@ -92,7 +92,7 @@ def _tokenizer_file(model_id: str, tokenizer_dir: str | None, model_file: Path) 
     if beside.is_file() or model_id != MINILM_ENCODER:
         return beside
     from partitioner.errors import GraphError
-    from partitioner.models.frontdoor import minilm_dir
+    from partitioner.models.packaged import minilm_dir
 
     try:
         return minilm_dir() / TOKENIZER_FILE

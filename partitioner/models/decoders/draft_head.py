@@ -34,6 +34,7 @@ import numpy as np
 import onnx
 from onnx import helper, numpy_helper
 
+from partitioner.analysis.modelio import initializer_bytes, save_model
 from partitioner.errors import GraphError
 from partitioner.models.decoders.precision import (
     SCHEME_METADATA_KEY,
@@ -154,8 +155,6 @@ def write_draft_decoder(
     (:func:`lean_head`), ``decoder.json``'s ``draft_vocabulary`` set (so it is not served).
     Rows are not probed as the served exports' are (a draft needs no row exactness), and
     ``rows_independent`` says none is promised."""
-    from partitioner.analysis.modelio import initializer_bytes, save_model
-
     steps = steps or Steps()
     report, model = converted_decoder(src_dir, dst_dir, "int4", steps=steps, layout=DRAFT_INT4)
     info_file, model_file = dst_dir / DECODER_FILE, dst_dir / MODEL_FILE

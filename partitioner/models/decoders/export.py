@@ -22,6 +22,7 @@ from hostkit.files import file_sha256
 from partitioner.errors import GraphError
 from partitioner.models.decoders.progress import Steps
 from partitioner.models.decoders.sources import DecoderSource
+from partitioner.models.decoders.wrapper import decoder_module, use_grouped_attention
 from protocols.decoder import (
     ATTENTION_MASK,
     DECODER_FILE,
@@ -136,8 +137,6 @@ def export_decoder(
     a 1.5B model's export within one float32 copy of its weights.
     """
     import torch
-
-    from partitioner.models.decoders.wrapper import decoder_module, use_grouped_attention
 
     steps = steps or Steps()
     vocab = int(source.model.config.vocab_size)
@@ -306,7 +305,10 @@ def _write(
     out_dir: Path,
     steps: Steps,
 ) -> DecoderExport:
+    # heavy: keeps onnx off a light import
     from partitioner.analysis.modelio import initializer_bytes
+
+    # heavy: keeps onnx off a light import
     from partitioner.analysis.samples import SAMPLE_INPUTS_KEY, encode_samples
 
     inputs, _ = state_names(info)
@@ -332,6 +334,7 @@ def _save_export(model: Any, path: Path, traced: Path) -> None:
     :func:`~partitioner.analysis.modelio.save_model` records it."""
     import onnx
 
+    # heavy: keeps onnx off a light import
     from partitioner.analysis.modelio import (
         EXTERNAL_DATA_MARGIN_BYTES,
         EXTERNAL_DATA_SHA256_KEY,
@@ -356,6 +359,7 @@ def _check(
 ) -> float:
     import onnxruntime as ort
 
+    # heavy: keeps onnx off a light import
     from partitioner.cutting.verify import compare
 
     inputs, outputs = state_names(info)

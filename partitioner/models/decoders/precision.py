@@ -35,6 +35,7 @@ from pathlib import Path
 
 import onnx
 
+from partitioner.analysis.modelio import initializer_bytes, save_model
 from partitioner.errors import GraphError
 from partitioner.models.decoders.fp16 import fp16_model
 from partitioner.models.decoders.ort_quantizers import (
@@ -236,8 +237,6 @@ def current_export(export_dir: Path, weights: Weights) -> bool:
 
 def report(source: onnx.ModelProto, converted: onnx.ModelProto) -> Report:
     """Sizes and quantized operators of ``converted`` next to ``source``."""
-    from partitioner.analysis.modelio import initializer_bytes
-
     ops = Counter(n.op_type for n in converted.graph.node if n.op_type in QUANTIZED_OPS)
     return Report(
         weights=model_weights(converted),
@@ -260,8 +259,6 @@ def quantize_decoder(
     loaded with its external data, converted by :func:`quantize_model` and saved (weights to
     ``model.onnx.data`` when over 2 GB). ``dst_dir`` must differ from ``src_dir``.
     """
-    from partitioner.analysis.modelio import save_model
-
     steps = steps or Steps()
     done, converted = converted_decoder(src_dir, dst_dir, weights, steps=steps)
     with steps.step(f"writing {dst_dir / MODEL_FILE}"):

@@ -23,6 +23,8 @@ import numpy as np
 from pydantic import BaseModel, ConfigDict
 
 from partitioner.errors import GraphError
+from partitioner.models.decoders.ort_runner import OrtDecoder
+from partitioner.models.packaged import offline
 from protocols.decoder import MODEL_FILE, TOP_LOGITS
 
 if TYPE_CHECKING:
@@ -100,8 +102,6 @@ def evaluation_ids(export_dir: Path, tokens: int = QUALITY_TOKENS) -> list[int]:
     """``tokens + 1`` token ids of :func:`evaluation_text` with ``export_dir``'s tokenizer."""
     from transformers import AutoTokenizer
 
-    from partitioner.models.frontdoor import offline
-
     offline()
     tokenizer = AutoTokenizer.from_pretrained(str(export_dir))
     ids = [int(i) for i in tokenizer(evaluation_text(), verbose=False)["input_ids"]]
@@ -134,8 +134,6 @@ def perplexity(logits: np.ndarray, targets: Sequence[int]) -> float:
 
 def position_logits(export_dir: Path, ids: Sequence[int]) -> np.ndarray:
     """Full next-token logits ``[len(ids), vocab]`` after each prefix of ``ids``."""
-    from partitioner.models.decoders.ort_runner import OrtDecoder
-
     scratch = export_dir / _SCRATCH
     _write_logits_model(export_dir / MODEL_FILE, scratch)
     try:

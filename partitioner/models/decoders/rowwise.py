@@ -32,6 +32,7 @@ import onnx
 from onnx import helper
 
 from partitioner.errors import GraphError
+from partitioner.models.decoders.ort_runner import OrtDecoder
 from protocols.decoder import DECODER_FILE, DECODER_METADATA_KEY, MODEL_FILE, DecoderInfo
 
 MIN_OPSET = 15
@@ -84,8 +85,6 @@ def rows_decode_alike(export_dir: Path) -> bool:
     """Whether the decoder export in ``export_dir``, in one ONNX Runtime session on this
     machine, gives a token's candidates bit for bit alike in a one-token step and in a pass
     that also runs the token before it (what a speculative verify pass does)."""
-    from partitioner.models.decoders.ort_runner import OrtDecoder
-
     decoder = OrtDecoder(export_dir, threads=1)
     ids = list(PROBE_IDS)
     decoder.prefill(ids[:-2])

@@ -7,7 +7,9 @@ from pathlib import Path
 from typing import Any
 
 from partitioner.errors import GraphError
+from partitioner.models.decoders import gemma, qwen, tiny
 from partitioner.models.decoders.progress import Steps
+from partitioner.models.packaged import offline
 
 DECODER_NAMES = (
     "gemma3-270m",
@@ -37,9 +39,6 @@ class DecoderSource:
 def load_source(name: str, cache_dir: Path, steps: Steps) -> DecoderSource:
     """Load decoder ``name`` (one of :data:`DECODER_NAMES`); ``cache_dir`` holds converted
     checkpoints (used by the real models only)."""
-    from partitioner.models.decoders import gemma, qwen, tiny
-    from partitioner.models.frontdoor import offline
-
     offline()
     if name == "gemma3-270m":
         model, tok = gemma.load(cache_dir, steps)

@@ -10,6 +10,8 @@ from __future__ import annotations
 
 from typing import Any
 
+from partitioner.models.packaged import minilm_dir
+
 SEED = 1234
 """torch seed for the random weights."""
 
@@ -29,8 +31,6 @@ that float rounding could flip between two runtimes)."""
 def tokenizer() -> Any:
     """The MiniLM WordPiece tokenizer with :data:`TINY_CHAT_TEMPLATE`."""
     from transformers import AutoTokenizer
-
-    from partitioner.models.frontdoor import minilm_dir
 
     tok = AutoTokenizer.from_pretrained(minilm_dir())
     tok.chat_template = TINY_CHAT_TEMPLATE
