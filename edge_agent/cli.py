@@ -170,8 +170,8 @@ def run_agent(args: argparse.Namespace) -> int:
     try:
         config = config_from_args(args)
         private_state_dir(config.state_dir)
-        # heavy: keeps onnxruntime, zeroconf and cryptography (fedshard[agent]) off a light
-        # install's `fedshard` parser (fedshard.cli imports this module)
+        # fedshard.cli imports this module: what fedshard[agent] brings stays out of its parser.
+        # heavy: keeps onnxruntime, zeroconf and cryptography off a light install's `fedshard`
         from edge_agent.serve.service import serve
 
         if config.training is None:
