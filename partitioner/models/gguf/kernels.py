@@ -13,8 +13,8 @@ Q5_0         MatMulNBits 8-bit b32 (widened)        GBQ uint8 8-bit b32
 Q5_1, Q5_K   MatMulNBits 8-bit b32 + min term       GBQ uint8 8-bit b32 + gathered mins
 Q8_0         MatMulNBits 8-bit b32                  GBQ uint8 8-bit b32
 Q6_K         MatMulNBits 8-bit b16 (widened)        GBQ uint8 8-bit b16
-Q3_K         MatMulNBits 8-bit b16 (widened)        GBQ uint8 8-bit b16
-Q2_K         MatMulNBits 8-bit b16 + min term       GBQ uint8 8-bit b16 + gathered mins
+Q3_K         MatMulNBits 8-bit b16 (widened)        GBQ uint8 4-bit b16
+Q2_K         MatMulNBits 8-bit b16 + min term       GBQ uint8 4-bit b16 + gathered mins
 F32          MatMul, float32 [K, N]                 Gather float32
 F16, BF16    Cast(F16/BF16 [K, N]) then MatMul      Gather F16/BF16 then Cast
 other        :class:`UnsupportedTensorType`         :class:`UnsupportedTensorType`
@@ -56,6 +56,7 @@ from partitioner.models.gguf.kernels_codes import (
     float_rows,
     float_tensor,
     float_values,
+    int64_constant,
     layout,
 )
 from partitioner.models.gguf.kernels_gather import quantized_gather
@@ -150,8 +151,12 @@ def _float_matmul(
     weight = float_tensor(f"{name}.weight", np.ascontiguousarray(values.T), ggml_type)
     out = f"{name}/out"
     if ggml_type == T.F32:
-        return GraphPart((helper.make_node("MatMul", [x, weight.name], [out], f"{name}/MatMul"),), (weight,), out)
-    cast = helper.make_node("Cast", [weight.name], [f"{name}/w32"], f"{name}/Cast", to=TensorProto.FLOAT)
+        return GraphPart(
+            (helper.make_node("MatMul", [x, weight.name], [out], f"{name}/MatMul"),), (weight,), out
+        )
+    cast = helper.make_node(
+        "Cast", [weight.name], [f"{name}/w32"], f"{name}/Cast", to=TensorProto.FLOAT
+    )
     mm = helper.make_node("MatMul", [x, f"{name}/w32"], [out], f"{name}/MatMul")
     return GraphPart((cast, mm), (weight,), out)
 
@@ -214,24 +219,40 @@ def min_term(
     twice, then keeps the first half, so every row goes through ONNX Runtime's GEMM kernel
     (a lone row would take its matrix-vector kernel, which adds in another order).
     """
-    n_out, blocks = low.shape
+    blocks = low.shape[1]
     p = f"{name}/min"
     table = numpy_helper.from_array(np.ascontiguousarray(low.T), f"{name}.min_term")
-    shape = numpy_helper.from_array(np.array([-1, blocks, block], np.int64), f"{name}.block_shape")
-    axes = numpy_helper.from_array(np.array([2], np.int64), f"{name}.sum_axes")
-    zero = numpy_helper.from_array(np.array([0], np.int64), f"{name}.zero")
+    shape = int64_constant(f"{p}/block_shape", [-1, blocks, block])
+    axes = int64_constant(f"{p}/sum_axes", [2])
+    zero = int64_constant(f"{p}/zero", [0])
     nodes = [
-        helper.make_node("Reshape", [x, shape.name], [f"{p}/blocks"], f"{p}/Reshape"),
-        helper.make_node("ReduceSum", [f"{p}/blocks", axes.name], [f"{p}/sums"], f"{p}/ReduceSum", keepdims=0),
-        helper.make_node("Concat", [f"{p}/sums", f"{p}/sums"], [f"{p}/twice"], f"{p}/Concat", axis=0),
+        shape,
+        axes,
+        zero,
+        helper.make_node("Reshape", [x, shape.output[0]], [f"{p}/blocks"], f"{p}/Reshape"),
+        helper.make_node(
+            "ReduceSum",
+            [f"{p}/blocks", axes.output[0]],
+            [f"{p}/sums"],
+            f"{p}/ReduceSum",
+            keepdims=0,
+        ),
+        helper.make_node(
+            "Concat", [f"{p}/sums", f"{p}/sums"], [f"{p}/twice"], f"{p}/Concat", axis=0
+        ),
         helper.make_node("MatMul", [f"{p}/twice", table.name], [f"{p}/prod2"], f"{p}/MatMul"),
         helper.make_node("Shape", [f"{p}/sums"], [f"{p}/rows"], f"{p}/Rows", start=0, end=1),
-        helper.make_node("Slice", [f"{p}/prod2", zero.name, f"{p}/rows", zero.name], [f"{p}/prod"], f"{p}/Slice"),
+        helper.make_node(
+            "Slice",
+            [f"{p}/prod2", zero.output[0], f"{p}/rows", zero.output[0]],
+            [f"{p}/prod"],
+            f"{p}/Slice",
+        ),
         helper.make_node("Shape", [y], [f"{p}/yshape"], f"{p}/YShape"),
         helper.make_node("Reshape", [f"{p}/prod", f"{p}/yshape"], [f"{p}/term"], f"{p}/Back"),
         helper.make_node("Add", [y, f"{p}/term"], [f"{name}/out"], f"{p}/Add"),
     ]
-    return nodes, [table, shape, axes, zero]
+    return nodes, [table]
 
 
 def gather(
@@ -253,7 +274,11 @@ def gather(
         table = float_tensor(f"{name}.table", values, ggml_type)
         out = f"{name}/out"
         if ggml_type == T.F32:
-            return GraphPart((helper.make_node("Gather", [table.name, ids], [out], f"{name}/Gather"),), (table,), out)
+            return GraphPart(
+                (helper.make_node("Gather", [table.name, ids], [out], f"{name}/Gather"),),
+                (table,),
+                out,
+            )
         nodes = (
             helper.make_node("Gather", [table.name, ids], [f"{name}/rows"], f"{name}/Gather"),
             helper.make_node("Cast", [f"{name}/rows"], [out], f"{name}/Cast", to=TensorProto.FLOAT),

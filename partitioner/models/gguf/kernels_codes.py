@@ -55,6 +55,13 @@ class GraphPart:
     output: str
 
 
+def int64_constant(name: str, values: list[int]) -> onnx.NodeProto:
+    """A ``Constant`` node for a small int64 vector (a shape, axes): never external data,
+    which ONNX Runtime's shape inference cannot read."""
+    tensor = numpy_helper.from_array(np.array(values, np.int64), name)
+    return helper.make_node("Constant", [], [name], f"{name}/Constant", value=tensor)
+
+
 def float_values(raw: np.ndarray, ggml_type: GGMLQuantizationType) -> np.ndarray:
     """F32/F16 data as numpy floats, BF16 as its uint16 bit patterns (flat or as given)."""
     dtype = {T.F32: np.float32, T.F16: np.float16, T.BF16: np.uint16}[ggml_type]
@@ -77,7 +84,9 @@ def float_tensor(name: str, values: np.ndarray, ggml_type: GGMLQuantizationType)
     return numpy_helper.from_array(values, name)
 
 
-def float_rows(raw: np.ndarray, ggml_type: GGMLQuantizationType, start: int, stop: int, cols: int) -> np.ndarray:
+def float_rows(
+    raw: np.ndarray, ggml_type: GGMLQuantizationType, start: int, stop: int, cols: int
+) -> np.ndarray:
     """Float32 rows ``[start, stop)`` of a ``[rows, cols]`` tensor of any type gguf-py reads."""
     if ggml_type in FLOAT_TYPES:
         vals = float_values(raw, ggml_type).reshape(-1, cols)[start:stop]
@@ -181,9 +190,9 @@ def _q3_k(b: np.ndarray) -> _Decoded:
     low = (packed[:, :8].reshape(n, 1, 8) >> np.array([0, 4], np.uint8).reshape(1, 2, 1)).reshape(
         n, 16
     )
-    high = (packed[:, 8:].reshape(n, 1, 4) >> np.array([0, 2, 4, 6], np.uint8).reshape(1, 4, 1)).reshape(
-        n, 16
-    )
+    high = (
+        packed[:, 8:].reshape(n, 1, 4) >> np.array([0, 2, 4, 6], np.uint8).reshape(1, 4, 1)
+    ).reshape(n, 16)
     sc = ((low & 0x0F) | ((high & 0x03) << 4)).astype(np.float32) - np.float32(32)
     ql = (qs.reshape(n, 2, 1, 32) >> np.array([0, 2, 4, 6], np.uint8).reshape(1, 1, 4, 1)) & 3
     qh = (hmask.reshape(n, 1, 32) >> np.arange(8, dtype=np.uint8).reshape(1, 8, 1)) & 1
@@ -239,7 +248,9 @@ def layout(ggml_type: GGMLQuantizationType) -> Layout:
     return entry[0]
 
 
-def block_rows(raw: np.ndarray, ggml_type: GGMLQuantizationType, rows: int, cols: int) -> np.ndarray:
+def block_rows(
+    raw: np.ndarray, ggml_type: GGMLQuantizationType, rows: int, cols: int
+) -> np.ndarray:
     """``raw`` as uint8 ``[rows, bytes per row]``; :class:`GraphError` on a size mismatch."""
     values, nbytes = GGML_QUANT_SIZES[ggml_type]
     if cols % values:
@@ -258,7 +269,7 @@ def decode(raw: np.ndarray, ggml_type: GGMLQuantizationType, rows: int, cols: in
     """Decode a ``[rows, cols]`` tensor of ``ggml_type`` blocks (see the module docstring)."""
     lay = layout(ggml_type)
     decoder = LAYOUTS[ggml_type][1]
-    values, nbytes = GGML_QUANT_SIZES[ggml_type]
+    nbytes = GGML_QUANT_SIZES[ggml_type][1]
     data = block_rows(raw, ggml_type, rows, cols)
     codes = np.empty((rows, cols), np.uint8)
     subs = cols // lay.block

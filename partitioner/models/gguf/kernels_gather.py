@@ -14,7 +14,7 @@ import numpy as np
 import onnx
 from onnx import TensorProto, helper, numpy_helper
 
-from partitioner.models.gguf.kernels_codes import MS_DOMAIN, Codes, GraphPart
+from partitioner.models.gguf.kernels_codes import MS_DOMAIN, Codes, GraphPart, int64_constant
 
 
 def gather_bits(codes: Codes) -> int:
@@ -25,9 +25,9 @@ def gather_bits(codes: Codes) -> int:
 
 
 def quantized_gather(name: str, ids: str, codes: Codes) -> GraphPart:
-    """``GatherBlockQuantized`` of ``codes`` (plus the mins) for int64 ``ids``, as ``{name}/out``."""
+    """``GatherBlockQuantized`` of ``codes`` (plus the mins) for int64 ``ids``: ``{name}/out``."""
     lay = codes.layout
-    n_rows, n_cols = codes.codes.shape
+    n_cols = codes.codes.shape[1]
     bits = gather_bits(codes)
     stored = codes.codes + np.uint8((1 << (bits - 1)) - lay.zero)
     if bits == 4:
@@ -58,18 +58,21 @@ def _add_lows(
     blocks = n_cols // block
     p = f"{name}/lows"
     table = numpy_helper.from_array(lows, f"{name}.lows")
-    by_block = numpy_helper.from_array(np.array([-1, blocks, block], np.int64), f"{name}.by_block")
-    per_block = numpy_helper.from_array(np.array([-1, blocks, 1], np.int64), f"{name}.per_block")
-    width = numpy_helper.from_array(np.array([n_cols], np.int64), f"{name}.width")
+    by_block = int64_constant(f"{p}/by_block", [-1, blocks, block])
+    per_block = int64_constant(f"{p}/per_block", [-1, blocks, 1])
+    width = int64_constant(f"{p}/width", [n_cols])
     nodes = [
+        by_block,
+        per_block,
+        width,
         helper.make_node("Gather", [table.name, ids], [f"{p}/rows"], f"{p}/Gather"),
-        helper.make_node("Reshape", [f"{p}/rows", per_block.name], [f"{p}/col"], f"{p}/Col"),
-        helper.make_node("Reshape", [scaled, by_block.name], [f"{p}/blocks"], f"{p}/Blocks"),
+        helper.make_node("Reshape", [f"{p}/rows", per_block.output[0]], [f"{p}/col"], f"{p}/Col"),
+        helper.make_node("Reshape", [scaled, by_block.output[0]], [f"{p}/blocks"], f"{p}/Blocks"),
         helper.make_node("Add", [f"{p}/blocks", f"{p}/col"], [f"{p}/sum"], f"{p}/Add"),
         helper.make_node("Shape", [ids], [f"{p}/ids_shape"], f"{p}/IdsShape"),
         helper.make_node(
-            "Concat", [f"{p}/ids_shape", width.name], [f"{p}/shape"], f"{p}/Shape", axis=0
+            "Concat", [f"{p}/ids_shape", width.output[0]], [f"{p}/shape"], f"{p}/Shape", axis=0
         ),
         helper.make_node("Reshape", [f"{p}/sum", f"{p}/shape"], [f"{name}/out"], f"{p}/Back"),
     ]
-    return nodes, [table, by_block, per_block, width]
+    return nodes, [table]
