@@ -114,6 +114,37 @@ ONE_DEVICE_MARGIN = 0.05
 this share of the objective."""
 
 
+@dataclass(frozen=True)
+class MarginChoice:
+    """What :func:`choose_with_margin` chose, next to the optimum it was weighed against."""
+
+    chosen: Plan
+    optimum: Plan
+    """:func:`plan`'s optimum of the stated problem."""
+
+    @property
+    def margin_applied(self) -> bool:
+        """Whether a one-device plan within :data:`ONE_DEVICE_MARGIN` replaced the optimum."""
+        return self.chosen is not self.optimum
+
+
+def choose_with_margin(
+    problem: PlanningProblem, objective: Objective = Objective.THROUGHPUT
+) -> MarginChoice:
+    """:func:`plan_preferring_one_device`'s choice together with the optimum it weighed."""
+    best = plan(problem, objective)
+    if len(best.stages) == 1:
+        return MarginChoice(best, best)
+    n = len(problem.units)
+    alone = [evaluate(problem, objective, [(d.name, 0, n)]) for d in problem.devices]
+    fitting = [p for p in alone if not memory_overflows(problem, p)]
+    if not fitting:
+        return MarginChoice(best, best)
+    single = min(fitting, key=lambda p: (_score(p), p.latency_s, p.bottleneck_s))
+    within = _score(single) <= (1 + ONE_DEVICE_MARGIN) * _score(best)
+    return MarginChoice(single if within else best, best)
+
+
 def plan_preferring_one_device(
     problem: PlanningProblem, objective: Objective = Objective.THROUGHPUT
 ) -> Plan:
@@ -124,16 +155,7 @@ def plan_preferring_one_device(
     one more process's scheduling): in the LAN lab MiniLM planned h3 -> h1 at 6.0 requests/s,
     h3 alone at 5.9, measured 5.6 against 6.0 (0.93x). Within the margin the plans are alike
     on paper, and the one device is the plan that is never slower than itself."""
-    best = plan(problem, objective)
-    if len(best.stages) == 1:
-        return best
-    n = len(problem.units)
-    alone = [evaluate(problem, objective, [(d.name, 0, n)]) for d in problem.devices]
-    fitting = [p for p in alone if not memory_overflows(problem, p)]
-    if not fitting:
-        return best
-    single = min(fitting, key=lambda p: (_score(p), p.latency_s, p.bottleneck_s))
-    return single if _score(single) <= (1 + ONE_DEVICE_MARGIN) * _score(best) else best
+    return choose_with_margin(problem, objective).chosen
 
 
 def _score(plan: Plan) -> float:
