@@ -27,11 +27,12 @@ LEGACY = [T.Q4_0, T.Q4_1, T.Q5_0, T.Q5_1, T.Q8_0]
 K_QUANTS = [T.Q2_K, T.Q3_K, T.Q4_K, T.Q5_K, T.Q6_K]
 FLOATS = [T.F32, T.F16, T.BF16]
 SUPPORTED = LEGACY + K_QUANTS + FLOATS
-EXACT_TOL = 1e-5
-"""|y - ref| / (|x| |w_row|) at accuracy level 0 (measured below 1e-6)."""
-INT8_ACT_TOL = 2e-2
+EXACT_TOL = 1e-6
+"""max |y - ref| / (|x| |w_row|) at accuracy level 0 and for float weights (measured at most
+1.1e-7 over every type here, float32 rounding)."""
+INT8_ACT_TOL = 5e-3
 """The same at accuracy level 4: int8 activations per block (one step of 1/127 of a block's
-largest |x|); measured about 3e-3 on these random rows."""
+largest |x|); measured 4.6e-4 (Q4_K) to 1.3e-3 (Q5_1) on these random rows."""
 F16_SCALE_OFFSETS = {
     T.Q2_K: (80, 82),
     T.Q3_K: (108,),
@@ -84,7 +85,9 @@ def session(part: GraphPart, inp: str, elem: int, shape: list[int | str]) -> ort
     model.ir_version = 10
     options = ort.SessionOptions()
     options.intra_op_num_threads = 1
-    return ort.InferenceSession(model.SerializeToString(), options, providers=["CPUExecutionProvider"])
+    return ort.InferenceSession(
+        model.SerializeToString(), options, providers=["CPUExecutionProvider"]
+    )
 
 
 def relative_error(y: np.ndarray, x: np.ndarray, w: np.ndarray) -> float:
@@ -96,7 +99,9 @@ def relative_error(y: np.ndarray, x: np.ndarray, w: np.ndarray) -> float:
 @pytest.mark.parametrize("ggml_type", SUPPORTED, ids=lambda t: t.name)
 @pytest.mark.parametrize("n_in", [256, 512])
 @pytest.mark.parametrize("level", [0, 4])
-def test_matmul_matches_dequantized_product(ggml_type: GGMLQuantizationType, n_in: int, level: int) -> None:
+def test_matmul_matches_dequantized_product(
+    ggml_type: GGMLQuantizationType, n_in: int, level: int
+) -> None:
     n_out = 64
     raw = random_raw(ggml_type, n_out, n_in)
     w = reference(raw, ggml_type, n_out, n_in)
@@ -131,10 +136,21 @@ def row_exact(ggml_type: GGMLQuantizationType, level: int) -> bool:
 
 
 @pytest.mark.parametrize("ggml_type", LEGACY + K_QUANTS, ids=lambda t: t.name)
-def test_quantized_rows_are_computed_alike_in_passes_of_any_size(ggml_type: GGMLQuantizationType) -> None:
-    """A k-row pass gives bit for bit the rows of k one-row passes (the min term's product is
-    padded to two rows; MatMulNBits at level 4 is row-exact on this CPU's kernel)."""
+def test_quantized_rows_are_computed_alike_in_passes_of_any_size(
+    ggml_type: GGMLQuantizationType,
+) -> None:
+    """A k-row pass gives bit for bit the rows of k one-row passes at accuracy level 4: the
+    min term (its product padded to two rows) keeps MatMulNBits' row exactness. Level 0 is
+    not row-exact (checked below); MatMulNBits at level 4 is on AVX-512 (not on AVX2, where the
+    test is skipped: the plain Q4_0 kernel itself computes a lone row apart)."""
+    if not row_exact(T.Q4_0, 4):
+        pytest.skip("this CPU's MatMulNBits computes a lone row apart even without a min term")
     assert row_exact(ggml_type, 4)
+
+
+def test_float_activations_are_not_row_exact() -> None:
+    """Why the default is level 4 beyond speed: at level 0 a lone row adds in another order."""
+    assert not row_exact(T.Q4_0, 0)
 
 
 @pytest.mark.parametrize("ggml_type", SUPPORTED, ids=lambda t: t.name)
@@ -171,7 +187,9 @@ def test_unsupported_types_are_refused_by_name(ggml_type: GGMLQuantizationType) 
 
 @pytest.mark.parametrize("weights", ["int4", "int8"])
 @pytest.mark.parametrize("ggml_type", [T.Q4_K, T.Q8_0, T.F16], ids=lambda t: t.name)
-def test_requantized_weights_are_close(weights: kernels.WeightsMode, ggml_type: GGMLQuantizationType) -> None:
+def test_requantized_weights_are_close(
+    weights: kernels.WeightsMode, ggml_type: GGMLQuantizationType
+) -> None:
     raw = random_raw(ggml_type, 64, 512)
     w = reference(raw, ggml_type, 64, 512)
     part = kernels.matmul("w", "x", raw, ggml_type, 64, 512, weights)
@@ -197,7 +215,9 @@ def test_nbits_nodes_are_on_the_fast_path(weights: kernels.WeightsMode) -> None:
         node = nbits[0]
         attrs = {a.name: helper.get_attribute_value(a) for a in node.attribute}
         assert attrs["accuracy_level"] == 4
-        if len(node.input) > 3:
+        if weights == "keep":
+            assert len(node.input) == 3  # default zero point: no zero-point input at all
+        else:
             assert inits[node.input[3]].data_type == TensorProto.UINT8
         expected = kernels.stored_bytes(ggml_type, 16, 256, weights)
         held = sum(onnx.numpy_helper.to_array(t).nbytes for t in part.initializers)
