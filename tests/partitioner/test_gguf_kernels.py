@@ -19,7 +19,7 @@ from gguf.quants import dequantize as gguf_dequantize
 from gguf.quants import quantize as gguf_quantize
 from onnx import TensorProto, helper
 
-from partitioner.models.gguf import kernels
+from partitioner.models.gguf import kernels, kernels_codes
 from partitioner.models.gguf.kernels import GraphPart, UnsupportedTensorType
 
 T = GGMLQuantizationType
@@ -165,6 +165,14 @@ def test_gather_is_bit_exact(ggml_type: GGMLQuantizationType, n_cols: int) -> No
     (rows,) = sess.run(None, {"ids": ids})
     assert rows.dtype == np.float32
     assert np.array_equal(rows, table[ids])
+
+
+@pytest.mark.parametrize("ggml_type", LEGACY + K_QUANTS, ids=lambda t: t.name)
+def test_decoded_codes_are_gguf_values_bit_for_bit(ggml_type: GGMLQuantizationType) -> None:
+    raw = random_raw(ggml_type, 8, 512, seed=7)
+    decoded = kernels_codes.decode(raw, ggml_type, 8, 512)
+    assert int(decoded.codes.max()) < 1 << decoded.layout.code_bits
+    assert np.array_equal(kernels_codes.values(decoded), reference(raw, ggml_type, 8, 512))
 
 
 def test_dequantize_is_gguf_dequantize() -> None:

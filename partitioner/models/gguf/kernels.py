@@ -197,14 +197,15 @@ def nbits_matmul(name: str, x: str, codes: Codes, bits: int, accuracy_level: int
 
 def _stored_codes(codes: Codes, bits: int) -> tuple[np.ndarray, int | None]:
     """Codes as ``MatMulNBits`` stores them under its default zero point ``2**(bits-1)``, and
-    the integer ``c`` (or None) such that ``c * scale`` per block must be added back."""
+    the integer ``c`` (or None) such that ``c * scale`` per block must be added back. Shifts
+    ``codes.codes`` in place (one tensor's codes exist once)."""
     lay = codes.layout
     top = 1 << (bits - 1)
     shift = top - lay.zero
     if shift >= 0 and (1 << lay.code_bits) - 1 + shift < (1 << bits):
-        if shift == 0:
-            return codes.codes, None
-        return codes.codes + np.uint8(shift), None
+        if shift:
+            np.add(codes.codes, np.uint8(shift), out=codes.codes)
+        return codes.codes, None
     if (1 << lay.code_bits) > (1 << bits):
         raise GraphError(f"{lay.code_bits}-bit codes do not fit {bits}-bit MatMulNBits")
     return codes.codes, top - lay.zero

@@ -29,7 +29,7 @@ def quantized_gather(name: str, ids: str, codes: Codes) -> GraphPart:
     lay = codes.layout
     n_cols = codes.codes.shape[1]
     bits = gather_bits(codes)
-    stored = codes.codes + np.uint8((1 << (bits - 1)) - lay.zero)
+    stored = np.add(codes.codes, np.uint8((1 << (bits - 1)) - lay.zero), out=codes.codes)
     if bits == 4:
         stored = stored[:, 0::2] | (stored[:, 1::2] << np.uint8(4))
     data = numpy_helper.from_array(np.ascontiguousarray(stored), f"{name}.qtable")
