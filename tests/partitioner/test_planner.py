@@ -26,7 +26,7 @@ from partitioner.planning.planner import evaluate, memory_overflows, plan, short
 from protocols.plan import Objective
 from protocols.problem import PlanningProblem
 
-SHARED = Path(__file__).resolve().parents[1].parent / "shared" / "benchmarks" / "planner"
+SHARED = Path(__file__).resolve().parents[2].parent / "shared" / "benchmarks" / "planner"
 VIT_BASE = SHARED / "pipeedge-vit-base-mb4-rcc4-1000mbps.json"
 
 # ----------------------------------------------------------------------------- oracle

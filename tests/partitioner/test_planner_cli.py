@@ -14,7 +14,7 @@ from partitioner.planning.planner import evaluate
 from protocols.plan import Objective, Plan
 from protocols.problem import PlanningProblem
 
-SHARED = Path(__file__).resolve().parents[1].parent / "shared" / "benchmarks" / "planner"
+SHARED = Path(__file__).resolve().parents[2].parent / "shared" / "benchmarks" / "planner"
 VIT_BASE = SHARED / "pipeedge-vit-base-mb4-rcc4-1000mbps.json"
 
 PROBLEM = {

@@ -16,7 +16,7 @@ from partitioner.planning.semantics import stage_memory
 from protocols.plan import Objective, Plan
 from protocols.problem import PlanningProblem
 
-SHARED = Path(__file__).resolve().parents[1].parent / "shared" / "benchmarks" / "planner"
+SHARED = Path(__file__).resolve().parents[2].parent / "shared" / "benchmarks" / "planner"
 
 
 def _honest(problem: PlanningProblem, result: Plan) -> None:
