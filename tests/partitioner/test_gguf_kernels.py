@@ -203,7 +203,7 @@ def test_requantized_weights_are_close(
     part = kernels.matmul("w", "x", raw, ggml_type, 64, 512, weights)
     x = np.random.default_rng(6).standard_normal((4, 512)).astype(np.float32)
     (y,) = session(part, "x", TensorProto.FLOAT, ["rows", 512]).run(None, {"x": x})
-    assert relative_error(y, x, w) < (0.1 if weights == "int4" else INT8_ACT_TOL)
+    assert relative_error(y, x, w) < (3e-2 if weights == "int4" else INT8_ACT_TOL)  # 1.1e-2, 1e-3
     emb = kernels.gather("e", "ids", raw, ggml_type, 64, 512, weights)
     ids = np.array([3, 63], np.int64)
     (rows,) = session(emb, "ids", TensorProto.INT64, [2]).run(None, {"ids": ids})
