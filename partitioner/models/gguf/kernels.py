@@ -64,13 +64,14 @@ from partitioner.models.gguf.kernels_codes import (
     UnsupportedTensorType,
     WeightsMode,
     decode,
+    default_zero_shift,
     float_rows,
     float_tensor,
     float_values,
     int64_constant,
     layout,
 )
-from partitioner.models.gguf.kernels_gather import quantized_gather
+from partitioner.models.gguf.kernels_gather import gather_bits, quantized_gather
 from partitioner.models.gguf.kernels_requant import requantized_gather, requantized_matmul
 
 __all__ = [
@@ -211,15 +212,14 @@ def _stored_codes(codes: Codes, bits: int) -> tuple[np.ndarray, int | None]:
     the integer ``c`` (or None) such that ``c * scale`` per block must be added back. Shifts
     ``codes.codes`` in place (one tensor's codes exist once)."""
     lay = codes.layout
-    top = 1 << (bits - 1)
-    shift = top - lay.zero
-    if shift >= 0 and (1 << lay.code_bits) - 1 + shift < (1 << bits):
+    shift = default_zero_shift(lay, bits)
+    if shift is not None:
         if shift:
             np.add(codes.codes, np.uint8(shift), out=codes.codes)
         return codes.codes, None
-    if (1 << lay.code_bits) > (1 << bits):
+    if lay.code_bits > bits:
         raise GraphError(f"{lay.code_bits}-bit codes do not fit {bits}-bit MatMulNBits")
-    return codes.codes, top - lay.zero
+    return codes.codes, (1 << (bits - 1)) - lay.zero
 
 
 def min_term(
@@ -310,23 +310,24 @@ def stored_bytes(
     """Bytes ONNX Runtime holds for this weight once mapped (for the unit table and planning).
 
     ``MatMulNBits`` as ONNX Runtime pre-packs it at accuracy level 4: the codes, a float32 scale
-    and a float32 block sum per block (measured 5.9 / 9.9 / 12.9 bits per weight for 4-bit b32,
-    8-bit b32, 8-bit b16), plus the min-term table. ``embedding``: the gather's tables.
+    and a float32 block sum per block, plus the min-term table (what a session loaded from
+    external data was measured to add, within 0.5 bit per weight: 4-bit b32 6 bits, 8-bit b32
+    10, 8-bit b16 12). ``embedding``: the gather's tables instead (codes, scales, mins).
     """
     _check_type(ggml_type, weights)
     count = n_out * n_in
     if weights != "keep":
         bits = 4 if weights == "int4" else 8
-        per_block = 4 + (1 if embedding else 4) + 1  # scale, block sum or none, zero point
-        return count * bits // 8 + n_out * -(-n_in // 32) * per_block
+        blocks = n_out * -(-n_in // 32)
+        per_block = 4 + (0 if embedding else 4)  # a scale, and a block sum where pre-packed
+        return count * bits // 8 + blocks * per_block + blocks * bits // 8  # + zero points
     if ggml_type in FLOAT_TYPES:
         return count * (2 if embedding and ggml_type != T.F32 else 4)
     lay = layout(ggml_type)
     blocks = n_out * (n_in // lay.block)
     if embedding:
-        bits = 4 if lay.code_bits <= 4 and not lay.has_low else 8
+        bits = gather_bits(lay)
         return count * bits // 8 + blocks * (8 if lay.has_low else 4)
     bits = MATMUL_BITS[ggml_type]
-    shift = (1 << (bits - 1)) - lay.zero
-    needs_term = lay.has_low or not (shift >= 0 and (1 << lay.code_bits) - 1 + shift < (1 << bits))
+    needs_term = lay.has_low or default_zero_shift(lay, bits) is None
     return count * bits // 8 + blocks * 8 + (blocks * 4 if needs_term else 0)

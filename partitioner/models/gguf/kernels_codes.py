@@ -240,6 +240,14 @@ LAYOUTS: dict[GGMLQuantizationType, tuple[Layout, Callable[[np.ndarray], _Decode
 """Block types decoded to codes (the quantized types :mod:`kernels` maps)."""
 
 
+def default_zero_shift(lay: Layout, bits: int) -> int | None:
+    """The shift that stores ``lay``'s codes in ``bits`` bits under ONNX Runtime's default zero
+    point ``2**(bits-1)`` (stored - default == code - zero), or None where they do not fit."""
+    shift = (1 << (bits - 1)) - lay.zero
+    fits = shift >= 0 and (1 << lay.code_bits) - 1 + shift < (1 << bits)
+    return shift if fits else None
+
+
 def layout(ggml_type: GGMLQuantizationType) -> Layout:
     """The decoded layout of ``ggml_type``; :class:`UnsupportedTensorType` if it has none."""
     entry = LAYOUTS.get(ggml_type)

@@ -14,21 +14,26 @@ import numpy as np
 import onnx
 from onnx import TensorProto, helper, numpy_helper
 
-from partitioner.models.gguf.kernels_codes import MS_DOMAIN, Codes, GraphPart, int64_constant
+from partitioner.models.gguf.kernels_codes import (
+    MS_DOMAIN,
+    Codes,
+    GraphPart,
+    Layout,
+    default_zero_shift,
+    int64_constant,
+)
 
 
-def gather_bits(codes: Codes) -> int:
+def gather_bits(lay: Layout) -> int:
     """4 where the shifted codes fit a nibble under the default zero point 8, else 8."""
-    lay = codes.layout
-    shift = 8 - lay.zero
-    return 4 if shift >= 0 and (1 << lay.code_bits) - 1 + shift < 16 else 8
+    return 4 if default_zero_shift(lay, 4) is not None else 8
 
 
 def quantized_gather(name: str, ids: str, codes: Codes) -> GraphPart:
     """``GatherBlockQuantized`` of ``codes`` (plus the mins) for int64 ``ids``: ``{name}/out``."""
     lay = codes.layout
     n_cols = codes.codes.shape[1]
-    bits = gather_bits(codes)
+    bits = gather_bits(lay)
     stored = np.add(codes.codes, np.uint8((1 << (bits - 1)) - lay.zero), out=codes.codes)
     if bits == 4:
         stored = stored[:, 0::2] | (stored[:, 1::2] << np.uint8(4))
