@@ -1,11 +1,11 @@
 """GGUF tensor types on ONNX Runtime's kernels (partitioner.models.gguf.kernels).
 
 Each supported type: random blocks (gguf-py's quantizer for the legacy types; hand-written
-K-quant blocks, any bytes with finite f16 scales), one-node graphs run by ONNX Runtime, compared
-in float64 with ``x @ gguf.quants.dequantize(raw).T``. Tolerances (relative to ``|x| |W|`` row
-norms): :data:`EXACT_TOL` at accuracy level 0 (float activations: the weights are exact, only
-float32 rounding differs), :data:`INT8_ACT_TOL` at level 4 (activations quantized to int8 per
-block by the kernel, as llama.cpp quantizes them). Gathers are bit-exact.
+K-quant and IQ4 blocks, any bytes with finite f16 scales), one-node graphs run by ONNX Runtime,
+compared in float64 with ``x @ gguf.quants.dequantize(raw).T``. Tolerances, relative to the
+row norms ``|x| |w|``: :data:`EXACT_TOL` at accuracy level 0 (float activations: the weights
+are exact, only float32 rounding differs), :data:`INT8_ACT_TOL` at level 4 (activations
+quantized to int8 per block by the kernel, as llama.cpp quantizes them). Gathers are bit-exact.
 """
 
 from __future__ import annotations
@@ -24,7 +24,8 @@ from partitioner.models.gguf.kernels import GraphPart, UnsupportedTensorType
 
 T = GGMLQuantizationType
 LEGACY = [T.Q4_0, T.Q4_1, T.Q5_0, T.Q5_1, T.Q8_0]
-K_QUANTS = [T.Q2_K, T.Q3_K, T.Q4_K, T.Q5_K, T.Q6_K]
+K_QUANTS = [T.Q2_K, T.Q3_K, T.Q4_K, T.Q5_K, T.Q6_K, T.IQ4_NL, T.IQ4_XS]
+"""Built by hand (random bytes, sane f16 scales): gguf-py cannot quantize to them."""
 FLOATS = [T.F32, T.F16, T.BF16]
 SUPPORTED = LEGACY + K_QUANTS + FLOATS
 EXACT_TOL = 1e-6
@@ -39,6 +40,8 @@ F16_SCALE_OFFSETS = {
     T.Q4_K: (0, 2),
     T.Q5_K: (0, 2),
     T.Q6_K: (208,),
+    T.IQ4_NL: (0,),
+    T.IQ4_XS: (0,),
 }
 """Byte offsets of each K-quant block's f16 ``d`` (and ``dmin``), from ggml-common.h."""
 
@@ -54,7 +57,8 @@ def random_raw(ggml_type: GGMLQuantizationType, rows: int, cols: int, seed: int 
     if ggml_type in LEGACY or ggml_type == T.BF16:
         return gguf_quantize(w, ggml_type)
     _, nbytes = GGML_QUANT_SIZES[ggml_type]
-    raw = rng.integers(0, 256, (rows, cols // 256 * nbytes), dtype=np.uint8)
+    per_block = GGML_QUANT_SIZES[ggml_type][0]
+    raw = rng.integers(0, 256, (rows, cols // per_block * nbytes), dtype=np.uint8)
     blocks = raw.reshape(-1, nbytes)
     for offset in F16_SCALE_OFFSETS[ggml_type]:
         d = rng.uniform(0.002, 0.02, blocks.shape[0]).astype(np.float16)
@@ -184,7 +188,7 @@ def test_dequantize_is_gguf_dequantize() -> None:
     assert np.array_equal(kernels.dequantize(bf, T.BF16, (4, 256)), reference(bf, T.BF16, 4, 256))
 
 
-@pytest.mark.parametrize("ggml_type", [T.IQ2_XXS, T.IQ4_XS, T.TQ1_0])
+@pytest.mark.parametrize("ggml_type", [T.IQ2_XXS, T.IQ3_S, T.TQ1_0])
 def test_unsupported_types_are_refused_by_name(ggml_type: GGMLQuantizationType) -> None:
     raw = np.zeros(GGML_QUANT_SIZES[ggml_type][1], np.uint8)
     with pytest.raises(UnsupportedTensorType, match=ggml_type.name):

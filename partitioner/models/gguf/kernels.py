@@ -15,6 +15,7 @@ Q8_0         MatMulNBits 8-bit b32                  GBQ uint8 8-bit b32
 Q6_K         MatMulNBits 8-bit b16 (widened)        GBQ uint8 8-bit b16
 Q3_K         MatMulNBits 8-bit b16 (widened)        GBQ uint8 4-bit b16
 Q2_K         MatMulNBits 8-bit b16 + min term       GBQ uint8 4-bit b16 + gathered mins
+IQ4_NL/_XS   MatMulNBits 8-bit b32 (grid values)    GBQ uint8 8-bit b32
 F32          MatMul, float32 [K, N]                 Gather float32
 F16, BF16    Cast(F16/BF16 [K, N]) then MatMul      Gather F16/BF16 then Cast
 other        :class:`UnsupportedTensorType`         :class:`UnsupportedTensorType`
@@ -100,6 +101,8 @@ MATMUL_BITS: dict[GGMLQuantizationType, int] = {
     T.Q6_K: 8,
     T.Q3_K: 8,
     T.Q2_K: 8,
+    T.IQ4_NL: 8,
+    T.IQ4_XS: 8,
 }
 """``MatMulNBits`` bits per type (block: the type's sub-block, 32 or 16)."""
 

@@ -225,6 +225,28 @@ def _q6_k(b: np.ndarray) -> _Decoded:
     return low | (high.reshape(n, 256) << np.uint8(4)), d * sc, None
 
 
+IQ4_VALUES = np.array(
+    [-127, -104, -83, -65, -49, -35, -22, -10, 1, 13, 25, 38, 53, 69, 89, 113], np.int16
+)
+"""``kvalues_iq4nl``: the non-linear 4-bit grid of IQ4_NL/IQ4_XS (ggml-common.h)."""
+IQ4_CODES = (IQ4_VALUES + 128).astype(np.uint8)
+"""The grid as unsigned 8-bit codes under zero point 128."""
+
+
+def _iq4_nl(b: np.ndarray) -> _Decoded:
+    return IQ4_CODES[_nibbles(b[:, 2:], 16)], _f16(b[:, :2]), None
+
+
+def _iq4_xs(b: np.ndarray) -> _Decoded:
+    n = b.shape[0]
+    d = _f16(b[:, :2])
+    high = np.ascontiguousarray(b[:, 2:4]).view(np.uint16).reshape(n, 1)
+    high = (high >> np.arange(0, 16, 2, dtype=np.uint16).reshape(1, 8)) & np.uint16(3)
+    low = (b[:, 4:8].reshape(n, 4, 1) >> np.array([0, 4], np.uint8).reshape(1, 1, 2)) & 0x0F
+    sc = (low.reshape(n, 8) | (high.astype(np.uint8) << np.uint8(4))).astype(np.float32) - 32
+    return IQ4_CODES[_nibbles(b[:, 8:], 16)], d * sc, None
+
+
 LAYOUTS: dict[GGMLQuantizationType, tuple[Layout, Callable[[np.ndarray], _Decoded]]] = {
     T.Q4_0: (Layout(32, 4, 8, False), _q4_0),
     T.Q4_1: (Layout(32, 4, 0, True), _q4_1),
@@ -236,6 +258,8 @@ LAYOUTS: dict[GGMLQuantizationType, tuple[Layout, Callable[[np.ndarray], _Decode
     T.Q4_K: (Layout(32, 4, 0, True), _q4_k),
     T.Q5_K: (Layout(32, 5, 0, True), _q5_k),
     T.Q6_K: (Layout(16, 6, 32, False), _q6_k),
+    T.IQ4_NL: (Layout(32, 8, 128, False), _iq4_nl),
+    T.IQ4_XS: (Layout(32, 8, 128, False), _iq4_xs),
 }
 """Block types decoded to codes (the quantized types :mod:`kernels` maps)."""
 
