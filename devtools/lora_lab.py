@@ -247,12 +247,20 @@ def run_rounds(
     replies_per_round, seconds = [], []
     for r in range(1, rounds + 1):
         start = time.monotonic()
-        replies = [c.fit(arrays, plan_config(setup.plan, r)) for c in clients]
+        replies = [_in_lab(c, c.fit(arrays, plan_config(setup.plan, r))) for c in clients]
         seconds.append(time.monotonic() - start)
         replies_per_round.append(replies)
         arrays = fedavg([a for a, _, _ in replies], [w for _, w, _ in replies])
     final = [c.evaluate(arrays, plan_config(setup.plan, 0)) for c in clients]
     return LabRun(setup, dirs, baseline, replies_per_round, final, arrays, seconds)
+
+
+def _in_lab(client: Any, reply: Any) -> Any:
+    """A fit reply with every metric the client computed: under DP the reply a device sends
+    leaves out what is derived from its records (``protocols.privacy``), but a lab is the
+    records' owner and reports them (``ShardClient.local_metrics``)."""
+    arrays, weight, metrics = reply
+    return arrays, weight, {**metrics, **client.local_metrics}
 
 
 def _pool(dirs: Sequence[Path], out: Path) -> Path:

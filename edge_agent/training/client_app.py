@@ -5,7 +5,17 @@ dp_clipping_mod]``) for rounds under SecAgg+, and :data:`plain_app` without SecA
 with ``secaggplus_mod`` cannot serve plain rounds). ``dp_clipping_mod`` runs Flower's
 ``fixedclipping_mod`` whenever the server's DP wrapper sent a clipping norm, so the update is
 clipped before SecAgg+ masks it. Node config (``flower-supernode --node-config``):
-``segments-dir``, ``data-dir``, ``cache-dir``, ``budget-bytes``.
+``segments-dir``, ``data-dir``, ``cache-dir``, ``budget-bytes``, and for an agent's SuperNode
+its privacy policy: ``ledger-file``, ``privacy-budget``, ``allow-non-dp``, ``allow-non-secagg``.
+
+Privacy (:mod:`protocols.privacy`): the innermost mod of each app sets the fit config's
+:data:`~protocols.privacy.SECAGG_CONFIG_KEY` (True only behind ``secaggplus_mod``, whatever the
+server sent), so the device knows whether its reply is masked. With a ledger, each round is
+checked against the operator's policy and budget before it trains (a declined round fails with
+a :class:`~protocols.privacy.DeclineReason`) and written to the ledger before its reply leaves.
+Under DP the reply holds only :func:`~protocols.privacy.reply_fields` (no count, no loss, no
+memory figure); the rest stays in :attr:`ShardClient.local_metrics`. A DP round's randomness
+comes from ``os.urandom``; the ``crc32(node/round)`` seed is for rounds without DP only.
 
 torch is imported only when a round actually trains, so the SecAgg+ key-exchange stages start
 quickly.
@@ -27,7 +37,15 @@ from flwr.common import NDArrays, Scalar
 from flwr.supercore.differential_privacy import KEY_CLIPPING_NORM
 
 from edge_agent.training.errors import PlanMismatchError
-from edge_agent.training.local import LocalSettings, train_locally
+from edge_agent.training.ledger import (
+    PrivacyPolicy,
+    ceil_significant,
+    check_round,
+    planned_mechanism,
+    record_round,
+)
+from edge_agent.training.local import LocalSettings, load_train_data, train_locally
+from edge_agent.training.text_data import load_pairs, load_text
 from protocols.errors import SchemaError
 from protocols.lora import (
     LORA_PLAN_KEY,
@@ -38,6 +56,7 @@ from protocols.lora import (
     LoraPlan,
     reply_weight,
 )
+from protocols.privacy import SECAGG_CONFIG_KEY, LedgerDp, reply_fields
 from protocols.training import (
     METRIC_ACCURACY,
     METRIC_EXAMPLES,
@@ -55,6 +74,23 @@ FIT_METRICS_RECORD = "fitres.metrics"
 DEFAULT_BUDGET_BYTES = 1 << 30
 
 
+def _flag(node_config: dict[str, object], key: str) -> bool:
+    return str(node_config.get(key, "false")).lower() == "true"
+
+
+def policy_from_node_config(node_config: dict[str, object]) -> PrivacyPolicy | None:
+    """The privacy policy of an agent's SuperNode (None when its node config names no ledger)."""
+    if "ledger-file" not in node_config:
+        return None
+    budget = node_config.get("privacy-budget")
+    return PrivacyPolicy(
+        ledger_file=Path(str(node_config["ledger-file"])),
+        budget=None if budget is None else float(str(budget)),
+        allow_non_dp=_flag(node_config, "allow-non-dp"),
+        allow_non_secagg=_flag(node_config, "allow-non-secagg"),
+    )
+
+
 def settings_from_node_config(node_config: dict[str, object]) -> LocalSettings:
     """Read this node's settings from its ``--node-config``."""
     try:
@@ -63,9 +99,26 @@ def settings_from_node_config(node_config: dict[str, object]) -> LocalSettings:
             data_dir=Path(str(node_config["data-dir"])),
             cache_dir=Path(str(node_config["cache-dir"])),
             budget_bytes=int(str(node_config.get("budget-bytes", DEFAULT_BUDGET_BYTES))),
+            privacy=policy_from_node_config(node_config),
         )
     except KeyError as exc:
         raise PlanMismatchError(f"node config lacks {exc}") from exc
+
+
+def lora_data(plan: LoraPlan, data_dir: Path) -> tuple[str, int]:
+    """(digest of the records, training records) of this device's data for ``plan``."""
+    records = load_pairs(data_dir) if plan.objective == "contrastive" else load_text(data_dir)
+    return records.sha256, len(records.train)
+
+
+def private_reply(metrics: dict[str, Scalar]) -> dict[str, Scalar]:
+    """The metrics a DP round may send (:func:`~protocols.privacy.reply_fields`), epsilon
+    rounded up to 2 significant digits."""
+    allowed = reply_fields(dp=True)
+    out = {k: v for k, v in metrics.items() if k in allowed}
+    if METRIC_EPSILON in out:
+        out[METRIC_EPSILON] = ceil_significant(float(out[METRIC_EPSILON]))
+    return out
 
 
 class ShardClient(NumPyClient):
@@ -74,6 +127,8 @@ class ShardClient(NumPyClient):
     def __init__(self, settings: LocalSettings, node_id: int) -> None:
         self.settings = settings
         self.node_id = node_id
+        self.local_metrics: dict[str, Scalar] = {}
+        """Every metric of the last fit, sent or not (for in-process labs; never sent)."""
 
     def fit(
         self, parameters: NDArrays, config: dict[str, Scalar]
@@ -86,8 +141,15 @@ class ShardClient(NumPyClient):
         except (KeyError, SchemaError) as exc:
             raise PlanMismatchError(f"the fit config carries no valid train plan: {exc}") from exc
         server_round = int(config.get("round", 0))
+        secagg = config.get(SECAGG_CONFIG_KEY) is True
+        policy = self.settings.privacy
+        if policy is not None:  # the device adds no noise here: a round without local DP
+            check_round(policy, None, secagg)
         seed = zlib.crc32(f"{self.node_id}/{server_round}".encode())
         result = train_locally(plan, [np.asarray(a) for a in parameters], self.settings, seed)
+        if policy is not None:
+            digest = load_train_data(self.settings.data_dir)[2]
+            record_round(policy, digest, "shards", server_round, None, secagg)
         weight = 1 if plan.uniform_weights else result.examples
         log.info(
             "trained shards %s on %d examples: loss %.4f",
@@ -118,9 +180,32 @@ class ShardClient(NumPyClient):
         except SchemaError as exc:
             raise PlanMismatchError(f"the fit config carries no valid LoRA plan: {exc}") from exc
         server_round = int(config.get("round", 0))
-        seed = zlib.crc32(f"{self.node_id}/{server_round}".encode())
+        secagg = config.get(SECAGG_CONFIG_KEY) is True
+        policy = self.settings.privacy
+        digest = ""
+        if policy is not None:
+            digest, records = lora_data(plan, self.settings.data_dir)
+            planned = None
+            if plan.dp is not None:
+                dp = plan.dp
+                planned = planned_mechanism(
+                    dp.noise_multiplier, dp.delta, records, plan.batch_size, plan.local_epochs
+                )
+            check_round(policy, planned, secagg)
+        # under DP every random draw is the device's own (os.urandom): no seed anyone can know
+        seed = (
+            None if plan.dp is not None else zlib.crc32(f"{self.node_id}/{server_round}".encode())
+        )
         arrays = [np.asarray(a) for a in parameters]
         result = train_lora(plan, arrays, self.settings, seed, server_round)
+        if policy is not None:
+            mechanism = None
+            if plan.dp is not None and result.mechanism is not None:
+                noise, rate, steps = result.mechanism
+                mechanism = LedgerDp(
+                    noise_multiplier=noise, sample_rate=rate, steps=steps, delta=plan.dp.delta
+                )
+            record_round(policy, digest, plan.run, server_round, mechanism, secagg)
         log.info(
             "LoRA round %d on %d records: held-out loss %.4f -> %.4f, epsilon %s",
             server_round, result.examples, result.held_out_before, result.held_out_after,
@@ -139,6 +224,9 @@ class ShardClient(NumPyClient):
         if result.epsilon is not None:
             metrics[METRIC_EPSILON] = result.epsilon
         metrics.update(result.extra)  # an encoder's held-out recall@1
+        self.local_metrics = dict(metrics)
+        if plan.dp is not None:
+            metrics = private_reply(metrics)
         return result.arrays, reply_weight(plan, result.examples), metrics
 
     def evaluate(
@@ -171,6 +259,26 @@ def dp_clipping_mod(msg: Message, ctxt: Context, call_next: ClientAppCallable) -
     return call_next(msg, ctxt)
 
 
+def _mark_secagg(msg: Message, masked: bool) -> None:
+    if msg.metadata.message_type == MessageType.TRAIN:
+        config = msg.content.config_records.get(FIT_CONFIG_RECORD)
+        if config is not None:
+            config[SECAGG_CONFIG_KEY] = masked
+
+
+def secagg_mark_mod(msg: Message, ctxt: Context, call_next: ClientAppCallable) -> Message:
+    """Tell the client its reply is masked (it sits right inside ``secaggplus_mod``, which calls
+    it only at the stage that masks the reply)."""
+    _mark_secagg(msg, True)
+    return call_next(msg, ctxt)
+
+
+def plain_mark_mod(msg: Message, ctxt: Context, call_next: ClientAppCallable) -> Message:
+    """Tell the client its reply leaves unmasked (whatever the server's config said)."""
+    _mark_secagg(msg, False)
+    return call_next(msg, ctxt)
+
+
 def upload_meter_mod(msg: Message, ctxt: Context, call_next: ClientAppCallable) -> Message:
     """Replace the ``upload-bytes`` metric with the size of the update message actually sent.
 
@@ -187,9 +295,10 @@ def upload_meter_mod(msg: Message, ctxt: Context, call_next: ClientAppCallable) 
 
 
 secagg_app = ClientApp(
-    client_fn=client_fn, mods=[upload_meter_mod, secaggplus_mod, dp_clipping_mod]
+    client_fn=client_fn,
+    mods=[upload_meter_mod, secaggplus_mod, secagg_mark_mod, dp_clipping_mod],
 )
 """ClientApp for rounds under SecAgg+ (and DP when the server clips)."""
 
-plain_app = ClientApp(client_fn=client_fn, mods=[upload_meter_mod, dp_clipping_mod])
+plain_app = ClientApp(client_fn=client_fn, mods=[upload_meter_mod, plain_mark_mod, dp_clipping_mod])
 """ClientApp for rounds without SecAgg+."""

@@ -8,12 +8,17 @@ AgentError
     │   └── OneClassDataError  every record (or label) is the same: nothing to learn from
     ├── UnsupportedOpError     a trainable segment uses an op the torch rebuild lacks
     ├── PlanMismatchError      the server's plan does not match the local segments
-    └── SuperNodeError         the flower-supernode process could not start or died
+    ├── SuperNodeError         the flower-supernode process could not start or died
+    └── PrivacyError           a round would break this device's privacy rules
+        ├── DpSeedError        a DP round was given a fixed seed
+        ├── LedgerError        the privacy ledger is unreadable
+        └── RoundDeclinedError the device declines the round (budget, no DP, no SecAgg+)
 """
 
 from __future__ import annotations
 
 from edge_agent.errors import AgentError
+from protocols.privacy import DeclineReason
 
 
 class TrainingError(AgentError):
@@ -46,3 +51,26 @@ class PlanMismatchError(TrainingError):
 
 class SuperNodeError(TrainingError):
     """The ``flower-supernode`` process could not be started or exited unexpectedly."""
+
+
+class PrivacyError(TrainingError):
+    """A round would break this device's privacy rules (its DP randomness or its budget)."""
+
+
+class DpSeedError(PrivacyError):
+    """A DP round was given a fixed seed: its sampling and noise must come from ``os.urandom``
+    (a seed anyone else knows, or can guess, lets them predict, and so remove, the noise)."""
+
+
+class LedgerError(PrivacyError):
+    """The device's privacy ledger is unreadable or malformed (a round is declined until the
+    operator repairs it: a ledger that cannot be read cannot show the budget is kept)."""
+
+
+class RoundDeclinedError(PrivacyError):
+    """This device declines the round; :attr:`reason` says why (a typed reason code)."""
+
+    def __init__(self, reason: DeclineReason, detail: str) -> None:
+        super().__init__(f"{reason.value}: {detail}")
+        self.reason = reason
+        self.detail = detail

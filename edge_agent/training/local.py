@@ -26,6 +26,7 @@ import numpy as np
 import onnx
 
 from edge_agent.training.errors import PlanMismatchError, TrainDataError
+from edge_agent.training.ledger import PrivacyPolicy
 from protocols.errors import SchemaError
 from protocols.manifest import Manifest
 from protocols.training import TRAIN_DATA_FILE, TrainPlan
@@ -48,6 +49,9 @@ class LocalSettings:
     data_dir: Path
     cache_dir: Path
     budget_bytes: int
+    privacy: PrivacyPolicy | None = None
+    """The ledger and what the operator allows (``fedshard agent``); None: no ledger is kept
+    and nothing is declined (labs and tests that run ClientApps by hand)."""
 
 
 @dataclass(frozen=True)

@@ -3,7 +3,8 @@
 Under DP, Opacus' ``PrivacyEngine.make_private`` wraps the tail (per-example gradients of the
 adapter layers, which are plain ``nn.Linear`` s), the optimizer (clip each example's gradient to
 ``max_grad_norm``, add ``N(0, (noise_multiplier · max_grad_norm)^2)`` to the sum) and the data
-loader (Poisson sampling at rate ``batch_size / records``). Its RDP accountant's history is
+loader (Poisson sampling at rate ``batch_size / records``), with every random draw from
+``os.urandom`` (:mod:`.dp`). Its RDP accountant's history is
 stored per run and round in the cache dir, so the epsilon reported after round ``r`` composes
 rounds ``1..r`` of this run on this device, whichever process ran them.
 
@@ -17,7 +18,6 @@ from __future__ import annotations
 import json
 import logging
 import os
-import warnings
 from collections.abc import Callable, Iterator
 from contextlib import contextmanager
 from dataclasses import dataclass
@@ -28,6 +28,7 @@ import numpy as np
 import torch
 import torch.nn.functional as F
 
+from edge_agent.training.lora.dp import check_seed, make_private, secure_generator
 from protocols.lora import LoraPlan
 
 if TYPE_CHECKING:
@@ -56,6 +57,8 @@ class LoopResult:
 
     loss: float
     epsilon: float | None
+    mechanism: tuple[float, float, int] | None = None
+    """Under DP: this round's (noise multiplier, sample rate, steps), as the accountant saw."""
 
 
 def _labels(tokens: Tokens) -> torch.Tensor:
@@ -117,25 +120,36 @@ def run_epochs(
     plan: LoraPlan,
     hidden: np.ndarray,
     tokens: Tokens,
-    seed: int,
+    seed: int | None,
     cache_dir: Path,
     round_number: int,
 ) -> LoopResult:
-    """Train the adapters for ``plan.local_epochs`` epochs (privately when ``plan.dp``)."""
+    """Train the adapters for ``plan.local_epochs`` epochs (privately when ``plan.dp``, whose
+    randomness comes from ``os.urandom``: ``seed`` must then be None, see :mod:`.dp`)."""
     from torch.utils.data import DataLoader, TensorDataset
 
-    torch.manual_seed(seed)
     labels = _labels(tokens)
     positions = torch.arange(labels.shape[1])[None, :].expand(len(labels), -1).contiguous()
     data = TensorDataset(torch.from_numpy(hidden), positions, labels)
-    gen = torch.Generator().manual_seed(seed)
-    loader = DataLoader(data, batch_size=plan.batch_size, shuffle=True, generator=gen)
+    loader = DataLoader(
+        data, batch_size=plan.batch_size, shuffle=True, generator=shuffle_generator(plan, seed)
+    )
 
     def losses(model: torch.nn.Module, batch: list[torch.Tensor]) -> torch.Tensor | None:
         h, pos, lab = batch
         return None if len(h) == 0 else per_example_loss(model(h, pos), lab)
 
     return train_adapters(tail, plan, loader, losses, cache_dir, round_number)
+
+
+def shuffle_generator(plan: LoraPlan, seed: int | None) -> torch.Generator:
+    """The shuffle's generator of a round without DP (``seed``, or urandom when None); under DP
+    the Poisson sampler replaces it (:func:`.dp.make_private`) and a seed is refused."""
+    check_seed(plan, seed)
+    if seed is None:
+        return secure_generator()
+    torch.manual_seed(seed)
+    return torch.Generator().manual_seed(seed)
 
 
 BatchLosses = Callable[[torch.nn.Module, list[torch.Tensor]], "torch.Tensor | None"]
@@ -153,26 +167,14 @@ def train_adapters(
     """Adam on the tail's trainable parameters for ``plan.local_epochs`` epochs over ``loader``,
     privately when ``plan.dp`` (Opacus wraps tail, optimizer and loader); the last epoch's mean
     loss and the run's epsilon so far."""
-    optimizer = torch.optim.Adam(
+    optimizer: torch.optim.Optimizer = torch.optim.Adam(
         [p for p in tail.parameters() if p.requires_grad], lr=plan.learning_rate
     )
     model: torch.nn.Module = tail
     tail.train()  # Opacus refuses a module in eval mode
     engine = None
     if plan.dp is not None:
-        from opacus import PrivacyEngine
-
-        engine = PrivacyEngine(accountant="rdp", secure_mode=False)
-        with warnings.catch_warnings():
-            warnings.simplefilter("ignore")
-            model, optimizer, loader = engine.make_private(
-                module=tail,
-                optimizer=optimizer,
-                data_loader=loader,
-                noise_multiplier=plan.dp.noise_multiplier,
-                max_grad_norm=plan.dp.max_grad_norm,
-                poisson_sampling=True,
-            )
+        engine, model, optimizer, loader = make_private(tail, optimizer, loader, plan.dp)
     model.train()
     loss_sum, seen = 0.0, 0
     for _ in range(plan.local_epochs):
@@ -187,10 +189,19 @@ def train_adapters(
             loss_sum += float(batch_losses.detach().sum())
             seen += len(batch_losses)
     model.eval()
-    epsilon = None
-    if engine is not None:
-        epsilon = compose_epsilon(engine, plan, cache_dir, round_number)
-    return LoopResult(loss_sum / max(seen, 1), epsilon)
+    if engine is None:
+        return LoopResult(loss_sum / max(seen, 1), None)
+    epsilon = compose_epsilon(engine, plan, cache_dir, round_number)
+    return LoopResult(loss_sum / max(seen, 1), epsilon, round_mechanism(engine))
+
+
+def round_mechanism(engine: Any) -> tuple[float, float, int]:
+    """(noise multiplier, sample rate, steps) of the round an Opacus engine ran."""
+    history = engine.accountant.history
+    if not history:
+        return 1.0, 1.0, 0  # no step was taken: nothing released by the optimizer
+    steps = sum(int(s) for _, _, s in history)
+    return float(history[0][0]), float(history[0][1]), steps
 
 
 def compose_epsilon(engine: object, plan: LoraPlan, cache_dir: Path, round_number: int) -> float:
@@ -198,11 +209,9 @@ def compose_epsilon(engine: object, plan: LoraPlan, cache_dir: Path, round_numbe
     from opacus.accountants import RDPAccountant
 
     assert plan.dp is not None
-    accountant = engine.accountant  # type: ignore[attr-defined]
     path = _history_path(cache_dir, plan.run)
     history = _load_history(path)
-    steps = sum(int(s) for _, _, s in accountant.history)
-    noise, rate = accountant.history[0][0], accountant.history[0][1]
+    noise, rate, steps = round_mechanism(engine)
     history[str(round_number)] = [float(noise), float(rate), float(steps)]
     cache_dir.mkdir(parents=True, exist_ok=True)
     path.write_text(json.dumps(history))

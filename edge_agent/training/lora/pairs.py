@@ -112,22 +112,28 @@ def prepare_pairs(
 
 
 def run_contrastive_epochs(
-    tail: Any, plan: LoraPlan, data: PairBatch, seed: int, cache_dir: Path, round_number: int
+    tail: Any,
+    plan: LoraPlan,
+    data: PairBatch,
+    seed: int | None,
+    cache_dir: Path,
+    round_number: int,
 ) -> Any:
     """Train the adapters for ``plan.local_epochs`` epochs (in-batch negatives; DP by plan)."""
     from torch.utils.data import DataLoader, TensorDataset
 
     from edge_agent.training.lora.encoder import embed, ranking_losses
-    from edge_agent.training.lora.loop import train_adapters
+    from edge_agent.training.lora.loop import shuffle_generator, train_adapters
 
-    torch.manual_seed(seed)
     tensors = [
         torch.from_numpy(x)
         for x in (data.anchor, data.anchor_mask, data.positive, data.positive_mask)
     ]
-    gen = torch.Generator().manual_seed(seed)
     loader = DataLoader(
-        TensorDataset(*tensors), batch_size=plan.batch_size, shuffle=True, generator=gen
+        TensorDataset(*tensors),
+        batch_size=plan.batch_size,
+        shuffle=True,
+        generator=shuffle_generator(plan, seed),
     )
 
     def losses(model: torch.nn.Module, batch: list[torch.Tensor]) -> torch.Tensor | None:
@@ -151,7 +157,11 @@ def evaluate_pairs(
 
 
 def train_pairs(
-    plan: LoraPlan, arrays: list[np.ndarray], settings: LocalSettings, seed: int, round_number: int
+    plan: LoraPlan,
+    arrays: list[np.ndarray],
+    settings: LocalSettings,
+    seed: int | None,
+    round_number: int,
 ) -> Any:
     """One contrastive round on this device; a :class:`~.train.LoraResult`."""
     from edge_agent.training.lora.encoder import held_out_ranking

@@ -70,6 +70,8 @@ class LoraResult:
     peak_rss_bytes: int
     extra: dict[str, float] = field(default_factory=dict)
     """Objective-specific metrics (an encoder's held-out recall@1 before training)."""
+    mechanism: tuple[float, float, int] | None = None
+    """Under DP: the round's (noise multiplier, sample rate, steps), for the ledger."""
 
 
 @dataclass(frozen=True)
@@ -351,9 +353,15 @@ def evaluate_lora(
 
 
 def train_lora(
-    plan: LoraPlan, arrays: list[np.ndarray], settings: LocalSettings, seed: int, round_number: int
+    plan: LoraPlan,
+    arrays: list[np.ndarray],
+    settings: LocalSettings,
+    seed: int | None,
+    round_number: int,
 ) -> LoraResult:
-    """One round on this device; returns the adapters after local training (see module doc)."""
+    """One round on this device; returns the adapters after local training (see module doc).
+    ``seed`` fixes the shuffle of a round without DP; a DP round refuses one (its randomness
+    comes from ``os.urandom``)."""
     from edge_agent.training.lora.loop import held_out_loss, run_epochs, train_threads
 
     if plan.objective == "contrastive":
@@ -394,6 +402,7 @@ def lora_result(
         trained_shard_bytes=ready.trained_shard_bytes,
         peak_rss_bytes=peak_rss_bytes(),
         extra=extra or {},
+        mechanism=loop.mechanism,
     )
 
 
