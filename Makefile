@@ -5,7 +5,7 @@ VENV := .venv
 BIN := $(VENV)/bin
 export PIP_DISABLE_PIP_VERSION_CHECK := 1
 
-.PHONY: test test-qwen demo lint typecheck contracts unit bench bench-setup bench-qwen clean
+.PHONY: test docs test-qwen demo lint typecheck contracts unit bench bench-setup bench-qwen clean
 
 $(BIN)/python:
 	$(PYTHON) -m venv $(VENV)
@@ -22,7 +22,13 @@ test: $(VENV)/.installed-dev
 	$(BIN)/ruff format --check .
 	$(BIN)/mypy
 	$(BIN)/lint-imports
+	NO_MKDOCS_2_WARNING=1 $(BIN)/mkdocs build --strict --quiet
 	$(BIN)/pytest -q -m "not heavy"
+
+# The documentation site (MkDocs Material) into site/; its CLI, HTTP API and benchmark pages are
+# generated from the code at build time (docs/hooks/fedshard_reference.py).
+docs: $(VENV)/.installed-dev
+	NO_MKDOCS_2_WARNING=1 $(BIN)/mkdocs build --strict
 
 # The tests that need the real Qwen2.5-Coder-1.5B (first run: about 25 minutes to convert,
 # export and quantize it; cached in .cache/fedshard after), kept out of `make test` for CI's time.
@@ -58,4 +64,4 @@ bench-qwen: bench-setup
 	$(BIN)/python bench/report
 
 clean:
-	rm -rf $(VENV) .mypy_cache .pytest_cache .ruff_cache
+	rm -rf $(VENV) .mypy_cache .pytest_cache .ruff_cache site
