@@ -304,5 +304,4 @@ def choose_plan(
 
 
 def _default_planner() -> Planner:
-
     return plan_preferring_one_device
