@@ -168,9 +168,11 @@ def test_a_rogue_taking_over_the_instance_name_cannot_erase_the_paired_device(
     registry = coordinator.registry
     registry.announce(_announcement("nas", "a" * 16, nas.fingerprint, 9000), "127.0.0.1", "svc")
     registry.announce(_announcement("nas", "a" * 16, fake, 9100), "10.0.0.9", "svc")
-    assert coordinator.trust.trusted() == []
-    assert coordinator.statuses() == {nas.fingerprint: ("paired", False), fake: ("impostor", True)}
-    # the real agent announces again: it is back, and still the only one used
+    # the name is contested: the paired device stays listed and used at its own address (round
+    # two of the hostile LAN: hiding it failed both models over; tests/hostile/ has the rest)
+    assert [r.host for r in coordinator.trust.trusted()] == ["127.0.0.1"]
+    assert coordinator.statuses() == {nas.fingerprint: ("paired", True), fake: ("impostor", True)}
+    # the real agent announces again: still the only one used
     registry.announce(_announcement("nas", "a" * 16, nas.fingerprint, 9000), "127.0.0.1", "svc")
     assert [r.host for r in coordinator.trust.trusted()] == ["127.0.0.1"]
 
