@@ -25,6 +25,7 @@ from partitioner.models.gguf.kernels import GraphPart, UnsupportedTensorType
 T = GGMLQuantizationType
 LEGACY = [T.Q4_0, T.Q4_1, T.Q5_0, T.Q5_1, T.Q8_0]
 K_QUANTS = [T.Q2_K, T.Q3_K, T.Q4_K, T.Q5_K, T.Q6_K, T.IQ4_NL, T.IQ4_XS]
+K_QUANTS += [T.IQ1_S, T.IQ1_M, T.IQ2_XXS, T.IQ2_XS, T.IQ2_S, T.IQ3_XXS, T.IQ3_S]
 """Built by hand (random bytes, sane f16 scales): gguf-py cannot quantize to them."""
 FLOATS = [T.F32, T.F16, T.BF16]
 SUPPORTED = LEGACY + K_QUANTS + FLOATS
@@ -40,8 +41,9 @@ F16_SCALE_OFFSETS = {
     T.Q4_K: (0, 2),
     T.Q5_K: (0, 2),
     T.Q6_K: (208,),
-    T.IQ4_NL: (0,),
-    T.IQ4_XS: (0,),
+    **dict.fromkeys([T.IQ4_NL, T.IQ4_XS, T.IQ1_S, T.IQ2_XXS, T.IQ2_XS, T.IQ2_S], (0,)),
+    **dict.fromkeys([T.IQ3_XXS, T.IQ3_S], (0,)),
+    T.IQ1_M: (),
 }
 """Byte offsets of each K-quant block's f16 ``d`` (and ``dmin``), from ggml-common.h."""
 
@@ -63,6 +65,11 @@ def random_raw(ggml_type: GGMLQuantizationType, rows: int, cols: int, seed: int 
     for offset in F16_SCALE_OFFSETS[ggml_type]:
         d = rng.uniform(0.002, 0.02, blocks.shape[0]).astype(np.float16)
         blocks[:, offset : offset + 2] = d.view(np.uint8).reshape(-1, 2)
+    if ggml_type == T.IQ1_M:  # its f16 d is the top nibbles of its four scale words
+        d = rng.uniform(0.002, 0.02, blocks.shape[0]).astype(np.float16).view(np.uint16)
+        words = blocks[:, 48:56].copy().view(np.uint16) & np.uint16(0x0FFF)
+        nibbles = (d[:, None] >> np.array([0, 4, 8, 12], np.uint16)) & np.uint16(0xF)
+        blocks[:, 48:56] = (words | (nibbles << np.uint16(12))).view(np.uint8)
     return raw
 
 
@@ -188,7 +195,7 @@ def test_dequantize_is_gguf_dequantize() -> None:
     assert np.array_equal(kernels.dequantize(bf, T.BF16, (4, 256)), reference(bf, T.BF16, 4, 256))
 
 
-@pytest.mark.parametrize("ggml_type", [T.IQ2_XXS, T.IQ3_S, T.TQ1_0])
+@pytest.mark.parametrize("ggml_type", [T.TQ1_0, T.TQ2_0, T.MXFP4])
 def test_unsupported_types_are_refused_by_name(ggml_type: GGMLQuantizationType) -> None:
     raw = np.zeros(GGML_QUANT_SIZES[ggml_type][1], np.uint8)
     with pytest.raises(UnsupportedTensorType, match=ggml_type.name):

@@ -16,6 +16,8 @@ Q6_K         MatMulNBits 8-bit b16 (widened)        GBQ uint8 8-bit b16
 Q3_K         MatMulNBits 8-bit b16 (widened)        GBQ uint8 4-bit b16
 Q2_K         MatMulNBits 8-bit b16 + min term       GBQ uint8 4-bit b16 + gathered mins
 IQ4_NL/_XS   MatMulNBits 8-bit b32 (grid values)    GBQ uint8 8-bit b32
+IQ1_S, IQ2_XXS, IQ3_XXS, IQ3_S: as IQ4 (grid times sign, IQ1: 8 * (grid +- 1/8))
+IQ1_M, IQ2_XS, IQ2_S: MatMulNBits 8-bit b16, GBQ uint8 8-bit b16
 F32          MatMul, float32 [K, N]                 Gather float32
 F16, BF16    Cast(F16/BF16 [K, N]) then MatMul      Gather F16/BF16 then Cast
 other        :class:`UnsupportedTensorType`         :class:`UnsupportedTensorType`
@@ -73,6 +75,7 @@ from partitioner.models.gguf.kernels_codes import (
     layout,
 )
 from partitioner.models.gguf.kernels_gather import gather_bits, quantized_gather
+from partitioner.models.gguf.kernels_iq import IQ_SCALES
 from partitioner.models.gguf.kernels_requant import requantized_gather, requantized_matmul
 
 __all__ = [
@@ -103,6 +106,7 @@ MATMUL_BITS: dict[GGMLQuantizationType, int] = {
     T.Q2_K: 8,
     T.IQ4_NL: 8,
     T.IQ4_XS: 8,
+    **dict.fromkeys(IQ_SCALES, 8),
 }
 """``MatMulNBits`` bits per type (block: the type's sub-block, 32 or 16)."""
 

@@ -26,6 +26,8 @@ from gguf.quants import dequantize as gguf_dequantize
 from onnx import TensorProto, helper, numpy_helper
 
 from partitioner.errors import GraphError
+from partitioner.models.gguf.kernels_iq import IQ_SCALES
+from partitioner.models.gguf.kernels_iq import decoder as iq_decoder
 
 T = GGMLQuantizationType
 WeightsMode = Literal["keep", "int4", "int8"]
@@ -261,6 +263,9 @@ LAYOUTS: dict[GGMLQuantizationType, tuple[Layout, Callable[[np.ndarray], _Decode
     T.IQ4_NL: (Layout(32, 8, 128, False), _iq4_nl),
     T.IQ4_XS: (Layout(32, 8, 128, False), _iq4_xs),
 }
+LAYOUTS.update(
+    {t: (Layout(block, 8, 128, False), iq_decoder(t)) for t, (block, _) in IQ_SCALES.items()}
+)
 """Block types decoded to codes (the quantized types :mod:`kernels` maps)."""
 
 
