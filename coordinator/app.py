@@ -123,7 +123,7 @@ def serve(config: CoordinatorConfig, console: Console) -> int:
         )
     )
     server = uvicorn.Server(
-        uvicorn.Config(app, host=config.interface, port=config.port, log_level="warning")
+        uvicorn.Config(app, host=config.api_host, port=config.port, log_level="warning")
     )
     discovery = ZeroconfDiscovery(registry, config.interface)
     try:
@@ -131,7 +131,10 @@ def serve(config: CoordinatorConfig, console: Console) -> int:
         failover.start()
         liveness.start()
         console.print(f"console: {config.console_url}", soft_wrap=True)
-        log.info("coordinator listening on %s:%d", config.interface, config.port)
+        console.print("a host firewall must let in:", soft_wrap=True)
+        for line in config.firewall_ports():
+            console.print(f"  {line}", soft_wrap=True, markup=False)
+        log.info("coordinator listening on %s:%d", config.api_host, config.port)
         with _signals_absorbed():
             server.run()
         log.info("coordinator stopping")

@@ -29,8 +29,22 @@ def register(subparsers: Any) -> None:
         description="Pair agents, keep the device registry live, deploy and serve models.",
     )
     run.add_argument("--state-dir", type=Path, required=True, help="CA, pairings, deployments")
-    run.add_argument("--interface", default="127.0.0.1", help="IPv4 address to serve and browse")
-    run.add_argument("--port", type=int, default=8470, help="HTTP API port")
+    run.add_argument(
+        "--interface",
+        default="127.0.0.1",
+        help="IPv4 address the HTTP API listens on and mDNS browses for agents on (default "
+        "127.0.0.1: only this machine, safe until you mean to serve a LAN; agents on other "
+        "devices are found only when this is this machine's LAN address, e.g. 192.168.1.10)",
+    )
+    run.add_argument(
+        "--all-interfaces",
+        action="store_true",
+        help="let the HTTP API listen on every interface (0.0.0.0) while mDNS browses on "
+        "--interface; refused without an API token (the state dir's api_token)",
+    )
+    run.add_argument(
+        "--port", type=int, default=8470, help="HTTP API and console port (default 8470)"
+    )
     run.add_argument(
         "--superlink-port",
         type=int,
@@ -132,7 +146,12 @@ def _client_parser(subparsers: Any, name: str, text: str) -> argparse.ArgumentPa
 def run_coordinator(args: argparse.Namespace) -> int:
     """Handler of ``fedshard coordinator``."""
     from coordinator.app import serve
-    from coordinator.config import AgentTrainingConfig, CoordinatorConfig, load_or_create_token
+    from coordinator.config import (
+        AgentTrainingConfig,
+        CoordinatorConfig,
+        binding_problem,
+        load_or_create_token,
+    )
     from coordinator.errors import CoordinatorError
 
     logging.basicConfig(
@@ -144,13 +163,17 @@ def run_coordinator(args: argparse.Namespace) -> int:
         state_dir = args.state_dir.expanduser().resolve()
         state_dir.mkdir(parents=True, exist_ok=True, mode=0o700)
         token = load_or_create_token(state_dir)
+        refused = binding_problem(args.interface, args.all_interfaces, token)
+        if refused is not None:
+            console.print(f"[red]coordinator refused:[/] {refused}")
+            return 2
         training = None
         if args.superlink_port is not None:
             training = AgentTrainingConfig(args.superlink_port, args.train_clients)
         target = args.training_target.expanduser().resolve() if args.training_target else None
         config = CoordinatorConfig(
             state_dir, args.interface, args.port, token, training, args.segment_cache, target,
-            args.draft_threads,
+            args.draft_threads, args.all_interfaces,
         )  # fmt: skip
         return serve(config, console)
     except (CoordinatorError, OSError) as exc:

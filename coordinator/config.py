@@ -11,6 +11,9 @@ from protocols import sizes
 from protocols.errors import SchemaError
 
 TOKEN_FILE = "api_token"
+LOOPBACK = "127.0.0.1"
+ALL_INTERFACES = "0.0.0.0"
+MDNS_PORT = 5353
 
 
 @dataclass(frozen=True)
@@ -40,6 +43,29 @@ class CoordinatorConfig:
     """What training runs fine-tune (a ``fedshard.training-target/1`` file; None: runs are 409)."""
     draft_threads: int = 1
     """ONNX Runtime intra-op threads of a draft model's call (``--draft-threads``)."""
+    all_interfaces: bool = False
+    """``--all-interfaces``: the HTTP API listens on every interface; mDNS stays on
+    ``interface``."""
+
+    @property
+    def api_host(self) -> str:
+        """The address the HTTP API listens on."""
+        return ALL_INTERFACES if self.all_interfaces else self.interface
+
+    def firewall_ports(self) -> list[str]:
+        """What a host firewall must let in for this coordinator and its agents, one line each."""
+        host = "every interface" if self.all_interfaces else self.interface
+        lines = [
+            f"tcp {self.port} on {host}: the HTTP API and console (clients, `fedshard pair`)",
+            f"udp {MDNS_PORT} on {self.interface}: mDNS (multicast 224.0.0.251), to find agents",
+        ]
+        if self.agent_training is not None:
+            lines.append(
+                f"tcp {self.agent_training.superlink_port} on {self.interface}: the Flower "
+                "SuperLink, for the agents' SuperNodes"
+            )
+        lines.append("on each agent: tcp its --port and --data-port (PORT+1), and udp 5353 (mDNS)")
+        return lines
 
     @property
     def segment_cache_dir(self) -> Path:
@@ -50,6 +76,23 @@ class CoordinatorConfig:
     def console_url(self) -> str:
         """The console address with the login token, as printed at start."""
         return f"http://{self.interface}:{self.port}/?token={self.token}"
+
+
+def binding_problem(interface: str, all_interfaces: bool, token: str) -> str | None:
+    """Why the coordinator refuses to listen as told, or None.
+
+    ``--interface`` is one address: mDNS browses on it and agents reach the API there, so the
+    wildcard 0.0.0.0 is refused there and asked for with ``--all-interfaces``, which in turn
+    is refused without an API token (every route but the console page needs it).
+    """
+    if interface == ALL_INTERFACES:
+        return (
+            "--interface takes one address (mDNS browses on it): give this machine's LAN "
+            "address, and add --all-interfaces to serve the API on every interface"
+        )
+    if all_interfaces and not token:
+        return f"--all-interfaces needs an API token: the state dir's {TOKEN_FILE} is empty"
+    return None
 
 
 def load_or_create_token(state_dir: Path) -> str:

@@ -26,6 +26,7 @@ from protocols.constants import DEFAULT_QUEUE_DEPTH
 log = logging.getLogger(__name__)
 
 DEFAULT_STATE_DIR = Path.home() / ".fedshard" / "agent"
+ALL_INTERFACES = "0.0.0.0"
 
 
 def register(subparsers: Any) -> None:
@@ -37,12 +38,27 @@ def register(subparsers: Any) -> None:
     )
     agent.add_argument("--name", required=True, help="device name (must match its certificate)")
     agent.add_argument("--memory", required=True, help="memory budget, e.g. 64MiB or 2GB")
-    agent.add_argument("--state-dir", type=Path, required=True, help="keys, cached profile")
     agent.add_argument(
-        "--interface", default="127.0.0.1", help="IPv4 address to serve and advertise on"
+        "--state-dir",
+        type=Path,
+        required=True,
+        help="this agent's own files: key, pairing secret and certificate, cached profile, "
+        "deployed segments (owner-only; keep it across restarts and upgrades)",
     )
     agent.add_argument(
-        "--port", type=int, default=0, help="control port (data port is PORT+1); 0: any"
+        "--interface",
+        default="127.0.0.1",
+        help="IPv4 address this agent serves on and advertises over mDNS (default 127.0.0.1: "
+        "only this machine, for a coordinator and agents on it; on a LAN give this device's "
+        "address, e.g. 192.168.1.20, which the coordinator and the other agents connect to; "
+        "not 0.0.0.0: one address is advertised)",
+    )
+    agent.add_argument(
+        "--port",
+        type=int,
+        default=0,
+        help="control port (default 0: any free port, fine without a host firewall; fix it, "
+        "e.g. 8480, to open it and PORT+1 in one)",
     )
     agent.add_argument("--data-port", type=int, default=None, help="data port (default PORT+1)")
     agent.add_argument("--ca", type=Path, help="the coordinator's CA certificate (PEM)")
@@ -130,6 +146,11 @@ def _train_config(args: argparse.Namespace, memory_bytes: int) -> TrainConfig | 
 
 def config_from_args(args: argparse.Namespace) -> AgentConfig:
     """Build the one AgentConfig from the command line; raises ConfigError."""
+    if args.interface == ALL_INTERFACES:
+        raise ConfigError(
+            "--interface takes one address: the agent advertises it over mDNS and the "
+            "coordinator and the other agents connect to it; give this device's LAN address"
+        )
     tls_args = (args.ca, args.cert, args.key)
     if any(tls_args) and not all(tls_args):
         raise ConfigError("--ca, --cert and --key go together")

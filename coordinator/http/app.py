@@ -76,9 +76,9 @@ ERROR_RESPONSES: dict[int | str, dict[str, Any]] = {
         (409, "infeasible or failed deployment, nothing to roll back"),
         (411, "a body without a Content-Length"),
         (413, "a body over the route's size limit"),
-        (429, "too many wrong pairing codes (see Retry-After)"),
+        (429, "no room for a new generation session, or too many wrong pairing codes"),
         (502, "an agent failed"),
-        (503, "not servable now, with the reason"),
+        (503, "not servable now (no live version, a device lost, a broken chain), with the reason"),
     )
 }
 """Error statuses every ``/v1`` route may answer, documented in the OpenAPI schema."""

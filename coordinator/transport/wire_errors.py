@@ -1,9 +1,10 @@
 """The coordinator's side of typed wire errors: an agent's :class:`WireErrorCode` to our errors.
 
 :data:`REMOTE` is the one table. Bad input is the caller's fault (:class:`RequestError`, 400);
-a full session table is :class:`CapacityError` (503 with Retry-After); a broken link or lost
-session state is :class:`ChainBrokenError` (retried on a re-planned chain); anything else means
-the chain cannot serve now (:class:`NotServableError`).
+a full session table is :class:`CapacityError` (429 with Retry-After, as the error catalogue of
+:mod:`coordinator.http.errors` answers it: the client backs off and retries); a broken link or
+lost session state is :class:`ChainBrokenError` (retried on a re-planned chain); anything else
+means the chain cannot serve now (:class:`NotServableError`, 503).
 """
 
 from __future__ import annotations
