@@ -4,24 +4,30 @@
 :data:`ACCURACY_LEVEL` 4: ONNX Runtime quantizes the activations to int8 per row and block
 inside the kernel, as llama.cpp does (Q8_0/Q8_K activations); the weights stay exact.
 
-===========  =====================================  ==========================================
-type         ``matmul``                             ``gather`` (embedding rows)
-===========  =====================================  ==========================================
-Q4_0         MatMulNBits 4-bit b32                  GatherBlockQuantized uint8 4-bit b32
-Q4_1, Q4_K   MatMulNBits 4-bit b32 + min term       GBQ uint8 8-bit b32 + gathered mins
-Q5_0         MatMulNBits 8-bit b32 (widened)        GBQ uint8 8-bit b32
-Q5_1, Q5_K   MatMulNBits 8-bit b32 + min term       GBQ uint8 8-bit b32 + gathered mins
-Q8_0         MatMulNBits 8-bit b32                  GBQ uint8 8-bit b32
-Q6_K         MatMulNBits 8-bit b16 (widened)        GBQ uint8 8-bit b16
-Q3_K         MatMulNBits 8-bit b16 (widened)        GBQ uint8 4-bit b16
-Q2_K         MatMulNBits 8-bit b16 + min term       GBQ uint8 4-bit b16 + gathered mins
-IQ4_NL/_XS   MatMulNBits 8-bit b32 (grid values)    GBQ uint8 8-bit b32
-IQ1_S, IQ2_XXS, IQ3_XXS, IQ3_S: as IQ4 (grid times sign, IQ1: 8 * (grid +- 1/8))
-IQ1_M, IQ2_XS, IQ2_S: MatMulNBits 8-bit b16, GBQ uint8 8-bit b16
-F32          MatMul, float32 [K, N]                 Gather float32
-F16, BF16    Cast(F16/BF16 [K, N]) then MatMul      Gather F16/BF16 then Cast
-other        :class:`UnsupportedTensorType`         :class:`UnsupportedTensorType`
-===========  =====================================  ==========================================
+============  ===================================  =========================================
+type          ``matmul``                           ``gather`` (embedding rows)
+============  ===================================  =========================================
+Q4_0          MatMulNBits 4-bit b32                GatherBlockQuantized uint8 4-bit b32
+Q4_1, Q4_K    MatMulNBits 4-bit b32 + min term     GBQ uint8 8-bit b32 + gathered mins
+Q5_0          MatMulNBits 8-bit b32 (widened)      GBQ uint8 8-bit b32
+Q5_1, Q5_K    MatMulNBits 8-bit b32 + min term     GBQ uint8 8-bit b32 + gathered mins
+Q8_0          MatMulNBits 8-bit b32                GBQ uint8 8-bit b32
+Q6_K          MatMulNBits 8-bit b16 (widened)      GBQ uint8 8-bit b16
+Q3_K          MatMulNBits 8-bit b16 (widened)      GBQ uint8 4-bit b16
+Q2_K          MatMulNBits 8-bit b16 + min term     GBQ uint8 4-bit b16 + gathered mins
+IQ4_NL/XS,    MatMulNBits 8-bit b32 (grid value    GBQ uint8 8-bit b32
+IQ3_XXS/S,    times sign; IQ1_S: 8 * (grid +-
+IQ2_XXS,      1/8) under scale / 8)
+IQ1_S
+IQ2_XS/S,     MatMulNBits 8-bit b16 (as above)     GBQ uint8 8-bit b16
+IQ1_M
+F32           MatMul, float32 [K, N]               Gather float32
+F16, BF16     Cast(F16/BF16 [K, N]), MatMul        Gather F16/BF16, Cast
+other         :class:`UnsupportedTensorType`       :class:`UnsupportedTensorType`
+============  ===================================  =========================================
+
+"Other" (TQ1_0, TQ2_0, MXFP4, NVFP4, integer types) is refused in ``keep`` mode before anything
+is built; ``int4``/``int8`` re-quantize whatever gguf-py dequantizes.
 
 "Min term": Q4_1/Q5_1/Q2_K/Q4_K/Q5_K add a per-block constant ``low`` (``m``, ``-dmin*m``).
 ``MatMulNBits`` keeps the scale with its default zero point (a float zero point would be exact
