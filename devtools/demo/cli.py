@@ -388,7 +388,8 @@ def _start_fine_tuning(
     run = training.RUNS[model_id]
     run_id = training.start(api, model_id)
     console.print(
-        f"federated fine-tuning started: LoRA (rank {run.rank}, layers {run.first_layer}-) of "
+        f"federated fine-tuning started: LoRA (rank {run.rank}, layers {run.first_layer} to "
+        f"the last) of "
         f"the served {model_id}, {run.rounds} round(s) on 3 local devices with "
         f"{run.per_device} WordNet records each (Flower, SecAgg+, Opacus DP-SGD); every model "
         "serves meanwhile"

@@ -188,9 +188,12 @@ FS.pages.training = {
       served = (await loadModels()).filter(m => m.active !== null
         && (m.kind === "decoder" || m.kind === "encoder"));
     } catch (e) { /* no served models to offer: the training target's task only */ }
-    fillSelect($("train-model"), [{value: "", label: "training target (digits task)"},
+    // a served model first when there is one: the coordinator's --training-target file is the
+    // exception (fedshard demo has none), not what a newcomer should start by default
+    fillSelect($("train-model"), [
       ...served.map(m => ({value: m.model_id,
-        label: `${m.model_id} (${m.kind === "encoder" ? "contrastive LoRA" : "LoRA"})`}))], "");
+        label: `${m.model_id} (${m.kind === "encoder" ? "contrastive LoRA" : "LoRA"})`})),
+      {value: "", label: "the coordinator's --training-target file"}], "");
     const options = [...list.runs].reverse().map(r => ({value: r.run_id,
       label: `${r.run_id} (${r.status}, ${r.rounds.length} round(s))`}));
     fillSelect($("train-run"), options, "no run yet");
