@@ -309,6 +309,8 @@ def _within(deadline: float) -> float:
 def test_training_chart_gains_points(page, lab: Lab) -> None:  # type: ignore[no-untyped-def]
     tab(page, "Training")
     expect(page.locator("#train-summary")).to_contain_text("No run yet")
+    # served models come first; this run is the coordinator's training target (the digits task)
+    page.locator("#train-model").select_option("")
     page.get_by_label("Rounds").fill(str(TRAINING_ROUNDS))
     page.get_by_label("Secure aggregation").uncheck()  # plain FedAvg: the quickest real run
     page.get_by_label("Differential privacy").check()
