@@ -81,9 +81,14 @@ class Emitter:
         """``x @ W.T`` for the GGUF weight ``tensor`` (``[n_out, n_in]``)."""
         n_out, n_in = self.model.tensor(tensor).shape
         part = kernels.matmul(
-            tensor.removesuffix(".weight"), x, self.raw(tensor), self._type(tensor), n_out, n_in,
+            tensor.removesuffix(".weight"),
+            x,
+            self.raw(tensor),
+            self._type(tensor),
+            n_out,
+            n_in,
             self.weights,
-        )  # fmt: skip
+        )
         return self.part(part)
 
     def shared(self, key: str, make: Callable[[], str]) -> str:
@@ -163,14 +168,52 @@ def apply_rope(e: Emitter, x: str, tables: tuple[str, str], name: str) -> str:
     """``x * cos + rotate(x) * sin`` for ``x`` ``[batch, q, heads, head_dim]``."""
     d = e.model.head_dim
     if e.model.rope_layout == "neox":
-        first = e.op("Slice", [x, e.ints(f"{name}/s0", [0]), e.ints(f"{name}/h", [d // 2]), e.ints(f"{name}/ax", [-1])], f"{name}/x1")  # fmt: skip
-        second = e.op("Slice", [x, e.ints(f"{name}/s1", [d // 2]), e.ints(f"{name}/e", [d]), e.ints(f"{name}/ax2", [-1])], f"{name}/x2")  # fmt: skip
+        first = e.op(
+            "Slice",
+            [
+                x,
+                e.ints(f"{name}/s0", [0]),
+                e.ints(f"{name}/h", [d // 2]),
+                e.ints(f"{name}/ax", [-1]),
+            ],
+            f"{name}/x1",
+        )
+        second = e.op(
+            "Slice",
+            [
+                x,
+                e.ints(f"{name}/s1", [d // 2]),
+                e.ints(f"{name}/e", [d]),
+                e.ints(f"{name}/ax2", [-1]),
+            ],
+            f"{name}/x2",
+        )
         neg = e.op("Neg", [second], f"{name}/neg")
         rotated = e.op("Concat", [neg, first], f"{name}/rot", axis=-1)
     else:
-        pairs = e.op("Reshape", [x, e.ints(f"{name}/pairs_shape", [0, 0, 0, -1, 2])], f"{name}/pairs")  # fmt: skip
-        even = e.op("Slice", [pairs, e.ints(f"{name}/s0", [0]), e.ints(f"{name}/s1", [1]), e.ints(f"{name}/ax", [-1])], f"{name}/even")  # fmt: skip
-        odd = e.op("Slice", [pairs, e.ints(f"{name}/t0", [1]), e.ints(f"{name}/t1", [2]), e.ints(f"{name}/ax2", [-1])], f"{name}/odd")  # fmt: skip
+        pairs = e.op(
+            "Reshape", [x, e.ints(f"{name}/pairs_shape", [0, 0, 0, -1, 2])], f"{name}/pairs"
+        )
+        even = e.op(
+            "Slice",
+            [
+                pairs,
+                e.ints(f"{name}/s0", [0]),
+                e.ints(f"{name}/s1", [1]),
+                e.ints(f"{name}/ax", [-1]),
+            ],
+            f"{name}/even",
+        )
+        odd = e.op(
+            "Slice",
+            [
+                pairs,
+                e.ints(f"{name}/t0", [1]),
+                e.ints(f"{name}/t1", [2]),
+                e.ints(f"{name}/ax2", [-1]),
+            ],
+            f"{name}/odd",
+        )
         neg = e.op("Neg", [odd], f"{name}/neg")
         turned = e.op("Concat", [neg, even], f"{name}/turned", axis=-1)
         rotated = e.op("Reshape", [turned, e.ints(f"{name}/back", [0, 0, 0, -1])], f"{name}/rot")
@@ -221,7 +264,9 @@ def attention(e: Emitter, i: int, h: str) -> str:
     q = apply_rope(e, q, (cos, sin), f"{b}/q_rope")
     k = apply_rope(e, k, (cos, sin), f"{b}/k_rope")
     groups = m.heads // m.kv_heads
-    q = e.op("Reshape", [q, e.ints(f"{b}/grouped", [0, 0, m.kv_heads, groups, m.head_dim])], f"{b}/qg")  # fmt: skip
+    q = e.op(
+        "Reshape", [q, e.ints(f"{b}/grouped", [0, 0, m.kv_heads, groups, m.head_dim])], f"{b}/qg"
+    )
     q = e.op("Transpose", [q], f"{b}/qt", perm=[0, 2, 3, 1, 4])
     q = e.op("Mul", [q, e.floats(f"{b}/scale", m.attention_scale)], f"{b}/qs")
     k = e.op("Transpose", [k], f"{b}/kt", perm=[0, 2, 1, 3])
@@ -246,10 +291,20 @@ def attention(e: Emitter, i: int, h: str) -> str:
 def _gelu_tanh(e: Emitter, x: str, name: str) -> str:
     """``0.5 x (1 + tanh(sqrt(2/pi) (x + 0.044715 x^3)))`` (ggml_gelu)."""
     cube = e.op("Mul", [e.op("Mul", [x, x], f"{name}/x2"), x], f"{name}/x3")
-    inner = e.op("Add", [x, e.op("Mul", [cube, e.floats(f"{name}/a", 0.044715)], f"{name}/ax3")], f"{name}/in")  # fmt: skip
-    t = e.op("Tanh", [e.op("Mul", [inner, e.floats(f"{name}/c", np.sqrt(2 / np.pi))], f"{name}/arg")], f"{name}/tanh")  # fmt: skip
+    inner = e.op(
+        "Add",
+        [x, e.op("Mul", [cube, e.floats(f"{name}/a", 0.044715)], f"{name}/ax3")],
+        f"{name}/in",
+    )
+    t = e.op(
+        "Tanh",
+        [e.op("Mul", [inner, e.floats(f"{name}/c", np.sqrt(2 / np.pi))], f"{name}/arg")],
+        f"{name}/tanh",
+    )
     one = e.op("Add", [t, e.floats(f"{name}/one", 1.0)], f"{name}/onep")
-    return e.op("Mul", [e.op("Mul", [x, one], f"{name}/xg"), e.floats(f"{name}/half", 0.5)], f"{name}/out")  # fmt: skip
+    return e.op(
+        "Mul", [e.op("Mul", [x, one], f"{name}/xg"), e.floats(f"{name}/half", 0.5)], f"{name}/out"
+    )
 
 
 def _silu(e: Emitter, x: str, name: str) -> str:
@@ -298,7 +353,11 @@ def embedding(e: Emitter) -> str:
     """``input_ids`` to the first hidden state (Gemma 3: times ``sqrt(hidden)``)."""
     m = e.model
     t = m.tensor("token_embd.weight")
-    rows = e.part(kernels.gather("token_embd", "input_ids", e.raw(t.name), t.type, m.vocab, m.hidden, e.weights))  # fmt: skip
+    rows = e.part(
+        kernels.gather(
+            "token_embd", "input_ids", e.raw(t.name), t.type, m.vocab, m.hidden, e.weights
+        )
+    )
     if m.architecture != Architecture.GEMMA3:
         return rows
     return e.op("Mul", [rows, e.floats("embd/scale", np.sqrt(m.hidden))], "embd/scaled")
@@ -308,7 +367,16 @@ def head(e: Emitter, x: str, trailing: int, top_k: int) -> tuple[str, str, str, 
     """Final norm, output head (the embedding when tied) and top-k on the last ``trailing``
     positions: ``(top_logits, top_ids, trailing_top_logits, trailing_top_ids)``."""
     m = e.model
-    last = e.op("Slice", [x, e.ints("head/start", [-trailing]), e.ints("head/end", [np.iinfo(np.int64).max]), e.ints("head/axis", [1])], "head/trailing")  # fmt: skip
+    last = e.op(
+        "Slice",
+        [
+            x,
+            e.ints("head/start", [-trailing]),
+            e.ints("head/end", [np.iinfo(np.int64).max]),
+            e.ints("head/axis", [1]),
+        ],
+        "head/trailing",
+    )
     h = rms_norm(e, last, "output_norm.weight", "head/norm")
     t = m.tensor(m.output_tensor)
     part = kernels.matmul("output", h, e.raw(t.name), t.type, m.vocab, m.hidden, e.weights)

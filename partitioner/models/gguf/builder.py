@@ -134,7 +134,10 @@ def build_segment(
     blocks = range(span.start, span.end)
     inputs: list[onnx.ValueInfoProto] = []
     outputs: list[onnx.ValueInfoProto] = []
-    hidden = [_value(hidden_name(k), TensorProto.FLOAT, ["batch", "sequence", model.hidden]) for k in (span.start, span.end)]  # fmt: skip
+    hidden = [
+        _value(hidden_name(k), TensorProto.FLOAT, ["batch", "sequence", model.hidden])
+        for k in (span.start, span.end)
+    ]
     if span.first:
         inputs.append(_value(INPUT_IDS, TensorProto.INT64, ["batch", "sequence"]))
         x = archs.embedding(e)
@@ -186,6 +189,7 @@ class ExternalSink:
         self.bytes_written = 0
 
     def __call__(self, tensor: TensorProto) -> TensorProto:
+        """Write ``tensor``'s bytes out (small ones stay inline); returns the reference."""
         if not tensor.HasField("raw_data"):
             return tensor
         data = tensor.raw_data
