@@ -120,7 +120,9 @@ def layer_shapes(spec: Spec) -> dict[str, tuple[int, ...]]:
 
 def tensor_list(spec: Spec) -> list[tuple[str, str, tuple[int, ...]]]:
     """``(name, role, shape)`` of every tensor, in file order."""
-    out = [("token_embd.weight", "token_embd", (spec.vocab, spec.hidden))]
+    out: list[tuple[str, str, tuple[int, ...]]] = [
+        ("token_embd.weight", "token_embd", (spec.vocab, spec.hidden))
+    ]
     for i in range(spec.layers):
         for role, shape in layer_shapes(spec).items():
             name = f"blk.{i}.{role}" + ("" if role.endswith(".bias") else ".weight")
@@ -161,7 +163,7 @@ def _k_blocks(
     one = np.ones(blocks.shape[0], np.float16).view(np.uint8).reshape(-1, 2)
     for offset in K_SCALE_OFFSETS[ggml_type]:
         blocks[:, offset : offset + 2] = one
-    spread = float(np.std(gguf_dequantize(raw, ggml_type)))
+    spread = float(np.std(np.asarray(gguf_dequantize(raw, ggml_type), np.float64)))
     scale = np.full(blocks.shape[0], std / spread, np.float16).view(np.uint8).reshape(-1, 2)
     for offset in K_SCALE_OFFSETS[ggml_type]:
         blocks[:, offset : offset + 2] = scale
@@ -170,13 +172,15 @@ def _k_blocks(
 
 def _std(role: str, shape: tuple[int, ...]) -> float:
     if role in ("token_embd", "output"):
-        return 1.0 if role == "token_embd" else shape[-1] ** -0.5
+        return 1.0 if role == "token_embd" else 1.0 / float(np.sqrt(shape[-1]))
     if role.endswith(".bias"):
         return 0.1
-    return float(shape[-1]) ** -0.5
+    return 1.0 / float(np.sqrt(shape[-1]))
 
 
-def _values(role: str, shape: tuple[int, ...], t: GGMLQuantizationType, rng: np.random.Generator):  # type: ignore[no-untyped-def]
+def _values(
+    role: str, shape: tuple[int, ...], t: GGMLQuantizationType, rng: np.random.Generator
+) -> np.ndarray:
     if len(shape) == 1 and not role.endswith(".bias"):
         return (1.0 + 0.1 * rng.standard_normal(shape)).astype(np.float32)
     return random_tensor(t, shape, _std(role, shape), rng)

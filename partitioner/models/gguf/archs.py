@@ -23,6 +23,7 @@ from onnx import TensorProto, helper, numpy_helper
 from partitioner.models.gguf import kernels
 from partitioner.models.gguf.header import Architecture, GgufModel
 from partitioner.models.gguf.kernels import GraphPart, WeightsMode
+from partitioner.models.gguf.kernels_codes import int64_constant
 
 RawTensors = Callable[[str], np.ndarray]
 """A tensor's raw data by name, as ``GGUFReader`` gives it (memory-mapped)."""
@@ -48,13 +49,12 @@ class Emitter:
 
     def op(self, op_type: str, inputs: list[str], name: str, **attrs: object) -> str:
         """Append a node with one output named ``name``; returns it."""
-        domain = str(attrs.pop("domain", ""))
-        self.nodes.append(helper.make_node(op_type, inputs, [name], name, domain=domain, **attrs))
+        self.nodes.append(helper.make_node(op_type, inputs, [name], name, **attrs))  # type: ignore[arg-type]
         return name
 
     def ints(self, name: str, values: list[int]) -> str:
         """A small int64 constant (a Constant node, never external data)."""
-        self.nodes.append(kernels.int64_constant(name, values))
+        self.nodes.append(int64_constant(name, values))
         return name
 
     def floats(self, name: str, values: np.ndarray | float) -> str:

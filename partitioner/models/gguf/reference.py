@@ -28,13 +28,15 @@ def dequantized(model: GgufModel, raw: Callable[[str], np.ndarray]) -> Tensors:
 
     def get(name: str) -> np.ndarray:
         t = model.tensor(name)
-        return dequantize(raw(name), t.type, t.shape).astype(np.float64)
+        values: np.ndarray = dequantize(raw(name), t.type, t.shape).astype(np.float64)
+        return values
 
     return get
 
 
 def _rms(x: np.ndarray, w: np.ndarray, eps: float) -> np.ndarray:
-    return x / np.sqrt(np.mean(x * x, axis=-1, keepdims=True) + eps) * w
+    out: np.ndarray = x / np.sqrt(np.mean(x * x, axis=-1, keepdims=True) + eps) * w
+    return out
 
 
 def _rope(x: np.ndarray, pos: np.ndarray, inv: np.ndarray, layout: str) -> np.ndarray:
@@ -55,11 +57,13 @@ def _rope(x: np.ndarray, pos: np.ndarray, inv: np.ndarray, layout: str) -> np.nd
 
 
 def _gelu_tanh(x: np.ndarray) -> np.ndarray:
-    return 0.5 * x * (1.0 + np.tanh(np.sqrt(2.0 / np.pi) * (x + 0.044715 * x**3)))
+    out: np.ndarray = 0.5 * x * (1.0 + np.tanh(np.sqrt(2.0 / np.pi) * (x + 0.044715 * x**3)))
+    return out
 
 
 def _silu(x: np.ndarray) -> np.ndarray:
-    return x / (1.0 + np.exp(-x))
+    out: np.ndarray = x / (1.0 + np.exp(-x))
+    return out
 
 
 def _attention(m: GgufModel, w: Tensors, i: int, h: np.ndarray, pos: np.ndarray) -> np.ndarray:
@@ -104,7 +108,8 @@ def _ffn(m: GgufModel, w: Tensors, i: int, h: np.ndarray) -> np.ndarray:
     else:
         gate, up = h @ w(f"{b}.ffn_gate.weight").T, h @ w(f"{b}.ffn_up.weight").T
     act = _gelu_tanh(gate) if m.architecture == Architecture.GEMMA3 else _silu(gate)
-    return (act * up) @ w(f"{b}.ffn_down.weight").T
+    out: np.ndarray = (act * up) @ w(f"{b}.ffn_down.weight").T
+    return out
 
 
 def forward(m: GgufModel, w: Tensors, tokens: Sequence[int]) -> np.ndarray:
