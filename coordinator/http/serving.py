@@ -192,6 +192,13 @@ def _fleet_routes(api: APIRouter, serving: Serving) -> None:
 def _inference_routes(api: APIRouter, serving: Serving) -> None:
     @api.post("/infer")
     async def infer(request: Request) -> dict[str, Any]:
+        """Run a deployed model on named input tensors.
+
+        The body is `{"model": ID, "inputs": {NAME: nested list}}`, or a raw `.npz` file
+        (`Content-Type: application/x-npz`, `?model=ID`; loaded without pickle). The answer is
+        `{"model": ID, "plan_version": N, "outputs": {NAME: {"dtype": "float32", "shape": [..],
+        "data": nested list}}}`: every model output by name, computed whole by one plan version.
+        """
         model_id, tensors = await _infer_request(request)
         serving.store.model(model_id)  # 404 for an unknown model
         notes(request).model = model_id
