@@ -3,9 +3,10 @@
 For every type ``--weights keep`` maps, at 4096 x 4096 and at Qwen 1.5B's MLP down projection
 (1536 outputs x 8960 inputs): a one-row and a 64-row product through the mapping, against a
 float32 ``MatMul`` and against int4 ``MatMulNBits`` block 32 (``--weights int4``) of the same
-weight, in the same run, round-robin, one intra-op thread; the best of ``--rounds`` rounds
-of a few calls each (the least disturbed by other processes). Prints the ratios (mapping time
-over float32's, over int4's), the bits per weight ONNX Runtime holds by
+weight, in the same run, round-robin, one intra-op thread, ``--rounds`` rounds of a few calls
+each. Prints the best round's time and the ratios (the median over the rounds of the mapping's
+time over float32's and over int4's in the same round, sound while other processes load the
+CPU), the bits per weight ONNX Runtime holds by
 :func:`~partitioner.models.gguf.kernels.stored_bytes` and as measured (resident memory the
 session adds, after ``malloc_trim``), and writes them to ``bench/results/gguf_kernels.md``.
 
@@ -16,6 +17,7 @@ from __future__ import annotations
 
 import argparse
 import ctypes
+import statistics
 import sys
 import tempfile
 import time
@@ -113,7 +115,10 @@ def measure(
     baselines: dict[str, ort.InferenceSession],
     rounds: int,
 ) -> dict[tuple[str, int], float]:
-    """Median seconds per call of the mapping and the baselines, per row count."""
+    """Seconds per call, per row count: the least over the rounds for the mapping and the
+    baselines (keys ``(name, rows)``), and the median over the rounds of the mapping's time over
+    each baseline's measured in the same round (keys ``("/f32", rows)``, ``("/int4", rows)``):
+    the ratios stay sound while other processes load the CPU."""
     n_out, n_in = shape
     raw = random_raw(ggml_type, n_out, n_in)
     part = kernels.matmul("w", "x", raw, ggml_type, n_out, n_in)
@@ -131,6 +136,10 @@ def measure(
             for key, sess in sessions.items():
                 samples.setdefault((key, rows), []).append(timed(sess, x[:rows]))
     times = {k: min(v) for k, v in samples.items()}
+    for rows in ROWS:
+        for base in ("f32", "int4"):
+            pairs = zip(samples[("type", rows)], samples[(base, rows)], strict=True)
+            times[(f"/{base}", rows)] = statistics.median(a / b for a, b in pairs)
     times[("held MiB", 0)] = held
     return times
 
@@ -160,11 +169,12 @@ def main() -> None:
         "# GGUF tensor types on ONNX Runtime kernels: speed",
         "",
         f"`.venv/bin/python bench/gguf_kernels.py --rounds {args.rounds}`; ONNX Runtime "
-        f"{ort.__version__}, one intra-op thread, best of {args.rounds} rounds. Ratios: the "
-        "mapping's time over a float32 MatMul's and over int4 MatMulNBits b32's (same weight, "
-        "same run). bits/w: what `stored_bytes` says ONNX Runtime holds per weight; held: the "
-        "anonymous resident memory the session added, per weight, in bits (loaded from a file "
-        "with external data, as segments are; measured).",
+        f"{ort.__version__}, one intra-op thread, {args.rounds} rounds; ms: the best round. "
+        "Ratios: the median over the rounds of the mapping's time over a float32 MatMul's and "
+        "over int4 MatMulNBits b32's, measured in the same round (same weight). bits/w: what "
+        "`stored_bytes` says ONNX Runtime holds per weight; held: the anonymous resident memory "
+        "the session added, per weight, in bits (loaded from a file with external data, as "
+        "segments are; measured).",
         "",
         "| shape | type | bits/w | held | 1 row ms | /f32 | /int4 | 64 rows ms | /f32 | /int4 |",
         "|---|---|---|---|---|---|---|---|---|---|",
@@ -185,8 +195,8 @@ def main() -> None:
                 ms = t[("type", rows)] * 1e3
                 cells += [
                     f"{ms:.2f}",
-                    f"{t[('type', rows)] / t[('f32', rows)]:.2f}",
-                    f"{t[('type', rows)] / t[('int4', rows)]:.2f}",
+                    f"{t[('/f32', rows)]:.2f}",
+                    f"{t[('/int4', rows)]:.2f}",
                 ]
             table.add_row(*cells)
             lines.append("| " + " | ".join(cells) + " |")

@@ -52,6 +52,10 @@ Measured (ONNX Runtime 1.32, AVX-512, ``tests/partitioner/test_gguf_kernels.py``
   initializer (32 bits held, F32's speed; the segment file holds 16). Embeddings: 4 or 8 bits
   per code plus a float scale (and min) per block; F16/BF16 16 bits, F32 32.
 
+Names: a part's initializers are ``{name}.…``, its nodes and inner tensors ``{name}/…`` and its
+output ``{name}/out``, so parts of distinct names never collide; small int64 constants (shapes,
+axes) are ``Constant`` nodes, never initializers that could go to external data.
+
 ``--weights int4|int8`` re-quantizes every weight (any type gguf-py dequantizes, IQ* included)
 with ONNX Runtime's own block quantizer: :mod:`partitioner.models.gguf.kernels_requant`.
 """
