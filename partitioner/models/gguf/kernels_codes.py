@@ -9,9 +9,9 @@ with ``code`` an unsigned integer of at most 8 bits, ``zero`` an integer constan
 float32 per-block "min" term where the type has one (``m`` of Q4_1/Q5_1, ``-dmin * m`` of
 Q2_K/Q4_K/Q5_K). Computed in float32 in this order, the values are bit for bit those of
 ``gguf.quants.dequantize``. IQ4_NL/IQ4_XS map their 16-value grid to codes here; the grid
-i-quants come from :mod:`partitioner.models.gguf.kernels_iq`. Layouts follow ggml's ``ggml-common.h`` (and gguf-py's
-``quants.py``, which mirrors it). Decoding runs over row chunks, so the temporaries stay a
-small multiple of one chunk whatever the tensor's size.
+i-quants come from :mod:`partitioner.models.gguf.kernels_iq`. Layouts follow ggml's
+``ggml-common.h`` (and gguf-py's ``quants.py``, which mirrors it). Decoding runs over row
+chunks, so the temporaries stay a small multiple of one chunk whatever the tensor's size.
 """
 
 from __future__ import annotations
