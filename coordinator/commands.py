@@ -89,7 +89,7 @@ def register(subparsers: Any) -> None:
     revoke.set_defaults(run=run_revoke)
 
     deploy = _client_parser(subparsers, "deploy", "plan, split, push and switch to a model")
-    deploy.add_argument("model", type=Path, help="ONNX file (on the coordinator's host)")
+    deploy.add_argument("model", type=Path, help="ONNX or GGUF file (on the coordinator's host)")
     deploy.add_argument("--objective", choices=["throughput", "latency"], default="throughput")
     deploy.add_argument("--name", help="model id (default: from the file name)")
     deploy.add_argument(
@@ -109,6 +109,13 @@ def register(subparsers: Any) -> None:
         "--draft-model",
         type=Path,
         help="export directory of a draft model with the same tokenizer (for draft and auto)",
+    )
+    deploy.add_argument(
+        "--weights",
+        choices=["keep", "int4", "int8"],
+        default="keep",
+        help="a GGUF file's weights in its segments: its own types (keep, the default) or "
+        "re-quantized per tensor",
     )
     deploy.set_defaults(run=run_deploy)
 
@@ -237,6 +244,8 @@ def run_deploy(args: argparse.Namespace) -> int:
         body["speculative"] = args.speculative
     if args.draft_model:
         body["draft_model"] = str(args.draft_model.expanduser().resolve())
+    if args.weights != "keep":
+        body["weights"] = args.weights
     code, reply = _call(args, "POST", "/v1/deployments", body, DEPLOY_TIMEOUT_S)
     if code == 200:
         _print_version(console, reply)
@@ -326,6 +335,30 @@ def _print_version(console: Console, version: dict[str, Any]) -> None:
     for p in version["segments"]:
         table.add_row(str(p["index"]), p["device"], *placement_cells(p))
     console.print(table)
+    card = version.get("card")
+    if card:
+        console.print(gguf_lines(card))
+
+
+def gguf_lines(card: dict[str, Any]) -> str:
+    """What a deployed GGUF file is and what building its segments cost, in a few lines."""
+    mix = ", ".join(
+        f"{kind} {count / max(card['parameters'], 1):.0%}"
+        for kind, count in card["quantization"].items()
+    )
+    lines = [
+        f"{card['file']}: {card.get('name') or '-'} ({card['architecture']}, "
+        f"{card['parameters'] / 1e6:.1f} M parameters, {card['layers']} layers; {mix}; "
+        f"weights {card['weights']})"
+    ]
+    build = card.get("build")
+    if build:
+        lines.append(
+            f"build: peak resident memory {build['peak_rss_bytes'] / 1e6:.1f} MB, file "
+            f"{card['file_bytes'] / 1e6:.1f} MB, largest segment "
+            f"{build['largest_segment_bytes'] / 1e6:.1f} MB ({build['seconds']:.1f} s)"
+        )
+    return "\n".join(lines)
 
 
 def placement_cells(placement: dict[str, Any]) -> list[str]:

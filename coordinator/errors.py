@@ -17,7 +17,12 @@ CoordinatorError
 │   ├── ContextLengthError  prompt plus requested tokens exceed the model's context (400)
 │   ├── DimensionsError     embeddings ``dimensions`` the model cannot give (400)
 │   ├── ShapeLimitError     larger than the planned shapes and cannot be cut into runs (413)
-│   └── DraftModelError     a draft model that cannot draft for the model (400)
+│   ├── DraftModelError     a draft model that cannot draft for the model (400)
+│   ├── ModelFormatError    a deploy's file is neither ONNX nor GGUF (400)
+│   └── UnsupportedModelError  a GGUF fedshard cannot serve, refused before anything is pushed
+│       ├── UnsupportedArchitectureError  its architecture (400)
+│       ├── UnsupportedTensorTypeError    one of its tensor types (400)
+│       └── UnsupportedRopeScalingError   its rope scaling mode (400)
 └── NotServableError        the model cannot be served right now (503)
     ├── ChainBrokenError    a stage lost its link or its session state: retry on a new chain
     ├── CapacityError       no room for a new generation session now (429, Retry-After)
@@ -101,6 +106,31 @@ class UnknownModelError(RequestError):
 class DraftModelError(RequestError):
     """A speculative-decoding draft model that is no decoder export or whose tokenizer is not
     the served model's."""
+
+
+class ModelFormatError(RequestError):
+    """A file given to deploy is neither an ONNX model nor a GGUF file."""
+
+
+class UnsupportedModelError(RequestError):
+    """A GGUF file fedshard cannot serve; ``what`` names the unsupported thing (an
+    architecture, a tensor type, a rope scaling mode). Raised before anything is pushed."""
+
+    def __init__(self, message: str, what: str) -> None:
+        super().__init__(message)
+        self.what = what
+
+
+class UnsupportedArchitectureError(UnsupportedModelError):
+    """The GGUF's ``general.architecture`` has no segment builder."""
+
+
+class UnsupportedTensorTypeError(UnsupportedModelError):
+    """A tensor of the GGUF is stored in a type no ONNX Runtime kernel mapping takes."""
+
+
+class UnsupportedRopeScalingError(UnsupportedModelError):
+    """The GGUF asks for a rope scaling mode the segment builder does not implement."""
 
 
 class NotServableError(CoordinatorError):

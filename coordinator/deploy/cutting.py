@@ -28,6 +28,7 @@ from partitioner.planning.baselines import Baseline
 from protocols.decoder import DECODER_FILE, DecoderInfo
 from protocols.deploy import ShapeLimits
 from protocols.errors import SchemaError
+from protocols.gguf_card import GgufCard, WeightsMode
 from protocols.manifest import Manifest
 from protocols.plan import Objective, Plan
 from protocols.problem import PlanningProblem, Work
@@ -55,6 +56,9 @@ class DeployCommand:
     baseline: Baseline | None = None
     """Cut the way a baseline does (exo's memory-weighted split, an even split) instead of
     planning, to compare against the plan; None (the default) plans."""
+    weights: WeightsMode = "keep"
+    """A GGUF file's weights in its segments: the file's own types (``keep``) or re-quantized
+    (``int4``, ``int8``); ignored for an ONNX model."""
 
 
 @dataclass(frozen=True)
@@ -71,6 +75,11 @@ class SplitOutcome:
     unit_work: tuple[Work, ...] = ()
     """The planned phase's work of every planning unit (empty when not planned here or not
     priced by the roofline): what each stage's prediction is made of."""
+    tokenizer_dir: Path | None = None
+    """Where the deploy wrote the model's tokenizer and ``decoder.json`` (a GGUF file's, built
+    from its metadata); None: the command's tokenizer directory stands."""
+    card: GgufCard | None = None
+    """What a GGUF file is and what building its segments cost (None for an ONNX model)."""
 
 
 def version_outcome(version_dir: Path, out: Path, samples: Arrays) -> SplitOutcome:

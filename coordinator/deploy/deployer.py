@@ -26,6 +26,7 @@ from coordinator.deploy.cutting import (
     split_and_run,
     version_outcome,
 )
+from coordinator.deploy.model_files import ModelFormat, model_format
 from coordinator.deploy.plan import LiveDevice, deploy_bodies, device_list, max_abs_diff
 from coordinator.deploy.pushing import push_per_host
 from coordinator.deploy.stage_timing import (
@@ -94,7 +95,8 @@ class Deployer:
         """The whole deployment; raises DeployError (the live version keeps serving)."""
         if not command.model_path.is_file():
             raise DeployError(f"no model file at {command.model_path}")
-        refuse_draft_only(command.model_path)
+        if check_model_file(command.model_path) is ModelFormat.ONNX:
+            refuse_draft_only(command.model_path)
         with self._lock:
             plan_version = self._store.reserve_plan_version()
             out = self.segment_dir(command.model_id, plan_version)
@@ -122,6 +124,11 @@ class Deployer:
         requester = None if self._requester_links is None else self._requester_links()
         devices = device_list(live, links, command.memory_caps, command.strict_caps, requester)
         scales = None if self._timing is None else self._timing.unit_scales(command.model_id)
+        if model_format(command.model_path) is ModelFormat.GGUF:
+            # heavy: gguf (the builder room's reader) is not in the coordinator extra
+            from coordinator.deploy.gguf_cut import gguf_split_and_run
+
+            return raw, live, gguf_split_and_run(command, devices, out, scales)
         return raw, live, split_and_run(command, devices, out, self._segment_cache, scales)
 
     def _unload_rollback_copies(self) -> bool:
@@ -152,6 +159,7 @@ class Deployer:
             tokenizer_dir=self._store.model(version.model_id).tokenizer_dir,
             trigger=trigger,
             strict_caps=False,
+            weights=version.card.weights if version.card is not None else "keep",
         )
         return self.deploy(command)
 
@@ -274,8 +282,12 @@ class Deployer:
             memory_caps=dict(command.memory_caps),
             trigger=command.trigger,
             limits=split.limits,
+            card=split.card,
         )
-        retired = self._store.activate(version, command.tokenizer_dir)
+        tokenizer_dir = command.tokenizer_dir
+        if split.tokenizer_dir is not None:
+            tokenizer_dir = str(split.tokenizer_dir)
+        retired = self._store.activate(version, tokenizer_dir)
         for old in retired:
             self._retired(old.plan_version)
             self._unload([_placement_address(p) for p in old.segments], old.plan_version)
@@ -320,7 +332,10 @@ class Deployer:
         ]
 
     def _push(
-        self, addresses: Sequence[AgentAddress], bodies: Sequence[bytes], plan_version: int
+        self,
+        addresses: Sequence[AgentAddress],
+        bodies: Sequence[Callable[[], bytes]],
+        plan_version: int,
     ) -> list[DeployReport]:
         devices = {a.device for a in addresses}
         with self._busy_lock:
@@ -363,6 +378,19 @@ class Deployer:
                 log.warning(
                     "could not unload plan %d from %s: %s", plan_version, address.device, exc
                 )
+
+
+def check_model_file(path: Path) -> ModelFormat:
+    """The format of a model file a deploy names; refused before anything is planned or pushed
+    when it is neither ONNX nor GGUF (:class:`~coordinator.errors.ModelFormatError`) or a GGUF
+    the builder cannot serve (:class:`~coordinator.errors.UnsupportedModelError`)."""
+    kind = model_format(path)
+    if kind is ModelFormat.GGUF:
+        # heavy: gguf (the builder room's reader) is not in the coordinator extra
+        from coordinator.deploy.gguf_cut import header_of
+
+        header_of(path)
+    return kind
 
 
 def _address_of(record: DeviceRecord) -> AgentAddress:

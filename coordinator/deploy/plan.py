@@ -129,8 +129,10 @@ def deploy_bodies(
     plan_version: int,
     sign: Signer,
     limits: ShapeLimits | None = None,
-) -> list[bytes]:
-    """One signed ``POST /v1/deploy`` body per segment, each with its own warm-up frame."""
+) -> list[Callable[[], bytes]]:
+    """One signed ``POST /v1/deploy`` body per segment, each with its own warm-up frame, made
+    when called: a segment's file is read only as it is pushed, so the coordinator holds one
+    segment per host lane at a time, not the whole model (the envelope is signed here)."""
     bodies = []
     for seg, warm in zip(manifest.segments, warmups, strict=True):
         frame = encode_frame(FrameHeader(request_id=f"warmup-{seg.index}"), warm)
@@ -149,8 +151,15 @@ def deploy_bodies(
             signature_algorithm="ecdsa-p256-sha256",
             signature_hex=sign(signing_bytes(signed)).hex(),
         )
-        bodies.append(encode_deploy_body(request, (segment_dir / seg.file).read_bytes(), frame))
+        bodies.append(_body(request, segment_dir / seg.file, frame))
     return bodies
+
+
+def _body(request: DeployRequest, segment: Path, frame: bytes) -> Callable[[], bytes]:
+    def make() -> bytes:
+        return encode_deploy_body(request, segment.read_bytes(), frame)
+
+    return make
 
 
 def max_abs_diff(

@@ -12,9 +12,11 @@ from protocols.deploy import DeployReport
 def push_per_host(
     deploy: Callable[[AgentAddress, bytes], DeployReport],
     addresses: Sequence[AgentAddress],
-    bodies: Sequence[bytes],
+    bodies: Sequence[bytes | Callable[[], bytes]],
 ) -> list[DeployReport | Exception]:
-    """``deploy(address, body)`` of each segment: its report, or the exception it raised.
+    """``deploy(address, body)`` of each segment: its report, or the exception it raised. A
+    body given as a function is made just before its push and dropped after it, so one host's
+    segments are never all in memory at once.
 
     Hosts are pushed to in parallel, the agents of one host one after another: agents sharing
     a host share its cores and memory bus, and warmed up at once each would time its stage
@@ -29,7 +31,8 @@ def push_per_host(
     def push_lane(lane: list[int]) -> None:
         for i in lane:
             try:
-                outcomes[i] = deploy(addresses[i], bodies[i])
+                body = bodies[i]
+                outcomes[i] = deploy(addresses[i], body() if callable(body) else body)
             except Exception as exc:  # every outcome goes back to the caller, which reports it
                 outcomes[i] = exc
 

@@ -29,6 +29,7 @@ from hostkit.files import write_atomic
 from protocols.base import FrozenModel
 from protocols.deploy import FixedCosts, ShapeLimits
 from protocols.errors import SchemaError
+from protocols.gguf_card import GgufCard
 from protocols.manifest import TensorInfo
 from protocols.plan import Objective
 
@@ -75,7 +76,7 @@ class VersionRecord(FrozenModel):
     state: VersionState
     created_at: float
     source: str
-    """Path of the ONNX file it was split from."""
+    """Path of the ONNX or GGUF file it was split from."""
     objective: Objective
     inputs: list[TensorInfo]
     outputs: list[TensorInfo]
@@ -89,6 +90,9 @@ class VersionRecord(FrozenModel):
     ``expand: ...`` (a lost device came back)."""
     limits: ShapeLimits | None = None
     """The planned shapes its stages enforce; requests are cut into runs that fit them."""
+    card: GgufCard | None = None
+    """A version built from a GGUF file (``source``): the file's name, architecture, size and
+    quantization mix, its weights mode (kept for re-plans) and the build's peak memory."""
 
 
 class ModelRecord(FrozenModel):

@@ -47,6 +47,7 @@ from coordinator.deploy.store import ModelRecord, VersionRecord
 from coordinator.errors import DeployError, NotServableError, RequestError, UnknownModelError
 from coordinator.transport.agent_client import AgentAddress
 from protocols.decoder import DECODER_FILE
+from protocols.gguf_card import GgufCard
 from protocols.plan import Objective
 from protocols.roofs import roof_values
 
@@ -82,6 +83,9 @@ class ConsoleModel(BaseModel):
     """Generated tokens per second of chain time in speculative passes (None before any)."""
     drafted_tokens: int = 0
     accepted_tokens: int = 0
+    gguf: GgufCard | None = None
+    """A model served from a GGUF file: the file's name, architecture, parameters and
+    quantization mix, and what building its live version cost the coordinator."""
 
 
 def console_model(
@@ -105,7 +109,15 @@ def console_model(
         tokens_per_s=stats.tokens_per_s if stats is not None else None,
         drafted_tokens=stats.drafted if stats is not None else 0,
         accepted_tokens=stats.accepted if stats is not None else 0,
+        gguf=_card(record),
     )
+
+
+def _card(record: ModelRecord) -> GgufCard | None:
+    """The GGUF card of the model's live version (else its newest), if it came from one."""
+    live = record.version(record.active) if record.active else None
+    version = live or (record.versions[-1] if record.versions else None)
+    return version.card if version is not None else None
 
 
 class WhatIfBody(BaseModel):

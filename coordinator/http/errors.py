@@ -42,6 +42,7 @@ from coordinator.errors import (
     DeployError,
     DimensionsError,
     DraftModelError,
+    ModelFormatError,
     NotServableError,
     PairingError,
     RequestError,
@@ -51,6 +52,10 @@ from coordinator.errors import (
     TooManyAttemptsError,
     UnavailableError,
     UnknownModelError,
+    UnsupportedArchitectureError,
+    UnsupportedModelError,
+    UnsupportedRopeScalingError,
+    UnsupportedTensorTypeError,
     WrongCodeError,
 )
 from coordinator.training.errors import (
@@ -84,6 +89,11 @@ CATALOGUE: Final[tuple[tuple[type[CoordinatorError], HttpError], ...]] = (
     (DimensionsError, HttpError(400, INVALID, "unsupported_dimensions", "dimensions")),
     (ShapeLimitError, HttpError(413, INVALID, "shape_limit_exceeded")),
     (DraftModelError, HttpError(400, INVALID, "draft_model_mismatch", "draft_model")),
+    (ModelFormatError, HttpError(400, INVALID, "unsupported_model_format", "model_path")),
+    (UnsupportedArchitectureError, HttpError(400, INVALID, "unsupported_architecture")),
+    (UnsupportedTensorTypeError, HttpError(400, INVALID, "unsupported_tensor_type")),
+    (UnsupportedRopeScalingError, HttpError(400, INVALID, "unsupported_rope_scaling")),
+    (UnsupportedModelError, HttpError(400, INVALID, "unsupported_model")),
     (RequestError, HttpError(400, INVALID)),
     (WrongCodeError, HttpError(403, INVALID, "wrong_pairing_code")),
     (RevokedError, HttpError(403, INVALID, "device_revoked")),
@@ -163,11 +173,13 @@ def openai_response(exc: BaseException, path: str) -> JSONResponse:
 
 
 def detail_response(exc: BaseException, path: str) -> JSONResponse:
-    """The core-API answer to ``exc``: ``{"detail": message}`` (logged; 5xx at error level)."""
+    """The core-API answer to ``exc``: ``{"detail": message}``, plus ``"code"`` where the
+    catalogue names one (logged; 5xx at error level)."""
     rendered = _logged(exc, path)
-    return JSONResponse(
-        {"detail": rendered.message}, status_code=rendered.entry.status, headers=rendered.headers
-    )
+    body = {"detail": rendered.message}
+    if rendered.entry.code is not None:
+        body["code"] = rendered.entry.code
+    return JSONResponse(body, status_code=rendered.entry.status, headers=rendered.headers)
 
 
 def is_openai_path(path: str) -> bool:

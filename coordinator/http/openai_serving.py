@@ -67,10 +67,14 @@ def encode_vector(vector: np.ndarray[Any, Any], encoding: str | None) -> list[fl
 
 
 def openai_model(record: ModelRecord) -> dict[str, Any]:
-    """An OpenAI model object for a deployed model."""
+    """An OpenAI model object for a deployed model; one served from a GGUF file also carries
+    ``gguf``: the file's own name, architecture, parameter count and quantization mix."""
     live = record.version(record.active) if record.active else None
     created = int(live.created_at) if live else 0
-    return {"id": record.model_id, "object": "model", "created": created, "owned_by": "fedshard"}
+    model = {"id": record.model_id, "object": "model", "created": created, "owned_by": "fedshard"}
+    if live is not None and live.card is not None:  # a GGUF file: what it is
+        model["gguf"] = live.card.model_dump(exclude={"build"})
+    return model
 
 
 def openai_serving_router(

@@ -3,7 +3,8 @@
 Routes (bearer token, see :mod:`coordinator.http.app`)::
 
     GET  /v1/deployments                       versions, plan next to what agents measured
-    POST /v1/deployments                       deploy an ONNX file (plan, split, push, check)
+    POST /v1/deployments                       deploy an ONNX or GGUF file (plan, split, push,
+                                               check)
     POST /v1/deployments/{model}/rollback      switch back to the previous version
     POST /v1/infer                             named tensors as JSON, or a raw .npz body
     GET  /v1/links, POST /v1/links/measure     measured links between paired agents
@@ -43,6 +44,7 @@ from coordinator.serving.embeddings import Embedder, default_tokenizer_dir
 from coordinator.serving.failover import Failover
 from coordinator.serving.router import Router
 from partitioner.planning.baselines import Baseline
+from protocols.gguf_card import WeightsMode
 from protocols.links import Link as DeviceLink
 from protocols.links import RequesterLink
 from protocols.plan import Objective
@@ -73,7 +75,7 @@ class Body(BaseModel):
 class DeployBody(Body):
     """``POST /v1/deployments``."""
 
-    model_path: str = Field(min_length=1, description="ONNX file on the coordinator's host")
+    model_path: str = Field(min_length=1, description="ONNX or GGUF file on the coordinator's host")
     model_id: str | None = Field(default=None, pattern=r"^[a-z0-9][a-z0-9._-]{0,62}$")
     objective: Objective = Objective.THROUGHPUT
     memory_caps: dict[str, int] = Field(default_factory=dict)
@@ -86,6 +88,8 @@ class DeployBody(Body):
     for a new model)."""
     draft_model: str | None = Field(default=None, min_length=1)
     """Export directory of a draft model with the same tokenizer (``draft`` and ``auto``)."""
+    weights: WeightsMode = "keep"
+    """A GGUF file's weights in its segments: its own types (``keep``), or ``int4``/``int8``."""
 
 
 class SpeculativeBody(Body):
@@ -147,6 +151,7 @@ def _deployment_routes(api: APIRouter, serving: Serving) -> None:
             memory_caps=body.memory_caps,
             tokenizer_dir=tokenizer_dir,
             baseline=body.baseline,
+            weights=body.weights,
         )
         version = await run_in_threadpool(serving.deployer.deploy, command)
         if body.speculative is not None or draft is not None:

@@ -1,0 +1,395 @@
+"""A deploy from a GGUF file: planned from its header, each stage's segment built from the file.
+
+No whole-model graph is ever built or written. In turn:
+
+1. the header is read (:func:`header_of`; what the builder cannot serve is refused here, before
+   anything is built or pushed, as a typed 400);
+2. the tokenizer (``tokenizer.json``) and a :class:`~protocols.decoder.DecoderInfo`
+   (``decoder.json``, the chat template from ``tokenizer.chat_template`` or
+   :data:`FALLBACK_CHAT_TEMPLATE`) are written into the version's directory, which becomes the
+   model's tokenizer directory;
+3. the unit table (:mod:`coordinator.deploy.gguf_plan`) is planned with the planner as it is;
+4. each stage's segment is written by the builder (weights streamed to a data file), run here
+   in ONNX Runtime on the health check's prompt (its outputs feed the next stage; the session
+   is released before the next segment is built), then joined into the one file an agent
+   receives (:mod:`coordinator.deploy.onnx_inline`), so the process holds about one segment;
+5. the manifest is written, and the peak resident memory of the whole stretch is measured
+   (:class:`~coordinator.deploy.peak_memory.PeakMemory`) and logged next to the file size and
+   the largest segment, and kept on the version's :class:`~protocols.gguf_card.GgufCard`.
+"""
+
+from __future__ import annotations
+
+import logging
+import time
+from collections.abc import Iterator, Sequence
+from contextlib import contextmanager
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+import onnx
+from tokenizers import Tokenizer
+
+from coordinator.deploy.cutting import Arrays, DeployCommand, SplitOutcome, baseline_planner
+from coordinator.deploy.gguf_plan import GgufUnits, planning_problem, stage_ranges, unit_table
+from coordinator.deploy.gguf_tokenizer import GgufVocabulary, write_tokenizer
+from coordinator.deploy.limits import planned_limits
+from coordinator.deploy.onnx_inline import inline_external_data
+from coordinator.deploy.peak_memory import PeakMemory
+from coordinator.errors import (
+    DeployError,
+    NoFitError,
+    UnsupportedArchitectureError,
+    UnsupportedModelError,
+    UnsupportedRopeScalingError,
+    UnsupportedTensorTypeError,
+)
+from coordinator.generation.feeds import step_inputs
+from hostkit.files import file_sha256
+from partitioner.analysis.decoding import describe_state
+from partitioner.analysis.phases import stage_prefill_s
+from partitioner.cutting.verify import run_model
+from partitioner.errors import InfeasiblePlanError, PartitionerError
+from partitioner.models.gguf.builder import DEFAULT_TOP_K, GgufSource, write_segment
+from partitioner.models.gguf.header import GgufModel, UnsupportedModel, read_header
+from partitioner.models.gguf.kernels import UnsupportedTensorType
+from partitioner.planning.planner import plan_preferring_one_device
+from protocols.decoder import (
+    DECODER_FILE,
+    TOKENIZER_FILE,
+    TRAILING_POSITIONS,
+    DecoderInfo,
+    StatePair,
+    past_name,
+    present_name,
+)
+from protocols.gguf_card import GgufBuild, GgufCard, WeightsMode
+from protocols.manifest import (
+    DEFAULT_SESSIONS,
+    Manifest,
+    ModelInfo,
+    SegmentEntry,
+    SessionLimits,
+    TensorInfo,
+)
+from protocols.plan import Plan
+from protocols.problem import PlanningProblem
+
+log = logging.getLogger(__name__)
+
+FALLBACK_CHAT_TEMPLATE = (
+    "{{ bos_token }}{% for message in messages %}"
+    "{{ message['role'] }}: {{ message['content'] }}\n"
+    "{% endfor %}{% if add_generation_prompt %}assistant:{% endif %}"
+)
+"""The chat template of a GGUF file that carries none (``tokenizer.chat_template`` absent): each
+message as ``role: content`` on its own line, then ``assistant:``. Plain text any base model
+continues; a file with its own template always uses that."""
+HEALTH_PROMPT = "The devices of a local network"
+"""The health check's prompt (encoded with the file's tokenizer)."""
+SCRATCH_SUFFIX = ".build"
+
+
+def header_of(path: Path) -> GgufModel:
+    """The GGUF file's header; what the builder cannot serve raises the matching
+    :class:`~coordinator.errors.UnsupportedModelError` (HTTP 400 with a code naming it)."""
+    with refusals(path):
+        try:
+            return read_header(path)
+        except (OSError, ValueError) as exc:  # gguf-py raises ValueError for a bad file
+            raise DeployError(f"cannot read the GGUF file {path}: {exc}") from exc
+
+
+@contextmanager
+def refusals(path: Path) -> Iterator[None]:
+    """Turns the builder's refusals (``UnsupportedModel``, ``UnsupportedTensorType``) into the
+    coordinator's typed ones."""
+    try:
+        yield
+    except UnsupportedModel as exc:
+        raise _refusal(exc.reason, exc.detail, f"{path.name}: {exc}") from exc
+    except UnsupportedTensorType as exc:
+        raise UnsupportedTensorTypeError(f"{path.name}: {exc}", str(exc)) from exc
+
+
+def _refusal(reason: str, detail: str, message: str) -> UnsupportedModelError:
+    kinds: dict[str, type[UnsupportedModelError]] = {
+        "architecture": UnsupportedArchitectureError,
+        "tensor_type": UnsupportedTensorTypeError,
+        "rope_scaling": UnsupportedRopeScalingError,
+    }
+    return kinds.get(reason, UnsupportedModelError)(message, detail)
+
+
+def gguf_split_and_run(
+    command: DeployCommand,
+    devices: Any,
+    out: Path,
+    work_scales: Sequence[float] | None = None,
+) -> SplitOutcome:
+    """Plan ``command.model_path`` (a GGUF file) on ``devices``, build its segments into
+    ``out`` and run them here on the health check's prompt (module docstring)."""
+    started = time.monotonic()
+    out.mkdir(parents=True, exist_ok=True)
+    with PeakMemory() as peak:
+        source = _open(command.model_path)
+        model = source.model
+        with refusals(command.model_path):
+            vocab = write_tokenizer(command.model_path, out / TOKENIZER_FILE)
+            info = decoder_info(model, vocab, command.model_id)
+            (out / DECODER_FILE).write_text(info.to_json() + "\n")
+            sessions = DEFAULT_SESSIONS
+            table = unit_table(model, sessions, command.weights)
+            problem = planning_problem(table, devices, command.model_id, work_scales)
+            plan = _plan(command, problem, table, sessions)
+            wire, local = health_feeds(model, _prompt(out, info))
+            built = _build_stages(source, plan, out, local, command.weights)
+        manifest = _manifest(command.model_path, plan, problem, table, built, sessions)
+        (out / "manifest.json").write_text(manifest.to_json() + "\n")
+    known = built.known
+    state = {n for s in manifest.segments for p in s.state for n in (p.past, p.present)}
+    expected = {o.name: known[o.name] for o in manifest.model.outputs if o.name not in state}
+    sizes = [(out / s.file).stat().st_size for s in manifest.segments]
+    build = GgufBuild(
+        peak_rss_bytes=peak.bytes,
+        largest_segment_bytes=max(sizes),
+        segment_bytes=sum(sizes),
+        seconds=time.monotonic() - started,
+    )
+    card = model_card(model, command.model_path, command.weights, build)
+    log.info(
+        "%s: built %d segments from %s (%.1f MB); largest segment %.1f MB; peak resident "
+        "memory %.1f MB%s",
+        command.model_id,
+        len(sizes),
+        command.model_path.name,
+        card.file_bytes / 1e6,
+        build.largest_segment_bytes / 1e6,
+        build.peak_rss_bytes / 1e6,
+        "" if peak.reset else " (process lifetime peak)",
+    )
+    return SplitOutcome(
+        manifest,
+        out,
+        wire,
+        built.warmups,
+        expected,
+        planned_limits(manifest, {}),
+        table.work,
+        tokenizer_dir=out,
+        card=card,
+    )
+
+
+def _open(path: Path) -> GgufSource:
+    with refusals(path):
+        try:
+            return GgufSource(path)
+        except (OSError, ValueError) as exc:  # gguf-py raises ValueError for a bad file
+            raise DeployError(f"cannot read the GGUF file {path}: {exc}") from exc
+
+
+def _plan(
+    command: DeployCommand, problem: PlanningProblem, table: GgufUnits, sessions: SessionLimits
+) -> Plan:
+    choose = (
+        plan_preferring_one_device
+        if command.baseline is None
+        else baseline_planner(command.baseline)
+    )
+    try:
+        return choose(problem, command.objective)
+    except InfeasiblePlanError as exc:
+        kv = describe_state(sum(table.state_bytes), sessions)
+        raise NoFitError(f"cannot plan {command.model_path.name}: {exc}; {kv}") from exc
+
+
+def decoder_info(model: GgufModel, vocab: GgufVocabulary, model_id: str) -> DecoderInfo:
+    """The ``decoder.json`` of a GGUF model: its shapes, special tokens and chat template."""
+    bos = model.bos_token_id if vocab.add_bos else None
+    return DecoderInfo(
+        model=model_id,
+        architecture=f"gguf:{model.architecture.value}",
+        num_layers=model.layers,
+        hidden_size=model.hidden,
+        num_kv_heads=model.kv_heads,
+        head_dim=model.head_dim,
+        vocab_size=model.vocab,
+        top_k=min(DEFAULT_TOP_K, model.vocab),
+        max_context=model.context_length,
+        sliding_window=model.sliding_window,
+        bos_token_id=bos,
+        eos_token_ids=list(model.eos_token_ids),
+        chat_template=model.chat_template or FALLBACK_CHAT_TEMPLATE,
+        state=[
+            StatePair(past=past_name(i, kind), present=present_name(i, kind))
+            for i in range(model.layers)
+            for kind in ("key", "value")
+        ],
+        trailing_positions=TRAILING_POSITIONS,
+        weights=None,
+        rows_independent=True,
+    )
+
+
+def _prompt(directory: Path, info: DecoderInfo) -> list[int]:
+    """The health check's prompt as token ids (BOS first where the model adds one)."""
+    ids: list[int] = (
+        Tokenizer.from_file(str(directory / TOKENIZER_FILE))
+        .encode(HEALTH_PROMPT, add_special_tokens=False)
+        .ids
+    )
+    ids = [i for i in ids if i < info.vocab_size][:16] or [0]
+    return ([info.bos_token_id] if info.bos_token_id is not None else []) + ids
+
+
+def health_feeds(model: GgufModel, prompt: Sequence[int]) -> tuple[Arrays, Arrays]:
+    """The one-shot prefill of ``prompt`` sent through the chain, and the same with empty
+    caches for every block (the local run)."""
+    wire = step_inputs(0, list(prompt))
+    local = dict(wire)
+    empty = np.zeros((1, model.kv_heads, 0, model.head_dim), dtype=np.float32)
+    for i in range(model.layers):
+        local[past_name(i, "key")] = empty
+        local[past_name(i, "value")] = empty
+    return wire, local
+
+
+class _Built:
+    """The stages as built: per segment its file, inputs, outputs and declared types."""
+
+    def __init__(self, known: Arrays) -> None:
+        self.known: Arrays = dict(known)
+        self.files: list[Path] = []
+        self.inputs: list[list[str]] = []
+        self.outputs: list[list[str]] = []
+        self.warmups: list[Arrays] = []
+        self.param_bytes: list[int] = []
+        self.declared: dict[str, TensorInfo] = {}
+
+
+def _build_stages(
+    source: GgufSource, plan: Plan, out: Path, local: Arrays, weights: WeightsMode
+) -> _Built:
+    """Write, run and join each stage's segment in turn (one segment in memory at a time)."""
+    built = _Built(local)
+    for k, span in enumerate(stage_ranges(plan, source.model.layers)):
+        scratch = out / f"segment{k}{SCRATCH_SUFFIX}.onnx"
+        files = write_segment(scratch, source, span, weights=weights)
+        graph = onnx.load(str(scratch), load_external_data=False).graph
+        inputs = [i.name for i in graph.input]
+        outputs = [o.name for o in graph.output]
+        for value in [*graph.input, *graph.output]:
+            built.declared.setdefault(value.name, _tensor_info(value))
+        try:
+            built.warmups.append({n: built.known[n] for n in inputs})
+            built.known.update(run_model(scratch, built.known))
+        except (PartitionerError, KeyError) as exc:
+            raise DeployError(f"segment {k} of {source.path.name} does not run: {exc}") from exc
+        final = out / f"segment{k}.onnx"
+        inline_external_data(scratch, final)
+        built.param_bytes.append(sum(f.stat().st_size for f in files[1:]))
+        for file in files:
+            file.unlink(missing_ok=True)
+        built.files.append(final)
+        built.inputs.append(inputs)
+        built.outputs.append(outputs)
+    return built
+
+
+def _tensor_info(value: onnx.ValueInfoProto) -> TensorInfo:
+    tt = value.type.tensor_type
+    dtype = str(onnx.helper.tensor_dtype_to_np_dtype(tt.elem_type))
+    shape: list[int | str | None] = [
+        d.dim_value if d.HasField("dim_value") else (d.dim_param or None) for d in tt.shape.dim
+    ]
+    return TensorInfo(name=value.name, dtype=dtype, shape=shape)
+
+
+def _manifest(
+    path: Path,
+    plan: Plan,
+    problem: PlanningProblem,
+    table: GgufUnits,
+    built: _Built,
+    sessions: SessionLimits,
+) -> Manifest:
+    types = {d.name: d.type for d in problem.devices}
+    produced = {n for names in built.outputs for n in names}
+    consumed = {n for names in built.inputs for n in names}
+    model_inputs = sorted(consumed - produced, key=_io_order)
+    model_outputs = sorted(produced - consumed, key=_io_order)
+    segments = []
+    for k, stage in enumerate(plan.stages):
+        inputs = built.inputs[k]
+        pairs = [
+            StatePair(past=n, present="present" + n.removeprefix("past"))
+            for n in inputs
+            if n.startswith("past.")
+        ]
+        segments.append(
+            SegmentEntry(
+                index=k,
+                device=stage.device,
+                file=built.files[k].name,
+                sha256=file_sha256(built.files[k]),
+                inputs=inputs,
+                outputs=built.outputs[k],
+                param_bytes=built.param_bytes[k],
+                predicted_memory_bytes=stage.memory_bytes,
+                predicted_compute_s=stage.compute_s,
+                predicted_prefill_s=stage_prefill_s(
+                    problem, types[stage.device], stage.start, stage.end
+                ),
+                units=(stage.start, stage.end),
+                state=pairs,
+                state_bytes=sum(table.state_bytes[stage.start : stage.end]),
+            )
+        )
+    return Manifest(
+        model=ModelInfo(
+            name=path.stem,
+            sha256=file_sha256(path),
+            param_bytes=sum(u.weight_bytes for u in table.units.units)
+            + sum(s.nbytes for s in table.units.shared),
+            inputs=[built.declared[n] for n in model_inputs],
+            outputs=[built.declared[n] for n in model_outputs],
+        ),
+        objective=plan.objective,
+        bottleneck_s=plan.bottleneck_s,
+        latency_s=plan.latency_s,
+        segments=segments,
+        sessions=sessions,
+    )
+
+
+def _io_order(name: str) -> tuple[int, int, str]:
+    """Model inputs and outputs in the export's order: ids, mask, positions, then per layer."""
+    fixed = ["input_ids", "attention_mask", "position_ids", "top_logits", "top_ids"]
+    if name in fixed:
+        return (0, fixed.index(name), name)
+    parts = name.split(".")
+    if len(parts) == 3 and parts[1].isdigit():
+        return (2, int(parts[1]), parts[2])
+    return (1, 0, name)
+
+
+def model_card(
+    model: GgufModel, path: Path, weights: WeightsMode, build: GgufBuild | None = None
+) -> GgufCard:
+    """What ``GET /v1/models`` and the console show of a deployed GGUF file."""
+    mix: dict[str, int] = {}
+    for tensor in model.tensors.values():
+        mix[tensor.ggml_type] = mix.get(tensor.ggml_type, 0) + tensor.elements
+    return GgufCard(
+        file=path.name,
+        file_bytes=path.stat().st_size,
+        name=model.name,
+        architecture=model.architecture.value,
+        parameters=model.parameters,
+        layers=model.layers,
+        quantization=dict(sorted(mix.items(), key=lambda kv: -kv[1])),
+        weights=weights,
+        build=build,
+    )

@@ -1,0 +1,210 @@
+"""A GGUF file's tokenizer as a Hugging Face ``tokenizer.json``, built with ``tokenizers`` alone.
+
+The file's metadata (``tokenizer.ggml.*``) carries the vocabulary, its merges or scores, the
+token types and the special ids; ``tokenizers`` builds the same tokenizer transformers' GGUF
+conversion builds, without loading transformers:
+
+- ``gpt2`` (byte-level BPE: Llama 3, Qwen 2/2.5/3, SmolLM, Phi 3.5 mini's successors): the
+  file's merges, the pre-tokenizer regex ``tokenizer.ggml.pre`` names (llama.cpp's
+  ``llama-vocab.cpp``; GPT-2's own where the name is not known), byte-level decoding;
+- ``llama`` (SentencePiece BPE: Llama 2, Mistral, Gemma 3, Phi 3): merges derived from the
+  pieces' scores (a piece ``ab`` made of two pieces ``a`` and ``b`` is the merge ``a b``,
+  ranked by the score of ``ab``), byte fallback for ``<0xNN>`` pieces, ``▁`` for spaces and a
+  space prefix on the first piece unless ``tokenizer.ggml.add_space_prefix`` is false.
+
+Control and user-defined tokens are added tokens (matched whole before the model runs), so a
+chat template's ``<|im_start|>`` is one token. Anything else (``bert``, ``t5``, ``rwkv``
+vocabularies) is refused with :class:`~coordinator.errors.UnsupportedModelError`.
+"""
+
+from __future__ import annotations
+
+import logging
+from collections.abc import Mapping, Sequence
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any, Final
+
+from coordinator.errors import UnsupportedModelError
+
+log = logging.getLogger(__name__)
+
+NORMAL, UNKNOWN, CONTROL, USER_DEFINED, UNUSED, BYTE = 1, 2, 3, 4, 5, 6
+"""``tokenizer.ggml.token_type`` values (llama.cpp's ``llama_token_type``)."""
+GPT2_REGEX: Final = r"'s|'t|'re|'ve|'m|'ll|'d| ?\p{L}+| ?\p{N}+| ?[^\s\p{L}\p{N}]+|\s+(?!\S)|\s+"
+LLAMA3_REGEX: Final = (
+    r"(?i:'s|'t|'re|'ve|'m|'ll|'d)|[^\r\n\p{L}\p{N}]?\p{L}+|\p{N}{1,3}"
+    r"| ?[^\s\p{L}\p{N}]+[\r\n]*|\s*[\r\n]+|\s+(?!\S)|\s+"
+)
+QWEN2_REGEX: Final = (
+    r"(?i:'s|'t|'re|'ve|'m|'ll|'d)|[^\r\n\p{L}\p{N}]?\p{L}+|\p{N}"
+    r"| ?[^\s\p{L}\p{N}]+[\r\n]*|\s*[\r\n]+|\s+(?!\S)|\s+"
+)
+PRE_REGEX: Final[Mapping[str, str]] = {
+    "llama-bpe": LLAMA3_REGEX,
+    "llama3": LLAMA3_REGEX,
+    "smaug-bpe": LLAMA3_REGEX,
+    "dbrx": LLAMA3_REGEX,
+    "qwen2": QWEN2_REGEX,
+    "deepseek-r1-qwen": QWEN2_REGEX,
+    "qwen35": QWEN2_REGEX,
+    "gpt-2": GPT2_REGEX,
+    "default": GPT2_REGEX,
+    "smollm": GPT2_REGEX,
+}
+"""``tokenizer.ggml.pre`` to its pre-tokenizer regex (llama.cpp ``llama-vocab.cpp``)."""
+SPACE: Final = "\u2581"
+
+
+@dataclass(frozen=True)
+class GgufVocabulary:
+    """The ``tokenizer.ggml.*`` metadata of a GGUF file."""
+
+    model: str
+    pre: str | None
+    tokens: list[str]
+    types: list[int]
+    scores: list[float]
+    merges: list[str]
+    add_bos: bool
+    add_space_prefix: bool
+    unknown_id: int | None
+
+
+def read_vocabulary(path: Path) -> GgufVocabulary:
+    """The tokenizer metadata of the GGUF file at ``path`` (memory-mapped, no weight read)."""
+    from gguf import GGUFReader
+
+    fields = GGUFReader(str(path), "r").fields
+
+    def get(key: str, default: Any = None) -> Any:
+        field = fields.get(key)
+        return default if field is None else field.contents()
+
+    model = get("tokenizer.ggml.model")
+    if model is None:
+        raise UnsupportedModelError(f"{path.name} carries no tokenizer", "tokenizer")
+    tokens = list(get("tokenizer.ggml.tokens", []))
+    return GgufVocabulary(
+        model=str(model),
+        pre=get("tokenizer.ggml.pre"),
+        tokens=tokens,
+        types=list(get("tokenizer.ggml.token_type", [NORMAL] * len(tokens))),
+        scores=list(get("tokenizer.ggml.scores", [])),
+        merges=list(get("tokenizer.ggml.merges", [])),
+        add_bos=bool(get("tokenizer.ggml.add_bos_token", model == "llama")),
+        add_space_prefix=bool(get("tokenizer.ggml.add_space_prefix", True)),
+        unknown_id=get("tokenizer.ggml.unknown_token_id"),
+    )
+
+
+def build_tokenizer(vocab: GgufVocabulary) -> Any:
+    """A ``tokenizers.Tokenizer`` for ``vocab``; UnsupportedModelError for a vocabulary kind
+    other than ``gpt2`` and ``llama``."""
+    if not vocab.tokens:
+        raise UnsupportedModelError("the GGUF's tokenizer has no tokens", "tokenizer")
+    if vocab.model == "gpt2":
+        tokenizer = _byte_level_bpe(vocab)
+    elif vocab.model == "llama":
+        tokenizer = _sentencepiece_bpe(vocab)
+    else:
+        raise UnsupportedModelError(
+            f"GGUF tokenizer model {vocab.model!r} is not served (served: gpt2, llama)",
+            f"tokenizer {vocab.model}",
+        )
+    _add_special(tokenizer, vocab)
+    return tokenizer
+
+
+def write_tokenizer(path: Path, out: Path) -> GgufVocabulary:
+    """Write the GGUF file's tokenizer to ``out`` (a ``tokenizer.json``); its vocabulary."""
+    vocab = read_vocabulary(path)
+    build_tokenizer(vocab).save(str(out))
+    return vocab
+
+
+def _byte_level_bpe(vocab: GgufVocabulary) -> Any:
+    from tokenizers import Regex, Tokenizer, decoders, models, pre_tokenizers
+
+    ids = {token: i for i, token in enumerate(vocab.tokens)}
+    merges = [_pair(m) for m in vocab.merges]
+    model = models.BPE(ids, merges, fuse_unk=False, ignore_merges=False)
+    tokenizer = Tokenizer(model)
+    regex = PRE_REGEX.get(vocab.pre or "default")
+    if regex is None:
+        log.warning("GGUF pre-tokenizer %r is not known here; using GPT-2's", vocab.pre)
+        regex = GPT2_REGEX
+    tokenizer.pre_tokenizer = pre_tokenizers.Sequence(
+        [
+            pre_tokenizers.Split(Regex(regex), behavior="isolated", invert=False),
+            pre_tokenizers.ByteLevel(add_prefix_space=False, trim_offsets=False, use_regex=False),
+        ]
+    )
+    tokenizer.decoder = decoders.ByteLevel()
+    return tokenizer
+
+
+def _pair(merge: str) -> tuple[str, str]:
+    left, _, right = merge.partition(" ")
+    return left, right
+
+
+def _sentencepiece_bpe(vocab: GgufVocabulary) -> Any:
+    from tokenizers import Tokenizer, decoders, models, pre_tokenizers
+
+    ids = {token: i for i, token in enumerate(vocab.tokens)}
+    merges = [_pair(m) for m in vocab.merges] or spm_merges(vocab.tokens, vocab.scores, vocab.types)
+    unknown = vocab.unknown_id
+    unk_token = (
+        vocab.tokens[unknown] if unknown is not None and unknown < len(vocab.tokens) else None
+    )
+    model = models.BPE(ids, merges, unk_token=unk_token, fuse_unk=True, byte_fallback=True)
+    tokenizer = Tokenizer(model)
+    scheme = "first" if vocab.add_space_prefix else "never"
+    tokenizer.pre_tokenizer = pre_tokenizers.Metaspace(
+        replacement=SPACE, prepend_scheme=scheme, split=False
+    )
+    steps = [decoders.Replace(SPACE, " "), decoders.ByteFallback(), decoders.Fuse()]
+    if vocab.add_space_prefix:
+        steps.append(decoders.Strip(" ", 1, 0))
+    tokenizer.decoder = decoders.Sequence(steps)
+    return tokenizer
+
+
+def spm_merges(
+    tokens: Sequence[str], scores: Sequence[float], types: Sequence[int]
+) -> list[tuple[str, str]]:
+    """BPE merges of a SentencePiece vocabulary: every split of a normal piece into two pieces
+    of the vocabulary, the pieces with higher scores merged first (ties: the left part's id,
+    then the right's)."""
+    ids = {token: i for i, token in enumerate(tokens)}
+    ranked: list[tuple[float, int, int, str, str]] = []
+    for i, piece in enumerate(tokens):
+        if types[i] not in (NORMAL, USER_DEFINED) or len(piece) < 2:
+            continue
+        score = scores[i] if i < len(scores) else 0.0
+        for cut in range(1, len(piece)):
+            left, right = piece[:cut], piece[cut:]
+            if left in ids and right in ids:
+                ranked.append((-score, ids[left], ids[right], left, right))
+    ranked.sort()
+    return [(left, right) for _, _, _, left, right in ranked]
+
+
+def _add_special(tokenizer: Any, vocab: GgufVocabulary) -> None:
+    from tokenizers import AddedToken
+
+    special = [
+        AddedToken(token, special=True, normalized=False)
+        for token, kind in zip(vocab.tokens, vocab.types, strict=False)
+        if kind == CONTROL and token
+    ]
+    user = [
+        AddedToken(token, special=False, normalized=False)
+        for token, kind in zip(vocab.tokens, vocab.types, strict=False)
+        if kind == USER_DEFINED and token
+    ]
+    if special:
+        tokenizer.add_special_tokens(special)
+    if user:
+        tokenizer.add_tokens(user)
