@@ -45,6 +45,8 @@ METRIC_RECALL_AT_1: Final = "held-out-recall-at-1"
 over the device's whole held-out set) is their own."""
 METRIC_TRAINED_BYTES: Final = "trained-shard-bytes"
 """Fit metric: bytes of the base weights of the segments the device adapted."""
+METRIC_PEAK_RSS: Final = "peak-rss-bytes"
+"""Fit metric (without DP only): the training process's peak resident memory."""
 HELD_OUT_BYTE: Final = 26
 """About 10 % of records (first SHA-256 byte < 26 of 256) are held out."""
 DEFAULT_TARGETS: Final = (

@@ -25,6 +25,21 @@ from typing import Final, Literal
 from pydantic import Field, NonNegativeFloat, NonNegativeInt, PositiveFloat
 
 from protocols.base import FrozenModel
+from protocols.lora import (
+    METRIC_EPSILON,
+    METRIC_HELD_OUT_LOSS,
+    METRIC_HELD_OUT_TOKENS,
+    METRIC_PEAK_RSS,
+    METRIC_RECALL_AT_1,
+    METRIC_TRAINED_BYTES,
+)
+from protocols.training import (
+    METRIC_ACCURACY,
+    METRIC_EXAMPLES,
+    METRIC_LOSS,
+    METRIC_TRAINED_SHARDS,
+    METRIC_UPLOAD_BYTES,
+)
 
 LEDGER_FORMAT: Final = "fedshard.privacyledger/1"
 LEDGER_FILE: Final = "privacy-ledger.jsonl"
@@ -143,42 +158,46 @@ FIT_REPLY_FIELDS: Final[tuple[ReplyField, ...]] = (
         what="FedAvg weight: 1 under DP (DP_REPLY_WEIGHT), else min(records, 1000)",
     ),
     ReplyField(
-        name="trained-shards", under_dp="public", without_dp="public",
+        name=METRIC_TRAINED_SHARDS, under_dp="public", without_dp="public",
         what="the plan's trainable segments",
     ),
     ReplyField(
-        name="trained-shard-bytes", under_dp="public", without_dp="public",
+        name=METRIC_TRAINED_BYTES, under_dp="public", without_dp="public",
         what="bytes of the adapted segments' base weights (from the model files)",
     ),
     ReplyField(
-        name="upload-bytes", under_dp="public", without_dp="public",
+        name=METRIC_UPLOAD_BYTES, under_dp="public", without_dp="public",
         what="size of the update message (fixed by the plan's adapter shapes)",
     ),
     ReplyField(
-        name="epsilon", under_dp="accounting", without_dp="absent",
+        name=METRIC_EPSILON, under_dp="accounting", without_dp="absent",
         what="the run's epsilon on this device, rounded up to 2 significant digits (it depends "
         "on the sample rate batch/records, so it hints at the record count: see the docs)",
     ),
     ReplyField(
-        name="examples", under_dp="absent", without_dp="clear", what="exact training records",
+        name=METRIC_EXAMPLES, under_dp="absent", without_dp="clear", what="exact training records",
     ),
     ReplyField(
-        name="loss", under_dp="absent", without_dp="clear", what="mean training loss",
+        name=METRIC_LOSS, under_dp="absent", without_dp="clear", what="mean training loss",
     ),
     ReplyField(
-        name="held-out-loss", under_dp="absent", without_dp="clear",
+        name=METRIC_ACCURACY, under_dp="absent", without_dp="clear",
+        what="training accuracy (shard training, which adds no noise on the device)",
+    ),
+    ReplyField(
+        name=METRIC_HELD_OUT_LOSS, under_dp="absent", without_dp="clear",
         what="held-out loss of the round's global model",
     ),
     ReplyField(
-        name="held-out-tokens", under_dp="absent", without_dp="clear",
+        name=METRIC_HELD_OUT_TOKENS, under_dp="absent", without_dp="clear",
         what="held-out tokens (pairs) behind that loss",
     ),
     ReplyField(
-        name="held-out-recall-at-1", under_dp="absent", without_dp="clear",
+        name=METRIC_RECALL_AT_1, under_dp="absent", without_dp="clear",
         what="an encoder's held-out recall@1",
     ),
     ReplyField(
-        name="peak-rss-bytes", under_dp="absent", without_dp="clear",
+        name=METRIC_PEAK_RSS, under_dp="absent", without_dp="clear",
         what="the training process's peak memory (depends on the data)",
     ),
 )  # fmt: skip

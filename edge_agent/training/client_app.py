@@ -52,6 +52,7 @@ from protocols.lora import (
     METRIC_EPSILON,
     METRIC_HELD_OUT_LOSS,
     METRIC_HELD_OUT_TOKENS,
+    METRIC_PEAK_RSS,
     METRIC_TRAINED_BYTES,
     LoraPlan,
     reply_weight,
@@ -219,7 +220,7 @@ class ShardClient(NumPyClient):
             METRIC_HELD_OUT_TOKENS: result.held_out_tokens,
             METRIC_TRAINED_BYTES: result.trained_shard_bytes,
             METRIC_UPLOAD_BYTES: float(sum(a.nbytes for a in result.arrays)),
-            "peak-rss-bytes": result.peak_rss_bytes,
+            METRIC_PEAK_RSS: result.peak_rss_bytes,
         }
         if result.epsilon is not None:
             metrics[METRIC_EPSILON] = result.epsilon

@@ -45,12 +45,12 @@ def make_private(
     the noise's generator from :func:`secure_generator`; (engine, module, optimizer, loader)."""
     from opacus import PrivacyEngine
 
-    engine = PrivacyEngine(accountant="rdp", secure_mode=False)  # needs torchcsprng: see above
     fresh = DataLoader(
         loader.dataset, batch_size=loader.batch_size, generator=secure_generator()
     )  # Opacus' Poisson sampler draws from the loader's generator
     with warnings.catch_warnings():
-        warnings.simplefilter("ignore")
+        warnings.simplefilter("ignore")  # "secure RNG turned off": see the module doc
+        engine = PrivacyEngine(accountant="rdp", secure_mode=False)  # True needs torchcsprng
         model, private_opt, private_loader = engine.make_private(
             module=module,
             optimizer=optimizer,
