@@ -74,7 +74,7 @@ def command_section(name: str, parser: argparse.ArgumentParser) -> str:
     """One command's section: description, usage and a table of its arguments."""
     lines = [f"## `{name}`", ""]
     if parser.description:
-        lines += [parser.description, ""]
+        lines += [plain(parser.description), ""]
     usage = " ".join(parser.format_usage().split())
     lines += ["```text", usage.removeprefix("usage: "), "```", ""]
     rows = [
