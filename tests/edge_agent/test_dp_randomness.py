@@ -17,7 +17,7 @@ from torch.utils.data import DataLoader, TensorDataset
 from edge_agent.training.errors import DpSeedError
 from edge_agent.training.lora.dp import check_seed, make_private, secure_generator
 from edge_agent.training.lora.loop import shuffle_generator
-from protocols.lora import LoraPlan, RecordDp
+from protocols.lora import RecordDp
 
 ALPHA = 1e-6
 """False-failure probability of each statistical check."""
@@ -91,15 +91,11 @@ def test_secure_generators_differ() -> None:
     assert len(draws) == 8  # 64-bit seeds from os.urandom: a collision has probability < 1e-17
 
 
-def _plan(dp: RecordDp | None) -> LoraPlan:
-    return LoraPlan.model_construct(dp=dp)
-
-
 def test_a_dp_round_refuses_a_seed_and_a_plain_one_takes_it() -> None:
     with pytest.raises(DpSeedError):
-        check_seed(_plan(RecordDp()), 1234)
+        check_seed(RecordDp(), 1234)
     with pytest.raises(DpSeedError):
-        shuffle_generator(_plan(RecordDp()), 0)
-    check_seed(_plan(RecordDp()), None)
-    a, b = shuffle_generator(_plan(None), 7), shuffle_generator(_plan(None), 7)
+        shuffle_generator(RecordDp(), 0)
+    check_seed(RecordDp(), None)
+    a, b = shuffle_generator(None, 7), shuffle_generator(None, 7)
     assert torch.equal(torch.randperm(50, generator=a), torch.randperm(50, generator=b))

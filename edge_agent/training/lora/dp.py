@@ -22,7 +22,7 @@ import torch
 from torch.utils.data import DataLoader
 
 from edge_agent.training.errors import DpSeedError
-from protocols.lora import LoraPlan, RecordDp
+from protocols.lora import RecordDp
 
 
 def secure_generator() -> torch.Generator:
@@ -30,9 +30,9 @@ def secure_generator() -> torch.Generator:
     return torch.Generator().manual_seed(int.from_bytes(os.urandom(8), "little"))
 
 
-def check_seed(plan: LoraPlan, seed: int | None) -> None:
-    """Raise :class:`DpSeedError` when a DP plan comes with a fixed seed."""
-    if plan.dp is not None and seed is not None:
+def check_seed(dp: RecordDp | None, seed: int | None) -> None:
+    """Raise :class:`DpSeedError` when a DP round (``dp`` set) comes with a fixed seed."""
+    if dp is not None and seed is not None:
         raise DpSeedError(
             "a DP round takes its sampling and noise from os.urandom; it refuses a fixed seed"
         )

@@ -29,7 +29,7 @@ import torch
 import torch.nn.functional as F
 
 from edge_agent.training.lora.dp import check_seed, make_private, secure_generator
-from protocols.lora import LoraPlan
+from protocols.lora import LoraPlan, RecordDp
 
 if TYPE_CHECKING:
     from edge_agent.training.lora.model import DecoderTail
@@ -132,7 +132,7 @@ def run_epochs(
     positions = torch.arange(labels.shape[1])[None, :].expand(len(labels), -1).contiguous()
     data = TensorDataset(torch.from_numpy(hidden), positions, labels)
     loader = DataLoader(
-        data, batch_size=plan.batch_size, shuffle=True, generator=shuffle_generator(plan, seed)
+        data, batch_size=plan.batch_size, shuffle=True, generator=shuffle_generator(plan.dp, seed)
     )
 
     def losses(model: torch.nn.Module, batch: list[torch.Tensor]) -> torch.Tensor | None:
@@ -142,10 +142,10 @@ def run_epochs(
     return train_adapters(tail, plan, loader, losses, cache_dir, round_number)
 
 
-def shuffle_generator(plan: LoraPlan, seed: int | None) -> torch.Generator:
+def shuffle_generator(dp: RecordDp | None, seed: int | None) -> torch.Generator:
     """The shuffle's generator of a round without DP (``seed``, or urandom when None); under DP
     the Poisson sampler replaces it (:func:`.dp.make_private`) and a seed is refused."""
-    check_seed(plan, seed)
+    check_seed(dp, seed)
     if seed is None:
         return secure_generator()
     torch.manual_seed(seed)

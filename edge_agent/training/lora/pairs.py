@@ -133,7 +133,7 @@ def run_contrastive_epochs(
         TensorDataset(*tensors),
         batch_size=plan.batch_size,
         shuffle=True,
-        generator=shuffle_generator(plan, seed),
+        generator=shuffle_generator(plan.dp, seed),
     )
 
     def losses(model: torch.nn.Module, batch: list[torch.Tensor]) -> torch.Tensor | None:
