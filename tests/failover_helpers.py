@@ -1,7 +1,7 @@
 """Reading a coordinator's deployments and failover events, for the failover tests.
 
-Shared by ``tests/test_failover.py`` (coordinator on 127.0.0.1) and
-``tests/test_lab_failover.py`` (coordinator in the LAN lab): each passes its own ``get``, a
+Shared by ``tests/e2e/test_failover.py`` (coordinator on 127.0.0.1) and
+``tests/lab/test_lab_failover.py`` (coordinator in the LAN lab): each passes its own ``get``, a
 function from an API path to the JSON body of ``GET path``.
 """
 

@@ -8,7 +8,7 @@ paired with ``fedshard pair`` the way an operator would. The lab has no route to
 own namespace, so every API call comes from a client process inside ``h0``
 (``tests/lab_client.py``), reached through :class:`LabApi`.
 
-Used by ``tests/test_lab_failover.py`` and ``bench/planner_lab.py``. Everything started here
+Used by ``tests/lab/test_lab_failover.py`` and ``bench/planner_lab.py``. Everything started here
 runs inside the lab's namespaces; :func:`lab_cluster` stops it and removes the lab when it exits,
 failure or not.
 """

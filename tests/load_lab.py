@@ -1,10 +1,10 @@
 """A coordinator and three agents serving MiniLM on 127.0.0.1, and a load driver for it.
 
-Shared by the load test (``tests/test_load.py``), the slow-device test
-(``tests/test_slowness.py``) and the load benchmark (``bench/load.py``). The lab is started the
-way a user would: ``fedshard coordinator``, three agents found by mDNS, ``fedshard pair`` each,
-``fedshard deploy`` under planning caps that force three segments. Every process is stopped
-when the context ends.
+Shared by the load test (``tests/e2e/test_load.py``), the slow-device test
+(``tests/coordinator/test_slowness.py``) and the load benchmark (``bench/load.py``). The lab is
+started the way a user would: ``fedshard coordinator``, three agents found by mDNS, ``fedshard
+pair`` each, ``fedshard deploy`` under planning caps that force three segments. Every process is
+stopped when the context ends.
 """
 
 from __future__ import annotations

@@ -38,7 +38,7 @@ from protocols.errors import SchemaError
 from protocols.plan import Objective
 from protocols.problem import PlanningProblem, Roofs, Work, roofline_s
 
-SHARED = Path(__file__).resolve().parents[1].parent / "shared" / "benchmarks" / "planner"
+SHARED = Path(__file__).resolve().parents[3] / "shared" / "benchmarks" / "planner"
 
 
 # ----------------------------------------------------------------------------- the roofs

@@ -7,7 +7,7 @@ runtime memory the partitioner's model says a stage needs, costed at the deploym
 1 x 128, measure), each in a fresh process so one segment's heap does not blur another's, with the
 device's budget from the split. The prediction must cover what was measured, and not by much.
 
-Run as a script (``python tests/test_memory_truth.py SPLIT_DIR INDEX WARMUP.npz BUDGET``) it
+Run as a script (``python tests/e2e/test_memory_truth.py SPLIT_DIR INDEX WARMUP.npz BUDGET``) it
 is that fresh process: it prints the agent's deploy report as JSON.
 """
 
@@ -22,7 +22,7 @@ from pathlib import Path
 import numpy as np
 import pytest
 
-REPO = Path(__file__).resolve().parents[1]
+REPO = Path(__file__).resolve().parents[2]
 DEPLOY_DIMS = {"batch": 1, "sequence": 128}
 SLACK = 1.5
 """Predicted memory may exceed the measured resident memory by at most this factor."""

@@ -56,7 +56,7 @@ def _reference_ids(lab: GenLab, max_tokens: int) -> tuple[list[int], list[int]]:
     info = DecoderInfo.from_json((lab.export / "decoder.json").read_bytes())
     tokenizer = ChatTokenizer.from_file(lab.export, info)
     prompt = tokenizer.encode(tokenizer.render_chat([{"role": "user", "content": QUESTION}]))
-    cache = Path(__file__).resolve().parent.parent / ".cache" / "fedshard"
+    cache = Path(__file__).resolve().parents[2] / ".cache" / "fedshard"
     model = load_source(MODEL_ID, cache, Steps()).model
     return prompt, transformers_greedy(model, prompt, max_tokens, info.eos_token_ids)
 

@@ -84,7 +84,7 @@ def test_int4_speculates_and_keeps_the_greedy_text(lab: GenLab) -> None:
     itself, the chain verifies the drafts in passes of several positions (the random model
     rejects them, so every stage also cuts its KV cache back), and it still answers what one
     session's one-token steps answer. (The real 1.5B model accepts drafts:
-    ``tests/test_generation_qwen.py``.)"""
+    ``tests/e2e/test_generation_qwen.py``.)"""
     prompt = "one two three four five one two three four five one two three"
     want, count = greedy_reference(lab.export, prompt, 32)
     with lab.coordinator.client() as api:

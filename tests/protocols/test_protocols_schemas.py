@@ -17,7 +17,7 @@ from protocols.manifest import Manifest
 from protocols.plan import Objective, Plan, Stage
 from protocols.problem import PlanningProblem
 
-SHARED = Path(__file__).resolve().parents[2] / "shared" / "benchmarks" / "planner"
+SHARED = Path(__file__).resolve().parents[3] / "shared" / "benchmarks" / "planner"
 names = st.from_regex(r"[a-z][a-z0-9-]{0,8}", fullmatch=True)
 sizes = st.integers(0, 2**40)
 

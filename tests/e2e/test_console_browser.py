@@ -43,7 +43,7 @@ expect = playwright_api.expect
 expect.set_options(timeout=20_000)
 
 CHROMIUM = Path("/usr/bin/chromium")
-ARTIFACTS = Path(__file__).resolve().parent / "artifacts"
+ARTIFACTS = Path(__file__).resolve().parents[1] / "artifacts"
 MODEL_ID = "all-minilm-l6-v2"
 CAPS_MB = (70, 30, 30)
 """Planning caps that force three stages: MiniLM's ~90 MB fit on no single device, nor two."""

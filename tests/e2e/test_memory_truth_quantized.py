@@ -3,7 +3,7 @@
 Gemma 3 270M is stored in int4 by ONNX Runtime's quantizer, cut in three at its embedded
 sample step (one session of 64 tokens reserved per stage), and each segment is deployed through
 the agent's own :class:`~edge_agent.runtime.segments.SegmentStore` in a fresh process (see
-``tests/test_memory_truth.py``). The prediction must be within 0.85-1.15x of the measurement.
+``tests/e2e/test_memory_truth.py``). The prediction must be within 0.85-1.15x of the measurement.
 """
 
 from __future__ import annotations
@@ -18,7 +18,7 @@ import pytest
 
 pytestmark = [pytest.mark.slow, pytest.mark.timeout(1200)]
 
-REPO = Path(__file__).resolve().parents[1]
+REPO = Path(__file__).resolve().parents[2]
 BAND = (0.85, 1.15)
 
 
@@ -60,7 +60,7 @@ def test_int4_segments_predicted_within_the_band_of_what_agents_hold(
     ):
         warmup = out / f"warmup{seg.index}.npz"
         np.savez(warmup, **feeds)  # type: ignore[arg-type]
-        script = REPO / "tests" / "test_memory_truth.py"
+        script = REPO / "tests" / "e2e" / "test_memory_truth.py"
         args = [str(out), str(seg.index), str(warmup), str(budget)]
         done = subprocess.run(
             [sys.executable, str(script), *args],

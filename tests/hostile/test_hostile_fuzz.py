@@ -1,8 +1,8 @@
 """Hostile input to every decoder in ``protocols``: only the package's typed errors come out.
 
-``tests/test_protocols_fuzz.py`` throws random bytes at the frame and TXT decoders; this file
-adds structured input (JSON-ish documents, valid documents with one node replaced or removed)
-for the frame header, the manifest, the deploy body and envelope, ``DEVICES.json`` and the
+``tests/protocols/test_protocols_fuzz.py`` throws random bytes at the frame and TXT decoders;
+this file adds structured input (JSON-ish documents, valid documents with one node replaced or
+removed) for the frame header, the manifest, the deploy body and envelope, ``DEVICES.json`` and the
 planning problem, plus the cases a fuzzer rarely reaches by chance (deep nesting, huge numbers,
 non-finite floats, oversized TXT records).
 """

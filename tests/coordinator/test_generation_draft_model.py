@@ -450,7 +450,7 @@ def test_a_draft_model_leaves_the_cores_alone_between_drafts(tiny_llama_dir: Pat
         text=True,
         check=True,
         timeout=120,
-        cwd=Path(__file__).resolve().parents[1],
+        cwd=Path(__file__).resolve().parents[2],
     ).stdout.split()
     idle_cpu = sorted(float(x) for x in out)
     assert len(idle_cpu) == 5
