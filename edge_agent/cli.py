@@ -121,6 +121,18 @@ def _add_train_args(parser: argparse.ArgumentParser) -> None:
     train.add_argument(
         "--train-storage", help="largest version copy the coordinator may send (default 4GiB)"
     )
+    train.add_argument(
+        "--privacy-budget",
+        type=float,
+        help="largest record-level epsilon this device's privacy ledger may reach; rounds past "
+        "it are declined (default: no limit)",
+    )
+    train.add_argument(
+        "--allow-non-dp", action="store_true", help="also train in rounds without DP-SGD"
+    )
+    train.add_argument(
+        "--allow-non-secagg", action="store_true", help="also train in rounds without SecAgg+"
+    )
 
 
 def _train_config(args: argparse.Namespace, memory_bytes: int) -> TrainConfig | None:
@@ -130,6 +142,10 @@ def _train_config(args: argparse.Namespace, memory_bytes: int) -> TrainConfig | 
             raise ConfigError(
                 "--train-superlink, --train-segments, --train-budget and --train-storage "
                 "need --train-data"
+            )
+        if args.privacy_budget is not None or args.allow_non_dp or args.allow_non_secagg:
+            raise ConfigError(
+                "--privacy-budget, --allow-non-dp and --allow-non-secagg need --train-data"
             )
         return None
     if not args.train_superlink:
@@ -141,6 +157,14 @@ def _train_config(args: argparse.Namespace, memory_bytes: int) -> TrainConfig | 
     config = TrainConfig(data, args.train_superlink, args.train_segments, budget)
     if args.train_storage:
         config = dataclasses.replace(config, storage_bytes=parse_size(args.train_storage))
+    if args.privacy_budget is not None and not args.privacy_budget > 0:
+        raise ConfigError("--privacy-budget must be a positive epsilon")
+    config = dataclasses.replace(
+        config,
+        privacy_budget=args.privacy_budget,
+        allow_non_dp=args.allow_non_dp,
+        allow_non_secagg=args.allow_non_secagg,
+    )
     return config
 
 

@@ -67,6 +67,13 @@ class TrainConfig:
     """Training-memory budget: decides which shards this device trains."""
     storage_bytes: int = 4 << 30
     """Largest copy of a version the coordinator may send (``--train-storage``)."""
+    privacy_budget: float | None = None
+    """``--privacy-budget``: the largest epsilon this device's privacy ledger may reach (None:
+    no limit; the ledger still counts every round)."""
+    allow_non_dp: bool = False
+    """``--allow-non-dp``: train in rounds without record-level DP on the device."""
+    allow_non_secagg: bool = False
+    """``--allow-non-secagg``: send updates in rounds without SecAgg+."""
 
 
 @dataclass(frozen=True)

@@ -44,6 +44,8 @@ from protocols.training import (
 LEDGER_FORMAT: Final = "fedshard.privacyledger/1"
 LEDGER_FILE: Final = "privacy-ledger.jsonl"
 """The ledger's file name in the agent's training work dir (``STATE_DIR/training``)."""
+PRIVACY_PATH: Final = "/v1/training/privacy"
+"""A training agent's control-plane route (coordinator only): ``GET`` -> :class:`PrivacyStatus`."""
 SECAGG_CONFIG_KEY: Final = "fedshard-secagg"
 """Fit-config key the device's own ClientApp mods set (overwriting whatever the server sent):
 True only when the round's reply goes through Flower's ``secaggplus_mod`` (masked)."""

@@ -34,6 +34,7 @@ from protocols.deploy import (
 )
 from protocols.errors import SchemaError
 from protocols.pairing import PairingGrant, PairingOffer
+from protocols.privacy import PRIVACY_PATH, PrivacyStatus
 from protocols.training_copy import TrainingCopyOffer, TrainingCopyStatus
 
 Model = TypeVar("Model", bound=FrozenModel)
@@ -106,6 +107,10 @@ class AgentClient:
         return self._call(
             agent, "POST", "/v1/training/file", data, TrainingCopyStatus, DEPLOY_TIMEOUT_S
         )
+
+    def training_privacy(self, agent: AgentAddress) -> PrivacyStatus:
+        """``GET /v1/training/privacy``: the totals of the agent's privacy ledger."""
+        return self._call(agent, "GET", PRIVACY_PATH, b"", PrivacyStatus)
 
     def _call(
         self,

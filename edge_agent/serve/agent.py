@@ -32,7 +32,7 @@ from edge_agent.runtime.fixed_costs import RecentCosts
 from edge_agent.runtime.segments import SegmentStore
 from edge_agent.serve.metrics import AgentMetrics
 from edge_agent.serve.pipeline import Pipeline
-from edge_agent.training.copies import TrainingCopies, training_routes
+from edge_agent.training.copies import TrainingCopies, privacy_policy, training_routes
 from edge_agent.trust.identity import Identity, load_identity
 from edge_agent.trust.pairing import (
     accept_grant,
@@ -236,7 +236,7 @@ class Agent:
         train = self.config.training
         root = self.config.state_dir / "training"
         copies = TrainingCopies(root, train.storage_bytes, lambda: self.identity.ca_public_key)
-        return training_routes(copies)
+        return training_routes(copies, privacy_policy(root, train))
 
     async def _serve_control(
         self, reader: asyncio.StreamReader, writer: asyncio.StreamWriter, peer: Peer

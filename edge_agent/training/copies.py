@@ -30,10 +30,13 @@ import threading
 from collections.abc import Callable
 from pathlib import Path
 
+from edge_agent.config import TrainConfig
 from edge_agent.errors import IntegrityError, SignatureError, StorageError
 from edge_agent.net.control import COORDINATOR_ONLY, Response, Route, json_response
+from edge_agent.training.ledger import PrivacyLedger, PrivacyPolicy
 from edge_agent.trust.identity import PublicKey, verify_signature
 from hostkit.files import write_atomic
+from protocols.privacy import LEDGER_FILE, PRIVACY_PATH
 from protocols.training_copy import (
     TrainingCopy,
     TrainingCopyOffer,
@@ -159,8 +162,23 @@ class TrainingCopies:
         log.info("training copy %s installed (%d bytes)", copy.copy_id, copy.total_bytes)
 
 
-def training_routes(copies: TrainingCopies) -> dict[tuple[str, str], Route]:
-    """The control-plane routes of :class:`TrainingCopies` (coordinator only)."""
+def privacy_policy(root: Path, train: TrainConfig) -> PrivacyPolicy:
+    """The policy ``fedshard agent`` was given, over the ledger in the training dir ``root``
+    (the same file its SuperNode's ClientApp appends to)."""
+    return PrivacyPolicy(
+        ledger_file=root.resolve() / LEDGER_FILE,
+        budget=train.privacy_budget,
+        allow_non_dp=train.allow_non_dp,
+        allow_non_secagg=train.allow_non_secagg,
+    )
+
+
+def training_routes(
+    copies: TrainingCopies, policy: PrivacyPolicy | None = None
+) -> dict[tuple[str, str], Route]:
+    """The control-plane routes of :class:`TrainingCopies` (coordinator only), and with a
+    ``policy`` ``GET /v1/training/privacy``: the privacy ledger's totals
+    (:class:`~protocols.privacy.PrivacyStatus`: accounting figures, not the records')."""
 
     async def offer(body: bytes) -> Response:
         status = await asyncio.to_thread(copies.offer, body)
@@ -170,9 +188,17 @@ def training_routes(copies: TrainingCopies) -> dict[tuple[str, str], Route]:
         status = await asyncio.to_thread(copies.receive, body)
         return json_response(status.model_dump_json())
 
-    return {
+    async def privacy(body: bytes) -> Response:
+        assert policy is not None
+        status = await asyncio.to_thread(PrivacyLedger(policy.ledger_file).status, policy)
+        return json_response(status.model_dump_json())
+
+    routes = {
         ("POST", "/v1/training/copy"): Route(offer, COORDINATOR_ONLY),
         ("POST", "/v1/training/file"): Route(
             receive, COORDINATOR_ONLY, body_limit=copies.largest_missing
         ),
     }
+    if policy is not None:
+        routes[("GET", PRIVACY_PATH)] = Route(privacy, COORDINATOR_ONLY)
+    return routes

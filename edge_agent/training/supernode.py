@@ -28,6 +28,7 @@ from edge_agent.config import AgentConfig
 from edge_agent.training.errors import SuperNodeError
 from edge_agent.trust.pairing import make_node_key, node_key_dir, node_public_key
 from hostkit.processes import stop_tree
+from protocols.privacy import LEDGER_FILE
 
 log = logging.getLogger(__name__)
 
@@ -70,6 +71,12 @@ class SuperNodeConfig:
     SuperNodes on one machine each get a share, so that they do not oversubscribe the cores."""
     cache_dir: Path | None = None
     """What later runs reuse (the frozen prefix's activations); None: ``work_dir/cache``."""
+    ledger_file: Path | None = None
+    """This device's privacy ledger (:mod:`edge_agent.training.ledger`); None: no ledger is
+    kept and no round is declined (labs and the coordinator's local demo agents)."""
+    privacy_budget: float | None = None
+    allow_non_dp: bool = False
+    allow_non_secagg: bool = False
 
 
 @dataclass
@@ -111,6 +118,20 @@ def _quote(value: str) -> str:
     return f'"{value}"'
 
 
+def _privacy_node_config(config: SuperNodeConfig) -> list[str]:
+    """The node-config entries of the privacy policy (read by the ClientApp)."""
+    if config.ledger_file is None:
+        return []
+    entries = [
+        f"ledger-file={_quote(str(config.ledger_file))}",
+        f'allow-non-dp="{str(config.allow_non_dp).lower()}"',
+        f'allow-non-secagg="{str(config.allow_non_secagg).lower()}"',
+    ]
+    if config.privacy_budget is not None:
+        entries.append(f"privacy-budget={float(config.privacy_budget)!r}")
+    return entries
+
+
 def start_supernode(config: SuperNodeConfig) -> SuperNodeProcess:
     """Launch ``flower-supernode`` for this agent (offline, TLS, 127.0.0.1)."""
     config.work_dir.mkdir(parents=True, exist_ok=True)
@@ -121,6 +142,7 @@ def start_supernode(config: SuperNodeConfig) -> SuperNodeProcess:
             f"data-dir={_quote(str(config.data_dir))}",
             f"cache-dir={_quote(str(config.cache_dir or config.work_dir / 'cache'))}",
             f"budget-bytes={int(config.budget_bytes)}",
+            *_privacy_node_config(config),
         ]
     )
     cmd = [
@@ -260,6 +282,10 @@ def agent_supernode(config: AgentConfig) -> Iterator[SupervisedSuperNode]:
             work_dir=work_dir,
             budget_bytes=train.budget_bytes,
             auth_private_key=private_key.resolve(),
+            ledger_file=work_dir / LEDGER_FILE,
+            privacy_budget=train.privacy_budget,
+            allow_non_dp=train.allow_non_dp,
+            allow_non_secagg=train.allow_non_secagg,
         )
     )
     try:
@@ -288,6 +314,10 @@ def main(argv: list[str] | None = None) -> int:
     )
     parser.add_argument("--threads", type=int, help="CPU threads of the training processes")
     parser.add_argument("--cache-dir", type=Path, help="what later runs reuse (default: work dir)")
+    parser.add_argument("--ledger-file", type=Path, help="keep a privacy ledger and enforce it")
+    parser.add_argument("--privacy-budget", type=float, help="largest epsilon (with a ledger)")
+    parser.add_argument("--allow-non-dp", action="store_true", help="with a ledger")
+    parser.add_argument("--allow-non-secagg", action="store_true", help="with a ledger")
     args = parser.parse_args(argv)
     node = start_supernode(
         SuperNodeConfig(
@@ -300,6 +330,10 @@ def main(argv: list[str] | None = None) -> int:
             auth_private_key=args.auth_private_key,
             threads=args.threads,
             cache_dir=args.cache_dir,
+            ledger_file=args.ledger_file,
+            privacy_budget=args.privacy_budget,
+            allow_non_dp=args.allow_non_dp,
+            allow_non_secagg=args.allow_non_secagg,
         )
     )
 
