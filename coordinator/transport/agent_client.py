@@ -33,8 +33,8 @@ from protocols.deploy import (
     UnloadRequest,
 )
 from protocols.errors import SchemaError
+from protocols.ledger import PRIVACY_PATH, PrivacyStatus
 from protocols.pairing import PairingGrant, PairingOffer
-from protocols.privacy import PRIVACY_PATH, PrivacyStatus
 from protocols.training_copy import TrainingCopyOffer, TrainingCopyStatus
 
 Model = TypeVar("Model", bound=FrozenModel)

@@ -47,6 +47,7 @@ from edge_agent.training.ledger import (
 from edge_agent.training.local import LocalSettings, load_train_data, train_locally
 from edge_agent.training.text_data import load_pairs, load_text
 from protocols.errors import SchemaError
+from protocols.ledger import LedgerDp
 from protocols.lora import (
     LORA_PLAN_KEY,
     METRIC_EPSILON,
@@ -57,7 +58,7 @@ from protocols.lora import (
     LoraPlan,
     reply_weight,
 )
-from protocols.privacy import SECAGG_CONFIG_KEY, LedgerDp, reply_fields
+from protocols.privacy import SECAGG_CONFIG_KEY, reply_fields
 from protocols.training import (
     METRIC_ACCURACY,
     METRIC_EXAMPLES,

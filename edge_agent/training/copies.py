@@ -36,7 +36,7 @@ from edge_agent.net.control import COORDINATOR_ONLY, Response, Route, json_respo
 from edge_agent.training.ledger import PrivacyLedger, PrivacyPolicy
 from edge_agent.trust.identity import PublicKey, verify_signature
 from hostkit.files import write_atomic
-from protocols.privacy import LEDGER_FILE, PRIVACY_PATH
+from protocols.ledger import LEDGER_FILE, PRIVACY_PATH
 from protocols.training_copy import (
     TrainingCopy,
     TrainingCopyOffer,

@@ -18,7 +18,7 @@ AgentError
 from __future__ import annotations
 
 from edge_agent.errors import AgentError
-from protocols.privacy import DeclineReason
+from protocols.ledger import DeclineReason
 
 
 class TrainingError(AgentError):

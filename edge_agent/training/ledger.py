@@ -28,7 +28,7 @@ import pydantic
 from pydantic import Field, TypeAdapter
 
 from edge_agent.training.errors import LedgerError, RoundDeclinedError
-from protocols.privacy import (
+from protocols.ledger import (
     DeclineReason,
     LedgerDp,
     LedgerLine,

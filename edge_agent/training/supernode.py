@@ -28,7 +28,7 @@ from edge_agent.config import AgentConfig
 from edge_agent.training.errors import SuperNodeError
 from edge_agent.trust.pairing import make_node_key, node_key_dir, node_public_key
 from hostkit.processes import stop_tree
-from protocols.privacy import LEDGER_FILE
+from protocols.ledger import LEDGER_FILE
 
 log = logging.getLogger(__name__)
 

@@ -24,15 +24,9 @@ from edge_agent.training.client_app import ShardClient
 from edge_agent.training.errors import RoundDeclinedError
 from edge_agent.training.ledger import PrivacyLedger, PrivacyPolicy, compose
 from edge_agent.training.local import LocalSettings
+from protocols.ledger import DeclineReason, LedgerRound, RunFate
 from protocols.lora import METRIC_HELD_OUT_LOSS, METRIC_PEAK_RSS, LoraPlan, RecordDp
-from protocols.privacy import (
-    FIT_REPLY_FIELDS,
-    SECAGG_CONFIG_KEY,
-    DeclineReason,
-    LedgerRound,
-    RunFate,
-    reply_fields,
-)
+from protocols.privacy import FIT_REPLY_FIELDS, SECAGG_CONFIG_KEY, reply_fields
 from protocols.training import METRIC_EXAMPLES, METRIC_LOSS
 
 pytestmark = pytest.mark.slow
