@@ -146,6 +146,9 @@ def random_tensor(
     rows, cols = int(np.prod(shape[:-1], dtype=np.int64)), shape[-1]
     if ggml_type in K_SCALE_OFFSETS:
         return _k_blocks(ggml_type, rows, cols, std, rng)
+    if ggml_type not in (T.F32, T.F16, *LEGACY):  # other types: bytes of the right size only
+        per_block, nbytes = GGML_QUANT_SIZES[ggml_type]
+        return rng.integers(0, 256, (rows, cols // per_block * nbytes), dtype=np.uint8)
     w = (rng.standard_normal((rows, cols)) * std).astype(np.float32)
     if ggml_type == T.F32:
         return w

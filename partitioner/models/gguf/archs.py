@@ -43,6 +43,8 @@ class Emitter:
     raw: RawTensors
     sink: Sink
     weights: WeightsMode = "keep"
+    accuracy_level: int = kernels.ACCURACY_LEVEL
+    """``MatMulNBits``' accuracy level (0: float activations, for exactness checks)."""
     nodes: list[onnx.NodeProto] = field(default_factory=list)
     initializers: list[TensorProto] = field(default_factory=list)
     _shared: dict[str, str] = field(default_factory=dict)
@@ -88,6 +90,7 @@ class Emitter:
             n_out,
             n_in,
             self.weights,
+            accuracy_level=self.accuracy_level,
         )
         return self.part(part)
 
@@ -379,7 +382,10 @@ def head(e: Emitter, x: str, trailing: int, top_k: int) -> tuple[str, str, str, 
     )
     h = rms_norm(e, last, "output_norm.weight", "head/norm")
     t = m.tensor(m.output_tensor)
-    part = kernels.matmul("output", h, e.raw(t.name), t.type, m.vocab, m.hidden, e.weights)
+    part = kernels.matmul(
+        "output", h, e.raw(t.name), t.type, m.vocab, m.hidden, e.weights,
+        accuracy_level=e.accuracy_level,
+    )  # fmt: skip
     logits = e.part(part)
     if m.final_softcap is not None:
         c = e.floats("head/softcap", m.final_softcap)

@@ -46,7 +46,7 @@ from onnx import TensorProto, helper
 from partitioner.errors import GraphError
 from partitioner.models.gguf import archs
 from partitioner.models.gguf.header import GgufModel, header_from_reader
-from partitioner.models.gguf.kernels import WeightsMode
+from partitioner.models.gguf.kernels import ACCURACY_LEVEL, WeightsMode
 from protocols.decoder import (
     ATTENTION_MASK,
     INPUT_IDS,
@@ -126,11 +126,16 @@ def build_segment(
     weights: WeightsMode = "keep",
     top_k: int = DEFAULT_TOP_K,
     trailing: int = TRAILING_POSITIONS,
+    accuracy_level: int = ACCURACY_LEVEL,
 ) -> onnx.ModelProto:
-    """The segment of ``span`` (module docstring); each initializer passes ``sink`` as made."""
+    """The segment of ``span`` (module docstring); each initializer passes ``sink`` as made.
+
+    ``accuracy_level``: ``MatMulNBits``' (4: int8 activations, ONNX Runtime's fast path and
+    llama.cpp's practice; 0: float activations, exact to float rounding, slow).
+    """
     model = source.model
     span.check(model)
-    e = archs.Emitter(model, source.raw, sink, weights)
+    e = archs.Emitter(model, source.raw, sink, weights, accuracy_level)
     blocks = range(span.start, span.end)
     inputs: list[onnx.ValueInfoProto] = []
     outputs: list[onnx.ValueInfoProto] = []

@@ -33,7 +33,8 @@ from gguf import GGML_QUANT_SIZES, GGMLQuantizationType, GGUFReader, GGUFValueTy
 from pydantic import Field, NonNegativeInt, PositiveFloat, PositiveInt
 
 from partitioner.errors import GraphError
-from partitioner.models.gguf.kernels_codes import FLOAT_TYPES, LAYOUTS
+from partitioner.models.gguf.kernels import MATMUL_BITS
+from partitioner.models.gguf.kernels_codes import FLOAT_TYPES
 from protocols.base import FrozenModel
 
 __all__ = [
@@ -244,7 +245,7 @@ def _tensors(reader: GGUFReader) -> dict[str, TensorEntry]:
 def _check_types(tensors: Mapping[str, TensorEntry]) -> None:
     for t in tensors.values():
         kind = t.type
-        if kind in FLOAT_TYPES or kind in LAYOUTS:
+        if kind in FLOAT_TYPES or kind in MATMUL_BITS:
             continue
         known = "gguf-py dequantizes it; " if kind in GGML_QUANT_SIZES else ""
         raise UnsupportedModel(
