@@ -6,6 +6,11 @@ it as pending, with its code. Approving ``NAME CODE`` issues the certificate and
 :class:`~protocols.pairing.PairingGrant` to the agent (retried by the poller if the agent was
 unreachable). Revoking pushes the complete revocation list to every paired agent, and to any
 paired agent seen later, so every agent refuses the device on both planes.
+
+Every exchange (an offer fetched, a grant delivered, a revocation list or a renewed certificate
+pushed) runs on its own task under its own deadline (:mod:`coordinator.trust.exchanges`), and
+its result is handled as it completes: a poll round only starts what is due, so a host that
+drips or fails delays nobody else's pairing, and it backs off per endpoint.
 """
 
 from __future__ import annotations
@@ -13,23 +18,25 @@ from __future__ import annotations
 import logging
 import threading
 import time
-from concurrent.futures import ThreadPoolExecutor
+from functools import partial
 
 from coordinator.errors import AgentError, PairingError
 from coordinator.fleet.registry import DeviceRecord, DeviceRegistry
 from coordinator.transport.agent_client import AgentAddress, AgentClient, fetch_offer, send_grant
 from coordinator.trust.ca import CertificateAuthority
+from coordinator.trust.exchanges import Endpoint, Exchanges
 from coordinator.trust.offers import OfferTableFullError
 from coordinator.trust.pairing import PairedDevice, Pairing
 from coordinator.trust.renewal import expires_soon, needs_push
-from protocols.deploy import CertificateRenewal, Revocations
+from protocols.deploy import AgentStatus, CertificateRenewal, Revocations
 from protocols.pairing import PairingGrant, PairingOffer, grant_proof
 
 log = logging.getLogger(__name__)
 POLL_INTERVAL_S = 0.5
-FETCH_WORKERS = 8
 RETRY_S = 5.0
-"""After a failed offer fetch, the host is asked again this much later."""
+"""A renewed certificate is sent again this much later if the agent still announces the old."""
+WAIT_S = 10.0
+"""How long approve, revoke and a waited poll round wait for the exchanges they started."""
 
 
 def address_of(record: DeviceRecord) -> AgentAddress:
@@ -51,13 +58,14 @@ class TrustService:
         self._registry = registry
         self._ca = ca
         self._agents = agents
+        self._exchanges = Exchanges()
         self._offered: set[str] = set()
         """Fingerprints of unpaired agents whose offer is recorded."""
         self._undelivered: dict[str, PairedDevice] = {}
         self._grant_keys: dict[str, bytes] = {}
-        self._retry_at: dict[str, float] = {}
-        """Fingerprint -> when a host whose offer could not be fetched is asked again."""
         """The key each undelivered grant proves knowledge of the code with."""
+        self._retry_at: dict[str, float] = {}
+        """Fingerprint -> when a renewed certificate is sent again."""
         self._revocations_sent: dict[str, Revocations] = {}
         self._lock = threading.Lock()
         self._stop = threading.Event()
@@ -72,25 +80,43 @@ class TrustService:
         ]
 
     def approve(self, name: str, code: str) -> PairedDevice:
-        """Issue ``name``'s certificate if ``code`` matches, and deliver it to the agent."""
+        """Issue ``name``'s certificate if ``code`` matches, and deliver it to the agent
+        (waiting up to :data:`WAIT_S` for the deliveries; the poller retries the rest)."""
         device, key = self._pairing.approve_with_key(name, code)
         with self._lock:
             self._undelivered[name] = device
             self._grant_keys[name] = key
-        self._deliver_grants()
+        self._exchanges.wait_idle(WAIT_S, self._deliver_grants())
         return device
 
     def revoke(self, name: str) -> list[str]:
-        """Revoke ``name`` and tell every paired agent; returns the agents that were told."""
+        """Revoke ``name`` and tell every paired agent, all at once; returns the agents that
+        were told within :data:`WAIT_S` (the poller tells the others later)."""
         self._pairing.revoke(name)
-        return self._push_revocations(force=True)
+        told: list[str] = []
+        started = self._push_revocations(force=True, told=told)
+        self._exchanges.wait_idle(WAIT_S, started)
+        with self._lock:
+            return sorted(told)
 
     def poll_once(self) -> None:
-        """One round: collect offers, deliver grants, spread the revocation list."""
+        """One round, waited for (up to :data:`WAIT_S`): see :meth:`start_round`."""
+        self.start_round()
+        self._exchanges.wait_idle(WAIT_S)
+
+    def start_round(self) -> None:
+        """Start what is due: offer fetches, grant deliveries, revocation and renewal pushes.
+
+        Each runs on its own task and is handled as it completes; nothing here waits for one.
+        """
         self._collect_offers()
         self._deliver_grants()
         self._push_revocations(force=False)
         self._renew_certificates()
+
+    def in_flight(self) -> int:
+        """Exchanges with agents running now."""
+        return self._exchanges.in_flight()
 
     def start(self) -> None:
         """Poll in a background thread until :meth:`stop`."""
@@ -98,43 +124,44 @@ class TrustService:
         self._thread.start()
 
     def stop(self) -> None:
-        """Stop polling and join the thread."""
+        """Stop polling, join the thread, and end every exchange (cancelled or finished)."""
         self._stop.set()
         if self._thread is not None:
             self._thread.join(30.0)
+        self._exchanges.close()
 
     def _run(self) -> None:
         while not self._stop.wait(POLL_INTERVAL_S):
-            self.poll_once()
+            try:
+                self.start_round()
+            except Exception:  # the poller must outlive any one bad round
+                log.exception("pairing round failed")
 
     def _collect_offers(self) -> None:
-        """Fetch the offers of newly seen unpaired agents, all at once (each exchange has its
-        own deadline, so a host that drips its answer delays nobody else), then record them."""
+        """Start fetching the offers of newly seen unpaired agents, each on its own."""
         self._prune_offers()
         book = self._pairing.book()
         paired = {d.name for d in book.paired}
-        now = time.monotonic()
-        wanted = [
-            record
-            for record in self._registry.devices()
-            if not (
+        with self._lock:
+            offered = set(self._offered)
+        for record in self._registry.devices():
+            if (
                 record.announcement.state.paired
-                or record.fingerprint in self._offered
-                or self._retry_at.get(record.fingerprint, 0.0) > now
+                or record.fingerprint in offered
                 or record.name in book.revoked_names
                 or record.name in paired
+            ):
+                continue
+            address = address_of(record)
+            self._exchanges.start(
+                _endpoint(record), partial(fetch_offer, address), partial(self._fetched, record)
             )
-        ]
-        if not wanted:
-            return
-        with ThreadPoolExecutor(min(len(wanted), FETCH_WORKERS)) as pool:
-            fetched = list(pool.map(_fetch, wanted))
-        for record, offer in zip(wanted, fetched, strict=True):
-            if isinstance(offer, AgentError):
-                self._retry_at[record.fingerprint] = time.monotonic() + RETRY_S
-                log.info("no pairing offer from %s yet: %s", record.name, offer)
-            else:
-                self._record_offer(record, offer)
+
+    def _fetched(self, record: DeviceRecord, offer: PairingOffer | AgentError) -> None:
+        if isinstance(offer, AgentError):
+            log.info("no pairing offer from %s yet: %s", record.name, offer)
+        else:
+            self._record_offer(record, offer)
 
     def _record_offer(self, record: DeviceRecord, offer: PairingOffer) -> None:
         if offer.name != record.name:
@@ -148,10 +175,12 @@ class TrustService:
             log.warning("pairing offer from %s not recorded: %s", record.name, exc)
             return
         except PairingError as exc:
-            self._offered.add(record.fingerprint)  # refused once, not fetched again
+            with self._lock:
+                self._offered.add(record.fingerprint)  # refused once, not fetched again
             log.warning("pairing offer from %s refused: %s", record.name, exc)
             return
-        self._offered.add(record.fingerprint)
+        with self._lock:
+            self._offered.add(record.fingerprint)
         log.warning("pairing request from %s (key %s)", record.name, key_id)
 
     def _renew_certificates(self) -> None:
@@ -160,19 +189,21 @@ class TrustService:
         devices = {d.name: d for d in self._pairing.book().paired}
         for record in self.trusted():
             device = devices.get(record.name)
-            if device is None or self._retry_at.get(record.fingerprint, 0.0) > now:
+            with self._lock:
+                due = self._retry_at.get(record.fingerprint, 0.0) <= now
+            if device is None or not due or not self._exchanges.ready(_endpoint(record)):
                 continue
             if not needs_push(device, record.fingerprint):
                 if record.fingerprint != device.fingerprint or not expires_soon(device):
                     continue
                 device = self._pairing.renew(record.name)
-            self._retry_at[record.fingerprint] = now + RETRY_S
-            try:
-                self._agents.renew(address_of(record), CertificateRenewal(cert_pem=device.cert_pem))
-            except AgentError as exc:
-                log.warning("could not renew the certificate of %s: %s", record.name, exc)
-                continue
-            log.warning("renewed the certificate of %s (%s)", record.name, device.fingerprint[:16])
+            with self._lock:
+                self._retry_at[record.fingerprint] = now + RETRY_S
+            renewal = CertificateRenewal(cert_pem=device.cert_pem)
+            call = partial(self._agents.renew, address_of(record), renewal)
+            self._exchanges.start(
+                _endpoint(record), call, partial(_renewed, record.name, device.fingerprint)
+            )
 
     def _prune_offers(self) -> None:
         """Drop pending offers whose key no unpaired device announces any more (withdrawn, or an
@@ -182,11 +213,12 @@ class TrustService:
         for offer in self._pairing.book().pending:
             if (offer.name, offer.key_id) not in announced:
                 self._pairing.discard_offer(offer.name, offer.key_id or "")
-        self._offered &= {r.fingerprint for r in live}
+        with self._lock:
+            self._offered &= {r.fingerprint for r in live}
 
-    def _deliver_grants(self) -> None:
-        """Send each approved grant to every unpaired agent announcing its name, until the
-        device announces itself paired with the issued certificate.
+    def _deliver_grants(self) -> list[Endpoint]:
+        """Start sending each approved grant to every unpaired agent announcing its name, until
+        the device announces itself paired with the issued certificate; returns the endpoints.
 
         Only the agent that shows the code can check the grant's proof and holds the key the
         certificate is for; a same-name rogue gets a certificate it cannot use, and cannot make
@@ -194,6 +226,7 @@ class TrustService:
         """
         with self._lock:
             waiting = dict(self._undelivered)
+        started: list[Endpoint] = []
         for name, device in waiting.items():
             if any(r.fingerprint == device.fingerprint and _paired(r) for r in self.trusted()):
                 log.warning("paired %s (certificate %s)", name, device.fingerprint[:16])
@@ -209,35 +242,60 @@ class TrustService:
             for record in self._registry.devices():
                 if record.name != name or _paired(record):
                     continue
-                try:
-                    send_grant(address_of(record), grant)
-                except AgentError as exc:
-                    log.warning("could not deliver the certificate to %s: %s", name, exc)
+                call = partial(send_grant, address_of(record), grant)
+                if self._exchanges.start(_endpoint(record), call, partial(_granted, name)):
+                    started.append(_endpoint(record))
+        return started
 
-    def _push_revocations(self, force: bool) -> list[str]:
+    def _push_revocations(self, force: bool, told: list[str] | None = None) -> list[Endpoint]:
+        """Start sending the revocation list to every trusted agent that lacks it (``force``:
+        to every one); each one told is recorded as it answers. Returns the endpoints."""
         book = self._pairing.book()
         revoked = Revocations(names=book.revoked_names, fingerprints=book.revoked_fingerprints)
         if not revoked.names and not revoked.fingerprints:
             return []
-        told = []
+        started: list[Endpoint] = []
         for record in self.trusted():
-            if not force and self._revocations_sent.get(record.fingerprint) == revoked:
+            with self._lock:
+                sent = self._revocations_sent.get(record.fingerprint) == revoked
+            if sent and not force:
                 continue
-            try:
-                self._agents.revocations(address_of(record), revoked)
-            except AgentError as exc:
-                log.warning("could not send the revocation list to %s: %s", record.name, exc)
-                continue
+            call = partial(self._agents.revocations, address_of(record), revoked)
+            done = partial(self._revocations_pushed, record, revoked, told)
+            if self._exchanges.start(_endpoint(record), call, done):
+                started.append(_endpoint(record))
+        return started
+
+    def _revocations_pushed(
+        self,
+        record: DeviceRecord,
+        revoked: Revocations,
+        told: list[str] | None,
+        result: AgentStatus | AgentError,
+    ) -> None:
+        if isinstance(result, AgentError):
+            log.warning("could not send the revocation list to %s: %s", record.name, result)
+            return
+        with self._lock:
             self._revocations_sent[record.fingerprint] = revoked
-            told.append(record.name)
-        return told
+            if told is not None:
+                told.append(record.name)
 
 
-def _fetch(record: DeviceRecord) -> PairingOffer | AgentError:
-    try:
-        return fetch_offer(address_of(record))
-    except AgentError as exc:
-        return exc
+def _granted(name: str, result: AgentStatus | AgentError) -> None:
+    if isinstance(result, AgentError):
+        log.warning("could not deliver the certificate to %s: %s", name, result)
+
+
+def _renewed(name: str, fingerprint: str, result: AgentStatus | AgentError) -> None:
+    if isinstance(result, AgentError):
+        log.warning("could not renew the certificate of %s: %s", name, result)
+    else:
+        log.warning("renewed the certificate of %s (%s)", name, fingerprint[:16])
+
+
+def _endpoint(record: DeviceRecord) -> Endpoint:
+    return (record.host, record.announcement.profile.control_port)
 
 
 def _paired(record: DeviceRecord) -> bool:
