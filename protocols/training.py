@@ -18,6 +18,7 @@ from typing import Final, Literal, Self
 from pydantic import Field, NonNegativeInt, PositiveFloat, PositiveInt, model_validator
 
 from protocols.base import FrozenModel
+from protocols.ledger import PrivacyStatus
 
 TRAIN_PLAN_FORMAT: Final = "fedshard.trainplan/1"
 TRAIN_PLAN_KEY: Final = "fedshard-train-plan"
@@ -208,6 +209,10 @@ class RunStatus(FrozenModel):
     final_recall_at_1: float | None = Field(default=None, ge=0, le=1)
     """``lora`` of an encoder: the same for the final adapters."""
     rollouts: list[RunRollout] = Field(default_factory=list)
+    privacy_per_device: dict[str, PrivacyStatus] = Field(default_factory=dict)
+    """``lora`` on paired agents: each device's privacy ledger after the run's rounds, as the
+    device reports it (``GET /v1/training/privacy``): epsilon spent over every run it took part
+    in (failed and rolled-back ones included) and what its budget leaves."""
 
 
 class RunList(FrozenModel):

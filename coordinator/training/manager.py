@@ -14,11 +14,12 @@ import logging
 import threading
 import uuid
 from collections.abc import Callable
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Protocol
 
 from coordinator.errors import CoordinatorError
 from coordinator.training.errors import RunConflictError, UnknownRunError
+from protocols.ledger import PrivacyStatus
 from protocols.training import RunRollout, RunRound, RunState, RunStatus, TrainingRunRequest
 
 log = logging.getLogger(__name__)
@@ -37,6 +38,8 @@ class LoraSummary:
     trained_shard_bytes: int | None
     baseline_recall: float | None = None
     final_recall: float | None = None
+    privacy: dict[str, PrivacyStatus] = field(default_factory=dict)
+    """Each paired device's privacy ledger after the rounds (device name -> its report)."""
 
 
 class RunReporter(Protocol):
@@ -101,6 +104,7 @@ class _Run:
             trained_shard_bytes=summary.trained_shard_bytes,
             baseline_recall_at_1=summary.baseline_recall,
             final_recall_at_1=summary.final_recall,
+            privacy_per_device=dict(summary.privacy),
         )
 
     def end(self, state: RunState, error: str | None = None) -> None:

@@ -84,5 +84,18 @@ class Lineage(FrozenModel):
     epsilon_per_device: dict[str, NonNegativeFloat] = Field(default_factory=dict)
     """LoRA runs: each device's record-level epsilon in this run (by SuperNode)."""
     epsilon_total: NonNegativeFloat | None = None
-    """LoRA runs: epsilon summed over this run and every run of its ancestry (sequential
-    composition; each device's own total is at most this)."""
+    """LoRA runs: the largest epsilon any training device's privacy ledger reports after this
+    run (every run it took part in: failed, rolled back, other branches), or, where no device
+    reported its ledger, epsilon summed over this run and every run of its ancestry. None when
+    :attr:`non_dp_ancestor`."""
+    non_dp_ancestor: bool = False
+    """This run, a run of its ancestry, or a round in a device's ledger trained without DP: no
+    finite epsilon holds (shown as "non-DP ancestor" instead of a number)."""
+
+    @property
+    def epsilon_label(self) -> str:
+        """The lineage's epsilon as words: "non-DP ancestor", a number, or "-"."""
+        if self.non_dp_ancestor:
+            return "non-DP ancestor"
+        total = self.epsilon_total if self.epsilon_total is not None else self.epsilon
+        return "-" if total is None else f"{total:.3g}"

@@ -29,7 +29,7 @@ from pydantic import ValidationError
 from coordinator.config import AgentTrainingConfig
 from coordinator.deploy.deployer import Deployer
 from coordinator.deploy.store import DeploymentStore
-from coordinator.errors import NotServableError, UnknownModelError
+from coordinator.errors import AgentError, NotServableError, UnknownModelError
 from coordinator.training.errors import LoraTargetError, NoTrainingTargetError, TrainingError
 from coordinator.training.heldout import load_arrays
 from coordinator.training.lora.runner import LoraRunner, LoraTarget
@@ -50,6 +50,7 @@ from coordinator.training.runner import (
 from coordinator.training.version import Version
 from coordinator.transport.agent_client import AgentAddress, AgentClient
 from coordinator.trust.ca import CertificateAuthority
+from protocols.ledger import PrivacyStatus
 from protocols.training import TrainingRunRequest, TrainingTargetSpec
 from protocols.training_copy import TrainingCopyOffer
 
@@ -147,6 +148,22 @@ class PairedAgents:
     devices: Callable[[], list[AgentAddress]] = list
     """The paired agents online now."""
 
+    def privacy(self) -> dict[str, PrivacyStatus]:
+        """Each online training agent's privacy ledger totals (``GET /v1/training/privacy``);
+        an agent that cannot answer (no ledger route, unreachable) is logged and left out."""
+        if self.client is None:
+            return {}
+        keyed = self.node_keys()
+        out: dict[str, PrivacyStatus] = {}
+        for agent in self.devices():
+            if agent.device not in keyed:
+                continue
+            try:
+                out[agent.device] = self.client.training_privacy(agent)
+            except AgentError as exc:
+                log.warning("%s: no privacy ledger report: %s", agent.device, exc)
+        return out
+
     def send_copy(self, offer: TrainingCopyOffer, segments: Path, needed: int) -> list[str]:
         """Send a run's version to the online agents that have a node key; who holds it."""
         from coordinator.training.copies import send_to_trainers
@@ -239,6 +256,7 @@ def lora_runner(
         federation,
         DecoderPublisher(deployer, store, ca.cert_pem),
         model_cache or default_cache_dir(os.environ.get("FEDSHARD_CACHE")),
+        privacy=None if agents is None else agents.privacy,
     )
 
 

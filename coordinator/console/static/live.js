@@ -233,6 +233,7 @@ function renderRun(run) {
     ${run.model_id ? `LoRA of ${esc(run.model_id)}, ` : ""}${rounds.length} round(s) done${
       last && last.accuracy !== null ? `, accuracy ${(last.accuracy * 100).toFixed(1)} %` : ""}${
       loraOutcome(run).map(part => `, ${part}`).join("")}.
+    ${privacyLedgers(run)}
     ${run.error ? `<span class="error-text">${esc(run.error)}</span>` : ""}`;
   const by = f => rounds.map(r => [r.round, f(r)]);
   Charts.line($("train-loss"), [{name: "loss", points: by(r => r.loss)}], {empty: "waiting for round 1"});
@@ -248,6 +249,17 @@ function renderRun(run) {
     <td>${r.loss.toFixed(4)}</td><td>${r.accuracy === null ? "–" : (r.accuracy * 100).toFixed(1) + " %"}</td>
     <td>${r.epsilon === null ? "–" : r.epsilon.toFixed(2)}</td><td>${r.clients}</td>
     <td>${mb(r.bytes_uploaded)}</td><td>${r.seconds.toFixed(1)} s</td></tr>`).join("");
+}
+
+// Each device's privacy ledger as it reported it after the run (every run it took part in,
+// failed and rolled-back ones included): epsilon spent, and what its budget leaves.
+function privacyLedgers(run) {
+  const devices = Object.entries(run.privacy_per_device || {});
+  if (!devices.length) return "";
+  const one = ([name, p]) => `${esc(name)}: ε ${p.epsilon_spent.toFixed(2)} spent` +
+    (p.budget == null ? " (no budget)" : `, ${p.remaining.toFixed(2)} left of ${p.budget}`) +
+    (p.non_dp_rounds ? `, ${p.non_dp_rounds} round(s) without DP` : "");
+  return `<span class="privacy-ledgers">Privacy ledgers: ${devices.map(one).join("; ")}.</span>`;
 }
 
 // What a LoRA run's summary says of its held-out outcome, before → after ("–" for an end not

@@ -44,6 +44,7 @@ from coordinator.trust.ca import CertificateAuthority
 from hostkit.files import write_atomic
 from protocols.decoder import TOKENIZER_FILE
 from protocols.errors import SchemaError
+from protocols.ledger import PrivacyStatus
 from protocols.lora import LoraPlan
 from protocols.manifest import Manifest
 from protocols.training import RunRollout, RunRound, TrainingRunRequest
@@ -220,8 +221,12 @@ class LoraRunner:
         tuning: LoraTuning | None = None,
         timeout_s: float = 3600.0,
         stage_timeout_s: float = 600.0,
+        privacy: Callable[[], dict[str, PrivacyStatus]] | None = None,
     ) -> None:
         self.work_dir = work_dir
+        self.privacy = privacy
+        """Reads the training devices' privacy ledgers (paired agents; None: local SuperNodes,
+        which keep none)."""
         self.ca = ca
         self.resolve = resolve
         self.federation = federation
@@ -256,6 +261,7 @@ class LoraRunner:
             record = follow(link, Path(cfg.record_file), rounds.update, self.timeout_s,
                             stop.is_set, flower_run)  # fmt: skip
         rounds.update(record)
+        privacy = self.privacy() if self.privacy is not None else {}
         trained = max((r.trained_shard_bytes for r in record.rounds), default=None)
         report.summary(
             LoraSummary(
@@ -265,11 +271,12 @@ class LoraRunner:
                 trained_shard_bytes=None if trained is None else round(trained),
                 baseline_recall=record.baseline_recall,
                 final_recall=record.final_recall,
+                privacy=privacy,
             )
         )
         arrays = load_weights(Path(cfg.weights_file))
         check_converged(record, arrays)
-        self.roll_out(target, plan, base, record, arrays, report)
+        self.roll_out(target, plan, base, record, arrays, report, privacy)
 
     def roll_out(
         self,
@@ -279,8 +286,10 @@ class LoraRunner:
         record: LoraRecord,
         arrays: list[np.ndarray],
         report: RunReporter,
+        privacy: dict[str, PrivacyStatus] | None = None,
     ) -> None:
-        """Merge, sign, and roll the new version out (see the module doc)."""
+        """Merge, sign, and roll the new version out (see the module doc); the lineage's
+        epsilon is read from the devices' ``privacy`` ledgers when they reported them."""
         from coordinator.training.lora.whole import write_whole_model
 
         parent = Version.load(target.version_dir)
@@ -291,6 +300,8 @@ class LoraRunner:
             clients_per_round=[r.clients for r in record.rounds],
             epsilon=max(eps) if eps else None, signer=self.ca,
             epsilon_per_device=record.rounds[-1].epsilon if record.rounds else None,
+            ledger_epsilon=max((p.epsilon_spent for p in (privacy or {}).values()), default=None),
+            ledger_non_dp=any(p.non_dp_rounds for p in (privacy or {}).values()),
         )  # fmt: skip
         write_whole_model(target.model_file, plan, base, arrays, out)
         plan_version = None

@@ -42,9 +42,14 @@ def write_lora_version(
     epsilon: float | None,
     signer: Signer | None = None,
     epsilon_per_device: dict[str, float] | None = None,
+    ledger_epsilon: float | None = None,
+    ledger_non_dp: bool = False,
 ) -> Version:
-    """Write ``out_dir``: ``parent`` with the run's adapters merged, its lineage (with epsilon
-    summed over the runs of the parent's lineage), its signature."""
+    """Write ``out_dir``: ``parent`` with the run's adapters merged, its lineage, its signature.
+    The lineage's total epsilon is ``ledger_epsilon`` (the largest the devices' privacy ledgers
+    report) when given, else summed over the runs of the parent's lineage; a run without DP, a
+    parent lineage with one, or ``ledger_non_dp`` (a device's ledger holds a round without DP)
+    makes it "non-DP ancestor" instead."""
     weights = lora_weights(parent, plan, arrays)
     dp = plan.dp
     settings = TrainingSettings(
@@ -59,6 +64,7 @@ def write_lora_version(
         batch_size=plan.batch_size,
         min_clients=min(clients_per_round, default=0),
     )
+    non_dp = epsilon is None or ledger_non_dp or _non_dp_lineage(parent)
     lineage = Lineage(
         parent_version=parent.name,
         parent_model_sha256=parent.manifest.model.sha256,
@@ -70,9 +76,27 @@ def write_lora_version(
         settings=settings,
         metrics=[],
         epsilon_per_device=epsilon_per_device or {},
-        epsilon_total=_total_epsilon(parent, epsilon),
+        epsilon_total=None if non_dp else _lineage_total(parent, epsilon, ledger_epsilon),
+        non_dp_ancestor=non_dp,
     )
     return write_version(parent, weights, lineage, out_dir, signer)
+
+
+def _lineage_total(parent: Version, epsilon: float | None, ledger: float | None) -> float | None:
+    """The devices' ledgers' epsilon when reported, else the sum over the lineage's runs."""
+    return ledger if ledger is not None else _total_epsilon(parent, epsilon)
+
+
+def _non_dp_lineage(parent: Version) -> bool:
+    """Whether ``parent`` was trained without DP, or descends from a version that was (a
+    version no run wrote, such as the first deployed one, is not)."""
+    try:
+        prior = Lineage.from_json((parent.path / LINEAGE_FILE).read_bytes())
+    except FileNotFoundError:
+        return False
+    except (OSError, SchemaError):
+        return True  # an unreadable lineage cannot show its runs were private
+    return prior.non_dp_ancestor or prior.epsilon is None
 
 
 def _total_epsilon(parent: Version, epsilon: float | None) -> float | None:
