@@ -116,7 +116,7 @@ class UnsupportedModelError(RequestError):
     """A GGUF file fedshard cannot serve; ``what`` names the unsupported thing (an
     architecture, a tensor type, a rope scaling mode). Raised before anything is pushed."""
 
-    def __init__(self, message: str, what: str) -> None:
+    def __init__(self, message: str, what: str = "") -> None:
         super().__init__(message)
         self.what = what
 
