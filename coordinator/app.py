@@ -23,6 +23,7 @@ from coordinator.fleet.liveness import Liveness
 from coordinator.fleet.registry import DeviceRecord, DeviceRegistry
 from coordinator.fleet.requester_links import requester_probe
 from coordinator.http.app import Services, create_app
+from coordinator.http.server import api_server
 from coordinator.http.serving import Serving
 from coordinator.serving.decoder import DecoderModels, planned_context, rows_exact_on
 from coordinator.serving.embeddings import Embedder
@@ -43,8 +44,6 @@ log = logging.getLogger(__name__)
 
 def serve(config: CoordinatorConfig, console: Console) -> int:
     """Run the coordinator until interrupted; returns the exit code."""
-    import uvicorn
-
     config.state_dir.mkdir(parents=True, exist_ok=True, mode=0o700)
     for leftover in sweep_temp_files(config.state_dir):
         log.warning("removed %s, left by a write that a crash interrupted", leftover.name)
@@ -122,9 +121,7 @@ def serve(config: CoordinatorConfig, console: Console) -> int:
             speculation_off=generation.speculation_off,
         )
     )
-    server = uvicorn.Server(
-        uvicorn.Config(app, host=config.api_host, port=config.port, log_level="warning")
-    )
+    server = api_server(app, config.api_host, config.port)
     discovery = ZeroconfDiscovery(registry, config.interface)
     try:
         trust.start()
