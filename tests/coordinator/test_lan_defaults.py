@@ -16,14 +16,17 @@ from coordinator.config import (
 from fedshard.cli import build_parser
 
 
-def _help(command: str) -> str:
-    parser = build_parser()
-    sub = parser._subparsers._group_actions[0].choices[command]  # type: ignore[union-attr]
-    return " ".join(sub.format_help().split())
+def _help(command: str, capsys: pytest.CaptureFixture[str], monkeypatch: pytest.MonkeyPatch) -> str:
+    monkeypatch.setenv("COLUMNS", "300")
+    with pytest.raises(SystemExit):
+        build_parser().parse_args([command, "--help"])
+    return " ".join(capsys.readouterr().out.split())
 
 
-def test_help_says_what_it_binds_to_and_why() -> None:
-    text = _help("coordinator")
+def test_help_says_what_it_binds_to_and_why(
+    capsys: pytest.CaptureFixture[str], monkeypatch: pytest.MonkeyPatch
+) -> None:
+    text = _help("coordinator", capsys, monkeypatch)
     assert "default 127.0.0.1: only this machine" in text
     assert "--all-interfaces" in text
     assert "refused without an API token" in text
@@ -40,7 +43,12 @@ def test_all_interfaces_serves_the_api_everywhere_and_browses_on_one(
     tmp_path: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:
     seen: list[CoordinatorConfig] = []
-    monkeypatch.setattr(service, "serve", lambda config, console: seen.append(config) or 0)
+
+    def serve(config: CoordinatorConfig, console: object) -> int:
+        seen.append(config)
+        return 0
+
+    monkeypatch.setattr(service, "serve", serve)
     base = ["coordinator", "--state-dir", str(tmp_path / "state"), "--port", "0"]
     refused = build_parser().parse_args([*base, "--interface", "0.0.0.0"])
     assert refused.run(refused) == 2

@@ -16,10 +16,13 @@ def _agent_args(tmp_path: Path, *extra: str) -> list[str]:
     return ["agent", "--name", "nas", "--memory", "64MiB", "--state-dir", str(tmp_path), *extra]
 
 
-def test_help_states_the_default_interface_and_why() -> None:
-    parser = build_parser()
-    sub = parser._subparsers._group_actions[0].choices["agent"]  # type: ignore[union-attr]
-    text = " ".join(sub.format_help().split())
+def test_help_states_the_default_interface_and_why(
+    capsys: pytest.CaptureFixture[str], monkeypatch: pytest.MonkeyPatch
+) -> None:
+    monkeypatch.setenv("COLUMNS", "300")
+    with pytest.raises(SystemExit):
+        build_parser().parse_args(["agent", "--help"])
+    text = " ".join(capsys.readouterr().out.split())
     assert "default 127.0.0.1: only this machine" in text
     assert "default 0: any free port" in text
 
