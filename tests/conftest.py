@@ -57,6 +57,12 @@ REPO_CACHE = Path(__file__).resolve().parent.parent / ".cache" / "fedshard"
 
 
 @pytest.fixture(scope="session")
+def repo_cache() -> Path:
+    """:data:`REPO_CACHE` for tests in the package folders, where ``conftest`` names their own."""
+    return REPO_CACHE
+
+
+@pytest.fixture(scope="session")
 def gemma_export_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
     """``fedshard export gemma3-270m --weights fp32`` output directory (real weights).
 

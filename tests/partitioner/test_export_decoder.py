@@ -264,13 +264,11 @@ def test_cli_passes_top_k_and_the_cache_dir_from_the_environment(
 
 
 @pytest.fixture(scope="module")
-def gemma_source() -> Any:
-    from conftest import REPO_CACHE
-
+def gemma_source(repo_cache: Path) -> Any:
     from partitioner.models.decoders.progress import Steps
     from partitioner.models.decoders.sources import load_source
 
-    return load_source("gemma3-270m", REPO_CACHE, Steps())
+    return load_source("gemma3-270m", repo_cache, Steps())
 
 
 def test_real_gemma_greedy_matches_transformers_on_a_chat_prompt(
