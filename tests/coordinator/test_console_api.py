@@ -348,6 +348,7 @@ def test_plan_route_shows_units_memory_and_the_bottleneck(
         "tokens_per_s": None,
         "drafted_tokens": 0,
         "accepted_tokens": 0,
+        "gguf": None,  # deployed from an ONNX file, not a GGUF
     }
     view = client.get("/v1/plan/stack", headers=AUTH).json()
     stages = view["stages"]
