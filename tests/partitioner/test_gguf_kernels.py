@@ -19,6 +19,7 @@ from gguf.quants import dequantize as gguf_dequantize
 from gguf.quants import quantize as gguf_quantize
 from onnx import TensorProto, helper
 
+from partitioner.errors import GraphError
 from partitioner.models.gguf import kernels, kernels_codes
 from partitioner.models.gguf.kernels import GraphPart, UnsupportedTensorType
 
@@ -222,6 +223,12 @@ def test_requantized_weights_are_close(
     (rows,) = session(emb, "ids", TensorProto.INT64, [2]).run(None, {"ids": ids})
     step = np.abs(w[ids]).max() / (7 if weights == "int4" else 127)
     assert np.abs(rows - w[ids]).max() <= step
+
+
+def test_requantized_embedding_needs_whole_blocks() -> None:
+    raw = random_raw(T.F32, 4, 48)
+    with pytest.raises(GraphError, match="48 values"):
+        kernels.gather("e", "ids", raw, T.F32, 4, 48, "int8")
 
 
 @pytest.mark.parametrize("weights", ["keep", "int4", "int8"])

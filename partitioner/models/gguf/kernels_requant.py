@@ -15,6 +15,7 @@ from gguf import GGMLQuantizationType
 from onnx import helper, numpy_helper
 from onnxruntime.capi._pybind_state import quantize_matmul_4bits, quantize_matmul_8bits
 
+from partitioner.errors import GraphError
 from partitioner.models.gguf.kernels_codes import MS_DOMAIN, GraphPart, WeightsMode, float_rows
 
 BLOCK = 32
@@ -92,7 +93,10 @@ def requantized_gather(
     n_cols: int,
     weights: WeightsMode,
 ) -> GraphPart:
-    """uint8 ``GatherBlockQuantized`` (4 or 8 bits, block 32) of the re-quantized rows."""
+    """uint8 ``GatherBlockQuantized`` (4 or 8 bits, block 32) of the re-quantized rows;
+    :class:`GraphError` unless ``n_cols`` is whole blocks (a padded row would be gathered)."""
+    if n_cols % BLOCK:
+        raise GraphError(f"embedding rows of {n_cols} values are not whole {BLOCK}-blocks")
     bits = _bits(weights)
     packed, scales, zeros = blockwise(raw, ggml_type, n_rows, n_cols, bits)
     inits = (
