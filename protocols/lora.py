@@ -205,6 +205,19 @@ def reply_weight(plan: LoraPlan, records: int) -> int:
     return DP_REPLY_WEIGHT if plan.dp is not None else min(records, MAX_REPLY_WEIGHT)
 
 
+STATS_SCALE: Final = 16.0
+"""Under DP with SecAgg+, a reply's last array is ``[held-out loss / STATS_SCALE, 1]`` (``[0,
+0]`` for a device without held-out records): inside the masked vector, so the coordinator sees
+only the round's mean, ``sum(loss) / sum(has)``, never one device's. The scale keeps losses up to
+128 nats inside SecAgg+'s clipping range [-8, 8]."""
+
+
+def carries_stats(plan: LoraPlan, secagg: bool) -> bool:
+    """Whether a reply appends the held-out statistics array (DP rounds under SecAgg+ only: in
+    clear it would give one device's loss away)."""
+    return plan.dp is not None and secagg
+
+
 def max_reply_weight(plan: LoraPlan) -> float:
     """SecAgg+'s ``max_weight`` for a plan: each device scales its vector by ``weight /
     max_weight`` before quantizing it to 2**22 levels over [-8, 8], so a maximum above what any

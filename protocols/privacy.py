@@ -51,7 +51,9 @@ class ReplyField(FrozenModel):
 FIT_REPLY_FIELDS: Final[tuple[ReplyField, ...]] = (
     ReplyField(
         name="parameters", under_dp="masked", without_dp="clear",
-        what="the adapters after local training (masked by SecAgg+ when the run uses it)",
+        what="the adapters after local training (masked by SecAgg+ when the run uses it); "
+        "under DP and SecAgg+ also [held-out loss / 16, 1] (lora.STATS_SCALE), masked: the "
+        "coordinator sees only the round's mean",
     ),
     ReplyField(
         name="num_examples", under_dp="public", without_dp="clear",

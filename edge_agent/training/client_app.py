@@ -55,7 +55,9 @@ from protocols.lora import (
     METRIC_HELD_OUT_TOKENS,
     METRIC_PEAK_RSS,
     METRIC_TRAINED_BYTES,
+    STATS_SCALE,
     LoraPlan,
+    carries_stats,
     reply_weight,
 )
 from protocols.privacy import SECAGG_CONFIG_KEY, reply_fields
@@ -111,6 +113,14 @@ def lora_data(plan: LoraPlan, data_dir: Path) -> tuple[str, int]:
     """(digest of the records, training records) of this device's data for ``plan``."""
     records = load_pairs(data_dir) if plan.objective == "contrastive" else load_text(data_dir)
     return records.sha256, len(records.train)
+
+
+def stats_array(held_out_loss: float) -> np.ndarray:
+    """``[loss / STATS_SCALE, 1]``, or ``[0, 0]`` without a held-out loss (see
+    :data:`protocols.lora.STATS_SCALE`)."""
+    if not np.isfinite(held_out_loss):
+        return np.zeros(2, np.float32)
+    return np.array([held_out_loss / STATS_SCALE, 1.0], np.float32)
 
 
 def private_reply(metrics: dict[str, Scalar]) -> dict[str, Scalar]:
@@ -227,9 +237,12 @@ class ShardClient(NumPyClient):
             metrics[METRIC_EPSILON] = result.epsilon
         metrics.update(result.extra)  # an encoder's held-out recall@1
         self.local_metrics = dict(metrics)
+        arrays = result.arrays
         if plan.dp is not None:
             metrics = private_reply(metrics)
-        return result.arrays, reply_weight(plan, result.examples), metrics
+        if carries_stats(plan, secagg):
+            arrays = [*arrays, stats_array(result.held_out_before)]
+        return arrays, reply_weight(plan, result.examples), metrics
 
     def evaluate(
         self, parameters: NDArrays, config: dict[str, Scalar]

@@ -9,6 +9,8 @@ from pathlib import Path
 from types import SimpleNamespace
 from typing import Any
 
+import pytest
+
 from coordinator.training.lora.version import _lineage_total, _non_dp_lineage
 from coordinator.training.manager import LoraSummary, _Run
 from coordinator.training.records import Lineage, TrainingSettings
@@ -45,6 +47,20 @@ def test_a_non_dp_ancestor_replaces_the_number(tmp_path: Path) -> None:
     assert _non_dp_lineage(parent)  # unreadable: nothing shows the runs were private
     assert _lineage(1.0, non_dp_ancestor=True).epsilon_label == "non-DP ancestor"
     assert _lineage(1.0, epsilon_total=4.25).epsilon_label == "4.25"
+
+
+def test_the_held_out_mean_comes_out_of_the_masked_vector() -> None:
+    """Devices' ``[loss / 16, has]`` arrays, averaged as SecAgg+ does with weight 1 each: the
+    round's mean over the devices that hold records out; the server strips the array."""
+    import numpy as np
+
+    from coordinator.training.lora.server_app import mean_held_out_loss
+    from edge_agent.training.client_app import stats_array
+
+    replies = [stats_array(3.0), stats_array(5.0), stats_array(float("nan"))]
+    mean = np.mean(replies, axis=0)
+    assert mean_held_out_loss(mean) == pytest.approx(4.0)
+    assert mean_held_out_loss(np.zeros(2, np.float32)) is None
 
 
 def test_the_run_view_shows_each_devices_ledger() -> None:

@@ -17,7 +17,7 @@ from typing import Any
 import numpy as np
 import pytest
 import torch
-from flwr.common import FitIns, ndarrays_to_parameters
+from flwr.common import FitIns, ndarrays_to_parameters, parameters_to_ndarrays
 
 from devtools.lora_lab import LoraSetup, lora_setup, plan_config, split_version
 from edge_agent.training.client_app import ShardClient
@@ -25,7 +25,13 @@ from edge_agent.training.errors import RoundDeclinedError
 from edge_agent.training.ledger import PrivacyLedger, PrivacyPolicy, compose
 from edge_agent.training.local import LocalSettings
 from protocols.ledger import DeclineReason, LedgerRound, RunFate
-from protocols.lora import METRIC_HELD_OUT_LOSS, METRIC_PEAK_RSS, LoraPlan, RecordDp
+from protocols.lora import (
+    METRIC_HELD_OUT_LOSS,
+    METRIC_PEAK_RSS,
+    STATS_SCALE,
+    LoraPlan,
+    RecordDp,
+)
 from protocols.privacy import FIT_REPLY_FIELDS, SECAGG_CONFIG_KEY, reply_fields
 from protocols.training import METRIC_EXAMPLES, METRIC_LOSS
 
@@ -86,7 +92,10 @@ def test_a_dp_reply_carries_only_what_the_table_lists(
     assert set(res.metrics) <= known, set(res.metrics) - known  # nothing outside the table
     assert set(res.metrics) == sent - {"parameters", "num_examples"}
     assert res.num_examples == 1  # the weight, not the record count
-    assert len(res.parameters.tensors) == setup.plan.num_arrays
+    # the adapters, then the held-out statistics, both inside the SecAgg+ vector
+    assert len(res.parameters.tensors) == setup.plan.num_arrays + 1
+    stats = parameters_to_ndarrays(res.parameters)[-1]
+    assert stats.shape == (2,) and stats[1] == 1.0 and 0 < stats[0] * STATS_SCALE < 20
     kept = reply_fields(dp=True, sent=False)
     assert {METRIC_EXAMPLES, METRIC_LOSS, METRIC_HELD_OUT_LOSS, METRIC_PEAK_RSS} <= kept
     # without DP the same client sends the records' statistics (the table says so too)

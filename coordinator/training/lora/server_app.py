@@ -34,14 +34,27 @@ from coordinator.training.server_app import RUN_FILE_KEY, save_weights
 from coordinator.training.strategy import failure_reasons
 from partitioner.models.lora import initial_adapters
 from protocols import lora as lora_wire
-from protocols.lora import LORA_PLAN_KEY, LoraPlan, max_reply_weight
+from protocols.lora import (
+    LORA_PLAN_KEY,
+    STATS_SCALE,
+    LoraPlan,
+    carries_stats,
+    max_reply_weight,
+)
 from protocols.training import METRIC_LOSS, METRIC_UPLOAD_BYTES
 
 log = logging.getLogger(__name__)
 
 
-def round_of(server_round: int, results: fl.FitResults, failures: int, seconds: float) -> LoraRound:
-    """The recorded round from the clients' fit metrics."""
+def round_of(
+    server_round: int,
+    results: fl.FitResults,
+    failures: int,
+    seconds: float,
+    masked_loss: float | None = None,
+) -> LoraRound:
+    """The recorded round from the clients' fit metrics (under DP, which sends no held-out loss
+    in clear, ``masked_loss``: the devices' mean from the SecAgg+ vector)."""
     metrics = [(str(proxy.node_id), res.metrics) for proxy, res in results]
     held, tokens = token_weighted(
         [
@@ -59,6 +72,8 @@ def round_of(server_round: int, results: fl.FitResults, failures: int, seconds: 
     )
     train = [float(m[METRIC_LOSS]) for _, m in metrics if METRIC_LOSS in m]
     uploads = [float(m.get(METRIC_UPLOAD_BYTES, 0.0)) for _, m in metrics]
+    if held is None:
+        held = masked_loss
     return LoraRound(
         round=server_round,
         clients=len(results),
@@ -80,6 +95,15 @@ def round_of(server_round: int, results: fl.FitResults, failures: int, seconds: 
     )
 
 
+def mean_held_out_loss(stats: np.ndarray) -> float | None:
+    """The round's mean held-out loss from the aggregated statistics array ``[mean(loss·has) /
+    STATS_SCALE, mean(has)]`` (None when no device had held-out records)."""
+    has = float(stats[1])
+    if has <= 1e-6:
+        return None
+    return float(stats[0]) / has * STATS_SCALE
+
+
 class LoraFedAvg(FedAvg):
     """FedAvg over the adapters that records every round and fails the run on an empty one."""
 
@@ -98,6 +122,8 @@ class LoraFedAvg(FedAvg):
             accept_failures=True,
         )
         self.cfg = cfg
+        self.stats = carries_stats(plan, cfg.secagg)
+        """Whether each reply's last array is the held-out statistics (DP under SecAgg+)."""
         self.record = LoraRecord()
         self.record_path = record_path
         self.started = time.monotonic()
@@ -142,8 +168,13 @@ class LoraFedAvg(FedAvg):
         if params is None:
             raise self.fail(f"round {server_round}: no aggregate")
         self.latest = parameters_to_ndarrays(params)
+        masked_loss = None
+        if self.stats:  # the last array is the devices' held-out statistics, not an adapter
+            self.latest, stats = self.latest[:-1], self.latest[-1]
+            params = ndarrays_to_parameters(self.latest)
+            masked_loss = mean_held_out_loss(stats)
         seconds = time.monotonic() - self.started
-        done = round_of(server_round, results, len(failures), seconds)
+        done = round_of(server_round, results, len(failures), seconds, masked_loss)
         self.record = self.record.model_copy(update={"rounds": [*self.record.rounds, done]})
         self._save()
         log.info("round %d: held-out loss %s, epsilon %s", server_round, done.held_out_loss,
