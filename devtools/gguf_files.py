@@ -186,7 +186,8 @@ def _values(
 ) -> np.ndarray:
     if len(shape) == 1 and not role.endswith(".bias"):
         return (1.0 + 0.1 * rng.standard_normal(shape)).astype(np.float32)
-    return random_tensor(t, shape, _std(role, shape), rng)
+    values = random_tensor(t, shape, _std(role, shape), rng)
+    return values.reshape(shape) if len(shape) == 1 else values
 
 
 def write_gguf(
