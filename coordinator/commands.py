@@ -16,6 +16,15 @@ from typing import Any
 
 from rich.console import Console
 
+from coordinator.config import (
+    AgentTrainingConfig,
+    CoordinatorConfig,
+    binding_problem,
+    load_or_create_token,
+    parse_size,
+)
+from coordinator.errors import CoordinatorError
+
 DEFAULT_URL = "http://127.0.0.1:8470"
 PAIR_WAIT_S = 30.0
 DEPLOY_TIMEOUT_S = 900.0
@@ -152,14 +161,9 @@ def _client_parser(subparsers: Any, name: str, text: str) -> argparse.ArgumentPa
 
 def run_coordinator(args: argparse.Namespace) -> int:
     """Handler of ``fedshard coordinator``."""
+    # The fedshard parser imports this module on agent-only installs too (test_cli_light.py).
+    # heavy: coordinator.app brings FastAPI, Flower and onnx
     from coordinator.app import serve
-    from coordinator.config import (
-        AgentTrainingConfig,
-        CoordinatorConfig,
-        binding_problem,
-        load_or_create_token,
-    )
-    from coordinator.errors import CoordinatorError
 
     logging.basicConfig(
         level=logging.DEBUG if args.verbose else logging.INFO,
@@ -220,8 +224,6 @@ def wide_when_piped(console: Console) -> Console:
 
 def run_deploy(args: argparse.Namespace) -> int:
     """Handler of ``fedshard deploy``."""
-    from coordinator.config import parse_size
-
     console = wide_when_piped(Console())
     caps = {}
     try:

@@ -1,7 +1,7 @@
 """Import hygiene of a package, read from its source with :mod:`ast` (nothing is imported).
 
-Two checks any package can run (the partitioner's test does; the edge agent and the
-coordinator can):
+Two checks any package can run (``tests/devtools/test_import_hygiene.py`` runs the first on
+every package of the project; the partitioner's and the edge agent's rooms tests the second):
 
 - :func:`hidden_imports`: own-module imports inside a function. Each is an arrow no
   import-linter contract sees at import time and a circle waiting to happen. One is allowed

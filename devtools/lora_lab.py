@@ -18,6 +18,7 @@ from typing import Any
 import numpy as np
 import onnx
 
+from devtools.wordnet import write_shares
 from partitioner.models.lora import (
     Q_PROJECTIONS,
     adapter_specs,
@@ -226,7 +227,6 @@ def run_rounds(
     centralized baseline: the same records, train and held out, as the federated run's)."""
     import time
 
-    from devtools.wordnet import write_shares
     from edge_agent.training.client_app import ShardClient
     from edge_agent.training.local import LocalSettings
 

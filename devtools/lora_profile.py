@@ -15,6 +15,9 @@ import pstats
 import time
 from pathlib import Path
 
+from devtools.lora_lab import lora_setup, plan_config, split_version
+from devtools.wordnet import write_shares
+
 
 def main(argv: list[str] | None = None) -> int:
     """Run one profiled round; the exit code."""
@@ -28,8 +31,6 @@ def main(argv: list[str] | None = None) -> int:
 
     if args.threads:
         torch.set_num_threads(args.threads)
-    from devtools.lora_lab import lora_setup, plan_config, split_version
-    from devtools.wordnet import write_shares
     from edge_agent.training.client_app import ShardClient
     from edge_agent.training.local import LocalSettings
     from partitioner.models.decoders import tiny

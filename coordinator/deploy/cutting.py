@@ -24,6 +24,7 @@ from coordinator.deploy.limits import (
 )
 from coordinator.deploy.stage_timing import CALIBRATION_RUNS, calibrates_at_deploy
 from coordinator.errors import DeployError, NoFitError
+from coordinator.generation.feeds import health_feeds, state_names
 from partitioner.planning.baselines import Baseline
 from protocols.decoder import DECODER_FILE, DecoderInfo
 from protocols.deploy import ShapeLimits
@@ -86,7 +87,6 @@ def version_outcome(version_dir: Path, out: Path, samples: Arrays) -> SplitOutco
     """Run a cut version (copied to ``out``) here on ``samples``: warm-ups and the expected
     answer. For a decoder (``sessions`` in the manifest) ``samples`` needs only ``input_ids``:
     the health check is a one-shot prefill, as for :func:`split_and_run`."""
-    from coordinator.generation.feeds import health_feeds, state_names
     from partitioner.cutting.verify import run_chain
     from partitioner.errors import PartitionerError
 
@@ -125,7 +125,6 @@ def split_and_run(
     The local run gives each segment a real warm-up input and the health check its expected
     answer. Partitioner errors become DeployError.
     """
-    from coordinator.generation.feeds import health_feeds, state_names
     from partitioner.cutting.split import analysis_work
     from partitioner.cutting.verify import run_chain
     from partitioner.errors import InfeasiblePlanError, PartitionerError

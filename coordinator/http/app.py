@@ -17,8 +17,17 @@ from typing import TYPE_CHECKING, Annotated, Any
 from fastapi import APIRouter, Depends, FastAPI, HTTPException, params, status
 from fastapi.security import HTTPAuthorizationCredentials, HTTPBearer
 
+from coordinator.console import install_console
 from coordinator.fleet.registry import DeviceRegistry
+from coordinator.http.console import mount_console_api
+from coordinator.http.devices import devices_router
+from coordinator.http.errors import install_error_handlers
 from coordinator.http.guard import ApiGuard
+from coordinator.http.metrics import mount_metrics
+from coordinator.http.openai import generation_router
+from coordinator.http.openai_serving import openai_serving_router
+from coordinator.http.serving import serving_router
+from coordinator.http.training import mount_training
 from coordinator.trust.pairing import Pairing
 from protocols.base import FrozenModel
 from protocols.constants import SOFTWARE_VERSION
@@ -86,14 +95,6 @@ ERROR_RESPONSES: dict[int | str, dict[str, Any]] = {
 
 def create_app(services: Services) -> FastAPI:
     """The FastAPI application over ``services``."""
-    from coordinator.console import install_console
-    from coordinator.http.console import mount_console_api
-    from coordinator.http.devices import devices_router
-    from coordinator.http.errors import install_error_handlers
-    from coordinator.http.metrics import mount_metrics
-    from coordinator.http.openai_serving import openai_serving_router
-    from coordinator.http.serving import serving_router
-
     app = FastAPI(title="fedshard coordinator", version=SOFTWARE_VERSION)
     app.add_middleware(ApiGuard, token=services.token)
     install_error_handlers(app)
@@ -107,12 +108,8 @@ def create_app(services: Services) -> FastAPI:
         v1.include_router(serving_router(services.serving))
     mount_console_api(app, v1, services)
     if services.training is not None:
-        from coordinator.http.training import mount_training
-
         mount_training(app, v1, services.training)
     if services.generation is not None:
-        from coordinator.http.openai import generation_router
-
         v1.include_router(generation_router(services.generation, metrics))
     app.include_router(v1)
     install_console(app)

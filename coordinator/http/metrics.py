@@ -34,6 +34,8 @@ from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Metri
 from prometheus_client.registry import Collector
 from starlette.types import ASGIApp, Message, Receive, Scope, Send
 
+from coordinator.http.devices import device_status
+
 if TYPE_CHECKING:
     from coordinator.http.app import Services
 
@@ -228,8 +230,6 @@ class RequestMeter:
 
 def mount_metrics(app: FastAPI, services: Services, token: params.Depends) -> CoordinatorMetrics:
     """``GET /metrics`` (behind ``token``, like every API route) and the request meter."""
-    from coordinator.http.devices import device_status
-
     metrics = CoordinatorMetrics()
 
     def devices() -> list[tuple[str, bool]]:

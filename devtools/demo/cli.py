@@ -29,15 +29,37 @@ import tempfile
 import time
 from dataclasses import dataclass
 from pathlib import Path
-from typing import TYPE_CHECKING
 
 from rich.console import Console
 
 from coordinator.commands import wide_when_piped
-
-if TYPE_CHECKING:
-    from devtools.demo.procs import DemoProcesses
-    from devtools.demo.steps import Api
+from devtools.demo import training
+from devtools.demo.procs import (
+    DemoProcessError,
+    DemoProcesses,
+    demo_processes,
+    free_port,
+    port_is_free,
+)
+from devtools.demo.steps import (
+    AGENT_MEMORY,
+    MODEL_ID,
+    Api,
+    DemoStepError,
+    after_a_loss,
+    budgets_table,
+    deploy_calibrated,
+    deploy_minilm,
+    export_model,
+    minilm_caps,
+    pair_automatically,
+    plan_table,
+    planning_limits,
+    similarity_table,
+)
+from devtools.demo.supervise import AgentSupervisor
+from devtools.demo.training import RUNS, write_target
+from devtools.reference import greedy_chat_reference
 
 DEFAULT_PORT = 8470
 ROLES = ("nas", "laptop", "sbc", "desktop")
@@ -135,9 +157,6 @@ def run_demo(args: argparse.Namespace) -> int:
 
 
 def _run(console: Console, args: argparse.Namespace, root: Path, started: float) -> int:
-    from devtools.demo.procs import DemoProcessError, demo_processes, free_port, port_is_free
-    from devtools.demo.steps import DemoStepError
-
     port = args.port
     if port == 0 or not port_is_free(port):
         chosen = free_port()
@@ -174,21 +193,6 @@ def _steps(
     started: float,
 ) -> int:
     """Every step of the demo; the exit code (1 when ``--chaos`` lost a request)."""
-    from devtools.demo.steps import (
-        AGENT_MEMORY,
-        MODEL_ID,
-        Api,
-        after_a_loss,
-        budgets_table,
-        deploy_calibrated,
-        deploy_minilm,
-        export_model,
-        minilm_caps,
-        pair_automatically,
-        plan_table,
-        similarity_table,
-    )
-
     state_dir = root / "coordinator"
     target, data_dirs = _training_target(console, args, state_dir)
     with console.status(f"starting the coordinator on 127.0.0.1:{port}..."):
@@ -251,8 +255,8 @@ def _serve(
     decoder: Path | None,
 ) -> int:
     """The chaos run if asked for; then serve until Ctrl-C unless ``--exit``."""
+    # heavy: httpx (coordinator extra), absent on an agent-only install whose parser imports us
     from devtools.demo.chaos import ChaosTarget, run_chaos
-    from devtools.demo.supervise import AgentSupervisor
 
     supervisor = AgentSupervisor(console, api, procs)
     code = 0
@@ -284,15 +288,8 @@ def _decoder(
 ) -> Path:
     """Export (cached), deploy across the agents, print the plan and a chat answer (``check``:
     next to the whole model's answer in one ONNX Runtime session); the export."""
+    # heavy: devtools.demo.decoder brings onnx (the partitioner's decoders)
     from devtools.demo.decoder import chat, decoder_caps, deploy_decoder, export_decoder
-    from devtools.demo.steps import (
-        AGENT_MEMORY,
-        after_a_loss,
-        budgets_table,
-        deploy_calibrated,
-        plan_table,
-        planning_limits,
-    )
     from partitioner.models.decoders.precision import default_weights
     from protocols.sizes import parse_size
 
@@ -322,8 +319,8 @@ def _decoder(
 
 def _compare_with_one_session(console: Console, export: Path, answer: str) -> None:
     """Print whether the whole model in one local ONNX Runtime session answers the same."""
+    # heavy: devtools.demo.decoder brings onnx (the partitioner's decoders)
     from devtools.demo.decoder import CHAT_TOKENS
-    from devtools.reference import greedy_chat_reference
 
     with console.status("the same question to the whole model in one ONNX Runtime session..."):
         started = time.monotonic()
@@ -345,8 +342,6 @@ def _training_target(
 ) -> tuple[Path | None, list[Path]]:
     """The LoRA training target of the chat model the demo fine-tunes and its devices' data
     dirs (none when training is skipped or no decoder is served)."""
-    from devtools.demo.training import write_target
-
     if args.skip_training:
         console.print("federated fine-tuning skipped (--skip-training)")
         return None, []
@@ -361,8 +356,6 @@ def _training_target(
 
 def _trained_decoder(args: argparse.Namespace) -> str:
     """The chat model the demo fine-tunes: the served decoder, if its training is measured."""
-    from devtools.demo.training import RUNS
-
     return str(args.decoder) if args.decoder in RUNS else TRAINED_INSTEAD
 
 
@@ -381,8 +374,6 @@ def _start_fine_tuning(
     console: Console, api: Api, model_id: str, data_dirs: list[Path]
 ) -> FineTuning:
     """Ask one held-out question, then start federated LoRA of the served decoder."""
-    from devtools.demo import training
-
     question, reference = training.held_out_question(data_dirs)
     before = training.ask(api, model_id, question, STOP)
     run = training.RUNS[model_id]
@@ -399,8 +390,6 @@ def _start_fine_tuning(
 
 def _finish_fine_tuning(console: Console, api: Api, started: FineTuning) -> None:
     """Wait for the run and its live rollout; the held-out question answered again."""
-    from devtools.demo import training
-
     run = training.RUNS[started.model_id]
     status = training.wait(console, api, started.run_id, run.rounds, TRAINING_TIMEOUT_S)
     training.summary(console, started.model_id, status)

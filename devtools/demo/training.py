@@ -20,6 +20,7 @@ from typing import Any
 from rich.console import Console
 
 from devtools.demo.steps import Api, DemoStepError
+from devtools.wordnet import write_shares
 from hostkit.files import write_atomic
 from protocols.training import TrainingTargetSpec
 
@@ -64,8 +65,6 @@ def write_target(state_dir: Path, model_id: str, cache: Path) -> tuple[Path, lis
     """The coordinator's training target (the served ``model_id``, one local SuperNode per
     WordNet share, each caching under ``cache``, kept between demo runs as a device keeps its
     own) and the shares' data dirs."""
-    from devtools.wordnet import write_shares
-
     root = state_dir / "lora-demo"
     dirs = write_shares(root / "data", DOMAINS, per_device=RUNS[model_id].per_device, qa=True)
     spec = TrainingTargetSpec(
@@ -150,6 +149,7 @@ def summary(console: Console, model_id: str, run: dict[str, Any]) -> float:
 def ask(api: Api, model_id: str, question: str, stop: tuple[str, ...]) -> str:
     """The served model's greedy answer through ``/v1/chat/completions``: its text from the
     first non-blank character up to the first of ``stop`` or :data:`ANSWER_STOP`."""
+    # heavy: devtools.demo.decoder brings onnx; the fedshard parser imports this module
     from devtools.demo.decoder import chat
 
     reply = chat(api, model_id, question, max_tokens=ANSWER_TOKENS)
