@@ -49,6 +49,11 @@ is there only to keep onnx or torch off a light import, and says so (``# heavy:`
 - :mod:`partitioner.models.gguf.kernels_codes`    quantized blocks as codes, scales and mins
 - :mod:`partitioner.models.gguf.kernels_gather`   embedding rows via ``GatherBlockQuantized``
 - :mod:`partitioner.models.gguf.kernels_requant`  a GGUF weight re-quantized to int4/int8
+- :mod:`partitioner.models.gguf.header`           a GGUF header as a typed model, refusals
+- :mod:`partitioner.models.gguf.archs`            the five architectures' layers as nodes
+- :mod:`partitioner.models.gguf.builder`          one segment per block range, streamed
+- :mod:`partitioner.models.gguf.units`            the unit table from the header alone
+- :mod:`partitioner.models.gguf.reference`        a numpy forward for tests
 - :mod:`partitioner.cutting`                      a planned model cut into segment files
 - :mod:`partitioner.cutting.split`                ``fedshard split`` end to end
 - :mod:`partitioner.cutting.inputs`               what a split works from: Analysis, SplitOptions
