@@ -274,7 +274,7 @@ def _build_stages(
 ) -> _Built:
     """Write, run and join each stage's segment in turn (one segment in memory at a time)."""
     built = _Built(local)
-    for k, span in enumerate(stage_ranges(plan, source.model.layers)):
+    for k, span in enumerate(stage_ranges(plan, source.model)):
         scratch = out / f"segment{k}{SCRATCH_SUFFIX}.onnx"
         files = write_segment(scratch, source, span, weights=weights)
         graph = onnx.load(str(scratch), load_external_data=False).graph
