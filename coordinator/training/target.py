@@ -261,12 +261,12 @@ def lora_runner(
 
 
 def _admission(lora: LoraRunner, shards: bool) -> Callable[[TrainingRunRequest], None]:
-    """The check of a request before it starts: a LoRA run's model must resolve; a shards run
-    needs a training target (``shards``)."""
+    """The check of a request before it starts: a LoRA run's model must resolve and its
+    options fit the model; a shards run needs a training target (``shards``)."""
 
     def ready(request: TrainingRunRequest) -> None:
         if request.resolved_method == "lora":
-            lora.resolve(str(request.model))
+            lora.admit(request)
         elif not shards:
             _no_target()
 

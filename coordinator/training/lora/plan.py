@@ -219,8 +219,35 @@ def first_layer_of(options: LoraOptions | None, num_layers: int) -> int:
     if first is None:
         return num_layers // 2
     if first >= num_layers:
-        raise LoraTargetError(f"first_layer {first}: the model has {num_layers} layers")
+        raise LoraTargetError(
+            f"first_layer {first} is out of range: the model has {num_layers} layers "
+            f"(0 to {num_layers - 1})"
+        )
     return first
+
+
+def admit_options(options: LoraOptions | None, model_file: Path) -> None:
+    """Check a request's LoRA options against its model before the run starts (the API answers
+    400 with the valid range): the target modules, and ``first_layer`` against the layers of
+    a decoder (its ``decoder.json``) or of a version with its LoRA base beside it. An encoder
+    without one is checked when its run plans (building its base loads the model)."""
+    if options is None:
+        return
+    base_file = model_file.parent / LORA_BASE_FILE
+    objective: Objective
+    if (model_file.parent / DECODER_FILE).is_file():
+        layers, objective = decoder_info(model_file).num_layers, "causal-lm"
+    elif base_file.is_file():
+        try:
+            base = LoraBase.from_json(base_file.read_bytes())
+        except (SchemaError, ValidationError) as exc:
+            log.warning("ignoring %s: %s", base_file, exc)
+            return
+        layers, objective = base.num_layers, base.objective
+    else:
+        return
+    lora_settings(options, objective)
+    first_layer_of(options, layers)
 
 
 def _boundary(version_dir: Path, manifest: Manifest, base: LoraBase, layer: int) -> tuple[int, str]:

@@ -32,7 +32,13 @@ from coordinator.errors import CoordinatorError
 from coordinator.training.driver import secagg_parameters
 from coordinator.training.errors import RolloutError, TrainingRunError
 from coordinator.training.flower import SuperLink, start_run, write_app
-from coordinator.training.lora.plan import LoraBase, LoraTuning, build_plan, lora_base
+from coordinator.training.lora.plan import (
+    LoraBase,
+    LoraTuning,
+    admit_options,
+    build_plan,
+    lora_base,
+)
 from coordinator.training.lora.records import LoraRecord, LoraRunConfig
 from coordinator.training.lora.version import write_lora_version
 from coordinator.training.manager import LoraSummary, RunReporter
@@ -235,6 +241,12 @@ class LoraRunner:
         self.tuning = tuning or LoraTuning()
         self.timeout_s = timeout_s
         self.stage_timeout_s = stage_timeout_s
+
+    def admit(self, request: TrainingRunRequest) -> None:
+        """Raise (404, 400) when ``request`` cannot start: its model is not served or cannot be
+        fine-tuned, or its LoRA options do not fit the model (:func:`admit_options`)."""
+        target = self.resolve(str(request.model))
+        admit_options(request.lora, target.model_file)
 
     def run(
         self, run_id: str, request: TrainingRunRequest, report: RunReporter, stop: threading.Event
