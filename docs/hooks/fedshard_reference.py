@@ -243,7 +243,8 @@ def catalogue_section() -> str:
     lines = [
         "## Errors",
         "",
-        'Core routes answer `{"detail": message}`; the OpenAI routes (`/v1/models`, '
+        'Core routes answer `{"detail": message}` (and `"code"` where the table names one); '
+        "the OpenAI routes (`/v1/models`, "
         "`/v1/embeddings`, `/v1/chat/completions`, `/v1/completions`) answer "
         '`{"error": {"message", "type", "param", "code"}}` with the same status, so the '
         "official `openai` SDK raises its own exception classes. An error with a retry estimate "
