@@ -258,7 +258,7 @@ def measure(
     devices: DeviceList,
 ) -> Outcome:
     """Deploy ``strategy``, then time requests one at a time and with several in flight."""
-    from protocols.manifest import Manifest
+    from protocols.manifest import MANIFEST_FILE, Manifest
 
     print(f"planner_lab: deploying the {strategy} split")
     body: dict[str, Any] = {"model_path": str(model), "model_id": MODEL_ID, "memory_caps": caps}
@@ -270,7 +270,7 @@ def measure(
     record = cluster.api.post("/v1/deployments", body, timeout=900)
     deploy_s = time.monotonic() - start
     version = int(record["plan_version"])
-    path = cluster.state_dir / "deployments" / MODEL_ID / f"v{version}" / "manifest.json"
+    path = cluster.state_dir / "deployments" / MODEL_ID / f"v{version}" / MANIFEST_FILE
     manifest = Manifest.from_json(path.read_bytes())
     ask = {"model": MODEL_ID, "input": text}
     metrics = f"/v1/metrics?model={MODEL_ID}"

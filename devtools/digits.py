@@ -24,9 +24,9 @@ import onnx
 from coordinator.training.cli import LocalTask
 from coordinator.training.heldout import save_arrays
 from coordinator.training.segments import cut_chain, trainable_names
-from coordinator.training.version import MANIFEST_FILE, Version
+from coordinator.training.version import Version
 from hostkit.files import write_atomic
-from protocols.manifest import Manifest, ModelInfo, SegmentEntry, TensorInfo
+from protocols.manifest import MANIFEST_FILE, Manifest, ModelInfo, SegmentEntry, TensorInfo
 from protocols.plan import Objective
 from protocols.training import TRAIN_DATA_FILE, TrainingTargetSpec
 

@@ -28,7 +28,7 @@ from partitioner.models.lora import (
     weight_map,
 )
 from protocols.lora import ENCODER_DEFAULT_TARGETS, LoraPlan, LoraSettings, RecordDp, SegmentRef
-from protocols.manifest import Manifest
+from protocols.manifest import MANIFEST_FILE, Manifest
 
 DOMAINS = (("noun.animal",), ("noun.food",), ("noun.plant",))
 """One WordNet domain per device: non-IID shares."""
@@ -132,7 +132,7 @@ def _setup(
     params = {k: v for k, v in torch_params(model).items() if not k.startswith("pooler.")}
     wmap = weight_map(params, full)
     boundary = layer_boundary(full, wmap, first_layer)
-    manifest = Manifest.from_json((version_dir / "manifest.json").read_bytes())
+    manifest = Manifest.from_json((version_dir / MANIFEST_FILE).read_bytes())
     keys = {q.format(i=first_layer) for q in Q_PROJECTIONS}
     q_key = next(k for k in wmap if any(k.endswith(q) for q in keys))
     q_name = wmap[q_key][0].initializer

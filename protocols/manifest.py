@@ -6,7 +6,7 @@ earlier segments' outputs, yields the model's outputs.
 
 from __future__ import annotations
 
-from typing import Literal, Self
+from typing import Final, Literal, Self
 
 from pydantic import (
     Field,
@@ -21,6 +21,10 @@ from protocols.base import FrozenModel
 from protocols.constants import MANIFEST_FORMAT
 from protocols.decoder import StatePair
 from protocols.plan import Objective
+
+MANIFEST_FILE: Final = "manifest.json"
+"""The manifest's file name in a segments directory: ``fedshard split``'s output, a deployed or
+trained version, a training copy."""
 
 Sha256Hex = str
 

@@ -28,9 +28,10 @@ from pydantic import Field, NonNegativeInt, model_validator
 
 from protocols.base import FrozenModel
 from protocols.deploy import SignatureAlgorithm
+from protocols.manifest import MANIFEST_FILE
 
 TRAINING_COPY_FORMAT: Final = "fedshard.training-copy/1"
-COPY_MANIFEST: Final = "manifest.json"
+COPY_MANIFEST: Final = MANIFEST_FILE
 """Every copy holds the version's manifest under this name."""
 MAX_COPY_FILES: Final = 1024
 

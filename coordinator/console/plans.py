@@ -24,14 +24,12 @@ from protocols.devices import DeviceList, DeviceSpec
 from protocols.errors import SchemaError
 from protocols.links import Link as DeviceLink
 from protocols.links import Requester, RequesterLink
-from protocols.manifest import Manifest
+from protocols.manifest import MANIFEST_FILE, Manifest
 from protocols.plan import Objective, Plan
 from protocols.roofs import slowed_roofs
 
 if TYPE_CHECKING:
     from partitioner.cutting.inputs import Analysis
-
-MANIFEST_FILE = "manifest.json"
 
 
 class StageView(BaseModel):

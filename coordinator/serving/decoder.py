@@ -48,7 +48,7 @@ from protocols.decoder import (
     DecoderInfo,
 )
 from protocols.errors import ProtocolError
-from protocols.manifest import Manifest
+from protocols.manifest import MANIFEST_FILE, Manifest
 
 log = logging.getLogger(__name__)
 STEP_TIMEOUT_S = 60.0
@@ -361,7 +361,7 @@ def planned_context(
     """Reads a version's planned context length from the manifest in its segment directory."""
 
     def read(version: VersionRecord) -> int | None:
-        path = segment_dir(version.model_id, version.plan_version) / "manifest.json"
+        path = segment_dir(version.model_id, version.plan_version) / MANIFEST_FILE
         try:
             manifest = Manifest.from_json(path.read_bytes())
         except (OSError, ProtocolError):

@@ -22,6 +22,7 @@ from rich.console import Console
 from rich.table import Table
 
 from coordinator.commands import PLACEMENT_COLUMNS, placement_cells
+from protocols.manifest import MANIFEST_FILE
 from protocols.pairing import CODE_FILE
 from protocols.sizes import parse_size
 
@@ -311,7 +312,7 @@ def plan_table(api: Api, state_dir: Path, model_id: str = MODEL_ID) -> Table:
 def _units(version_dir: Path) -> dict[int, tuple[int, int]]:
     """Segment index -> half-open range of planning units, from the version's manifest."""
     try:
-        manifest = json.loads((version_dir / "manifest.json").read_text())
+        manifest = json.loads((version_dir / MANIFEST_FILE).read_text())
         return {
             int(s["index"]): (int(s["units"][0]), int(s["units"][1])) for s in manifest["segments"]
         }

@@ -48,11 +48,10 @@ from partitioner.errors import GraphError, InfeasiblePlanError
 from partitioner.planning.planner import plan_preferring_one_device
 from partitioner.planning.problem_from_graph import build_problem
 from protocols.devices import DeviceList
-from protocols.manifest import Manifest, SessionLimits
+from protocols.manifest import MANIFEST_FILE, Manifest, SessionLimits
 from protocols.plan import Objective, Plan
 from protocols.problem import PlanningProblem, Work
 
-MANIFEST_NAME = "manifest.json"
 Planner = Callable[[PlanningProblem, Objective], Plan]
 
 
@@ -202,7 +201,7 @@ def split_model(
         )
         problem = planning_problem(analysis, devices, opts, model_path.stem, calibration.shares)
         flop_plan, plan = plan, choose_plan(problem, opts, analysis, planner)
-    (out_dir / MANIFEST_NAME).unlink(missing_ok=True)
+    (out_dir / MANIFEST_FILE).unlink(missing_ok=True)
     model_sha256 = file_sha256(model_path)
     written = write_segments(
         analysis,
@@ -223,7 +222,7 @@ def split_model(
     manifest = build_manifest(
         model_path, analysis, plan, written, opts.sessions, model_sha256, problem
     )
-    (out_dir / MANIFEST_NAME).write_text(manifest.to_json() + "\n")
+    (out_dir / MANIFEST_FILE).write_text(manifest.to_json() + "\n")
     return SplitResult(
         manifest, plan, problem, analysis, tuple(written), result, calibration, flop_plan
     )
