@@ -20,6 +20,7 @@ No whole-model graph is ever built or written. In turn:
 
 from __future__ import annotations
 
+import gc
 import logging
 import time
 from collections.abc import Iterator, Sequence
@@ -133,8 +134,7 @@ def gguf_split_and_run(
     started = time.monotonic()
     out.mkdir(parents=True, exist_ok=True)
     with PeakMemory() as peak:
-        source = _open(command.model_path)
-        model = source.model
+        model = header_of(command.model_path)
         with refusals(command.model_path):
             vocab = write_tokenizer(command.model_path, out / TOKENIZER_FILE)
             info = decoder_info(model, vocab, command.model_id)
@@ -144,7 +144,7 @@ def gguf_split_and_run(
             problem = planning_problem(table, devices, command.model_id, work_scales)
             plan = _plan(command, problem, table, sessions)
             wire, local = health_feeds(model, _prompt(out, info))
-            built = _build_stages(source, plan, out, local, command.weights)
+            built = _build_stages(command.model_path, plan, out, local, command.weights)
         manifest = _manifest(command.model_path, plan, problem, table, built, sessions)
         (out / "manifest.json").write_text(manifest.to_json() + "\n")
     known = built.known
@@ -269,14 +269,20 @@ class _Built:
         self.declared: dict[str, TensorInfo] = {}
 
 
-def _build_stages(
-    source: GgufSource, plan: Plan, out: Path, local: Arrays, weights: WeightsMode
-) -> _Built:
-    """Write, run and join each stage's segment in turn (one segment in memory at a time)."""
+def _build_stages(path: Path, plan: Plan, out: Path, local: Arrays, weights: WeightsMode) -> _Built:
+    """Write, run and join each stage's segment in turn (one segment in memory at a time).
+
+    Each stage maps the file afresh and drops the mapping when written: the pages of the
+    tensors it read count as this process's resident memory for as long as they stay mapped,
+    so one mapping for the whole build would end up holding every stage's weights."""
     built = _Built(local)
-    for k, span in enumerate(stage_ranges(plan, source.model)):
+    model = header_of(path)
+    for k, span in enumerate(stage_ranges(plan, model)):
         scratch = out / f"segment{k}{SCRATCH_SUFFIX}.onnx"
+        source = _open(path)
         files = write_segment(scratch, source, span, weights=weights)
+        del source  # unmaps the file: its pages leave this process's resident set
+        gc.collect()
         graph = onnx.load(str(scratch), load_external_data=False).graph
         inputs = [i.name for i in graph.input]
         outputs = [o.name for o in graph.output]
@@ -286,7 +292,7 @@ def _build_stages(
             built.warmups.append({n: built.known[n] for n in inputs})
             built.known.update(run_model(scratch, built.known))
         except (PartitionerError, KeyError) as exc:
-            raise DeployError(f"segment {k} of {source.path.name} does not run: {exc}") from exc
+            raise DeployError(f"segment {k} of {path.name} does not run: {exc}") from exc
         final = out / f"segment{k}.onnx"
         inline_external_data(scratch, final)
         built.param_bytes.append(sum(f.stat().st_size for f in files[1:]))
