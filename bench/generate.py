@@ -61,6 +61,7 @@ from rich.console import Console  # noqa: E402
 from rich.table import Table  # noqa: E402
 
 from coordinator.commands import default_draft_threads  # noqa: E402
+from coordinator.generation.tuning import acceptance_rate  # noqa: E402
 from devtools.demo.decoder import (  # noqa: E402
     decoder_caps,
     decoder_info,
@@ -211,7 +212,7 @@ def speculative_rows(
                 raise AssertionError(f"{label}, {mode}: greedy streams differ: {texts}")
             drafted, accepted = counts[mode]
             one_runs = tuple(r.decode_tps for r in single[mode])
-            rate = accepted / drafted if drafted else None
+            rate = acceptance_rate(drafted, accepted)
             one = statistics.median(one_runs)
             rows.append(SpecRow(label, mode, one, one_runs, four, rate, texts.pop()))
         if len({row.text for row in rows[-len(modes) :]}) != 1:

@@ -34,7 +34,7 @@ from coordinator.generation.backend import TopCandidates
 from coordinator.generation.draft_model import DraftModel
 from coordinator.generation.drafters import Drafter, LookupThenModel, PromptLookup
 from coordinator.generation.sampling import SamplingParams, choose, greedy, nucleus, probabilities
-from coordinator.generation.tuning import DraftLength, Throughput
+from coordinator.generation.tuning import DraftLength, Throughput, acceptance_rate
 
 log = logging.getLogger(__name__)
 
@@ -147,9 +147,9 @@ class SpeculationStats:
 
     @property
     def acceptance_rate(self) -> float | None:
-        """Accepted over drafted tokens (None before any draft)."""
+        """Accepted over drafted tokens (None before any draft): :func:`acceptance_rate`."""
         with self._lock:
-            return self.accepted / self.drafted if self.drafted else None
+            return acceptance_rate(self.drafted, self.accepted)
 
     @property
     def tokens_per_s(self) -> float | None:

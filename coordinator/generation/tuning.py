@@ -71,8 +71,19 @@ def _average(old: float | None, new: float, weight: float = SMOOTHING) -> float:
     return new if old is None else old + weight * (new - old)
 
 
-def _acceptance(drafted: int, accepted: int) -> float:
-    """A pass's per-token acceptance: each drafted token up to the first rejection."""
+def acceptance_rate(drafted: int, accepted: int) -> float | None:
+    """The share of ``drafted`` tokens the target kept (``accepted``), over any number of
+    passes; None before any draft. The figure the console and the benchmarks report.
+
+    The draft length follows :func:`pass_acceptance` instead: one pass's estimate of the
+    per-token rate ``a`` of the model above, which counts no draft after the first rejection.
+    """
+    return accepted / drafted if drafted else None
+
+
+def pass_acceptance(drafted: int, accepted: int) -> float:
+    """One pass's estimate of the per-token acceptance rate ``a``: each drafted token up to the
+    first rejection (the drafts after it were never put to the test)."""
     return accepted / min(drafted, accepted + 1)
 
 
@@ -134,7 +145,7 @@ class Throughput:
         if drafted <= 0:
             return
         with self._lock:
-            rate = _acceptance(drafted, accepted)
+            rate = pass_acceptance(drafted, accepted)
             self._rate[kind] = _average(self._rate.get(kind), rate)
             self._long_rate[kind] = _average(
                 self._long_rate.get(kind, START_RATE), rate, LONG_SMOOTHING
@@ -242,7 +253,7 @@ class DraftLength:
         self.throughput.record_draft(self.kind, drafted, accepted, draft_s)
         if draft_s is not None:
             self._draft = _average(self._draft, max(draft_s, 0.0) / drafted)
-        self.rate = _average(self.rate, _acceptance(drafted, accepted))
+        self.rate = _average(self.rate, pass_acceptance(drafted, accepted))
         self._plain_run = 0
         self._draft_run += 1
         if self._probing > 0:

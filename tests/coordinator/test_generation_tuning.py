@@ -10,10 +10,19 @@ from coordinator.generation.tuning import (
     Costs,
     DraftLength,
     Throughput,
+    acceptance_rate,
     best_length,
     expected_tokens,
+    pass_acceptance,
     tokens_per_s,
 )
+
+
+def test_the_reported_rate_counts_every_draft_and_the_tuned_one_stops_at_a_rejection() -> None:
+    assert acceptance_rate(0, 0) is None
+    assert acceptance_rate(4, 1) == 0.25  # the console's and the benchmarks' figure
+    assert pass_acceptance(4, 1) == 0.5  # the draft after the rejection was never tested
+    assert pass_acceptance(4, 4) == acceptance_rate(4, 4) == 1.0
 
 
 def test_expected_tokens_per_pass() -> None:
