@@ -92,6 +92,14 @@ class LedgerStatus(FrozenModel):
 LedgerLine = LedgerRound | LedgerStatus
 
 
+class RunFateReport(FrozenModel):
+    """``POST`` :data:`PRIVACY_PATH` (coordinator only): what became of a run; the device appends
+    a :class:`LedgerStatus` (informational: a run's rounds count whatever its fate)."""
+
+    run: str = Field(min_length=1, max_length=64, pattern=r"^[A-Za-z0-9._-]+$")
+    fate: RunFate
+
+
 class PrivacyStatus(FrozenModel):
     """A device's ledger totals, as it reports them with its training status (not private:
     figures of the accounting, not of the records)."""

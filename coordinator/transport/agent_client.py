@@ -33,7 +33,7 @@ from protocols.deploy import (
     UnloadRequest,
 )
 from protocols.errors import SchemaError
-from protocols.ledger import PRIVACY_PATH, PrivacyStatus
+from protocols.ledger import PRIVACY_PATH, PrivacyStatus, RunFateReport
 from protocols.pairing import PairingGrant, PairingOffer
 from protocols.training_copy import TrainingCopyOffer, TrainingCopyStatus
 
@@ -111,6 +111,11 @@ class AgentClient:
     def training_privacy(self, agent: AgentAddress) -> PrivacyStatus:
         """``GET /v1/training/privacy``: the totals of the agent's privacy ledger."""
         return self._call(agent, "GET", PRIVACY_PATH, b"", PrivacyStatus)
+
+    def training_run_fate(self, agent: AgentAddress, report: RunFateReport) -> PrivacyStatus:
+        """``POST /v1/training/privacy``: tell the agent's ledger what became of a run."""
+        body = report.model_dump_json().encode()
+        return self._call(agent, "POST", PRIVACY_PATH, body, PrivacyStatus)
 
     def _call(
         self,

@@ -36,7 +36,7 @@ from edge_agent.net.control import COORDINATOR_ONLY, Response, Route, json_respo
 from edge_agent.training.ledger import PrivacyLedger, PrivacyPolicy
 from edge_agent.trust.identity import PublicKey, verify_signature
 from hostkit.files import write_atomic
-from protocols.ledger import LEDGER_FILE, PRIVACY_PATH
+from protocols.ledger import LEDGER_FILE, PRIVACY_PATH, RunFateReport
 from protocols.training_copy import (
     TrainingCopy,
     TrainingCopyOffer,
@@ -178,7 +178,8 @@ def training_routes(
 ) -> dict[tuple[str, str], Route]:
     """The control-plane routes of :class:`TrainingCopies` (coordinator only), and with a
     ``policy`` ``GET /v1/training/privacy``: the privacy ledger's totals
-    (:class:`~protocols.privacy.PrivacyStatus`: accounting figures, not the records')."""
+    (:class:`~protocols.ledger.PrivacyStatus`: accounting figures, not the records'), and
+    ``POST`` of a :class:`~protocols.ledger.RunFateReport`, which the ledger records."""
 
     async def offer(body: bytes) -> Response:
         status = await asyncio.to_thread(copies.offer, body)
@@ -193,6 +194,14 @@ def training_routes(
         status = await asyncio.to_thread(PrivacyLedger(policy.ledger_file).status, policy)
         return json_response(status.model_dump_json())
 
+    async def fate(body: bytes) -> Response:
+        assert policy is not None
+        report = RunFateReport.from_json(body)
+        ledger = PrivacyLedger(policy.ledger_file)
+        await asyncio.to_thread(ledger.mark, report.run, report.fate)
+        status = await asyncio.to_thread(ledger.status, policy)
+        return json_response(status.model_dump_json())
+
     routes = {
         ("POST", "/v1/training/copy"): Route(offer, COORDINATOR_ONLY),
         ("POST", "/v1/training/file"): Route(
@@ -201,4 +210,5 @@ def training_routes(
     }
     if policy is not None:
         routes[("GET", PRIVACY_PATH)] = Route(privacy, COORDINATOR_ONLY)
+        routes[("POST", PRIVACY_PATH)] = Route(fate, COORDINATOR_ONLY)
     return routes

@@ -141,11 +141,8 @@ class PrivacyLedger:
         lines = self.lines()
         rounds = [line for line in lines if isinstance(line, LedgerRound)]
         spent, delta = compose([r.dp for r in rounds if r.dp is not None])
-        bad = {line.run for line in lines if isinstance(line, LedgerStatus)} - {
-            line.run
-            for line in lines
-            if isinstance(line, LedgerStatus) and line.fate == RunFate.ROLLED_OUT
-        }
+        fates = {line.run: line.fate for line in lines if isinstance(line, LedgerStatus)}
+        bad = {r.run for r in rounds if fates.get(r.run, RunFate.ROLLED_OUT) != RunFate.ROLLED_OUT}
         remaining = None if policy.budget is None else max(policy.budget - spent, 0.0)
         return PrivacyStatus(
             epsilon_spent=spent,

@@ -4,6 +4,7 @@ typed declines, a ledger that cannot be read, the node config that carries the p
 from __future__ import annotations
 
 from pathlib import Path
+from typing import Any
 
 import pytest
 
@@ -112,3 +113,28 @@ def test_the_policy_travels_in_the_node_config(tmp_path: Path) -> None:
         tmp_path / "ledger.jsonl", budget=4.5, allow_non_dp=False, allow_non_secagg=True
     )
     assert policy_from_node_config({}) is None
+
+
+def test_the_agent_reports_its_ledger_and_records_what_became_of_a_run(tmp_path: Path) -> None:
+    import asyncio
+
+    from edge_agent.net.control import COORDINATOR_ONLY
+    from edge_agent.training.copies import TrainingCopies, training_routes
+    from protocols.ledger import PRIVACY_PATH, PrivacyStatus, RunFateReport
+
+    policy = PrivacyPolicy(tmp_path / "ledger.jsonl", budget=20.0)
+    record_round(policy, DIGEST, "run-1", 1, ROUND, secagg=True)
+    routes = training_routes(TrainingCopies(tmp_path, 1 << 20, lambda: None), policy)
+    get, post = routes[("GET", PRIVACY_PATH)], routes[("POST", PRIVACY_PATH)]
+    assert get.roles == COORDINATOR_ONLY and post.roles == COORDINATOR_ONLY
+
+    async def call(handler: Any, body: bytes) -> Any:
+        return await handler(body)
+
+    before = PrivacyStatus.from_json(asyncio.run(call(get.handler, b"")).body)
+    assert before.rounds == 1 and before.failed_runs == 0
+    assert before.remaining == pytest.approx(20.0 - before.epsilon_spent)
+    report = RunFateReport(run="run-1", fate=RunFate.DIVERGED).model_dump_json().encode()
+    after = PrivacyStatus.from_json(asyncio.run(call(post.handler, report)).body)
+    assert after.failed_runs == 1 and after.epsilon_spent == before.epsilon_spent
+    assert ("GET", PRIVACY_PATH) not in training_routes(TrainingCopies(tmp_path, 1, lambda: None))
