@@ -22,6 +22,8 @@ from devtools.demo.steps import Api, DemoStepError
 
 RESTART_AFTER_S = 4.0
 """How long an exited agent stays down before the demo restarts it."""
+PLANNED = frozenset({"replanned", "expanded"})
+"""Failover events that name a new plan version: the demo says which devices it runs on."""
 
 
 @dataclass(frozen=True)
@@ -64,6 +66,31 @@ class FailoverNote:
         return f"{text} ({self.detail})" if self.detail else text
 
 
+def plan_devices(deployments: list[dict[str, Any]], model_id: str, plan_version: int) -> list[str]:
+    """The devices plan version ``plan_version`` of ``model_id`` runs on, in stage order
+    (``GET /v1/deployments``'s records; empty when it is not listed)."""
+    for record in deployments:
+        if record.get("model_id") != model_id:
+            continue
+        for version in record.get("versions", []):
+            if version.get("plan_version") == plan_version:
+                return [str(s["device"]) for s in version.get("segments", [])]
+    return []
+
+
+def placement_words(devices: list[str], lost: set[str]) -> str:
+    """What to add to a re-plan's or expansion's sentence: the devices it runs on, and which of
+    them were lost and answer again (their "back" event may come later: the coordinator plans on
+    a device as soon as it answers steadily)."""
+    if not devices:
+        return ""
+    words = f" on {', '.join(devices)}"
+    returned = [device for device in devices if device in lost]
+    if returned:
+        words += f" ({', '.join(returned)} answered again before this plan was made)"
+    return words
+
+
 def failover_notes(api: Api) -> list[FailoverNote]:
     """Every failover event the coordinator keeps, oldest first."""
     reply = api.get("/v1/failover")
@@ -85,6 +112,8 @@ class AgentSupervisor:
     """Agents seen exited, by name: when (monotonic)."""
     restarts: dict[str, float] = field(default_factory=dict)
     """Agents restarted, by name: when (wall clock) the last restart was ready."""
+    lost: set[str] = field(default_factory=set)
+    """Devices whose "lost" event was printed and whose "back" event was not yet."""
 
     def poll(self) -> list[FailoverNote]:
         """One pass; the failover events that are new since the last pass.
@@ -131,9 +160,28 @@ class AgentSupervisor:
             self.seen = 0
         fresh = notes[self.seen :]
         self.seen = len(notes)
+        deployments = self._deployments(fresh)
         for note in fresh:
-            self.console.print(f"[cyan]failover:[/] {note.sentence()}")
+            if note.kind == "lost" and note.device:
+                self.lost.add(note.device)
+            elif note.kind == "back" and note.device:
+                self.lost.discard(note.device)
+            words = ""
+            if note.kind in PLANNED and note.model_id and note.plan_version is not None:
+                devices = plan_devices(deployments, note.model_id, note.plan_version)
+                words = placement_words(devices, self.lost)
+            self.console.print(f"[cyan]failover:[/] {note.sentence()}{words}")
         return fresh
+
+    def _deployments(self, notes: list[FailoverNote]) -> list[dict[str, Any]]:
+        if not any(note.kind in PLANNED for note in notes):
+            return []
+        try:
+            reply = self.api.get("/v1/deployments")
+        except DemoStepError as exc:
+            self.console.print(f"[yellow]deployments unavailable: {exc}[/]")
+            return []
+        return list(reply) if isinstance(reply, list) else []
 
     def skip_history(self) -> None:
         """Mark the events so far as printed (they belong to before serving began)."""
