@@ -222,9 +222,10 @@ def run_rounds(
     pooled: bool = False,
 ) -> LabRun:
     """One device per ``domains`` entry (its first ``per_device`` synsets of each domain),
-    ``rounds`` FedAvg rounds of their real clients. ``seed`` picks the round-one adapters and
-    the clients' shuffles and noise; ``pooled`` puts every share's records on one client (the
-    centralized baseline: the same records, train and held out, as the federated run's)."""
+    ``rounds`` FedAvg rounds of their real clients. ``seed`` picks the round-one adapters and,
+    without DP, the clients' shuffles (a DP round draws its sampling and noise from
+    os.urandom); ``pooled`` puts every share's records on one client (the centralized
+    baseline: the same records, train and held out, as the federated run's)."""
     import time
 
     from edge_agent.training.client_app import ShardClient
