@@ -74,9 +74,12 @@ def _follow(api: Any, run_id: str, console: Any, deadline: float) -> int:
             return 1
         if status["status"] == "finished":
             console.print(
-                f"held-out loss {status['baseline_loss']:.4f} -> {status['final_loss']:.4f}; "
-                f"ε per device {status['epsilon_per_device']}"
+                f"held-out loss {_num(status['baseline_loss'])} -> "
+                f"{_num(status['final_loss'])}; ε per device {status['epsilon_per_device']}"
             )
+            for name, p in sorted(status.get("privacy_per_device", {}).items()):
+                left = "no budget" if p["budget"] is None else f"{p['remaining']:.2f} left"
+                console.print(f"{name}: privacy ledger ε {p['epsilon_spent']:.2f} spent, {left}")
             if status.get("final_recall_at_1") is not None:
                 console.print(
                     f"held-out recall@1 {status['baseline_recall_at_1']:.3f} -> "
@@ -89,6 +92,11 @@ def _follow(api: Any, run_id: str, console: Any, deadline: float) -> int:
         time.sleep(POLL_S)
     console.print(f"[red]error:[/] run {run_id} did not end in time")
     return 1
+
+
+def _num(value: float | None) -> str:
+    """A loss, or "-" where none was reported (a DP run without SecAgg+ sends none)."""
+    return "-" if value is None else f"{value:.4f}"
 
 
 def _detail(response: Any) -> str:
