@@ -17,7 +17,7 @@ import numpy as np
 import onnx
 import onnxruntime as ort
 import pytest
-from gguf import GGMLQuantizationType, GGUFWriter, RopeScalingType
+from gguf import GGMLQuantizationType, GGUFReader, GGUFWriter, RopeScalingType
 
 from devtools.gguf_files import MIXES, SPECS, Spec, tensor_list, write_gguf
 from partitioner.models.gguf import kernels, reference
@@ -29,6 +29,7 @@ from partitioner.models.gguf.builder import (
     write_segment,
 )
 from partitioner.models.gguf.header import UnsupportedModel, read_header
+from partitioner.models.gguf.reader import GgufFile, GgufFormatError
 from partitioner.models.gguf.units import (
     OPS_BASE,
     block_ops,
@@ -306,3 +307,25 @@ def test_header_reads_the_file_facts(files: dict[tuple[str, str], Path]) -> None
     assert model.eos_token_ids == (257,)
     assert model.chat_template is not None
     assert read_header(files["llama", "f32"]).rope_layout == "pairs"
+
+
+@pytest.mark.parametrize("mix", sorted(MIXES))
+def test_lean_reader_gives_gguf_readers_data(tmp_path: Path, mix: str) -> None:
+    path = write_gguf(tmp_path / "m.gguf", SPECS["qwen2"], mix)
+    theirs = GGUFReader(str(path))
+    ours = GgufFile(path)
+    assert list(ours.tensors) == [t.name for t in theirs.tensors]
+    for t in theirs.tensors:
+        data = ours.data(t.name)
+        assert data.shape == t.data.shape
+        assert data.dtype == t.data.dtype or (data.dtype == np.uint8 and t.tensor_type == T.BF16)
+        assert data.tobytes() == t.data.tobytes()
+    assert ours.metadata["tokenizer.ggml.tokens.count"] == SPECS["qwen2"].vocab
+    assert ours.metadata["general.architecture"] == "qwen2"
+
+
+def test_non_gguf_file_is_refused(tmp_path: Path) -> None:
+    path = tmp_path / "model.onnx"
+    path.write_bytes(b"\x08\x07" + bytes(100))
+    with pytest.raises(GgufFormatError, match="not a GGUF file"):
+        GgufFile(path)

@@ -1,5 +1,6 @@
 """The GGUF segment builder: decoder segments straight from a GGUF file (issue 40).
 
+- :mod:`.reader`          a lean GGUF reader: metadata, tensor infos, memory-mapped data
 - :mod:`.header`          the file's header as a typed model; what is refused and why
 - :mod:`.kernels`         GGUF tensors onto ONNX Runtime's CPU kernels, per tensor type
   (:mod:`.kernels_codes`, :mod:`.kernels_gather`, :mod:`.kernels_requant` behind it)

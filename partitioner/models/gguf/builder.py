@@ -40,13 +40,13 @@ from typing import BinaryIO
 
 import numpy as np
 import onnx
-from gguf import GGUFReader
 from onnx import TensorProto, helper
 
 from partitioner.errors import GraphError
 from partitioner.models.gguf import archs
-from partitioner.models.gguf.header import GgufModel, header_from_reader
+from partitioner.models.gguf.header import GgufModel, header_of
 from partitioner.models.gguf.kernels import ACCURACY_LEVEL, WeightsMode
+from partitioner.models.gguf.reader import GgufFile
 from protocols.decoder import (
     ATTENTION_MASK,
     INPUT_IDS,
@@ -100,14 +100,13 @@ class GgufSource:
 
     def __init__(self, path: Path | str) -> None:
         self.path = Path(path)
-        self.reader = GGUFReader(str(path), "r")
-        self.model = header_from_reader(self.reader, str(path))
-        self._index = {t.name: k for k, t in enumerate(self.reader.tensors)}
+        self.file = GgufFile(path)
+        self.model = header_of(self.file)
 
     def raw(self, name: str) -> np.ndarray:
         """Tensor ``name``'s data as ``GGUFReader`` gives it (a view into the mapping)."""
         self.model.tensor(name)
-        return self.reader.tensors[self._index[name]].data
+        return self.file.data(name)
 
 
 def _value(name: str, elem: int, dims: list[str | int]) -> onnx.ValueInfoProto:

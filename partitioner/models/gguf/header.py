@@ -1,9 +1,9 @@
 """A GGUF file's header as a typed model: architecture, shapes, tensor infos, tokenizer facts.
 
-:func:`read_header` memory-maps the file with ``gguf.GGUFReader`` and reads metadata and tensor
-infos only (no weight is touched). Everything the builder cannot serve exactly is refused here,
-before anything is built, with :class:`UnsupportedModel` naming it (``reason``: ``architecture``,
-``tensor_type``, ``rope_scaling``, ``tensor``, ``metadata``).
+:func:`read_header` reads metadata and tensor infos only (:mod:`.reader`; no weight is
+touched). Everything the builder cannot serve exactly is refused here, before anything is
+built, with :class:`UnsupportedModel` naming it (``reason``: ``architecture``, ``tensor_type``,
+``rope_scaling``, ``tensor``, ``metadata``).
 
 Architectures (llama.cpp's semantics, ``src/llama-model.cpp``):
 
@@ -29,12 +29,13 @@ from pathlib import Path
 from typing import Any, Literal
 
 import numpy as np
-from gguf import GGML_QUANT_SIZES, GGMLQuantizationType, GGUFReader, GGUFValueType
+from gguf import GGML_QUANT_SIZES, GGMLQuantizationType
 from pydantic import Field, NonNegativeInt, PositiveFloat, PositiveInt
 
 from partitioner.errors import GraphError
 from partitioner.models.gguf.kernels import MATMUL_BITS
 from partitioner.models.gguf.kernels_codes import FLOAT_TYPES
+from partitioner.models.gguf.reader import GgufFile
 from protocols.base import FrozenModel
 
 __all__ = [
@@ -168,18 +169,17 @@ class GgufModel(FrozenModel):
 
 
 def read_header(path: Path | str) -> GgufModel:
-    """The header of the GGUF file at ``path`` (memory-mapped; weights are never read).
+    """The header of the GGUF file at ``path`` (weights are never read).
 
     Raises :class:`UnsupportedModel` for an architecture, tensor type, rope scaling mode or
     missing tensor the builder does not serve.
     """
-    reader = GGUFReader(str(path), "r")
-    return header_from_reader(reader, str(path))
+    return header_of(GgufFile(path))
 
 
-def header_from_reader(reader: GGUFReader, path: str) -> GgufModel:
-    """:func:`read_header` on an open reader."""
-    meta = _metadata(reader)
+def header_of(file: GgufFile) -> GgufModel:
+    """:func:`read_header` on an open file."""
+    meta = dict(file.metadata)
     arch_name = str(meta.get("general.architecture", ""))
     try:
         arch = Architecture(arch_name)
@@ -190,7 +190,16 @@ def header_from_reader(reader: GGUFReader, path: str) -> GgufModel:
             f"GGUF architecture {arch_name!r} is not served "
             f"(served: {', '.join(a.value for a in Architecture)})",
         ) from None
-    tensors = _tensors(reader)
+    tensors = {
+        t.name: TensorEntry(
+            name=t.name,
+            ggml_type=t.ggml_type.name,
+            shape=tuple(reversed(t.dims)),
+            n_bytes=t.n_bytes,
+            offset=t.offset,
+        )
+        for t in file.tensors.values()
+    }
     _check_types(tensors)
     hp = _hyperparameters(arch, meta, tensors)
     _check_tensors(arch, hp["layers"], tensors)
@@ -199,11 +208,11 @@ def header_from_reader(reader: GGUFReader, path: str) -> GgufModel:
         use = quant.setdefault(t.ggml_type, {"count": 0, "n_bytes": 0})
         use["count"] += 1
         use["n_bytes"] += t.n_bytes
-    eos = [meta[k] for k in ("tokenizer.ggml.eos_token_id", "tokenizer.ggml.eot_token_id")]
+    eos = [meta.get(k) for k in ("tokenizer.ggml.eos_token_id", "tokenizer.ggml.eot_token_id")]
     return GgufModel(
-        path=path,
+        path=str(file.path),
         architecture=arch,
-        name=str(meta.get("general.name") or Path(path).stem),
+        name=str(meta.get("general.name") or file.path.stem),
         parameters=sum(t.elements for t in tensors.values()),
         quantization={k: TypeUse(count=v["count"], n_bytes=v["n_bytes"]) for k, v in quant.items()},
         tensors=tensors,
@@ -212,34 +221,6 @@ def header_from_reader(reader: GGUFReader, path: str) -> GgufModel:
         chat_template=meta.get("tokenizer.chat_template"),
         **hp,
     )
-
-
-def _metadata(reader: GGUFReader) -> dict[str, Any]:
-    """Scalar and string metadata (arrays skipped: the vocabulary is not needed here)."""
-    meta: dict[str, Any] = {}
-    for name, field in reader.fields.items():
-        if not field.types or field.types[0] == GGUFValueType.ARRAY:
-            continue
-        meta[name] = field.contents()
-    for key in ("tokenizer.ggml.eos_token_id", "tokenizer.ggml.eot_token_id"):
-        meta.setdefault(key, None)
-    if "tokenizer.ggml.tokens" in reader.fields:
-        meta["vocab_entries"] = len(reader.fields["tokenizer.ggml.tokens"].data)
-    return meta
-
-
-def _tensors(reader: GGUFReader) -> dict[str, TensorEntry]:
-    out: dict[str, TensorEntry] = {}
-    for t in reader.tensors:
-        shape = tuple(int(d) for d in reversed(t.shape.tolist()))
-        out[t.name] = TensorEntry(
-            name=t.name,
-            ggml_type=GGMLQuantizationType(t.tensor_type).name,
-            shape=shape,
-            n_bytes=int(t.n_bytes),
-            offset=int(t.data_offset),
-        )
-    return out
 
 
 def _check_types(tensors: Mapping[str, TensorEntry]) -> None:
