@@ -49,6 +49,7 @@ is there only to keep onnx or torch off a light import, and says so (``# heavy:`
 - :mod:`partitioner.models.gguf.kernels_codes`    quantized blocks as codes, scales and mins
 - :mod:`partitioner.models.gguf.kernels_gather`   embedding rows via ``GatherBlockQuantized``
 - :mod:`partitioner.models.gguf.kernels_requant`  a GGUF weight re-quantized to int4/int8
+- :mod:`partitioner.models.gguf.reader`           a lean GGUF reader (memory-mapped data)
 - :mod:`partitioner.models.gguf.header`           a GGUF header as a typed model, refusals
 - :mod:`partitioner.models.gguf.archs`            the five architectures' layers as nodes
 - :mod:`partitioner.models.gguf.builder`          one segment per block range, streamed
