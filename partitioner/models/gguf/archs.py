@@ -27,6 +27,8 @@ from partitioner.models.gguf.kernels_codes import int64_constant
 
 RawTensors = Callable[[str], np.ndarray]
 """A tensor's raw data by name, as ``GGUFReader`` gives it (memory-mapped)."""
+Release = Callable[[], None]
+"""Called after each weight is mapped: lets the file's pages go (see :mod:`.reader`)."""
 Sink = Callable[[TensorProto], TensorProto]
 """Takes each initializer as soon as it is made (e.g. writes it out) and returns what the graph
 keeps of it."""
@@ -45,6 +47,7 @@ class Emitter:
     weights: WeightsMode = "keep"
     accuracy_level: int = kernels.ACCURACY_LEVEL
     """``MatMulNBits``' accuracy level (0: float activations, for exactness checks)."""
+    release: Release | None = None
     nodes: list[onnx.NodeProto] = field(default_factory=list)
     initializers: list[TensorProto] = field(default_factory=list)
     _shared: dict[str, str] = field(default_factory=dict)
@@ -71,6 +74,8 @@ class Emitter:
         """Append a kernel's nodes; its initializers go to the sink."""
         self.nodes.extend(part.nodes)
         self.initializers.extend(self.sink(t) for t in part.initializers)
+        if self.release is not None:
+            self.release()
         return part.output
 
     def vector(self, tensor: str) -> str:

@@ -134,7 +134,7 @@ def build_segment(
     """
     model = source.model
     span.check(model)
-    e = archs.Emitter(model, source.raw, sink, weights, accuracy_level)
+    e = archs.Emitter(model, source.raw, sink, weights, accuracy_level, source.file.release)
     blocks = range(span.start, span.end)
     inputs: list[onnx.ValueInfoProto] = []
     outputs: list[onnx.ValueInfoProto] = []

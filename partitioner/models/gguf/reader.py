@@ -13,6 +13,7 @@ pairs, the tensor infos, padding to ``general.alignment`` (32), the data.
 
 from __future__ import annotations
 
+import mmap
 import struct
 from dataclasses import dataclass
 from pathlib import Path
@@ -156,3 +157,10 @@ class GgufFile:
         if view is not None:
             return raw.view(view).reshape(shape)
         return raw.reshape(quant_shape_to_byte_shape(shape, info.ggml_type))
+
+    def release(self) -> None:
+        """Drop the mapped pages from this process's resident set (``MADV_DONTNEED``; the
+        page cache keeps them), so a builder reading tensor after tensor holds about one."""
+        mapping = getattr(self._map, "_mmap", None)
+        if mapping is not None and hasattr(mmap, "MADV_DONTNEED"):
+            mapping.madvise(mmap.MADV_DONTNEED)
