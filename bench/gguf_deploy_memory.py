@@ -4,8 +4,9 @@ and the largest segment (issue 40 item 3: below the largest segment plus 300 MB)
 Writes a random Llama-shaped GGUF (Q4_K_M-like mix, tensor by tensor) of the given shape, then
 runs the deploy's GGUF route (:func:`coordinator.deploy.gguf_cut.gguf_split_and_run`: header,
 plan, each stage's segment built, run here in ONNX Runtime and joined into one file) onto
-``--stages`` devices just large enough, in this process, and prints the peak next to the sizes
-and next to the process's resident memory before the build (imports, Python)::
+``--stages`` devices just large enough, in a fresh process (as a coordinator would: the
+writer's own memory is not counted), and prints the peak next to the sizes and next to that
+process's resident memory before the build (imports, Python)::
 
     python bench/gguf_deploy_memory.py --layers 8 --hidden 2048 --ffn 5632 --vocab 32000
 """
@@ -13,6 +14,8 @@ and next to the process's resident memory before the build (imports, Python)::
 from __future__ import annotations
 
 import argparse
+import subprocess
+import sys
 import tempfile
 import time
 from pathlib import Path
@@ -40,7 +43,11 @@ def main() -> None:
     parser.add_argument("--stages", type=int, default=4)
     parser.add_argument("--mix", default="q4_k_m")
     parser.add_argument("--dir", type=Path, help="where to write (default: a temporary dir)")
+    parser.add_argument("--build", type=Path, help="only build the deploy of this GGUF file")
     args = parser.parse_args()
+    if args.build is not None:
+        build(args.build, args.stages, args.build.parent)
+        return
     work = args.dir or Path(tempfile.mkdtemp(prefix="gguf-deploy-"))
     work.mkdir(parents=True, exist_ok=True)
     spec = Spec(
@@ -55,19 +62,24 @@ def main() -> None:
     )
     path = work / "bench.gguf"
     started = time.monotonic()
-    with PeakMemory() as writing:
-        write_gguf(path, spec, args.mix)
+    write_gguf(path, spec, args.mix)
     print(f"wrote {path.stat().st_size / MB:.1f} MB in {time.monotonic() - started:.1f} s")
+    command = [sys.executable, __file__, "--build", str(path), "--stages", str(args.stages)]
+    subprocess.run(command, check=True)
+
+
+def build(path: Path, stages: int, work: Path) -> None:
+    """Build the deploy of ``path`` onto ``stages`` devices in this process; print the peak."""
     model = header_of(path)
     units = unit_table(model, context=DEFAULT_SESSIONS.max_context)
     kv = sum(u.kv_bytes_per_token for u in units) * DEFAULT_SESSIONS.max_context
     need = sum(u.weight_bytes for u in units) + kv * DEFAULT_SESSIONS.max_sessions
-    memory = int(need / args.stages * 1.25) + (64 << 20)
+    memory = int(need / stages * 1.25) + (64 << 20)
     devices = DeviceList.from_obj(
         {
             "devices": [
                 {"name": f"d{i}", "memory_bytes": memory, "gflops": 50, "bandwidth_mbps": 1000}
-                for i in range(args.stages)
+                for i in range(stages)
             ]
         }
     )
@@ -76,19 +88,18 @@ def main() -> None:
     outcome = gguf_split_and_run(DeployCommand(path, "bench"), devices, work / "v1")
     card = outcome.card
     assert card is not None and card.build is not None
-    build = card.build
-    largest = build.largest_segment_bytes
+    built = card.build
+    largest = built.largest_segment_bytes
     print(f"segments: {len(outcome.manifest.segments)}, file {card.file_bytes / MB:.1f} MB")
     print(
-        f"peak resident memory while building: {build.peak_rss_bytes / MB:.1f} MB "
-        f"(resident before: {before.bytes / MB:.1f} MB; while writing the file: "
-        f"{writing.bytes / MB:.1f} MB)"
+        f"peak resident memory while building: {built.peak_rss_bytes / MB:.1f} MB "
+        f"(resident before the build: {before.bytes / MB:.1f} MB)"
     )
     print(
         f"largest segment {largest / MB:.1f} MB; peak - largest segment = "
-        f"{(build.peak_rss_bytes - largest) / MB:.1f} MB (target < 300 MB); "
-        f"peak / file = {build.peak_rss_bytes / card.file_bytes:.2f}; "
-        f"build {build.seconds:.1f} s"
+        f"{(built.peak_rss_bytes - largest) / MB:.1f} MB (target < 300 MB); "
+        f"peak / file = {built.peak_rss_bytes / card.file_bytes:.2f}; "
+        f"build {built.seconds:.1f} s"
     )
 
 

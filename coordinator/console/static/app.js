@@ -184,7 +184,19 @@ async function loadModels() {
 
 function modelOptions(filter = () => true) {
   return FS.models.filter(m => m.active !== null && filter(m))
-    .map(m => ({value: m.model_id, label: `${m.model_id} (v${m.active}, ${m.kind})`}));
+    .map(m => ({value: m.model_id, label: `${m.model_id} (v${m.active}, ${m.kind}${ggufText(m)})`}));
+}
+
+// ", Qwen2.5 Coder 1.5B Instruct from qwen.gguf: qwen2, 1544M parameters, Q4_K 61% Q6_K 22%"
+// for a model served from a GGUF file (its card), "" otherwise.
+function ggufText(m) {
+  const g = m.gguf;
+  if (!g) return "";
+  const mix = Object.entries(g.quantization)
+    .map(([kind, count]) => `${kind} ${Math.round(100 * count / Math.max(g.parameters, 1))}%`)
+    .join(" ");
+  return `, ${g.name || g.file} from ${g.file}: ${g.architecture}, ` +
+    `${Math.round(g.parameters / 1e6)}M parameters, ${mix}`;
 }
 
 // ------------------------------------------------------------------------------- devices
