@@ -262,8 +262,9 @@ def make_node_key(directory: Path) -> tuple[Path, Path]:
     return private, public
 
 
-def register_supernode(link: SuperLink, public_key: Path, timeout_s: float = 60.0) -> None:
-    """``flwr supernode register KEY.pub``: allow the SuperNode holding that key to connect.
+def register_supernode(link: SuperLink, public_key: Path, timeout_s: float = 60.0) -> int:
+    """``flwr supernode register KEY.pub``: allow the SuperNode holding that key to connect;
+    returns its node id.
 
     The key is an EC (NIST P-256) public key in OpenSSH format, as the agent makes it with
     :func:`edge_agent.training.supernode.make_node_key`.
@@ -284,6 +285,33 @@ def register_supernode(link: SuperLink, public_key: Path, timeout_s: float = 60.
         raise FlowerProcessError(f"flwr supernode register failed: {out.stdout[-1000:]!r}") from exc
     if not reply.get("success"):
         raise FlowerProcessError(f"SuperLink refused the node key: {reply}")
+    node_id = reply.get("node-id")
+    if not isinstance(node_id, int):
+        raise FlowerProcessError(f"flwr supernode register gave no node id: {reply}")
+    return node_id
+
+
+def unregister_supernode(link: SuperLink, node_id: int, timeout_s: float = 60.0) -> None:
+    """``flwr supernode unregister NODE_ID``: the SuperLink forgets that SuperNode (a revoked
+    device's); its further messages are refused."""
+    cmd = [
+        flower_bin("flwr"), "supernode", "unregister", str(node_id), CONNECTION,
+        "--format", "json",
+    ]  # fmt: skip
+    try:
+        out = subprocess.run(
+            cmd, env=link.env(), capture_output=True, timeout=timeout_s, check=False
+        )
+    except subprocess.TimeoutExpired as exc:
+        raise FlowerProcessError("flwr supernode unregister did not answer") from exc
+    try:
+        reply = json.loads(out.stdout.decode(errors="replace"))
+    except json.JSONDecodeError as exc:
+        raise FlowerProcessError(
+            f"flwr supernode unregister failed: {out.stdout[-1000:]!r}"
+        ) from exc
+    if not reply.get("success"):
+        raise FlowerProcessError(f"SuperLink did not unregister node {node_id}: {reply}")
 
 
 def start_run(link: SuperLink, app_dir: Path, run_file: Path, timeout_s: float = 120.0) -> int:

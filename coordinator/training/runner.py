@@ -15,6 +15,7 @@ import threading
 from collections.abc import Callable, Iterator, Mapping
 from contextlib import AbstractContextManager, ExitStack, contextmanager
 from dataclasses import dataclass
+from functools import partial
 from pathlib import Path
 
 from coordinator.errors import CoordinatorError
@@ -26,10 +27,12 @@ from coordinator.training.flower import (
     make_node_key,
     register_supernode,
     superlink,
+    unregister_supernode,
 )
 from coordinator.training.local_agents import start_local_agents
 from coordinator.training.manager import RunReporter
 from coordinator.training.records import RoundMetrics, TrainingRecord, TrainingSettings
+from coordinator.training.revoked_nodes import RevokedNodes, unregistering_revoked
 from coordinator.training.rollout import next_version_dir
 from coordinator.training.segments import trainable_names
 from coordinator.training.version import Version
@@ -172,6 +175,7 @@ def paired_superlink(
     clients: int,
     port: int = 0,
     host: str = HOST,
+    current: Callable[[], Mapping[str, str]] | None = None,
 ) -> Iterator[SuperLink]:
     """A SuperLink on ``host:port`` that admits only the SuperNodes of ``node_keys``.
 
@@ -179,18 +183,26 @@ def paired_superlink(
     pairing request) is registered before the SuperLink is handed out. Agents' SuperNodes
     (``fedshard agent --train-superlink HOST:PORT``) are refused until their key is registered,
     and restart until they get in. Fewer keys than ``clients`` is a :class:`TrainingRunError`.
+    With ``current`` (the pairing book's node keys now), a device revoked while the SuperLink
+    runs has its SuperNode unregistered (:mod:`coordinator.training.revoked_nodes`).
     """
     if len(node_keys) < clients:
         raise TrainingRunError(
             f"{len(node_keys)} paired agents have a node key; the run needs {clients}"
         )
     with superlink(run_dir, ca, node_auth=True, port=port, host=host) as link:
+        registered = {}
         for name, key in sorted(node_keys.items()):
             path = run_dir / "node-keys" / f"{name}.pub"
             write_atomic(path, f"{key}\n".encode())
-            register_supernode(link, path)
+            registered[name] = (key, register_supernode(link, path))
             log.info("registered the node key of %s", name)
-        yield link
+        if current is None:
+            yield link
+            return
+        nodes = RevokedNodes(registered, current, partial(unregister_supernode, link))
+        with unregistering_revoked(nodes):
+            yield link
 
 
 def agent_federation(
@@ -204,7 +216,9 @@ def agent_federation(
     @contextmanager
     def start(run_dir: Path, target: TrainingTarget) -> Iterator[SuperLink]:
         keys = dict(node_keys())
-        with paired_superlink(run_dir, ca, keys, target.population, port, host) as link:
+        with paired_superlink(
+            run_dir, ca, keys, target.population, port, host, current=node_keys
+        ) as link:
             yield link
 
     return start

@@ -178,7 +178,9 @@ def paired_lora_federation(
         offer = signed_offer(training_copy(copy_id, segments, [TOKENIZER_FILE]), ca.sign)
         held = set(send(offer, segments, target.population))
         keys = {name: key for name, key in node_keys().items() if name in held}
-        with paired_superlink(run_dir, ca, keys, target.population, port, host) as link:
+        with paired_superlink(
+            run_dir, ca, keys, target.population, port, host, current=node_keys
+        ) as link:
             yield link
 
     return start
