@@ -23,7 +23,8 @@ Rooms, each importing only the rooms below it (an import-linter layers contract)
 - :mod:`coordinator.config`       :class:`~coordinator.config.CoordinatorConfig`
 - :mod:`coordinator.errors`       the error hierarchy (drawn in its docstring)
 - :mod:`coordinator.http`         ``app`` (create_app, devices, pairing), ``serving``, ``console``,
-  ``training``, ``openai`` (+ ``openai_models``), ``errors`` (one catalogue, both body styles)
+  ``training``, ``openai`` (+ ``openai_models``), ``errors`` (one catalogue, both body styles),
+  ``timing`` (the one request timer the metrics and the console observe)
 - :mod:`coordinator.serving.router`      ``router``, ``failover``, ``embeddings``, ``decoder``
 - :mod:`coordinator.console`      the static page, ``plans``, ``stages``, ``stats``, ``slowness``
 - :mod:`coordinator.training`     ``manager`` (runs), ``driver`` (one flwr run), ``runner``,

@@ -1,9 +1,10 @@
 """Request counters for the console's live view: requests per second and latency percentiles.
 
 :class:`RequestStats` keeps the completion time, duration and outcome of recent inference
-requests in a bounded window; :class:`InferenceTimer` is the ASGI middleware that feeds it,
-timing each request from arrival until the last byte of its response (a streamed chat answer
-counts until its final token).
+requests in a bounded window; :class:`InferenceCounter` feeds it from the coordinator's one
+request timer (:class:`~coordinator.http.timing.RequestTimer`), which times each request from
+arrival until the last byte of its response (a streamed chat answer counts until its final
+token).
 """
 
 from __future__ import annotations
@@ -12,9 +13,9 @@ import math
 import threading
 import time
 from collections import deque
-from collections.abc import Callable, Collection, Sequence
+from collections.abc import Callable, Collection, Mapping, Sequence
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, Protocol
 
 from pydantic import BaseModel, ConfigDict
 
@@ -116,46 +117,41 @@ class RequestStats:
         )
 
 
-Scope = dict[str, Any]
-Receive = Callable[[], Any]
-Send = Callable[[dict[str, Any]], Any]
-
-
-class InferenceTimer:
-    """ASGI middleware: times POSTs to :data:`TIMED_PATHS` into a :class:`RequestStats`.
+class InferenceCounter:
+    """Counts POSTs to :data:`TIMED_PATHS` into a :class:`RequestStats`: an observer of the
+    coordinator's one request timer (:class:`~coordinator.http.timing.RequestTimer`).
 
     A request counts as an error when its status is 400 or more, or when the application
     raised before finishing its response.
     """
 
-    def __init__(self, app: Any, stats: RequestStats, paths: Collection[str] = TIMED_PATHS) -> None:
-        self.app = app
+    def __init__(self, stats: RequestStats, paths: Collection[str] = TIMED_PATHS) -> None:
+        """Count into ``stats`` the requests to ``paths``."""
         self.stats = stats
         self.paths = frozenset(paths)
 
-    async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
-        """Pass the request through, recording its duration when its response ends."""
-        timed = (
-            scope.get("type") == "http"
-            and scope.get("method") == "POST"
-            and scope.get("path") in self.paths
-        )
-        if not timed:
-            await self.app(scope, receive, send)
-            return
-        clock = self.stats.clock
-        started = clock()
-        state = {"status": 500, "done": False}
+    def __call__(self, request: TimedInference) -> None:
+        """Record ``request`` if it is an inference POST."""
+        scope = request.scope
+        if scope.get("method") == "POST" and scope.get("path") in self.paths:
+            self.stats.record(request.seconds, request.done and request.status < 400)
 
-        async def timed_send(message: dict[str, Any]) -> None:
-            if message["type"] == "http.response.start":
-                state["status"] = int(message["status"])
-            await send(message)
-            if message["type"] == "http.response.body" and not message.get("more_body"):
-                state["done"] = True
 
-        try:
-            await self.app(scope, receive, timed_send)
-        finally:
-            ok = bool(state["done"]) and int(state["status"]) < 400
-            self.stats.record(clock() - started, ok)
+class TimedInference(Protocol):
+    """What :class:`InferenceCounter` reads of a timed request."""
+
+    @property
+    def scope(self) -> Mapping[str, Any]:
+        """The request's ASGI scope."""
+
+    @property
+    def status(self) -> int:
+        """The response's status (500 when the application raised before starting one)."""
+
+    @property
+    def done(self) -> bool:
+        """Whether the response's last body message went out."""
+
+    @property
+    def seconds(self) -> float:
+        """From arrival until the response ended."""

@@ -18,15 +18,17 @@ from fastapi import APIRouter, Depends, FastAPI, HTTPException, params, status
 from fastapi.security import HTTPAuthorizationCredentials, HTTPBearer
 
 from coordinator.console import install_console
+from coordinator.console.stats import InferenceCounter
 from coordinator.fleet.registry import DeviceRegistry
 from coordinator.http.console import mount_console_api
 from coordinator.http.devices import devices_router
 from coordinator.http.errors import install_error_handlers
 from coordinator.http.guard import ApiGuard
-from coordinator.http.metrics import mount_metrics
+from coordinator.http.metrics import RequestMeter, mount_metrics
 from coordinator.http.openai import generation_router
 from coordinator.http.openai_serving import openai_serving_router
 from coordinator.http.serving import serving_router
+from coordinator.http.timing import RequestTimer
 from coordinator.http.training import mount_training
 from coordinator.trust.pairing import Pairing
 from protocols.base import FrozenModel
@@ -106,13 +108,18 @@ def create_app(services: Services) -> FastAPI:
     v1.include_router(openai_serving_router(services.serving, metrics))
     if services.serving is not None:
         v1.include_router(serving_router(services.serving))
-    mount_console_api(app, v1, services)
+    stats = mount_console_api(v1, services)
     if services.training is not None:
         mount_training(app, v1, services.training)
     if services.generation is not None:
         v1.include_router(generation_router(services.generation, metrics))
     app.include_router(v1)
     install_console(app)
+    meter = RequestMeter(metrics)
+    # added last, so outermost: requests the guard refuses are timed too
+    app.add_middleware(
+        RequestTimer, observers=[meter, InferenceCounter(stats)], starts=[meter.start]
+    )
     return app
 
 

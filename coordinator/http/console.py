@@ -7,7 +7,7 @@
     GET  /v1/metrics/stream          the same as server-sent events, one per ``?interval=`` s
 
 Live metrics are the coordinator's own request counters (requests/s, latency percentiles,
-measured by :class:`~coordinator.console.stats.InferenceTimer`) and each stage's compute, send
+counted by :class:`~coordinator.console.stats.InferenceCounter`) and each stage's compute, send
 and idle shares from its agent's ``/metrics``. Every snapshot also feeds a
 :class:`~coordinator.console.slowness.SlownessSampler`:
 a stage that persistently runs slower than its
@@ -26,7 +26,7 @@ from collections.abc import AsyncIterator, Callable
 from pathlib import Path
 from typing import TYPE_CHECKING, Literal
 
-from fastapi import APIRouter, FastAPI, Query, Request
+from fastapi import APIRouter, Query, Request
 from fastapi.concurrency import run_in_threadpool
 from fastapi.responses import StreamingResponse
 from pydantic import BaseModel, ConfigDict, Field
@@ -42,7 +42,7 @@ from coordinator.console.plans import (
 )
 from coordinator.console.slowness import SlownessSampler, SlowStage, StageReading
 from coordinator.console.stages import StageRates, StageSampler, StageTarget
-from coordinator.console.stats import InferenceTimer, RequestSnapshot, RequestStats
+from coordinator.console.stats import RequestSnapshot, RequestStats
 from coordinator.deploy.store import ModelRecord, VersionRecord
 from coordinator.errors import DeployError, NotServableError, RequestError, UnknownModelError
 from coordinator.transport.agent_client import AgentAddress
@@ -261,11 +261,12 @@ class LiveMetrics:
         ]
 
 
-def mount_console_api(app: FastAPI, v1: APIRouter, services: Services) -> None:
-    """Add the request timer to ``app`` and the console routes to the token-protected ``v1``."""
+def mount_console_api(v1: APIRouter, services: Services) -> RequestStats:
+    """Add the console routes to the token-protected ``v1``; the request counters they show
+    (for an :class:`~coordinator.console.stats.InferenceCounter` to fill)."""
     stats = RequestStats()
-    app.add_middleware(InferenceTimer, stats=stats)
     v1.include_router(console_router(services, LiveMetrics(services, stats)))
+    return stats
 
 
 def console_router(services: Services, live: LiveMetrics) -> APIRouter:

@@ -23,7 +23,6 @@ The last three are read from their owners at scrape time (:class:`FleetCollector
 
 from __future__ import annotations
 
-import time
 from collections.abc import AsyncGenerator, AsyncIterator, Callable, Iterable, Iterator, Mapping
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any, Final, TypeVar
@@ -32,9 +31,10 @@ from fastapi import FastAPI, Request, Response, params
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, generate_latest
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Metric
 from prometheus_client.registry import Collector
-from starlette.types import ASGIApp, Message, Receive, Scope, Send
+from starlette.types import Scope
 
 from coordinator.http.devices import device_status
+from coordinator.http.timing import TimedRequest
 
 if TYPE_CHECKING:
     from coordinator.http.app import Services
@@ -198,38 +198,29 @@ def route_template(scope: Scope) -> str:
 
 
 class RequestMeter:
-    """ASGI middleware: counts and times every HTTP request into :class:`CoordinatorMetrics`."""
+    """Counts and times every HTTP request into :class:`CoordinatorMetrics`: a start hook and
+    an observer of the one :class:`~coordinator.http.timing.RequestTimer`."""
 
-    def __init__(self, app: ASGIApp, metrics: CoordinatorMetrics) -> None:
-        """Wrap ``app``."""
-        self.app = app
+    def __init__(self, metrics: CoordinatorMetrics) -> None:
+        """Count into ``metrics``."""
         self.metrics = metrics
 
-    async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
-        """Pass the request through; record it when its response ends, however it ends."""
-        if scope["type"] != "http":
-            await self.app(scope, receive, send)
-            return
-        started = time.monotonic()
-        request_notes = scope[NOTES_KEY] = RequestNotes()
-        state = {"status": 500}
+    def start(self, scope: Scope) -> None:
+        """Leave fresh :class:`RequestNotes` in the request's scope for its route to fill."""
+        scope[NOTES_KEY] = RequestNotes()
 
-        async def metered_send(message: Message) -> None:
-            if message["type"] == "http.response.start":
-                state["status"] = int(message["status"])
-            await send(message)
-
-        try:
-            await self.app(scope, receive, metered_send)
-        finally:
-            route = route_template(scope)
-            model = request_notes.model if state["status"] != 404 else ""
-            seconds = time.monotonic() - started
-            self.metrics.record(route, scope["method"], state["status"], model, seconds)
+    def __call__(self, request: TimedRequest) -> None:
+        """Record one finished request."""
+        scope = request.scope
+        found = scope.get(NOTES_KEY)
+        model = found.model if isinstance(found, RequestNotes) and request.status != 404 else ""
+        route, method = route_template(scope), scope["method"]
+        self.metrics.record(route, method, request.status, model, request.seconds)
 
 
 def mount_metrics(app: FastAPI, services: Services, token: params.Depends) -> CoordinatorMetrics:
-    """``GET /metrics`` (behind ``token``, like every API route) and the request meter."""
+    """``GET /metrics`` (behind ``token``, like every API route); the meter is a
+    :class:`RequestMeter` on the app's :class:`~coordinator.http.timing.RequestTimer`."""
     metrics = CoordinatorMetrics()
 
     def devices() -> list[tuple[str, bool]]:
@@ -257,5 +248,4 @@ def mount_metrics(app: FastAPI, services: Services, token: params.Depends) -> Co
     def scrape() -> Response:
         return Response(metrics.render(), media_type=CONTENT_TYPE)
 
-    app.add_middleware(RequestMeter, metrics=metrics)
     return metrics

@@ -22,13 +22,14 @@ from coordinator.commands import PLACEMENT_COLUMNS, placement_cells
 from coordinator.console import ASSETS, asset_text
 from coordinator.console.plans import deployed_view, what_if_devices
 from coordinator.console.stages import Counters, StageSampler, StageTarget, parse_counters, rates
-from coordinator.console.stats import InferenceTimer, RequestStats, percentile
+from coordinator.console.stats import InferenceCounter, RequestStats, percentile
 from coordinator.deploy.store import DeploymentStore, Placement, VersionRecord
 from coordinator.errors import AgentError, DeployError
 from coordinator.fleet.links import LinkMeter
 from coordinator.fleet.registry import DeviceRegistry
 from coordinator.http.app import Services, create_app
 from coordinator.http.serving import Serving
+from coordinator.http.timing import RequestTimer
 from coordinator.serving.embeddings import Embedder
 from coordinator.transport.agent_client import AgentClient
 from coordinator.trust.ca import CertificateAuthority
@@ -100,11 +101,11 @@ def _timed_app(stats: RequestStats) -> TestClient:
     def other() -> dict[str, str]:
         return {"ok": "yes"}
 
-    app.add_middleware(InferenceTimer, stats=stats)
+    app.add_middleware(RequestTimer, observers=[InferenceCounter(stats)])
     return TestClient(app)
 
 
-def test_inference_timer_counts_inference_posts_only() -> None:
+def test_the_inference_counter_counts_inference_posts_only() -> None:
     stats = RequestStats()
     client = _timed_app(stats)
     assert client.post("/v1/embeddings").status_code == 200
