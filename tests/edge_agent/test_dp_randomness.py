@@ -99,3 +99,25 @@ def test_a_dp_round_refuses_a_seed_and_a_plain_one_takes_it() -> None:
     check_seed(RecordDp(), None)
     a, b = shuffle_generator(None, 7), shuffle_generator(None, 7)
     assert torch.equal(torch.randperm(50, generator=a), torch.randperm(50, generator=b))
+
+
+def test_poisson_sampling_is_not_reproducible_from_a_global_seed() -> None:
+    """The private loader's batches (which records each step sees) come from the device's own
+    generator: two loaders over the same records, after the same ``torch.manual_seed``, draw
+    different batches (the four batches of an epoch over 64 records at rate 1/4 all coinciding:
+    0.625**256 < 1e-50)."""
+    dp = RecordDp(noise_multiplier=1.0, max_grad_norm=1.0)
+
+    def batches() -> list[list[int]]:
+        torch.manual_seed(0)
+        model = torch.nn.Linear(1, 1)
+        data = TensorDataset(torch.arange(RECORDS, dtype=torch.float32)[:, None])
+        loader = DataLoader(data, batch_size=BATCH)
+        _, _, opt, private_loader = make_private(
+            model, torch.optim.SGD(model.parameters()), loader, dp
+        )
+        assert opt.secure_mode  # type: ignore[attr-defined]
+        drawn = iter(private_loader)
+        return [sorted(int(v) for v in next(drawn)[0][:, 0]) for _ in range(4)]
+
+    assert batches() != batches()
