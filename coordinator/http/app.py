@@ -66,6 +66,8 @@ class Services:
     """The coordinator's state dir (the console reads deployed manifests from it)."""
     training: TrainingRuns | None = None
     """Federated fine-tuning runs (absent: no ``/v1/training`` routes)."""
+    open_docs: bool = False
+    """Serve the API's description without the token (``--open-docs``)."""
 
 
 _BEARER = HTTPBearer(auto_error=False)
@@ -98,7 +100,7 @@ ERROR_RESPONSES: dict[int | str, dict[str, Any]] = {
 def create_app(services: Services) -> FastAPI:
     """The FastAPI application over ``services``."""
     app = FastAPI(title="fedshard coordinator", version=SOFTWARE_VERSION)
-    app.add_middleware(ApiGuard, token=services.token)
+    app.add_middleware(ApiGuard, token=services.token, open_docs=services.open_docs)
     install_error_handlers(app)
     token = _token_dependency(services.token)
     v1 = APIRouter(prefix="/v1", dependencies=[token], responses=ERROR_RESPONSES)

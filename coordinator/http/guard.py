@@ -7,6 +7,9 @@ alone lets anyone make the coordinator buffer and parse a large body. This middl
 bodies without a length (chunked) get 411. The token is accepted only in the
 ``Authorization`` header: the console's address carries ``?token=`` for its first load only
 (the page reads it in the browser and sends it as a bearer token; the page needs no token).
+The API's own description (``/docs``, ``/redoc``, ``/openapi.json``) needs the token too,
+unless the operator opens it (``open_docs``; ``fedshard coordinator --open-docs``): it lists
+every route an attacker could try.
 """
 
 from __future__ import annotations
@@ -25,6 +28,7 @@ MAX_NPZ_BODY_BYTES = 256 << 20
 """Largest ``/v1/infer`` body (an ``.npz`` of tensors)."""
 _LARGE_ROUTES = frozenset({"/v1/infer"})
 _BODY_METHODS = frozenset({"POST", "PUT", "PATCH"})
+DOC_PATHS = frozenset({"/docs", "/docs/oauth2-redirect", "/redoc", "/openapi.json"})
 
 
 def body_limit(path: str) -> int:
@@ -35,13 +39,15 @@ def body_limit(path: str) -> int:
 class ApiGuard:
     """Refuses unauthenticated and oversized ``/v1`` requests before their bodies are read."""
 
-    def __init__(self, app: ASGIApp, token: str) -> None:
+    def __init__(self, app: ASGIApp, token: str, open_docs: bool = False) -> None:
+        """``open_docs``: serve :data:`DOC_PATHS` without the token."""
         self._app = app
         self._token = token.encode()
+        self._open_docs = open_docs
 
     async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
         """ASGI entry point."""
-        if scope["type"] != "http" or not str(scope["path"]).startswith("/v1/"):
+        if scope["type"] != "http" or not self._guarded(str(scope["path"])):
             await self._app(scope, receive, send)
             return
         headers = {k.lower(): v for k, v in scope["headers"]}
@@ -55,6 +61,9 @@ class ApiGuard:
                 await _reply(send, scope, *refusal)
                 return
         await self._app(scope, receive, send)
+
+    def _guarded(self, path: str) -> bool:
+        return path.startswith("/v1/") or (path in DOC_PATHS and not self._open_docs)
 
 
 def _body_refusal(headers: dict[bytes, bytes], limit: int) -> tuple[int, str] | None:

@@ -168,7 +168,7 @@ def test_embeddings_and_deployment_errors(client: TestClient) -> None:
     no_token = client.get("/v1/models")
     assert no_token.status_code == 401
     assert no_token.json()["error"]["code"] == "invalid_api_key"
-    paths = client.get("/openapi.json").json()["paths"]
+    paths = client.get("/openapi.json", headers=AUTH).json()["paths"]
     assert {"/v1/embeddings", "/v1/infer", "/v1/deployments"} <= set(paths)
 
 

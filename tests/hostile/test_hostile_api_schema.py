@@ -75,7 +75,8 @@ def app(tmp_path_factory: pytest.TempPathFactory) -> Iterator[FastAPI]:
 @pytest.fixture(scope="module")
 def api_schema(app: FastAPI) -> schemathesis.BaseSchema:
     """The app's own OpenAPI document, loaded by schemathesis over ASGI."""
-    return schemathesis.openapi.from_asgi("/openapi.json", app)
+    auth = {"Authorization": f"Bearer {TOKEN}"}  # the description needs the token too
+    return schemathesis.openapi.from_asgi("/openapi.json", app, headers=auth)
 
 
 def _operations(schema: schemathesis.BaseSchema) -> list[schemathesis.APIOperation]:
