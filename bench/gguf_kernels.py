@@ -44,7 +44,7 @@ QUANTIZED = (T.Q4_0, T.Q4_1, T.Q5_0, T.Q5_1, T.Q8_0, T.Q2_K, T.Q3_K, T.Q4_K, T.Q
 TYPES = (*QUANTIZED, *IQ, T.F16, T.F32)
 SHAPES = ((4096, 4096), (1536, 8960))
 ROWS = (1, 64)
-CALLS = {1: 20, 64: 3}
+CALLS = {1: 60, 64: 3}
 F16_OFFSETS = {T.Q2_K: (80, 82), T.Q3_K: (108,), T.Q4_K: (0, 2), T.Q5_K: (0, 2), T.Q6_K: (208,)}
 F16_OFFSETS.update(dict.fromkeys(IQ, (0,)))
 
