@@ -101,6 +101,30 @@ def test_segments_chain_and_agree_with_the_numpy_reference(
     assert card.build.largest_segment_bytes <= card.build.segment_bytes
 
 
+@pytest.mark.parametrize("weights", ["int8", "int4"])
+def test_requantized_weights_still_chain(tmp_path: Path, weights: str) -> None:
+    """``--weights int8|int4``: segments re-quantized per tensor and smaller; the top token is
+    the reference's (int8), or the served top logits follow the reference's at the same ids
+    (int4, whose error reorders this random model's close logits: measured correlation 0.92,
+    largest error 0.59 at a logit spread of 1.0); the card says how the weights are stored."""
+    path = write_tiny(tmp_path / "tiny.gguf", "llama", "f32")
+    command = DeployCommand(path, "tiny", weights=weights)  # type: ignore[arg-type]
+    outcome = gguf_split_and_run(command, _devices(13 * MIB, 3), tmp_path / "v1")
+    source = GgufSource(path)
+    prompt = outcome.samples["input_ids"][0].tolist()
+    logits = forward(source.model, dequantized(source.model, source.raw), prompt)[-1]
+    ids, values = outcome.expected["top_ids"][0], outcome.expected["top_logits"][0]
+    if weights == "int8":
+        assert int(ids[0]) == int(np.argmax(logits))
+    else:
+        assert np.corrcoef(values, logits[ids])[0, 1] > 0.85
+    assert outcome.card is not None and outcome.card.weights == weights
+    keep = gguf_split_and_run(DeployCommand(path, "tiny"), _devices(13 * MIB, 3), tmp_path / "k")
+    assert keep.card is not None and keep.card.build is not None
+    assert outcome.card.build is not None
+    assert outcome.card.build.segment_bytes < keep.card.build.segment_bytes
+
+
 def test_decoder_info_from_the_file(tmp_path: Path) -> None:
     path = write_tiny(tmp_path / "tiny.gguf")
     outcome = gguf_split_and_run(DeployCommand(path, "tiny"), _devices(64 * MIB, 1), tmp_path)
