@@ -29,6 +29,10 @@ class TrainingRunError(TrainingError):
     """The training run did not complete (timeout, failed round, missing record)."""
 
 
+class DivergedError(TrainingRunError):
+    """A run's final adapters are not finite: the training diverged; nothing is rolled out."""
+
+
 class SegmentError(TrainingError):
     """An ONNX segment cannot be cut, read or rewritten."""
 

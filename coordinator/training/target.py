@@ -50,7 +50,7 @@ from coordinator.training.runner import (
 from coordinator.training.version import Version
 from coordinator.transport.agent_client import AgentAddress, AgentClient
 from coordinator.trust.ca import CertificateAuthority
-from protocols.ledger import PrivacyStatus
+from protocols.ledger import PrivacyStatus, RunFate, RunFateReport
 from protocols.training import TrainingRunRequest, TrainingTargetSpec
 from protocols.training_copy import TrainingCopyOffer
 
@@ -164,6 +164,21 @@ class PairedAgents:
                 log.warning("%s: no privacy ledger report: %s", agent.device, exc)
         return out
 
+    def mark_run(self, run_id: str, fate: RunFate) -> None:
+        """Tell each online training agent's ledger what became of ``run_id`` (an agent that
+        cannot be told is logged: the fate is informational, its rounds count regardless)."""
+        if self.client is None:
+            return
+        keyed = self.node_keys()
+        report = RunFateReport(run=run_id, fate=fate)
+        for agent in self.devices():
+            if agent.device not in keyed:
+                continue
+            try:
+                self.client.training_run_fate(agent, report)
+            except AgentError as exc:
+                log.warning("%s: cannot record run %s as %s: %s", agent.device, run_id, fate, exc)
+
     def send_copy(self, offer: TrainingCopyOffer, segments: Path, needed: int) -> list[str]:
         """Send a run's version to the online agents that have a node key; who holds it."""
         from coordinator.training.copies import send_to_trainers
@@ -257,6 +272,7 @@ def lora_runner(
         DecoderPublisher(deployer, store, ca.cert_pem),
         model_cache or default_cache_dir(os.environ.get("FEDSHARD_CACHE")),
         privacy=None if agents is None else agents.privacy,
+        mark_run=None if agents is None else agents.mark_run,
     )
 
 

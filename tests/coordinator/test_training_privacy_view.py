@@ -70,3 +70,28 @@ def test_the_run_view_shows_each_devices_ledger() -> None:
     shown = RunStatus.from_json(run.status.to_json())
     assert shown.privacy_per_device["phone"].remaining == 5.0
     assert shown.privacy_per_device["phone"].epsilon_spent == 3.0
+
+
+def test_the_devices_ledgers_hear_what_became_of_each_run() -> None:
+    from coordinator.training.errors import DivergedError, TrainingRunError
+    from coordinator.training.lora.runner import with_fate
+    from protocols.ledger import RunFate
+
+    marks: list[tuple[str, RunFate]] = []
+
+    def mark(run: str, fate: RunFate) -> None:
+        marks.append((run, fate))
+
+    def diverge() -> None:
+        raise DivergedError("adapters not finite")
+
+    def fail() -> None:
+        raise TrainingRunError("round 2 produced no aggregate")
+
+    with_fate("a", mark, lambda: None)
+    with pytest.raises(DivergedError):
+        with_fate("b", mark, diverge)
+    with pytest.raises(TrainingRunError):
+        with_fate("c", mark, fail)
+    with_fate("d", None, lambda: None)  # local SuperNodes keep no ledger
+    assert marks == [("a", RunFate.ROLLED_OUT), ("b", RunFate.DIVERGED), ("c", RunFate.FAILED)]

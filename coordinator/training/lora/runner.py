@@ -30,7 +30,7 @@ import numpy as np
 
 from coordinator.errors import CoordinatorError
 from coordinator.training.driver import secagg_parameters
-from coordinator.training.errors import RolloutError, TrainingRunError
+from coordinator.training.errors import DivergedError, RolloutError, TrainingRunError
 from coordinator.training.flower import SuperLink, start_run, write_app
 from coordinator.training.lora.plan import (
     LoraBase,
@@ -50,7 +50,7 @@ from coordinator.trust.ca import CertificateAuthority
 from hostkit.files import write_atomic
 from protocols.decoder import TOKENIZER_FILE
 from protocols.errors import SchemaError
-from protocols.ledger import PrivacyStatus
+from protocols.ledger import PrivacyStatus, RunFate
 from protocols.lora import LoraPlan
 from protocols.manifest import Manifest
 from protocols.training import RunRollout, RunRound, TrainingRunRequest
@@ -188,15 +188,34 @@ def start_lora_run(
 
 
 def check_converged(record: LoraRecord, arrays: list[np.ndarray]) -> None:
-    """Raise :class:`TrainingRunError` when the run's final adapters are not finite (the
+    """Raise :class:`DivergedError` when the run's final adapters are not finite (the
     training diverged): such a run is not merged or rolled out. (A record cannot hold a loss
     that is not finite.)"""
     bad = [i for i, a in enumerate(arrays) if not np.isfinite(a).all()]
     if bad:
-        raise TrainingRunError(
+        raise DivergedError(
             f"the training diverged ({len(bad)} of {len(arrays)} adapter arrays not finite, "
             f"final held-out loss {record.final_loss}); nothing was rolled out"
         )
+
+
+def with_fate(
+    run_id: str, mark: Callable[[str, RunFate], None] | None, body: Callable[[], None]
+) -> None:
+    """Run ``body`` (a run's rounds and rollout), then ``mark`` the run in the devices' ledgers:
+    rolled out, diverged (:class:`DivergedError`) or failed (any other exception, re-raised)."""
+    try:
+        body()
+    except DivergedError:
+        if mark is not None:
+            mark(run_id, RunFate.DIVERGED)
+        raise
+    except Exception:
+        if mark is not None:
+            mark(run_id, RunFate.FAILED)
+        raise
+    if mark is not None:
+        mark(run_id, RunFate.ROLLED_OUT)
 
 
 class _RoundReports:
@@ -228,11 +247,14 @@ class LoraRunner:
         timeout_s: float = 3600.0,
         stage_timeout_s: float = 600.0,
         privacy: Callable[[], dict[str, PrivacyStatus]] | None = None,
+        mark_run: Callable[[str, RunFate], None] | None = None,
     ) -> None:
         self.work_dir = work_dir
         self.privacy = privacy
         """Reads the training devices' privacy ledgers (paired agents; None: local SuperNodes,
         which keep none)."""
+        self.mark_run = mark_run
+        """Tells the training devices' ledgers what became of a run (paired agents)."""
         self.ca = ca
         self.resolve = resolve
         self.federation = federation
@@ -262,6 +284,16 @@ class LoraRunner:
             run_id, target.version_dir, target.tokenizer_file, base, request.lora, request.dp,
             self.tuning,
         )  # fmt: skip
+        with_fate(
+            run_id, self.mark_run,
+            lambda: self._federated(run_id, request, target, base, plan, report, stop),
+        )  # fmt: skip
+
+    def _federated(
+        self, run_id: str, request: TrainingRunRequest, target: LoraTarget, base: LoraBase,
+        plan: LoraPlan, report: RunReporter, stop: threading.Event,
+    ) -> None:  # fmt: skip
+        """The rounds, the summary and the rollout of a planned run."""
         run_dir = self.work_dir / "runs" / run_id
         segments = stage_segments(target.version_dir, target.tokenizer_file, run_dir / "segments")
         rounds = _RoundReports(report)
