@@ -12,22 +12,25 @@ import logging
 import os
 import time
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from rich.console import Console
 
 from coordinator.config import (
+    API_PORT,
+    DEFAULT_API_URL,
     AgentTrainingConfig,
     CoordinatorConfig,
     binding_problem,
     load_or_create_token,
     parse_size,
 )
-from coordinator.errors import CoordinatorError
+from coordinator.errors import ApiError, CoordinatorError
 
-DEFAULT_URL = "http://127.0.0.1:8470"
+if TYPE_CHECKING:
+    from coordinator.client import CoordinatorClient
+
 PAIR_WAIT_S = 30.0
-DEPLOY_TIMEOUT_S = 900.0
 
 
 def register(subparsers: Any) -> None:
@@ -52,7 +55,7 @@ def register(subparsers: Any) -> None:
         "--interface; refused without an API token (the state dir's api_token)",
     )
     run.add_argument(
-        "--port", type=int, default=8470, help="HTTP API and console port (default 8470)"
+        "--port", type=int, default=API_PORT, help=f"HTTP API and console port (default {API_PORT})"
     )
     run.add_argument(
         "--superlink-port",
@@ -154,7 +157,7 @@ def default_draft_threads() -> int:
 
 def _client_parser(subparsers: Any, name: str, text: str) -> argparse.ArgumentParser:
     parser: argparse.ArgumentParser = subparsers.add_parser(name, help=text, description=text)
-    parser.add_argument("--coordinator", default=DEFAULT_URL, help="coordinator API URL")
+    parser.add_argument("--coordinator", default=DEFAULT_API_URL, help="coordinator API URL")
     parser.add_argument("--token", default=os.environ.get("FEDSHARD_TOKEN"), help="API token")
     return parser
 
@@ -195,19 +198,25 @@ def run_coordinator(args: argparse.Namespace) -> int:
 def run_pair(args: argparse.Namespace) -> int:
     """Handler of ``fedshard pair``: retries while the agent's request has not arrived yet."""
     deadline = time.monotonic() + args.wait
-    body = {"name": args.name, "code": args.code}
+    client = _client(args)
     while True:
-        code, reply = _call(args, "POST", "/v1/pairing/approve", body)
-        if code != 404 or time.monotonic() > deadline:
-            break
-        time.sleep(0.5)
-    return _report(code, reply, f"paired {args.name}")
+        try:
+            client.approve(args.name, args.code)
+        except ApiError as exc:
+            if exc.status != 404 or time.monotonic() > deadline:
+                return _failed(exc)
+            time.sleep(0.5)
+        else:
+            return _done(f"paired {args.name}")
 
 
 def run_revoke(args: argparse.Namespace) -> int:
     """Handler of ``fedshard revoke``."""
-    code, reply = _call(args, "POST", "/v1/pairing/revoke", {"name": args.name})
-    return _report(code, reply, f"revoked {args.name}")
+    try:
+        _client(args).revoke(args.name)
+    except ApiError as exc:
+        return _failed(exc)
+    return _done(f"revoked {args.name}")
 
 
 LOG_WIDTH = 140
@@ -248,70 +257,63 @@ def run_deploy(args: argparse.Namespace) -> int:
         body["draft_model"] = str(args.draft_model.expanduser().resolve())
     if args.weights != "keep":
         body["weights"] = args.weights
-    code, reply = _call(args, "POST", "/v1/deployments", body, DEPLOY_TIMEOUT_S)
-    if code == 200:
-        _print_version(console, reply)
-    return _report(code, reply, f"deployed {reply.get('model_id')} v{reply.get('plan_version')}")
+    try:
+        version = _client(args).deploy(body)
+    except ApiError as exc:
+        return _failed(exc)
+    _print_version(console, version.model_dump(mode="json"))
+    return _done(f"deployed {version.model_id} v{version.plan_version}")
 
 
 def run_rollback(args: argparse.Namespace) -> int:
     """Handler of ``fedshard rollback``."""
-    code, reply = _call(args, "POST", f"/v1/deployments/{args.model_id}/rollback", None)
-    return _report(code, reply, f"{args.model_id} now at v{reply.get('plan_version')}")
+    try:
+        version = _client(args).rollback(args.model_id)
+    except ApiError as exc:
+        return _failed(exc)
+    return _done(f"{args.model_id} now at v{version.plan_version}")
 
 
 def run_devices(args: argparse.Namespace) -> int:
     """Handler of ``fedshard devices``."""
     from rich.table import Table
 
-    code, reply = _call(args, "GET", "/v1/devices", None)
-    if code != 200:
-        return _report(code, reply, "")
+    try:
+        devices = _client(args).devices()
+    except ApiError as exc:
+        return _failed(exc)
     table = Table(title="devices")
     for column in ("name", "status", "online", "host", "memory", "GFLOP/s"):
         table.add_column(column)
-    for device in reply.get("devices", []):
-        profile = device["announcement"]["profile"]
+    for device in devices:
+        profile = device.announcement.profile
         table.add_row(
-            device["name"],
-            device["status"],
-            str(device["online"]),
-            device["host"],
-            f"{profile['memory_bytes'] / 2**20:.0f} MiB",
-            f"{profile['gflops']:.1f}",
+            device.name,
+            device.status,
+            str(device.online),
+            device.host,
+            f"{profile.memory_bytes / 2**20:.0f} MiB",
+            f"{profile.gflops:.1f}",
         )
     Console().print(table)
     return 0
 
 
-def _call(
-    args: argparse.Namespace, method: str, path: str, body: Any, timeout: float = 60.0
-) -> tuple[int, dict[str, Any]]:
-    """One API call; (status, JSON reply) with transport failures as status 0."""
-    import httpx
+def _client(args: argparse.Namespace) -> CoordinatorClient:
+    """The API client of ``--coordinator`` and ``--token``."""
+    # heavy: the client needs httpx, not on an agent-only install (test_cli_light.py)
+    from coordinator.client import CoordinatorClient
 
-    headers = {"Authorization": f"Bearer {args.token}"} if args.token else {}
-    url = args.coordinator.rstrip("/") + path
-    try:
-        with httpx.Client(timeout=timeout, trust_env=False) as client:
-            response = client.request(method, url, json=body, headers=headers)
-    except httpx.HTTPError as exc:
-        return 0, {"detail": f"cannot reach the coordinator at {args.coordinator}: {exc}"}
-    try:
-        reply = response.json()
-    except ValueError:
-        reply = {"detail": response.text}
-    if isinstance(reply, list):
-        reply = {"devices": reply}
-    return response.status_code, reply
+    return CoordinatorClient(args.coordinator, args.token)
 
 
-def _report(code: int, reply: dict[str, Any], success: str) -> int:
-    console = Console()
-    if code == 200:
-        console.print(f"[green]{success}[/]")
-        return 0
-    console.print(f"[red]error ({code or 'no connection'}):[/] {reply.get('detail')}")
+def _done(success: str) -> int:
+    Console().print(f"[green]{success}[/]")
+    return 0
+
+
+def _failed(error: ApiError) -> int:
+    Console().print(f"[red]error ({error.status or 'no connection'}):[/] {error.detail}")
     return 1
 
 
@@ -355,10 +357,12 @@ def gguf_lines(card: dict[str, Any]) -> str:
     ]
     build = card.get("build")
     if build:
+        deploy = build.get("deploy_peak_rss_bytes")
+        through = "" if deploy is None else f", {deploy / 1e6:.1f} MB through push and check"
         lines.append(
-            f"build: peak resident memory {build['peak_rss_bytes'] / 1e6:.1f} MB, file "
-            f"{card['file_bytes'] / 1e6:.1f} MB, largest segment "
-            f"{build['largest_segment_bytes'] / 1e6:.1f} MB ({build['seconds']:.1f} s)"
+            f"coordinator: peak resident memory {build['peak_rss_bytes'] / 1e6:.1f} MB while "
+            f"building{through}; file {card['file_bytes'] / 1e6:.1f} MB, largest segment "
+            f"{build['largest_segment_bytes'] / 1e6:.1f} MB ({build['seconds']:.1f} s to build)"
         )
     return "\n".join(lines)
 

@@ -14,6 +14,14 @@ TOKEN_FILE = "api_token"
 LOOPBACK = "127.0.0.1"
 ALL_INTERFACES = "0.0.0.0"
 MDNS_PORT = 5353
+API_PORT = 8470
+"""The HTTP API's and console's port unless ``--port`` says otherwise."""
+DEFAULT_API_URL = f"http://{LOOPBACK}:{API_PORT}"
+"""Where the CLI verbs and clients find the API unless ``--coordinator`` says otherwise."""
+API_TIMEOUT_S = 60.0
+"""A client's wait for one API reply."""
+API_DEPLOY_TIMEOUT_S = 900.0
+"""A client's wait for ``POST /v1/deployments``: planning, cutting, pushing, warming up."""
 
 
 @dataclass(frozen=True)
@@ -32,8 +40,8 @@ class CoordinatorConfig:
     """Everything ``fedshard coordinator`` was told."""
 
     state_dir: Path
-    interface: str = "127.0.0.1"
-    port: int = 8470
+    interface: str = LOOPBACK
+    port: int = API_PORT
     token: str = ""
     agent_training: AgentTrainingConfig | None = None
     """None: training runs use local SuperNodes on the reference task's data splits."""

@@ -23,12 +23,14 @@ CoordinatorError
 │       ├── UnsupportedArchitectureError  its architecture (400)
 │       ├── UnsupportedTensorTypeError    one of its tensor types (400)
 │       └── UnsupportedRopeScalingError   its rope scaling mode (400)
-└── NotServableError        the model cannot be served right now (503)
-    ├── ChainBrokenError    a stage lost its link or its session state: retry on a new chain
-    ├── CapacityError       no room for a new generation session now (429, Retry-After)
-    └── UnavailableError    the devices left cannot hold the model (503, Retry-After)
+├── NotServableError        the model cannot be served right now (503)
+│   ├── ChainBrokenError    a stage lost its link or its session state: retry on a new chain
+│   ├── CapacityError       no room for a new generation session now (429, Retry-After)
+│   └── UnavailableError    the devices left cannot hold the model (503, Retry-After)
+└── ApiError                a client's call: the API answered otherwise than 200, or no answer
 
-The HTTP API translates these at its boundary (see :mod:`coordinator.http.serving`).
+The HTTP API translates these at its boundary (see :mod:`coordinator.http.serving`); the
+client of that API (:mod:`coordinator.client`) raises :class:`ApiError`.
 """
 
 from __future__ import annotations
@@ -186,3 +188,13 @@ class UnavailableError(NotServableError):
     def __init__(self, message: str, retry_after_s: float = 10.0) -> None:
         super().__init__(message)
         self.retry_after_s = max(0.0, float(retry_after_s))
+
+
+class ApiError(CoordinatorError):
+    """A call of the coordinator's API answered otherwise than 200 (``status`` and the reply's
+    ``detail``), or got no answer at all (status 0, ``detail`` says why)."""
+
+    def __init__(self, status: int, detail: object) -> None:
+        super().__init__(f"{status or 'no connection'}: {detail}")
+        self.status = status
+        self.detail = detail

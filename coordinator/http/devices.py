@@ -11,37 +11,17 @@ from typing import TYPE_CHECKING
 
 from fastapi import APIRouter
 
+from coordinator.http.device_models import (
+    ApproveBody,
+    Approved,
+    DeviceView,
+    RevokeBody,
+    Revoked,
+)
 from coordinator.trust.pairing import PairingBook
-from protocols.base import FrozenModel
-from protocols.profile import Announcement
 
 if TYPE_CHECKING:
     from coordinator.http.app import Services
-
-
-class DeviceView(FrozenModel):
-    """One device as the API shows it."""
-
-    name: str
-    fingerprint: str
-    host: str
-    online: bool
-    status: str
-    """``paired``, ``unpaired``, ``revoked`` or ``impostor``."""
-    announcement: Announcement
-
-
-class ApproveBody(FrozenModel):
-    """``POST /v1/pairing/approve``."""
-
-    name: str
-    code: str
-
-
-class RevokeBody(FrozenModel):
-    """``POST /v1/pairing/revoke``."""
-
-    name: str
 
 
 def device_status(book: PairingBook, name: str, fingerprint: str, impostor_of: str | None) -> str:
@@ -82,20 +62,20 @@ def devices_router(services: Services) -> APIRouter:
         return services.pairing.book()
 
     @api.post("/pairing/approve")
-    def approve(body: ApproveBody) -> dict[str, str]:
+    def approve(body: ApproveBody) -> Approved:
         if services.trust is not None:
             device = services.trust.approve(body.name, body.code)
         else:
             device = services.pairing.approve(body.name, body.code)
-        return {"name": device.name, "fingerprint": device.fingerprint}
+        return Approved(name=device.name, fingerprint=device.fingerprint)
 
     @api.post("/pairing/revoke")
-    def revoke(body: RevokeBody) -> dict[str, str | list[str]]:
+    def revoke(body: RevokeBody) -> Revoked:
         told: list[str] = []
         if services.trust is not None:
             told = services.trust.revoke(body.name)
         else:
             services.pairing.revoke(body.name)
-        return {"revoked": body.name, "agents_told": told}
+        return Revoked(revoked=body.name, agents_told=told)
 
     return api
