@@ -138,3 +138,33 @@ def test_the_agent_reports_its_ledger_and_records_what_became_of_a_run(tmp_path:
     after = PrivacyStatus.from_json(asyncio.run(call(post.handler, report)).body)
     assert after.failed_runs == 1 and after.epsilon_spent == before.epsilon_spent
     assert ("GET", PRIVACY_PATH) not in training_routes(TrainingCopies(tmp_path, 1, lambda: None))
+
+
+def test_fedshard_agent_takes_a_privacy_budget_and_allowances(tmp_path: Path) -> None:
+    import argparse
+
+    from edge_agent.cli import config_from_args, register
+    from edge_agent.errors import ConfigError
+
+    def parse(extra: list[str]) -> argparse.Namespace:
+        parser = argparse.ArgumentParser()
+        register(parser.add_subparsers())
+        base = ["agent", "--name", "a", "--memory", "64MiB", "--state-dir", str(tmp_path / "s")]
+        return parser.parse_args(base + extra)
+
+    data = tmp_path / "data"
+    data.mkdir()
+    (data / "r.txt").write_text("one record\nanother record\n")
+    train = ["--train-data", str(data), "--train-superlink", "127.0.0.1:9093"]
+    strict = config_from_args(parse(train)).training
+    assert strict is not None and strict.privacy_budget is None
+    assert not strict.allow_non_dp and not strict.allow_non_secagg  # off by default
+    loose = config_from_args(
+        parse([*train, "--privacy-budget", "6.5", "--allow-non-dp", "--allow-non-secagg"])
+    ).training
+    assert loose is not None and loose.privacy_budget == 6.5
+    assert loose.allow_non_dp and loose.allow_non_secagg
+    with pytest.raises(ConfigError, match="positive"):
+        config_from_args(parse([*train, "--privacy-budget", "0"]))
+    with pytest.raises(ConfigError, match="need --train-data"):
+        config_from_args(parse(["--privacy-budget", "3"]))
