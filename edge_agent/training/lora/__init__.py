@@ -5,4 +5,5 @@
 - :mod:`edge_agent.training.lora.model`    the trainable tail from transformers' own modules
 - :mod:`edge_agent.training.lora.encoder`  BERT tail, mean pooling, in-batch-negatives loss, recall
 - :mod:`edge_agent.training.lora.loop`     epochs, Opacus DP-SGD and its accountant, torch threads
+- :mod:`edge_agent.training.lora.dp`       DP-SGD randomness from ``os.urandom`` (no seed)
 """
