@@ -15,12 +15,12 @@ from typing import Any
 
 from rich.console import Console
 
+from coordinator.config import API_DEPLOY_TIMEOUT_S
 from devtools.demo.procs import fedshard_command
 from devtools.demo.steps import Api, DemoStepError
 from partitioner.models.decoders.precision import current_export, parse_weights
 from protocols.decoder import DECODER_FILE, MODEL_FILE, DecoderInfo
 
-DEPLOY_TIMEOUT_S = 900.0
 CHAT_TOKENS = 48
 """The demo's answers: at most this many new tokens."""
 CAP_SHARE = 0.8
@@ -81,7 +81,7 @@ def deploy_decoder(
     }
     started = time.monotonic()
     with console.status(f"deploying {model_id}: planning, cutting, pushing, warm-up, health..."):
-        code, reply = api.call("POST", "/v1/deployments", body, timeout=DEPLOY_TIMEOUT_S)
+        code, reply = api.call("POST", "/v1/deployments", body, timeout=API_DEPLOY_TIMEOUT_S)
     if code != 200:
         raise DemoStepError(f"deploy of {model_id} failed ({code}): {reply.get('detail', reply)}")
     console.print(

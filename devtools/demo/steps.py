@@ -22,6 +22,7 @@ from rich.console import Console
 from rich.table import Table
 
 from coordinator.commands import PLACEMENT_COLUMNS, placement_cells
+from coordinator.config import API_DEPLOY_TIMEOUT_S
 from protocols.manifest import MANIFEST_FILE
 from protocols.pairing import CODE_FILE
 from protocols.sizes import parse_size
@@ -46,12 +47,12 @@ PREDICTION_BAND = (0.75, 1.33)
 REPLANS = 2
 """Re-plans the demo makes at most while a stage's prediction is out of the band."""
 PAIR_TIMEOUT_S = 60.0
-DEPLOY_TIMEOUT_S = 900.0
 
 
 @dataclass(frozen=True)
 class Api:
-    """A small client of the coordinator's API with its token."""
+    """The demo's handle on the coordinator's API: :class:`coordinator.client.CoordinatorClient`
+    calls as ``(status, JSON reply)``."""
 
     url: str
     token: str
@@ -59,16 +60,13 @@ class Api:
     def call(
         self, method: str, path: str, body: Any = None, timeout: float = 60.0
     ) -> tuple[int, Any]:
-        """``(status, JSON reply)`` of one request (a non-JSON reply as ``{"detail": text}``)."""
-        import httpx
+        """``(status, JSON reply)`` of one request (a non-JSON reply as ``{"detail": text}``);
+        httpx.HTTPError when the coordinator cannot be reached."""
+        # heavy: httpx (coordinator extra), absent on an agent-only install whose parser imports us
+        from coordinator.client import CoordinatorClient
 
-        headers = {"Authorization": f"Bearer {self.token}"}
-        with httpx.Client(base_url=self.url, timeout=timeout, trust_env=False) as client:
-            response = client.request(method, path, json=body, headers=headers)
-        try:
-            return response.status_code, response.json()
-        except ValueError:
-            return response.status_code, {"detail": response.text}
+        reply = CoordinatorClient(self.url, self.token).call(method, path, body, timeout)
+        return reply.status, reply.body
 
     def get(self, path: str) -> Any:
         """The JSON reply of ``GET path``; DemoStepError unless it is a 200."""
@@ -232,7 +230,7 @@ def deploy_minilm(console: Console, api: Api, model: Path, caps: dict[str, int])
         "deploying all-MiniLM-L6-v2: measuring links, planning, cutting, signing, pushing "
         "segments, warm-up and health check..."
     ):
-        code, reply = api.call("POST", "/v1/deployments", body, timeout=DEPLOY_TIMEOUT_S)
+        code, reply = api.call("POST", "/v1/deployments", body, timeout=API_DEPLOY_TIMEOUT_S)
     if code != 200:
         raise DemoStepError(f"deploy failed ({code}): {reply.get('detail', reply)}")
     console.print(

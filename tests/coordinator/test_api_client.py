@@ -15,6 +15,7 @@ import time
 from collections.abc import Iterator
 from pathlib import Path
 
+import httpx
 import pytest
 import uvicorn
 from pairing_helpers import make_csr, request_code
@@ -27,6 +28,7 @@ from coordinator.http.app import Services, create_app
 from coordinator.http.device_models import DeviceView
 from coordinator.trust.ca import CertificateAuthority
 from coordinator.trust.pairing import Pairing
+from devtools.demo.steps import Api
 from protocols.profile import Announcement, DeviceProfile
 
 TOKEN = "client-token"
@@ -130,3 +132,14 @@ def test_the_cli_verbs_print_what_the_api_answered(
     lost = f"http://127.0.0.1:{_free_port()}"
     assert commands.run_devices(_args(lost)) == 1
     assert "error (no connection)" in capsys.readouterr().out
+
+
+def test_the_demos_api_handle_is_the_clients_call(api: tuple[str, Services]) -> None:
+    url, _ = api
+    demo = Api(url, TOKEN)
+    assert demo.call("GET", "/v1/devices") == (200, [])
+    code, reply = demo.call("POST", "/v1/pairing/revoke", {"name": "ghost"})
+    assert code == 404 and reply["detail"]
+    assert Api(url, "wrong").call("GET", "/v1/devices")[0] == 401
+    with pytest.raises(httpx.HTTPError):  # no answer: raised, so that the demo can retry
+        Api(f"http://127.0.0.1:{_free_port()}", TOKEN).call("GET", "/v1/devices", timeout=5)
