@@ -226,12 +226,21 @@ def write_segment(
     weights: WeightsMode = "keep",
     top_k: int = DEFAULT_TOP_K,
     trailing: int = TRAILING_POSITIONS,
+    accuracy_level: int = ACCURACY_LEVEL,
 ) -> list[Path]:
     """Write the segment of ``span`` to ``path`` with its weights in ``path.data`` beside it,
     one tensor at a time; returns the files written (the graph first)."""
     data = path.with_name(path.name + ".data")
     with _data_file(data) as out:
         sink = ExternalSink(out, data.name)
-        proto = build_segment(source, span, sink, weights=weights, top_k=top_k, trailing=trailing)
+        proto = build_segment(
+            source,
+            span,
+            sink,
+            weights=weights,
+            top_k=top_k,
+            trailing=trailing,
+            accuracy_level=accuracy_level,
+        )
     onnx.save_model(proto, str(path))
     return [path, data]
