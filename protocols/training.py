@@ -159,9 +159,10 @@ class RunRound(FrozenModel):
     """One finished round of a run, as the API and console show it."""
 
     round: PositiveInt
-    loss: float
+    loss: float | None
     """Held-out cross-entropy of the global model after the round (``lora``: token-weighted
-    over the devices' held-out records, of the adapters the round started from)."""
+    over the devices' held-out records, of the adapters the round started from; None when no
+    device reported one: a DP round without SecAgg+ sends none)."""
     accuracy: float | None
     """Held-out accuracy of the global model after the round (``None`` for ``lora``)."""
     epsilon: float | None

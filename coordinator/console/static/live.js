@@ -236,7 +236,8 @@ function renderRun(run) {
     ${privacyLedgers(run)}
     ${run.error ? `<span class="error-text">${esc(run.error)}</span>` : ""}`;
   const by = f => rounds.map(r => [r.round, f(r)]);
-  Charts.line($("train-loss"), [{name: "loss", points: by(r => r.loss)}], {empty: "waiting for round 1"});
+  Charts.line($("train-loss"), [{name: "loss", points: by(r => r.loss).filter(p => p[1] !== null)}],
+    {empty: rounds.length ? "no held-out loss reported (DP without SecAgg+)" : "waiting for round 1"});
   const accuracy = by(r => r.accuracy).filter(p => p[1] !== null);
   Charts.line($("train-accuracy"), [{name: "accuracy", points: accuracy}],
     {yMin: 0, yMax: 1, empty: run.method === "lora" ? "a LoRA run reports loss" : "waiting for round 1"});
@@ -246,7 +247,7 @@ function renderRun(run) {
   Charts.bars($("train-clients"), rounds.map(r => ({label: String(r.round), value: r.clients})));
   Charts.bars($("train-bytes"), rounds.map(r => ({label: String(r.round), value: r.bytes_uploaded / MB})));
   $("train-rounds-table").tBodies[0].innerHTML = rounds.map(r => `<tr><td>${r.round}</td>
-    <td>${r.loss.toFixed(4)}</td><td>${r.accuracy === null ? "–" : (r.accuracy * 100).toFixed(1) + " %"}</td>
+    <td>${r.loss === null ? "–" : r.loss.toFixed(4)}</td><td>${r.accuracy === null ? "–" : (r.accuracy * 100).toFixed(1) + " %"}</td>
     <td>${r.epsilon === null ? "–" : r.epsilon.toFixed(2)}</td><td>${r.clients}</td>
     <td>${mb(r.bytes_uploaded)}</td><td>${r.seconds.toFixed(1)} s</td></tr>`).join("");
 }

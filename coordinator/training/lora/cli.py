@@ -65,8 +65,8 @@ def _follow(api: Any, run_id: str, console: Any, deadline: float) -> int:
         for r in status["rounds"][shown:]:
             eps = f", ε {r['epsilon']:.2f}" if r["epsilon"] is not None else ""
             console.print(
-                f"round {r['round']}: held-out loss {r['loss']:.4f}{eps}, {r['clients']} clients, "
-                f"{r['bytes_uploaded']} B uploaded, {r['seconds']:.0f} s"
+                f"round {r['round']}: held-out loss {_num(r['loss'])}{eps}, "
+                f"{r['clients']} clients, {r['bytes_uploaded']} B uploaded, {r['seconds']:.0f} s"
             )
         shown = len(status["rounds"])
         if status["status"] == "failed":

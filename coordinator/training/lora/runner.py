@@ -148,7 +148,7 @@ def run_round(record: LoraRecord, k: int) -> RunRound:
     loss = after if after is not None else record.final_loss
     return RunRound(
         round=r.round,
-        loss=float(loss if loss is not None else r.held_out_loss or 0.0),
+        loss=loss if loss is not None else r.held_out_loss,
         accuracy=None,
         epsilon=max(r.epsilon.values()) if r.epsilon else None,
         clients=r.clients,
