@@ -35,9 +35,11 @@ LORA_PLAN_FORMAT: Final = "fedshard.loraplan/1"
 LORA_PLAN_KEY: Final = "fedshard-lora-plan"
 """Fit-config key holding the :class:`LoraPlan` JSON."""
 METRIC_EPSILON: Final = "epsilon"
-"""Fit metric: the device's cumulative record-level epsilon for this run (RDP accountant)."""
+"""Fit metric: the device's cumulative record-level epsilon for this run (RDP accountant),
+rounded up to 2 significant digits (what leaves a device: :mod:`protocols.privacy`)."""
 METRIC_HELD_OUT_LOSS: Final = "held-out-loss"
-"""Fit metric: mean token loss of the round's global model on the device's held-out records."""
+"""Fit metric (without DP only): mean token loss of the round's global model on the device's
+held-out records (under DP with SecAgg+ it travels masked: :data:`STATS_SCALE`)."""
 METRIC_HELD_OUT_TOKENS: Final = "held-out-tokens"
 """Fit metric: held-out tokens (decoders) or held-out pairs (encoders) behind the loss."""
 METRIC_RECALL_AT_1: Final = "held-out-recall-at-1"
