@@ -58,6 +58,12 @@ def register(subparsers: Any) -> None:
         "--port", type=int, default=API_PORT, help=f"HTTP API and console port (default {API_PORT})"
     )
     run.add_argument(
+        "--open-docs",
+        action="store_true",
+        help="serve the API's description (/docs, /redoc, /openapi.json) without the token "
+        "(default: it needs the token, as the API does)",
+    )
+    run.add_argument(
         "--superlink-port",
         type=int,
         help="train on paired agents: their SuperNodes connect to a SuperLink on this port"
@@ -187,7 +193,7 @@ def run_coordinator(args: argparse.Namespace) -> int:
         target = args.training_target.expanduser().resolve() if args.training_target else None
         config = CoordinatorConfig(
             state_dir, args.interface, args.port, token, training, args.segment_cache, target,
-            args.draft_threads, args.all_interfaces,
+            args.draft_threads, args.all_interfaces, args.open_docs,
         )  # fmt: skip
         return serve(config, console)
     except (CoordinatorError, OSError) as exc:

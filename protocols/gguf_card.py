@@ -24,6 +24,9 @@ class GgufBuild(FrozenModel):
     """All segments' files on disk together."""
     seconds: float = Field(ge=0)
     """Wall time of planning, building and the local check."""
+    deploy_peak_rss_bytes: NonNegativeInt | None = None
+    """Peak resident memory of the coordinator from the build's start until the version was
+    switched to: building, pushing the segments and the health check (None: not measured)."""
 
 
 class GgufCard(FrozenModel):

@@ -27,6 +27,7 @@ from coordinator.deploy.cutting import (
     version_outcome,
 )
 from coordinator.deploy.model_files import ModelFormat, model_format
+from coordinator.deploy.peak_memory import peak_rss_bytes
 from coordinator.deploy.plan import LiveDevice, deploy_bodies, device_list, max_abs_diff
 from coordinator.deploy.pushing import push_per_host
 from coordinator.deploy.stage_timing import (
@@ -46,6 +47,7 @@ from coordinator.fleet.registry import DeviceRecord
 from coordinator.transport.agent_client import AgentAddress, AgentClient
 from protocols.deploy import DeployReport, Hop, ShapeLimits
 from protocols.errors import ControlErrorCode
+from protocols.gguf_card import GgufCard
 from protocols.links import Link as DeviceLink
 from protocols.links import RequesterLink
 from protocols.manifest import Manifest
@@ -282,7 +284,7 @@ class Deployer:
             memory_caps=dict(command.memory_caps),
             trigger=command.trigger,
             limits=split.limits,
-            card=split.card,
+            card=_with_deploy_peak(split),
         )
         tokenizer_dir = command.tokenizer_dir
         if split.tokenizer_dir is not None:
@@ -378,6 +380,25 @@ class Deployer:
                 log.warning(
                     "could not unload plan %d from %s: %s", plan_version, address.device, exc
                 )
+
+
+def _with_deploy_peak(split: SplitOutcome) -> GgufCard | None:
+    """A GGUF version's card with the peak resident memory since its build began (the build's
+    measurement reset the high-water mark), so pushing and the health check count too."""
+    card = split.card
+    if card is None or card.build is None:
+        return card
+    peak = max(peak_rss_bytes(), card.build.peak_rss_bytes)
+    build = card.build.model_copy(update={"deploy_peak_rss_bytes": peak})
+    log.info(
+        "deploy of %s: peak resident memory %.1f MB while building, pushing and checking "
+        "(file %.1f MB, largest segment %.1f MB)",
+        card.file,
+        peak / 1e6,
+        card.file_bytes / 1e6,
+        card.build.largest_segment_bytes / 1e6,
+    )
+    return card.model_copy(update={"build": build})
 
 
 def check_model_file(path: Path) -> ModelFormat:

@@ -102,7 +102,9 @@ def test_models_list_shows_the_file(lab: GgufLab) -> None:
     assert card["architecture"] == "llama" and card["layers"] == 3
     assert card["parameters"] > 1_000_000 and set(card["quantization"]) == {"F32"}
     [entry] = [m for m in console if m["model_id"] == MODEL_ID]
-    assert entry["kind"] == "decoder" and entry["gguf"]["build"]["peak_rss_bytes"] > 0
+    build = entry["gguf"]["build"]
+    assert entry["kind"] == "decoder" and build["peak_rss_bytes"] > 0
+    assert build["deploy_peak_rss_bytes"] >= build["peak_rss_bytes"]
 
 
 def test_chat_completion_equals_the_reference_greedy_tokens(lab: GgufLab) -> None:
