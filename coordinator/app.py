@@ -62,8 +62,11 @@ def serve(config: CoordinatorConfig, console: Console) -> int:
         abort=lambda plan_version, why: router.abort(plan_version, why),
         probe=lambda names: liveness.probe(names),
         release=lambda version, lost: deployer.release(version, lost),
+        retries=config.retries,
     )
-    router = Router(store, plane, ctx, lambda: pairing.book().revoked_names, failover)
+    router = Router(
+        store, plane, ctx, lambda: pairing.book().revoked_names, failover, config.timeouts
+    )
     liveness = Liveness(
         trust.trusted,
         failover.expected_devices,
@@ -98,6 +101,7 @@ def serve(config: CoordinatorConfig, console: Console) -> int:
         planned_context(deployer.segment_dir),
         rows_exact_on(registry),
         config.draft_threads,
+        config.timeouts,
     )
     app = create_app(
         Services(

@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 import secrets
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 
 from hostkit.files import write_atomic
@@ -36,6 +36,28 @@ class AgentTrainingConfig:
 
 
 @dataclass(frozen=True)
+class Timeouts:
+    """How long the coordinator waits, in seconds: one place, built with
+    :class:`CoordinatorConfig` and passed down to what waits."""
+
+    request_s: float = 60.0
+    """One inference run through a model's chain (:class:`~coordinator.serving.router.Router`)."""
+    step_s: float = 60.0
+    """One decoder step or speculative pass through the chain."""
+    recovery_s: float = 60.0
+    """A request's wait for the failover to hand out a servable version again."""
+
+
+@dataclass(frozen=True)
+class Retries:
+    """When the coordinator tries again, or tells a refused caller to (``Retry-After``)."""
+
+    unavailable_s: float = 15.0
+    """A model the devices left cannot hold: re-planned again this often, and callers are told
+    to come back after it."""
+
+
+@dataclass(frozen=True)
 class CoordinatorConfig:
     """Everything ``fedshard coordinator`` was told."""
 
@@ -54,6 +76,8 @@ class CoordinatorConfig:
     all_interfaces: bool = False
     """``--all-interfaces``: the HTTP API listens on every interface; mDNS stays on
     ``interface``."""
+    timeouts: Timeouts = field(default_factory=Timeouts)
+    retries: Retries = field(default_factory=Retries)
 
     @property
     def api_host(self) -> str:

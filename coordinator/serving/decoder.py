@@ -17,6 +17,7 @@ import time
 from collections.abc import Callable, Sequence
 from pathlib import Path
 
+from coordinator.config import Timeouts
 from coordinator.deploy.store import DeploymentStore, ModelRecord, VersionRecord
 from coordinator.errors import (
     AgentError,
@@ -51,9 +52,6 @@ from protocols.errors import ProtocolError
 from protocols.manifest import MANIFEST_FILE, Manifest
 
 log = logging.getLogger(__name__)
-STEP_TIMEOUT_S = 60.0
-RECOVERY_S = 60.0
-"""How long a step may wait, in all, for a broken chain to be re-planned and replayed."""
 
 
 ClientOf = Callable[[float], tuple[VersionRecord, ChainClient]]
@@ -78,14 +76,15 @@ class ChainDecoderBackend:
         plane: DataPlane,
         client_of: ClientOf,
         failed: FailureReport,
-        timeout: float = STEP_TIMEOUT_S,
-        recovery_s: float = RECOVERY_S,
+        timeouts: Timeouts | None = None,
     ) -> None:
+        timeouts = timeouts or Timeouts()
         self._plane = plane
         self._client_of = client_of
         self._failed = failed
-        self._timeout = timeout
-        self._recovery_s = recovery_s
+        self._timeout = timeouts.step_s
+        self._recovery_s = timeouts.recovery_s
+        """How long a step may wait, in all, for a broken chain to be re-planned and replayed."""
         self._history: dict[str, list[int]] = {}
         self._wire: dict[str, tuple[str, int]] = {}
         """Per session: the id its stages know it by, and the plan version holding it."""
@@ -220,8 +219,9 @@ class DecoderModels:
     ``failed`` hears of broken chains, ``planned_context`` gives the context length a version's
     stages reserved KV memory for (None when unknown), ``rows_exact`` whether every device of a
     version computes a 4-bit product's row alike alone and in a pass (an int4 decoder
-    speculates only then), ``draft_threads`` the intra-op threads of a draft model's calls.
-    One backend per model keeps its sessions' histories.
+    speculates only then), ``draft_threads`` the intra-op threads of a draft model's calls,
+    ``timeouts`` its backends' step and recovery waits. One backend per model keeps its
+    sessions' histories.
     """
 
     def __init__(
@@ -233,9 +233,11 @@ class DecoderModels:
         planned_context: Callable[[VersionRecord], int | None] = lambda _: None,
         rows_exact: Callable[[VersionRecord], bool] = lambda _: True,
         draft_threads: int = 1,
+        timeouts: Timeouts | None = None,
     ) -> None:
         self._store = store
         self._draft_threads = draft_threads
+        self._timeouts = timeouts
         self._rows_exact = rows_exact
         self._plane = plane
         self._client_of = client_of
@@ -267,7 +269,10 @@ class DecoderModels:
         backend = self._backends.get(model_id)
         if backend is None:
             backend = self._backends[model_id] = ChainDecoderBackend(
-                self._plane, lambda deadline: self._client_of(model_id, deadline), self._failed
+                self._plane,
+                lambda deadline: self._client_of(model_id, deadline),
+                self._failed,
+                self._timeouts,
             )
         return GenerationModel(
             backend=backend,

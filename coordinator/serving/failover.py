@@ -15,7 +15,7 @@ abort, a probe), so it can be tested with fakes.
 - **Re-plan failed** (the devices left cannot hold the model): the model is *unavailable* and
   requests get :class:`~coordinator.errors.UnavailableError` (503 with the reason and
   ``Retry-After``) at once. It is tried again when a device comes back, and every
-  :data:`RETRY_S`.
+  :attr:`~coordinator.config.Retries.unavailable_s`.
 - **Device back** (after liveness's settle time): models re-planned without it, or
   unavailable, are re-planned, so the plan expands again.
 - **Segment missing.** An agent that answers but no longer holds its segment of an active
@@ -35,14 +35,13 @@ from collections.abc import Callable, Collection, Mapping
 from dataclasses import dataclass, replace
 from typing import Literal
 
+from coordinator.config import Retries
 from coordinator.deploy.store import DeploymentStore, VersionRecord
 from coordinator.errors import CoordinatorError, NotServableError, UnavailableError
 from protocols.base import FrozenModel
 from protocols.deploy import AgentStatus
 
 log = logging.getLogger(__name__)
-RETRY_S = 15.0
-"""How often an unavailable model is re-planned again without any device returning."""
 MAX_EVENTS = 500
 
 Replan = Callable[[VersionRecord, str], VersionRecord]
@@ -95,8 +94,11 @@ class Failover:
         release: Release,
         clock: Callable[[], float] = time.monotonic,
         wall: Callable[[], float] = time.time,
+        retries: Retries | None = None,
     ) -> None:
         self._store = store
+        self._retry_s = (retries or Retries()).unavailable_s
+        """How often an unavailable model is re-planned again without any device returning."""
         self._replan = replan
         self._release = release
         self._released: set[int] = set()
@@ -234,7 +236,7 @@ class Failover:
 
     def retry_after(self) -> float:
         """Seconds a refused caller should wait before trying again."""
-        return RETRY_S
+        return self._retry_s
 
     def start(self) -> None:
         """Run re-plans on a worker thread until :meth:`stop`."""
@@ -284,7 +286,7 @@ class Failover:
         now = self._clock()
         with self._lock:
             for model_id, condition in self._conditions.items():
-                if condition.state == "unavailable" and now - condition.since >= RETRY_S:
+                if condition.state == "unavailable" and now - condition.since >= self._retry_s:
                     self._enqueue("recover", model_id)
 
     def _recover(self, model_id: str) -> None:

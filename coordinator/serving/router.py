@@ -11,7 +11,8 @@ A request whose chain fails is reported to the :class:`Guard` (the failover poli
 :mod:`coordinator.serving.failover`), which
 checks the chain's devices and re-plans when one is lost;
 the request is then retried on the version the guard hands out, waiting for a re-plan at most
-:data:`RECOVERY_WAIT_S`. Without failover, a broken connection is retried on a fresh one.
+:attr:`~coordinator.config.Timeouts.recovery_s` in all. Without failover, a broken connection
+is retried on a fresh one.
 """
 
 from __future__ import annotations
@@ -25,6 +26,7 @@ from typing import Any, Protocol
 
 import numpy as np
 
+from coordinator.config import Timeouts
 from coordinator.deploy.store import DeploymentStore, VersionRecord
 from coordinator.errors import AgentError, CoordinatorError, NotServableError, RequestError
 from coordinator.serving.microbatch import join_runs, row_runs
@@ -34,9 +36,6 @@ from protocols.frames import DTYPES
 from protocols.manifest import TensorInfo
 
 log = logging.getLogger(__name__)
-REQUEST_TIMEOUT_S = 60.0
-RECOVERY_WAIT_S = 60.0
-"""How long one request may wait, in all, for a re-plan after its chain failed."""
 MAX_ATTEMPTS = 3
 SAME_VERSION_TRIES = 3
 """Sends of one request: the first, and retries after chain failures."""
@@ -91,8 +90,10 @@ class Router:
         ctx: ssl.SSLContext,
         revoked: Callable[[], Collection[str]] = frozenset,
         guard: Guard | None = None,
+        timeouts: Timeouts | None = None,
     ) -> None:
         self._store = store
+        self._timeouts = timeouts or Timeouts()
         self._plane = plane
         self._ctx = ctx
         self._revoked = revoked
@@ -133,7 +134,7 @@ class Router:
         """Send checked inputs to the live version; after a chain failure, report it to the
         guard and retry on the version it hands out (every caller gets one answer or one error).
         """
-        deadline = time.monotonic() + RECOVERY_WAIT_S
+        deadline = time.monotonic() + self._timeouts.recovery_s
         version = self._guard.current(model_id, deadline)
         for attempt in range(1, MAX_ATTEMPTS + 1):
             try:
@@ -149,7 +150,7 @@ class Router:
     def _attempt(self, version: VersionRecord, feeds: Arrays) -> Arrays:
         client = self._client(version)
         try:
-            return client.infer(feeds, REQUEST_TIMEOUT_S)
+            return client.infer(feeds, self._timeouts.request_s)
         except AgentError:
             self._drop(version.plan_version, client)
             raise
@@ -168,7 +169,7 @@ class Router:
         """A request into a chain that is not active yet (the deployer's health check)."""
         client = ChainClient(self._plane, chain, plan_version, self._ctx)
         try:
-            return client.infer(feeds, REQUEST_TIMEOUT_S)
+            return client.infer(feeds, self._timeouts.request_s)
         finally:
             client.close()
 

@@ -1,0 +1,37 @@
+"""The coordinator's waits and retries are configuration (:class:`~coordinator.config.Timeouts`,
+:class:`~coordinator.config.Retries`): built with :class:`~coordinator.config.CoordinatorConfig`
+and handed to what waits, with the values the constants they replace had."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+from coordinator.config import CoordinatorConfig, Retries, Timeouts
+from coordinator.deploy.store import DeploymentStore
+from coordinator.serving.decoder import ChainDecoderBackend
+from coordinator.serving.failover import Failover
+
+
+def test_the_defaults_are_the_waits_the_coordinator_always_had() -> None:
+    config = CoordinatorConfig(Path("state"))
+    assert config.timeouts == Timeouts(request_s=60.0, step_s=60.0, recovery_s=60.0)
+    assert config.retries == Retries(unavailable_s=15.0)
+
+
+def test_what_waits_takes_its_wait_from_the_configuration(tmp_path: Path) -> None:
+    failover = Failover(
+        DeploymentStore(tmp_path),
+        replan=lambda version, why: version,
+        abort=lambda plan_version, why: None,
+        probe=lambda names: {},
+        release=lambda version, lost: None,
+        retries=Retries(unavailable_s=2.5),
+    )
+    assert failover.retry_after() == 2.5
+    backend = ChainDecoderBackend(
+        plane=None,  # type: ignore[arg-type]  # never stepped here
+        client_of=lambda deadline: None,  # type: ignore[arg-type,return-value]
+        failed=lambda version, error: None,
+        timeouts=Timeouts(step_s=7.0, recovery_s=9.0),
+    )
+    assert (backend._timeout, backend._recovery_s) == (7.0, 9.0)
