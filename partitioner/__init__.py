@@ -48,6 +48,7 @@ is there only to keep onnx or torch off a light import, and says so (``# heavy:`
 - :mod:`partitioner.models.gguf.kernels`          GGUF tensors onto ORT's CPU kernels, per tensor
 - :mod:`partitioner.models.gguf.kernels_codes`    quantized blocks as codes, scales and mins
 - :mod:`partitioner.models.gguf.kernels_gather`   embedding rows via ``GatherBlockQuantized``
+- :mod:`partitioner.models.gguf.kernels_iq`       the grid i-quants as exact 8-bit codes
 - :mod:`partitioner.models.gguf.kernels_requant`  a GGUF weight re-quantized to int4/int8
 - :mod:`partitioner.models.gguf.reader`           a lean GGUF reader (memory-mapped data)
 - :mod:`partitioner.models.gguf.header`           a GGUF header as a typed model, refusals
