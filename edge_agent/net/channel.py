@@ -29,6 +29,7 @@ from typing import Protocol
 import numpy as np
 
 from edge_agent.errors import PeerRejectedError
+from edge_agent.net.budgets import ConnectionLimits
 from edge_agent.net.frame_budget import UnfinishedBudget
 from edge_agent.net.tls import Peer, peer_of
 from edge_agent.runtime.checks import Array
@@ -381,8 +382,11 @@ class FrameServer:
         max_frame_bytes: int,
         admit: Callable[[Peer], Peer] | None = None,
         max_unfinished_bytes: int | None = None,
+        limits: ConnectionLimits | None = None,
     ) -> None:
+        """``limits``: open connections in all and per source (over them: closed at once)."""
         self._handler = handler
+        self._limits = limits
         self._budget = UnfinishedBudget(
             2 * max_frame_bytes if max_unfinished_bytes is None else max_unfinished_bytes
         )
@@ -403,9 +407,16 @@ class FrameServer:
         return port_number
 
     def _spawn(self, transport: asyncio.Transport) -> None:
+        limits = self._limits
+        source = None if limits is None else limits.admit(transport.get_extra_info("peername"))
+        if limits is not None and source is None:
+            transport.abort()
+            return
         task = asyncio.create_task(self._connection(transport))
         self._tasks.add(task)
         task.add_done_callback(self._finished)
+        if limits is not None and source is not None:
+            task.add_done_callback(lambda _task: limits.release(source))
 
     def _finished(self, task: asyncio.Task[None]) -> None:
         self._tasks.discard(task)

@@ -8,14 +8,21 @@ client certificate is asked for and only the pairing routes answer)::
     POST /v1/probe    coordinator  ProbeRequest                                -> ProbeReport
     POST /v1/training/copy  coordinator  TrainingCopyOffer                     -> TrainingCopyStatus
     POST /v1/training/file  coordinator  one file of the offer (raw bytes)     -> TrainingCopyStatus
-    GET  /v1/status   any peer                                                 -> AgentStatus
-    GET  /metrics     any peer     Prometheus text format
+    GET  /v1/status   coordinator                                              -> AgentStatus
+    GET  /metrics     coordinator  Prometheus text format
+
+(``/v1/status`` and ``/metrics`` were open to any paired agent: one agent could read every
+other's load and segments.)
 
 Before a byte of a body is read, the route, the caller's role and the body's declared size
 (deploy: the agent's deploy limit; a training file: the largest file the signed offer still
 lacks; every other route: 1 MiB) are checked. A connection that sends
 no request head within 30 s, or a body slower than 1 MiB/s after 30 s, is answered 408 and
-closed. Errors come back as :class:`protocols.deploy.ErrorReply` JSON with a 4xx or 5xx status.
+closed. Bodies of routes open to others than the coordinator (pairing, status) reserve their
+declared size from one budget shared by every connection
+(:func:`edge_agent.net.budgets.control_body_budget`); a body that does not fit is answered 503
+before it is read. Errors come back as :class:`protocols.deploy.ErrorReply` JSON with a 4xx
+or 5xx status.
 """
 
 from __future__ import annotations
@@ -26,6 +33,7 @@ from collections.abc import Awaitable, Callable
 from dataclasses import dataclass
 
 from edge_agent.errors import DeployError, LinkError, PairingError, PeerRejectedError
+from edge_agent.net.frame_budget import UnfinishedBudget
 from edge_agent.net.tls import Peer, check_peer
 from edge_agent.net.wire_errors import control_code_of
 from protocols.deploy import ROLE_AGENT, ROLE_COORDINATOR, ErrorReply
@@ -52,6 +60,7 @@ _REASONS = {
     413: "Content Too Large",
     422: "Unprocessable Content",
     502: "Bad Gateway",
+    503: "Service Unavailable",
     507: "Insufficient Storage",
 }
 
@@ -93,7 +102,11 @@ class HttpError(Exception):
         self.code = _HTTP_CODES.get(status, ControlErrorCode.BAD_REQUEST)
 
 
-_HTTP_CODES = {408: ControlErrorCode.TIMEOUT, 413: ControlErrorCode.TOO_LARGE}
+_HTTP_CODES = {
+    408: ControlErrorCode.TIMEOUT,
+    413: ControlErrorCode.TOO_LARGE,
+    503: ControlErrorCode.OVER_BUDGET,
+}
 
 
 class ControlServer:
@@ -104,10 +117,13 @@ class ControlServer:
         routes: dict[tuple[str, str], Route],
         max_body_bytes: int,
         head_timeout_s: float = HEAD_TIMEOUT_S,
+        body_budget: UnfinishedBudget | None = None,
     ) -> None:
+        """``body_budget``: shared by the bodies of routes not only for the coordinator."""
         self._routes = routes
         self._max_body = max_body_bytes
         self._head_timeout = head_timeout_s
+        self._budget = body_budget
 
     async def handle(
         self, reader: asyncio.StreamReader, writer: asyncio.StreamWriter, peer: Peer
@@ -143,7 +159,18 @@ class ControlServer:
             limit = min(self._max_body, route.body_limit())
         if length > limit:
             raise HttpError(413, f"body of {length} bytes is over this route's {limit}-byte limit")
-        body = await _read_body(reader, length)
+        budget = None if route.roles == COORDINATOR_ONLY else self._budget
+        if budget is not None and not budget.take(length):
+            raise HttpError(503, f"busy: {budget.used} bytes of bodies are being read already")
+        try:
+            return await self._dispatch(route, await _read_body(reader, length), method, path, peer)
+        finally:
+            if budget is not None:
+                budget.give(length)
+
+    async def _dispatch(
+        self, route: Route, body: bytes, method: str, path: str, peer: Peer
+    ) -> Response:
         try:
             return await route.handler(body)
         except (DeployError, PairingError) as exc:

@@ -13,9 +13,9 @@ from pathlib import Path
 
 from edge_agent.config import AgentConfig, TlsFiles
 from edge_agent.errors import ConfigError, PeerRejectedError
+from edge_agent.net.budgets import ConnectionLimits, control_body_budget, frame_allowance
 from edge_agent.net.channel import FrameServer
 from edge_agent.net.control import (
-    ANY_PEER,
     COORDINATOR_ONLY,
     ControlServer,
     Response,
@@ -23,6 +23,7 @@ from edge_agent.net.control import (
     json_response,
 )
 from edge_agent.net.discovery import Advertiser
+from edge_agent.net.frame_budget import UnfinishedBudget
 from edge_agent.net.links import PeerLink
 from edge_agent.net.probe import probe_link
 from edge_agent.net.tls import Peer, Revocation, client_context, peer_of, server_context
@@ -99,14 +100,16 @@ class Agent:
                 ("POST", "/v1/probe"): Route(self._probe, COORDINATOR_ONLY),
                 ("POST", "/v1/revocations"): Route(self._revoke, COORDINATOR_ONLY),
                 ("POST", "/v1/certificate"): Route(self._renew, COORDINATOR_ONLY),
-                ("GET", "/v1/status"): Route(self._status, ANY_PEER),
+                ("GET", "/v1/status"): Route(self._status, COORDINATOR_ONLY),
                 ("GET", "/v1/pairing"): Route(self._pairing_offer, None),
                 ("POST", "/v1/pairing"): Route(self._pair, None),
-                ("GET", "/metrics"): Route(self._metrics, ANY_PEER),
+                ("GET", "/metrics"): Route(self._metrics, COORDINATOR_ONLY),
                 **self._training_routes(),
             },
             config.max_deploy_bytes,
+            body_budget=UnfinishedBudget(control_body_budget(config.memory_bytes)),
         )
+        self._control_limits = ConnectionLimits.for_memory(config.memory_bytes)
         self._connections: set[asyncio.Task[object]] = set()
         self.revocation = _load_revocation(config.state_dir / REVOCATIONS_FILE)
         self._data: FrameServer | None = None
@@ -128,7 +131,12 @@ class Agent:
                 limit=1 << 16,
             )
             self._data = FrameServer(
-                self.pipeline.serve, self._server_ctx, cfg.max_frame_bytes, self.revocation.admit
+                self.pipeline.serve,
+                self._server_ctx,
+                cfg.max_frame_bytes,
+                self.revocation.admit,
+                max_unfinished_bytes=frame_allowance(cfg.memory_bytes, cfg.max_frame_bytes),
+                limits=ConnectionLimits.for_memory(cfg.memory_bytes),
             )
             data_port = await self._data.start(cfg.interface, cfg.data_port)
             self._ports = (control.sockets[0].getsockname()[1], data_port)
@@ -199,8 +207,12 @@ class Agent:
         plane = "control"
         task = asyncio.current_task()
         assert task is not None
-        self._connections.add(task)
         address = writer.get_extra_info("peername")
+        source = self._control_limits.admit(address)
+        if source is None:  # over the caps: closed before the TLS handshake costs anything
+            writer.transport.abort()
+            return
+        self._connections.add(task)
         try:
             try:
                 paired = self.identity.paired
@@ -228,6 +240,7 @@ class Agent:
             log.debug("%s-plane connection from %s closed at shutdown", plane, address)
         finally:
             self._connections.discard(task)
+            self._control_limits.release(source)
 
     def _training_routes(self) -> dict[tuple[str, str], Route]:
         """``/v1/training/copy`` and ``/file`` when the agent trains (no torch imported)."""

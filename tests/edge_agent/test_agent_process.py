@@ -227,7 +227,7 @@ def test_agent_role_cannot_deploy(env: Env) -> None:
     with control_client(env.ca, "a1-impostor", "agent") as client:
         response = deploy(client, env.procs[0], request, seg)
         assert response.status_code == 403 and response.json()["error"] == "peer_rejected"
-        assert client.get(env.procs[0].url("/v1/status")).status_code == 200
+        assert client.get(env.procs[0].url("/v1/status")).status_code == 403  # coordinator only
     env.assert_serves()
 
 
