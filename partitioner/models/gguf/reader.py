@@ -46,8 +46,9 @@ STRING, ARRAY = 8, 9
 _FLOAT_VIEWS = {T.F32: np.float32, T.F16: np.float16}
 
 
-class GgufFormatError(GraphError):
-    """The file is not a GGUF file this reader understands."""
+class GgufFormatError(GraphError, ValueError):
+    """The file is not a GGUF file this reader understands (a ValueError too, as gguf-py's
+    reader raises for a bad file)."""
 
 
 @dataclass(frozen=True)
@@ -93,6 +94,19 @@ class _Cursor:
             raise GgufFormatError(f"unknown GGUF value type {kind}")
         return self.take(fmt)
 
+    def array(self) -> list[Any]:
+        kind, count = self.take("<I"), self.take("<Q")
+        if kind == STRING:
+            return [self.string() for _ in range(count)]
+        if kind == ARRAY:
+            return [self.array() for _ in range(count)]
+        fmt = _SCALARS.get(kind)
+        if fmt is None:
+            raise GgufFormatError(f"unknown GGUF array type {kind}")
+        size = struct.calcsize(fmt)
+        data = self.f.read(size * count)
+        return list(np.frombuffer(data, np.dtype(fmt)).tolist())
+
     def skip_array(self) -> int:
         kind, count = self.take("<I"), self.take("<Q")
         if kind == STRING:
@@ -124,9 +138,11 @@ class GgufFile:
                 raise GgufFormatError(f"GGUF version {version} is not read here (2 or 3)")
             n_tensors, n_kv = cur.take("<Q"), cur.take("<Q")
             self.metadata: dict[str, Any] = {}
+            self._arrays: dict[str, int] = {}
             for _ in range(n_kv):
                 key, kind = cur.string(), cur.take("<I")
                 if kind == ARRAY:
+                    self._arrays[key] = f.tell()
                     self.metadata[f"{key}.count"] = cur.skip_array()
                 else:
                     self.metadata[key] = cur.value(kind)
@@ -157,6 +173,16 @@ class GgufFile:
         if view is not None:
             return raw.view(view).reshape(shape)
         return raw.reshape(quant_shape_to_byte_shape(shape, info.ggml_type))
+
+    def array(self, key: str) -> list[Any] | None:
+        """Metadata array ``key`` decoded (strings, numbers; nested arrays as lists), or None
+        when the file has no such array (the tokenizer's ``tokens``, ``merges``, ...)."""
+        start = self._arrays.get(key)
+        if start is None:
+            return None
+        with self.path.open("rb") as f:
+            f.seek(start)
+            return _Cursor(f).array()
 
     def release(self) -> None:
         """Drop the mapped pages from this process's resident set (``MADV_DONTNEED``; the
