@@ -123,6 +123,7 @@ def serve(config: CoordinatorConfig, console: Console) -> int:
             generation=generation,
             speculation=generation.speculation_stats.get,
             speculation_off=generation.speculation_off,
+            open_docs=config.open_docs,
         )
     )
     server = api_server(app, config.api_host, config.port)

@@ -76,6 +76,8 @@ class CoordinatorConfig:
     all_interfaces: bool = False
     """``--all-interfaces``: the HTTP API listens on every interface; mDNS stays on
     ``interface``."""
+    open_docs: bool = False
+    """``--open-docs``: ``/docs``, ``/redoc`` and ``/openapi.json`` need no token."""
     timeouts: Timeouts = field(default_factory=Timeouts)
     retries: Retries = field(default_factory=Retries)
 
