@@ -7,9 +7,10 @@ timeout from the call or the client.
 - :meth:`CoordinatorClient.call` is one request: a :class:`Reply` with the status and the JSON
   body (a body that is no JSON comes back as ``{"detail": text}``); a transport failure raises
   :class:`httpx.HTTPError`, so that a caller that retries can tell it from an answer.
-- The typed methods return the API's own models (:class:`~coordinator.http.device_models.
-  DeviceView`, :class:`~coordinator.deploy.store.VersionRecord`, ...) and raise
-  :class:`~coordinator.errors.ApiError` for anything but a 200, a transport failure included (status 0).
+- The typed methods return the API's own models (``DeviceView`` and the pairing replies of
+  :mod:`coordinator.http.device_models`, :class:`~coordinator.deploy.store.VersionRecord`)
+  and raise :class:`~coordinator.errors.ApiError` for anything but a 200, a transport failure
+  included (status 0).
 
 This module needs the coordinator extra (httpx, and the models' own imports): an entry point
 that must stay light on an agent-only install imports it where it is used.
