@@ -7,7 +7,7 @@
 - ``reference/openapi.json``, the schema itself;
 - ``benchmarks.md`` from ``bench/results/REPORT.md`` (and the figures it shows).
 
-``tests/test_docs_reference.py`` renders the same pages and fails when a command or a route is
+``tests/docs/test_docs_reference.py`` renders the same pages and fails when a command or a route is
 missing from them.
 """
 

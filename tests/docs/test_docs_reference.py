@@ -18,7 +18,7 @@ from coordinator.errors import CapacityError, UnavailableError
 from coordinator.http.errors import CATALOGUE, entry_of
 from fedshard.cli import build_parser
 
-ROOT = Path(__file__).resolve().parent.parent
+ROOT = Path(__file__).resolve().parents[2]
 HOOK = ROOT / "docs" / "hooks" / "fedshard_reference.py"
 MKDOCS = ROOT / "mkdocs.yml"
 
