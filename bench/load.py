@@ -1,10 +1,10 @@
 """Sustained load: one-sentence embeddings from concurrent clients through the coordinator.
 
 A real ``fedshard coordinator`` and three agents on 127.0.0.1 serve all-MiniLM-L6-v2 cut in
-three (the same lab as ``tests/test_load.py``). Sixteen threads, each with a keep-alive HTTP
-client, send ``/v1/embeddings`` requests until 10,000 are answered. Reported: throughput, latency
-percentiles (p50, p99, max, measured by the clients from send to answer), errors, and the
-resident memory of each process after the first 1,000 answers and after the last.
+three (the same lab as ``tests/e2e/test_load.py``). Sixteen threads, each with a keep-alive
+HTTP client, send ``/v1/embeddings`` requests until 10,000 are answered. Reported: throughput,
+latency percentiles (p50, p99, max, measured by the clients from send to answer), errors, and
+the resident memory of each process after the first 1,000 answers and after the last.
 
     .venv/bin/python bench/load.py [--requests 10000] [--clients 16]
 
