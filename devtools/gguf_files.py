@@ -87,6 +87,9 @@ class Spec:
     tied: bool = False
     sliding_window: int | None = None
     extra: dict[str, float] = field(default_factory=dict)
+    """Float metadata added as is (``{arch}`` filled in), e.g. a final logit softcap."""
+    rope_freqs: bool = False
+    """Write Llama 3's ``rope_freqs.weight`` (per-dimension factors dividing the angles)."""
 
 
 SPECS: dict[str, Spec] = {
@@ -127,6 +130,8 @@ def tensor_list(spec: Spec) -> list[tuple[str, str, tuple[int, ...]]]:
         for role, shape in layer_shapes(spec).items():
             name = f"blk.{i}.{role}" + ("" if role.endswith(".bias") else ".weight")
             out.append((name, role, shape))
+    if spec.rope_freqs:
+        out.append(("rope_freqs.weight", "rope_freqs", (spec.head_dim // 2,)))
     out.append(("output_norm.weight", "output_norm", (spec.hidden,)))
     if not spec.tied:
         out.append(("output.weight", "output", (spec.vocab, spec.hidden)))
@@ -184,6 +189,8 @@ def _std(role: str, shape: tuple[int, ...]) -> float:
 def _values(
     role: str, shape: tuple[int, ...], t: GGMLQuantizationType, rng: np.random.Generator
 ) -> np.ndarray:
+    if role == "rope_freqs":
+        return rng.uniform(1.0, 8.0, shape).astype(np.float32)
     if len(shape) == 1 and not role.endswith(".bias"):
         return (1.0 + 0.1 * rng.standard_normal(shape)).astype(np.float32)
     values = random_tensor(t, shape, _std(role, shape), rng)

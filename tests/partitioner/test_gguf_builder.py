@@ -146,6 +146,26 @@ def test_whole_and_split_match_the_reference(
         np.testing.assert_allclose(a, b, rtol=0, atol=1e-5 * float(np.abs(a).max()))
 
 
+@pytest.mark.parametrize(
+    "spec",
+    [
+        Spec("llama", rope_freqs=True),
+        Spec("gemma3", layers=2, kv_heads=1, head_dim=128, tied=True, sliding_window=3,
+             extra={"{arch}.final_logit_softcapping": 100.0}),
+    ],
+    ids=["llama3-rope-freqs", "gemma-softcap"],
+)  # fmt: skip
+def test_rope_factors_and_softcap_match_the_reference(tmp_path: Path, spec: Spec) -> None:
+    source = GgufSource(write_gguf(tmp_path / "m.gguf", spec, "f32"))
+    m = source.model
+    assert ("rope_freqs.weight" in m.tensors) == spec.rope_freqs
+    assert m.final_softcap == spec.extra.get("{arch}.final_logit_softcapping")
+    ref = reference.forward(m, reference.dequantized(m, source.raw), TOKENS)
+    _check(_generate(_stages(source, [0, 2, m.layers + 2]), source), ref, FLOAT_TOL)
+    if m.final_softcap is not None:
+        assert np.abs(ref).max() < m.final_softcap
+
+
 def test_embedding_and_head_alone_are_stages(files: dict[tuple[str, str], Path]) -> None:
     source = GgufSource(files["gemma3", "q4_k_m"])
     m = source.model
