@@ -3,7 +3,8 @@
 Rooms, each importing only the rooms below it (an import-linter layers contract)::
 
     commands     ``fedshard coordinator | pair | revoke | deploy | rollback | devices``
-    app          composition root: builds every service once and runs the HTTP server
+    app | client composition root: builds every service once and runs the HTTP server;
+                 the one typed client of the HTTP API (the CLI verbs, the demo, tests)
     http         everything FastAPI and nothing else: routes, bodies, the error catalogue
     serving | console | training
                  requests to deployed models (router, failover, embeddings, decoder backend);
@@ -19,12 +20,15 @@ Rooms, each importing only the rooms below it (an import-linter layers contract)
                  the configuration built at the entry point; the error hierarchy
 
 - :mod:`coordinator.app`          :func:`~coordinator.app.serve`: the coordinator process
+- :mod:`coordinator.client`       :class:`~coordinator.client.CoordinatorClient`: the API, typed
 - :mod:`coordinator.commands`     the coordinator's CLI verbs
-- :mod:`coordinator.config`       :class:`~coordinator.config.CoordinatorConfig`
+- :mod:`coordinator.config`       :class:`~coordinator.config.CoordinatorConfig` (with its
+  ``Timeouts`` and ``Retries``), the API's port and URL
 - :mod:`coordinator.errors`       the error hierarchy (drawn in its docstring)
 - :mod:`coordinator.http`         ``app`` (create_app, devices, pairing), ``serving``, ``console``,
   ``training``, ``openai`` (+ ``openai_models``), ``errors`` (one catalogue, both body styles),
-  ``timing`` (the one request timer the metrics and the console observe)
+  ``timing`` (the one request timer the metrics and the console observe), ``device_models``
+  (the device and pairing models, without FastAPI)
 - :mod:`coordinator.serving.router`      ``router``, ``failover``, ``embeddings``, ``decoder``
 - :mod:`coordinator.console`      the static page, ``plans``, ``stages``, ``stats``, ``slowness``
 - :mod:`coordinator.training`     ``manager`` (runs), ``driver`` (one flwr run), ``runner``,
