@@ -54,7 +54,7 @@ from partitioner.cutting.verify import run_model
 from partitioner.errors import InfeasiblePlanError, PartitionerError
 from partitioner.models.gguf.builder import DEFAULT_TOP_K, GgufSource, write_segment
 from partitioner.models.gguf.header import GgufModel, UnsupportedModel, read_header
-from partitioner.models.gguf.kernels import UnsupportedTensorType
+from partitioner.models.gguf.kernels import MATMUL_BITS, UnsupportedTensorType
 from partitioner.planning.planner import plan_preferring_one_device
 from protocols.decoder import (
     DECODER_FILE,
@@ -137,7 +137,7 @@ def gguf_split_and_run(
         model = header_of(command.model_path)
         with refusals(command.model_path):
             vocab = write_tokenizer(command.model_path, out / TOKENIZER_FILE)
-            info = decoder_info(model, vocab, command.model_id)
+            info = decoder_info(model, vocab, command.model_id, command.weights)
             (out / DECODER_FILE).write_text(info.to_json() + "\n")
             sessions = DEFAULT_SESSIONS
             table = unit_table(model, sessions, command.weights)
@@ -205,8 +205,14 @@ def _plan(
         raise NoFitError(f"cannot plan {command.model_path.name}: {exc}; {kv}") from exc
 
 
-def decoder_info(model: GgufModel, vocab: GgufVocabulary, model_id: str) -> DecoderInfo:
-    """The ``decoder.json`` of a GGUF model: its shapes, special tokens and chat template."""
+def decoder_info(
+    model: GgufModel, vocab: GgufVocabulary, model_id: str, weights: WeightsMode = "keep"
+) -> DecoderInfo:
+    """The ``decoder.json`` of a GGUF model: its shapes, special tokens and chat template.
+
+    A model with 4-bit weight products (``int4``, or a kept Q4_0/Q4_1/Q4_K tensor) says
+    ``int4``, so speculative verification runs only where every agent computes a 4-bit
+    product's row alike alone and in a pass (the rule exported int4 decoders follow)."""
     bos = model.bos_token_id if vocab.add_bos else None
     return DecoderInfo(
         model=model_id,
@@ -228,9 +234,15 @@ def decoder_info(model: GgufModel, vocab: GgufVocabulary, model_id: str) -> Deco
             for kind in ("key", "value")
         ],
         trailing_positions=TRAILING_POSITIONS,
-        weights=None,
+        weights="int4" if _four_bit(model, weights) else None,
         rows_independent=True,
     )
+
+
+def _four_bit(model: GgufModel, weights: WeightsMode) -> bool:
+    if weights != "keep":
+        return weights == "int4"
+    return any(MATMUL_BITS.get(t.type) == 4 for t in model.tensors.values() if len(t.shape) == 2)
 
 
 def _prompt(directory: Path, info: DecoderInfo) -> list[int]:
