@@ -54,7 +54,7 @@ def serve(config: CoordinatorConfig, console: Console) -> int:
     agents = AgentClient(ctx)
     trust = TrustService(pairing, registry, ca, agents)
     store = DeploymentStore(config.state_dir)
-    plane = DataPlane()
+    plane = DataPlane(config.timeouts)
     # failover, router, liveness and deployer need one another: late-bound through lambdas
     failover = Failover(
         store,

@@ -46,6 +46,8 @@ class Timeouts:
     """One decoder step or speculative pass through the chain."""
     recovery_s: float = 60.0
     """A request's wait for the failover to hand out a servable version again."""
+    connect_s: float = 10.0
+    """Opening a data-plane connection to an agent (TLS handshake included)."""
 
 
 @dataclass(frozen=True)

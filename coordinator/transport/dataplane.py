@@ -28,6 +28,7 @@ from typing import Any, TypeVar
 import numpy as np
 import numpy.typing as npt
 
+from coordinator.config import Timeouts
 from coordinator.errors import (
     AgentError,
     NotServableError,
@@ -50,14 +51,15 @@ log = logging.getLogger(__name__)
 
 Array = npt.NDArray[Any]
 T = TypeVar("T")
-CONNECT_TIMEOUT_S = 10.0
 MAX_FRAME_BYTES = 1 << 30
 
 
 class DataPlane:
     """An event loop in its own thread that runs every data-plane connection."""
 
-    def __init__(self) -> None:
+    def __init__(self, timeouts: Timeouts | None = None) -> None:
+        self.connect_s = (timeouts or Timeouts()).connect_s
+        """How long opening a connection to an agent may take."""
         self._loop = asyncio.new_event_loop()
         self._thread = threading.Thread(target=self._run, name="data-plane", daemon=True)
         self._thread.start()
@@ -112,12 +114,14 @@ class FrameConnection:
         ctx: ssl.SSLContext,
         on_frame: Callable[[Frame], None],
         on_close: Callable[[Exception], None],
+        timeout: float | None = None,
     ) -> FrameConnection:
-        """Connect to ``hop`` and check that its certificate names that device."""
+        """Connect to ``hop`` (within ``timeout``; None: the configured default) and check that
+        its certificate names that device."""
         try:
             reader, writer = await asyncio.wait_for(
                 asyncio.open_connection(hop.host, hop.data_port, ssl=ctx, limit=1 << 20),
-                CONNECT_TIMEOUT_S,
+                Timeouts().connect_s if timeout is None else timeout,
             )
         except (OSError, ssl.SSLError, TimeoutError) as exc:
             raise AgentError(f"cannot reach the data plane of {hop.device}: {exc}") from exc
@@ -253,7 +257,11 @@ class ChainClient:
 
     async def _open(self, hop: Hop, from_first: bool) -> FrameConnection:
         return await FrameConnection.open(
-            hop, self._ctx, lambda frame: self._on_frame(frame, from_first), self._on_close
+            hop,
+            self._ctx,
+            lambda frame: self._on_frame(frame, from_first),
+            self._on_close,
+            self._plane.connect_s,
         )
 
     def _on_frame(self, frame: Frame, from_first: bool) -> None:

@@ -10,11 +10,12 @@ from coordinator.config import CoordinatorConfig, Retries, Timeouts
 from coordinator.deploy.store import DeploymentStore
 from coordinator.serving.decoder import ChainDecoderBackend
 from coordinator.serving.failover import Failover
+from coordinator.transport.dataplane import DataPlane
 
 
 def test_the_defaults_are_the_waits_the_coordinator_always_had() -> None:
     config = CoordinatorConfig(Path("state"))
-    assert config.timeouts == Timeouts(request_s=60.0, step_s=60.0, recovery_s=60.0)
+    assert config.timeouts == Timeouts(request_s=60.0, step_s=60.0, recovery_s=60.0, connect_s=10.0)
     assert config.retries == Retries(unavailable_s=15.0)
 
 
@@ -35,3 +36,8 @@ def test_what_waits_takes_its_wait_from_the_configuration(tmp_path: Path) -> Non
         timeouts=Timeouts(step_s=7.0, recovery_s=9.0),
     )
     assert (backend._timeout, backend._recovery_s) == (7.0, 9.0)
+    plane = DataPlane(Timeouts(connect_s=3.0))
+    try:
+        assert plane.connect_s == 3.0
+    finally:
+        plane.close()
