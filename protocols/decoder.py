@@ -116,6 +116,13 @@ class DecoderInfo(FrozenModel):
     kernel runs one row through another kernel than several (AVX2; the export checks):
     verifying k drafted tokens in one pass would then not give the tokens one-at-a-time
     decoding gives, so speculative decoding is off."""
+    rows_probed: bool = False
+    """Whether the export measured ``rows_independent`` on the machine that made it: passes of
+    every length up to ``trailing_positions`` gave each token's candidates and keys and values
+    bit for bit as one-token steps did. False in exports made before every precision was
+    probed (float32 and float16 ones were not: their one-row products differ in the last bits
+    from a pass's), and in graphs built without the check; the coordinator then speculates only
+    on int8 and int4 graphs, which were checked before this field was recorded."""
 
     draft_vocabulary: PositiveInt | None = None
     """Set on a draft-only export (``fedshard export --draft``): its output head scores only

@@ -5,7 +5,10 @@
 after a five-token prompt, :data:`~partitioner.analysis.samples.SAMPLE_INPUTS_KEY`) for
 ``fedshard split --verify``. The graph is traced with a non-empty past and several new tokens
 so that no dimension specialises, then checked in ONNX Runtime against torch on both the
-embedded step and a prefill with an empty past.
+embedded step and a prefill with an empty past. Its products run on at least two rows
+(:func:`~partitioner.models.decoders.rowwise.at_least_two_rows`), and the written graph is
+probed for decoding a verify pass as one-token steps, bit for bit (the verdict is recorded in
+``rows_independent`` and ``rows_probed``).
 """
 
 from __future__ import annotations
@@ -311,8 +314,15 @@ def _write(
     # heavy: keeps onnx off a light import
     from partitioner.analysis.samples import SAMPLE_INPUTS_KEY, encode_samples
 
+    # heavy: keeps onnx off a light import
+    from partitioner.models.decoders.precision import SCHEME_METADATA_KEY, SCHEMES
+    from partitioner.models.decoders.rowwise import at_least_two_rows, probe_rows
+
     inputs, _ = state_names(info)
     samples = dict(zip(inputs, cases["step"][0], strict=True))
+    at_least_two_rows(model, weight_products=True)
+    entry = model.metadata_props.add()
+    entry.key, entry.value = SCHEME_METADATA_KEY, SCHEMES["fp32"]
     for key, value in ((DECODER_METADATA_KEY, info.to_json()), (SAMPLE_INPUTS_KEY, None)):
         entry = model.metadata_props.add()
         entry.key, entry.value = key, value if value is not None else encode_samples(samples)
@@ -325,6 +335,9 @@ def _write(
         source.tokenizer.save_pretrained(out_dir)
     with steps.step("checking ONNX Runtime against torch"):
         diff = _check(path, info, cases)
+    with steps.step("checking that a token decodes alike alone and in a verify pass"):
+        alike = probe_rows(out_dir)
+    info = info.model_copy(update={"rows_independent": alike, "rows_probed": True})
     return DecoderExport(out_dir, path, info, diff, initializer_bytes(model))
 
 

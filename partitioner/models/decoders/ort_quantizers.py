@@ -30,8 +30,9 @@ Measured on a 1536 x 8960 Qwen weight, one thread: one row 0.39 ms against 1.10-
 script) and 0.65 ms against 1.45 (``bench/verify_rows.py``), what a decode step runs; four rows
 0.87-0.90 ms against 3.77-3.80. On AVX-512 its rows are computed bit for bit alike in passes of
 any size (ONNX Runtime 1.32; the float products around it are padded for that, see
-:mod:`partitioner.models.decoders.rowwise`);
-:data:`~partitioner.models.decoders.precision.ROW_PROBED` covers the CPUs where they are not."""
+:mod:`partitioner.models.decoders.rowwise`); the export's probe
+(:func:`~partitioner.models.decoders.rowwise.rows_decode_alike`) covers the CPUs where they are
+not."""
 INT8_REDUCE_RANGE = True
 """int8 weights use 7 of their 8 bits (``quantize_dynamic(reduce_range=True)``, ONNX Runtime's
 documented remedy for saturation). On x86 CPUs without VNNI (AVX2 only: AMD Zen 2, older Intel)

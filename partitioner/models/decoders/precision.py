@@ -2,8 +2,11 @@
 
 No quantizer is written here; each precision is one of ONNX Runtime's own:
 
+- ``fp32``: the export's own graph, its products run on at least two rows
+  (:func:`~partitioner.models.decoders.rowwise.at_least_two_rows`; the export applies it).
 - ``fp16``: :func:`onnxruntime.transformers.float16.convert_float_to_float16` with the graph's
-  inputs and outputs kept float32 (the KV cache and the frames between agents stay float32).
+  inputs and outputs kept float32 (the KV cache and the frames between agents stay float32),
+  its products then run on at least two rows, as float32's.
 - ``int8``: :func:`onnxruntime.quantization.quantize_dynamic`, int8 weights per output
   channel in a 7-bit range (:data:`INT8_REDUCE_RANGE`): every ``MatMul`` with a constant
   weight becomes ``MatMulInteger`` (activations quantized at run time), the embedding an int8
@@ -49,9 +52,10 @@ from partitioner.models.decoders.ort_quantizers import (
 )
 from partitioner.models.decoders.progress import Steps
 from partitioner.models.decoders.rowwise import (
-    mark_rows_coupled,
-    rows_decode_alike,
+    at_least_two_rows,
+    probe_rows,
     two_row_products,
+    without_row_padding,
 )
 from partitioner.models.decoders.weights import WEIGHTS, Weights
 from protocols.decoder import DECODER_FILE, DECODER_METADATA_KEY, MODEL_FILE, DecoderInfo
@@ -88,18 +92,22 @@ class Int4Layout:
 SERVED_INT4 = Int4Layout()
 
 
+FLOAT_ROWS = "MatMul on at least two rows"
+"""How float32 and float16 graphs run their products (recorded in :data:`SCHEMES`)."""
 SCHEMES: dict[Weights, str] = {
+    "fp32": FLOAT_ROWS,
+    "fp16": f"convert_float_to_float16, {FLOAT_ROWS}",
     "int8": "quantize_dynamic per-channel s8, 7-bit range, per-row activations, two-row products",
     "int4": SERVED_INT4.scheme,
 }
 """The current storage scheme of each quantized precision: an export recorded under another
-(or none: made before the scheme was recorded) is out of date and made again by the demo."""
-ROW_PROBED: frozenset[Weights] = frozenset({"int4", "int8"})
-"""Quantized precisions, whose row independence (see
-:attr:`protocols.decoder.DecoderInfo.rows_independent`) rests on the graph rewrites above and
-on the CPU's kernels: the export checks the written graph on its own machine
-(:func:`~partitioner.models.decoders.rowwise.rows_decode_alike`) and marks it coupled when a token
-does not decode alike alone and in a verify pass. int4 is row-exact with ONNX Runtime 1.32's
+(or none: made before the scheme was recorded) is out of date and made again by the demo.
+
+Every precision's row independence (see :attr:`protocols.decoder.DecoderInfo.rows_independent`)
+rests on the graph rewrites above and on the CPU's kernels: the export checks the written graph
+on its own machine (:func:`~partitioner.models.decoders.rowwise.rows_decode_alike`) and marks it
+coupled when a token does not decode alike alone and in a verify pass. int4 is row-exact with
+ONNX Runtime 1.32's
 AVX-512 kernels, not with its AVX2 ones (one row runs through a kernel of its own there);
 int8's integer products are exact on both (7-bit weights, no saturation). Both had coupled
 their rows before their float products ran on two rows or more and int8's activations were
@@ -171,9 +179,10 @@ def quantize_model(
     """
     weights = parse_weights(weights)
     metadata = _float_metadata(model)
+    model = without_row_padding(model)
     with quiet_quantizer():
         if weights == "fp16":
-            result = fp16_model(model)
+            result = at_least_two_rows(fp16_model(model), weight_products=True)
         elif weights == "int8":
             result = per_row_int8(dynamic_int8(fold_weight_transposes(model)))
         elif weights == "int4":
@@ -181,7 +190,7 @@ def quantize_model(
             result = nbits(fold_weight_transposes(model), 4, ops, layout.block_size)
             result = two_row_products(result) if layout.two_rows else result
         else:
-            result = model
+            result = at_least_two_rows(model, weight_products=True)
     scheme = layout.scheme if weights == "int4" else SCHEMES.get(weights)
     return _record_precision(result, metadata, weights, scheme)
 
@@ -202,7 +211,9 @@ def _record_precision(
     """``result`` with the source's ``metadata``, the precision it was stored in and how
     (``scheme``, :data:`SCHEMES`)."""
     metadata = [
-        (k, stored_info_json(v, weights) if k == DECODER_METADATA_KEY else v) for k, v in metadata
+        (k, stored_info_json(v, weights) if k == DECODER_METADATA_KEY else v)
+        for k, v in metadata
+        if k not in (WEIGHTS_METADATA_KEY, SCHEME_METADATA_KEY)
     ]
     del result.metadata_props[:]
     schemes = [(SCHEME_METADATA_KEY, scheme)] if scheme is not None else []
@@ -263,11 +274,9 @@ def quantize_decoder(
     done, converted = converted_decoder(src_dir, dst_dir, weights, steps=steps)
     with steps.step(f"writing {dst_dir / MODEL_FILE}"):
         save_model(converted, dst_dir / MODEL_FILE)
-    if parse_weights(weights) in ROW_PROBED and (dst_dir / DECODER_FILE).is_file():
+    if (dst_dir / DECODER_FILE).is_file():
         with steps.step("checking that a token decodes alike alone and in a verify pass"):
-            alike = rows_decode_alike(dst_dir)
-        if not alike:
-            mark_rows_coupled(dst_dir)
+            probe_rows(dst_dir)
     return done
 
 
@@ -325,7 +334,7 @@ def per_pass_int8(model: onnx.ModelProto) -> onnx.ModelProto:
     two. ``model`` itself may be modified."""
     metadata = _float_metadata(model)
     with quiet_quantizer():
-        result = dynamic_int8(fold_weight_transposes(model))
+        result = dynamic_int8(fold_weight_transposes(without_row_padding(model)))
     return _record_precision(result, metadata, "int8", SCHEMES["int8"])
 
 
@@ -348,7 +357,7 @@ def _int8_from_file(src_model: Path) -> tuple[onnx.ModelProto, onnx.ModelProto]:
 def _folded_copy(src_model: Path, out: Path) -> tuple[onnx.ModelProto, list[tuple[str, str]]]:
     """Write ``src_model`` with its weight transposes folded to ``out`` (external data); its
     declarations and metadata. The loaded weights are released on return."""
-    model = onnx.load(str(src_model), load_external_data=True)
+    model = without_row_padding(onnx.load(str(src_model), load_external_data=True))
     metadata = _float_metadata(model)
     source = _shapes_only(model)
     onnx.save_model(fold_weight_transposes(model), str(out), save_as_external_data=True)
