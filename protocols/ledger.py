@@ -77,6 +77,9 @@ class LedgerRound(FrozenModel):
     """Whether the reply was masked by SecAgg+."""
     epsilon: NonNegativeFloat | None
     """This round alone, at its own δ (None without DP)."""
+    version_sha256: str | None = Field(default=None, pattern=r"^[0-9a-f]{64}$")
+    """Digest of the version the run trained (its segments' hashes, in order): a later run that
+    starts from the same version shows this run's result is not in its lineage (branched)."""
 
 
 class LedgerStatus(FrozenModel):

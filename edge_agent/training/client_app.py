@@ -43,6 +43,7 @@ from edge_agent.training.ledger import (
     check_round,
     planned_mechanism,
     record_round,
+    version_digest,
 )
 from edge_agent.training.local import LocalSettings, load_train_data, train_locally
 from edge_agent.training.text_data import load_pairs, load_text
@@ -217,7 +218,8 @@ class ShardClient(NumPyClient):
                 mechanism = LedgerDp(
                     noise_multiplier=noise, sample_rate=rate, steps=steps, delta=plan.dp.delta
                 )
-            record_round(policy, digest, plan.run, server_round, mechanism, secagg)
+            version = version_digest([s.sha256 for s in plan.segments])
+            record_round(policy, digest, plan.run, server_round, mechanism, secagg, version)
         log.info(
             "LoRA round %d on %d records: held-out loss %.4f -> %.4f, epsilon %s",
             server_round, result.examples, result.held_out_before, result.held_out_after,

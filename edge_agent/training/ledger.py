@@ -15,6 +15,7 @@ digest or later fate), converted at the smallest recorded δ; δ summed over the
 
 from __future__ import annotations
 
+import hashlib
 import json
 import math
 import os
@@ -188,12 +189,42 @@ def record_round(
     round_number: int,
     mechanism: LedgerDp | None,
     secagg: bool,
+    version_sha256: str | None = None,
 ) -> LedgerRound:
-    """Append the round that just trained (call before its reply leaves the device)."""
+    """Append the round that just trained (call before its reply leaves the device); first mark
+    as branched every earlier run that trained the same version (see :func:`branched_runs`)."""
+    ledger = PrivacyLedger(policy.ledger_file)
+    if version_sha256 is not None:
+        for earlier in branched_runs(ledger.lines(), run, version_sha256):
+            ledger.mark(earlier, RunFate.BRANCHED)
     epsilon = None if mechanism is None else compose([mechanism])[0]
     line = LedgerRound(
         data_sha256=data_sha256, run=run, round=round_number, at=time.time(), dp=mechanism,
-        secagg=secagg, epsilon=epsilon,
+        secagg=secagg, epsilon=epsilon, version_sha256=version_sha256,
     )  # fmt: skip
-    PrivacyLedger(policy.ledger_file).append(line)
+    ledger.append(line)
     return line
+
+
+def branched_runs(lines: Sequence[LedgerLine], run: str, version_sha256: str) -> list[str]:
+    """Earlier runs that trained ``version_sha256`` too, not yet marked branched: a run starting
+    again from their starting version shows their result was rolled back or left aside."""
+    marked = {
+        line.run
+        for line in lines
+        if isinstance(line, LedgerStatus) and line.fate == RunFate.BRANCHED
+    }
+    same = [
+        line.run
+        for line in lines
+        if isinstance(line, LedgerRound)
+        and line.version_sha256 == version_sha256
+        and line.run != run
+        and line.run not in marked
+    ]
+    return list(dict.fromkeys(same))
+
+
+def version_digest(segment_sha256s: Sequence[str]) -> str:
+    """The digest of a version a ledger line names: SHA-256 over its segments' hashes."""
+    return hashlib.sha256("\n".join(segment_sha256s).encode()).hexdigest()

@@ -168,3 +168,24 @@ def test_fedshard_agent_takes_a_privacy_budget_and_allowances(tmp_path: Path) ->
         config_from_args(parse([*train, "--privacy-budget", "0"]))
     with pytest.raises(ConfigError, match="need --train-data"):
         config_from_args(parse(["--privacy-budget", "3"]))
+
+
+def test_a_run_from_an_earlier_runs_version_marks_that_run_branched(tmp_path: Path) -> None:
+    from edge_agent.training.ledger import version_digest
+    from protocols.ledger import LedgerStatus
+
+    policy = PrivacyPolicy(tmp_path / "ledger.jsonl")
+    v1, v2 = version_digest(["a" * 64, "b" * 64]), version_digest(["a" * 64, "c" * 64])
+    record_round(policy, DIGEST, "first", 1, ROUND, True, v1)
+    record_round(policy, DIGEST, "first", 2, ROUND, True, v1)  # its own rounds: no fate
+    record_round(policy, DIGEST, "second", 1, ROUND, True, v2)  # trains first's result
+    ledger = PrivacyLedger(policy.ledger_file)
+    assert not [line for line in ledger.lines() if isinstance(line, LedgerStatus)]
+    record_round(policy, DIGEST, "third", 1, ROUND, True, v1)  # from v1 again: first branched
+    fates = [(s.run, s.fate) for s in ledger.lines() if isinstance(s, LedgerStatus)]
+    assert fates == [("first", RunFate.BRANCHED)]
+    record_round(policy, DIGEST, "third", 2, ROUND, True, v1)  # marked once
+    assert len([s for s in ledger.lines() if isinstance(s, LedgerStatus)]) == 1
+    status = ledger.status(policy)
+    assert status.rounds == 5 and status.failed_runs == 1
+    assert status.epsilon_spent == pytest.approx(compose([ROUND] * 5)[0])  # all still count
