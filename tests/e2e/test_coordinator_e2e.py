@@ -350,9 +350,11 @@ def _agent_tls(agent: AgentProc) -> ssl.SSLContext:
 
 
 def _control_ok(ctx: ssl.SSLContext, target: AgentProc) -> bool:
+    """Whether the target's control plane admits the connection and answers (an agent's
+    ``/v1/status`` is for the coordinator only: another agent gets 403, a revoked one nothing)."""
     try:
         with httpx.Client(verify=ctx, timeout=10, trust_env=False) as client:
-            return client.get(target.url("/v1/status")).status_code == 200
+            return client.get(target.url("/v1/status")).status_code == 403
     except httpx.TransportError:
         return False
 
