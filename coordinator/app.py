@@ -51,7 +51,7 @@ def serve(config: CoordinatorConfig, console: Console) -> int:
     ctx = client_context(open_identity(config.state_dir, ca))
     pairing = Pairing(config.state_dir, ca)
     registry = DeviceRegistry(paired_fingerprint=pairing.fingerprint_of)
-    agents = AgentClient(ctx)
+    agents = AgentClient(ctx, config.timeouts)
     trust = TrustService(pairing, registry, ca, agents)
     store = DeploymentStore(config.state_dir)
     plane = DataPlane(config.timeouts)

@@ -48,6 +48,12 @@ class Timeouts:
     """A request's wait for the failover to hand out a servable version again."""
     connect_s: float = 10.0
     """Opening a data-plane connection to an agent (TLS handshake included)."""
+    agent_call_s: float = 30.0
+    """One control-plane call to a paired agent, unless the call says otherwise."""
+    agent_deploy_s: float = 1800.0
+    """One deploy to an agent (send the segment, load, warm up, answer), or one training file."""
+    agent_metrics_s: float = 10.0
+    """Reading an agent's ``/metrics`` (the console's stage rates)."""
 
 
 @dataclass(frozen=True)

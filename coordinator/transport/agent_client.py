@@ -11,6 +11,7 @@ import ssl
 from dataclasses import dataclass
 from typing import TypeVar
 
+from coordinator.config import Timeouts
 from coordinator.errors import AgentError, AgentRefusedError
 from coordinator.transport.bounded_http import (
     MAX_OFFER_BYTES,
@@ -38,9 +39,6 @@ from protocols.pairing import PairingGrant, PairingOffer
 from protocols.training_copy import TrainingCopyOffer, TrainingCopyStatus
 
 Model = TypeVar("Model", bound=FrozenModel)
-DEFAULT_TIMEOUT_S = 30.0
-DEPLOY_TIMEOUT_S = 1800.0
-"""Total time for one deploy (send the segment, load, warm up, answer)."""
 PAIRING_TIMEOUT_S = 5.0
 """Total time for one exchange with an unpaired host (mDNS only suggested it)."""
 
@@ -57,16 +55,19 @@ class AgentAddress:
 class AgentClient:
     """Talks to agents' control planes with the coordinator's client certificate."""
 
-    def __init__(self, ctx: ssl.SSLContext) -> None:
+    def __init__(self, ctx: ssl.SSLContext, timeouts: Timeouts | None = None) -> None:
+        """Calls with ``ctx``, each waiting as ``timeouts`` says (None: the defaults)."""
         self._ctx = ctx
+        self._timeouts = timeouts or Timeouts()
 
-    def status(self, agent: AgentAddress, timeout: float = DEFAULT_TIMEOUT_S) -> AgentStatus:
-        """``GET /v1/status``."""
+    def status(self, agent: AgentAddress, timeout: float | None = None) -> AgentStatus:
+        """``GET /v1/status`` (within ``timeout``; None: the configured agent call time)."""
         return self._call(agent, "GET", "/v1/status", b"", AgentStatus, timeout)
 
     def deploy(self, agent: AgentAddress, body: bytes) -> DeployReport:
         """``POST /v1/deploy`` with a body from :func:`protocols.deploy.encode_deploy_body`."""
-        return self._call(agent, "POST", "/v1/deploy", body, DeployReport, DEPLOY_TIMEOUT_S)
+        deploy_s = self._timeouts.agent_deploy_s
+        return self._call(agent, "POST", "/v1/deploy", body, DeployReport, deploy_s)
 
     def unload(self, agent: AgentAddress, plan_version: int) -> AgentStatus:
         """``POST /v1/unload``."""
@@ -82,7 +83,8 @@ class AgentClient:
 
     def metrics(self, agent: AgentAddress) -> str:
         """``GET /metrics``: the agent's Prometheus text exposition."""
-        status, data = _request(agent, "GET", "/metrics", b"", self._ctx, 10.0, check=True)
+        metrics_s = self._timeouts.agent_metrics_s
+        status, data = _request(agent, "GET", "/metrics", b"", self._ctx, metrics_s, check=True)
         if status != 200:
             raise _refusal(agent, status, data)
         return data.decode("utf-8", errors="replace")
@@ -104,9 +106,8 @@ class AgentClient:
 
     def training_file(self, agent: AgentAddress, data: bytes) -> TrainingCopyStatus:
         """``POST /v1/training/file``: one file the agent's pending copy lacks."""
-        return self._call(
-            agent, "POST", "/v1/training/file", data, TrainingCopyStatus, DEPLOY_TIMEOUT_S
-        )
+        deploy_s = self._timeouts.agent_deploy_s
+        return self._call(agent, "POST", "/v1/training/file", data, TrainingCopyStatus, deploy_s)
 
     def training_privacy(self, agent: AgentAddress) -> PrivacyStatus:
         """``GET /v1/training/privacy``: the totals of the agent's privacy ledger."""
@@ -124,9 +125,10 @@ class AgentClient:
         path: str,
         body: bytes,
         model: type[Model],
-        timeout: float = DEFAULT_TIMEOUT_S,
+        timeout: float | None = None,
     ) -> Model:
-        status, data = _request(agent, method, path, body, self._ctx, timeout, check=True)
+        wait = self._timeouts.agent_call_s if timeout is None else timeout
+        status, data = _request(agent, method, path, body, self._ctx, wait, check=True)
         return _parse(agent, status, data, model)
 
 

@@ -4,18 +4,32 @@ and handed to what waits, with the values the constants they replace had."""
 
 from __future__ import annotations
 
+import socket
+import ssl
 from pathlib import Path
+
+import pytest
 
 from coordinator.config import CoordinatorConfig, Retries, Timeouts
 from coordinator.deploy.store import DeploymentStore
+from coordinator.errors import AgentError
 from coordinator.serving.decoder import ChainDecoderBackend
 from coordinator.serving.failover import Failover
+from coordinator.transport.agent_client import AgentAddress, AgentClient
 from coordinator.transport.dataplane import DataPlane
 
 
 def test_the_defaults_are_the_waits_the_coordinator_always_had() -> None:
     config = CoordinatorConfig(Path("state"))
-    assert config.timeouts == Timeouts(request_s=60.0, step_s=60.0, recovery_s=60.0, connect_s=10.0)
+    assert config.timeouts == Timeouts(
+        request_s=60.0,
+        step_s=60.0,
+        recovery_s=60.0,
+        connect_s=10.0,
+        agent_call_s=30.0,
+        agent_deploy_s=1800.0,
+        agent_metrics_s=10.0,
+    )
     assert config.retries == Retries(unavailable_s=15.0)
 
 
@@ -41,3 +55,15 @@ def test_what_waits_takes_its_wait_from_the_configuration(tmp_path: Path) -> Non
         assert plane.connect_s == 3.0
     finally:
         plane.close()
+
+
+def test_an_agent_call_waits_the_configured_time() -> None:
+    """A host that accepts the connection and never answers: the call gives up after the
+    configured agent call time, as an AgentError (the test's own timeout would catch a hang)."""
+    with socket.socket() as silent:
+        silent.bind(("127.0.0.1", 0))
+        silent.listen()
+        port = silent.getsockname()[1]
+        agents = AgentClient(ssl.create_default_context(), Timeouts(agent_call_s=0.5))
+        with pytest.raises(AgentError):
+            agents.status(AgentAddress("a0", "127.0.0.1", port))
