@@ -69,8 +69,8 @@ def test_a_revoked_name_never_matches_the_coordinators_certificate(tmp_path: Pat
             assert coordinator.get(agent.url("/v1/status")).status_code == 200
         with control_client(ca, "a1", ROLE_AGENT) as a1, pytest.raises(httpx.TransportError):
             a1.get(agent.url("/v1/status"))  # the revoked agent is refused
-        with control_client(ca, "a2", ROLE_AGENT) as a2:  # other agents keep being served
-            assert a2.get(agent.url("/v1/status")).status_code == 200
+        with control_client(ca, "a2", ROLE_AGENT) as a2:  # other agents are admitted (and
+            assert a2.get(agent.url("/v1/status")).status_code == 403  # status is not theirs)
         with control_client(ca) as coordinator:
             assert coordinator.get(agent.url("/v1/status")).json()["paired"] is True
     finally:
