@@ -155,6 +155,9 @@ class DemoProcesses:
         command-line options); wait until its API answers."""
         import httpx
 
+        # heavy: httpx (coordinator extra), absent on an agent-only install whose parser imports us
+        from coordinator.client import CoordinatorClient
+
         log_path = self.workdir / "coordinator.log"
         command = [*fedshard_command(), "coordinator", "--state-dir", str(state_dir)]
         command += ["--interface", "127.0.0.1", "--port", str(port)]
@@ -171,12 +174,9 @@ class DemoProcesses:
             match = CONSOLE_LINE.search(child.log())
             if match:
                 child.url, child.token = match.group(1), match.group(2)
-                headers = {"Authorization": f"Bearer {child.token}"}
+                api = CoordinatorClient(child.url, child.token, timeout=5)
                 with contextlib.suppress(httpx.TransportError):
-                    reply = httpx.get(
-                        f"{child.url}/v1/devices", headers=headers, timeout=5, trust_env=False
-                    )
-                    if reply.status_code == 200:
+                    if api.call("GET", "/v1/devices").status == 200:
                         return child
             if not child.alive() or time.monotonic() > deadline:
                 raise DemoProcessError(f"the coordinator did not start:\n{child.tail()}")
