@@ -20,7 +20,6 @@ No whole-model graph is ever built or written. In turn:
 
 from __future__ import annotations
 
-import gc
 import logging
 import time
 from collections.abc import Iterator, Sequence
@@ -284,17 +283,13 @@ class _Built:
 def _build_stages(path: Path, plan: Plan, out: Path, local: Arrays, weights: WeightsMode) -> _Built:
     """Write, run and join each stage's segment in turn (one segment in memory at a time).
 
-    Each stage maps the file afresh and drops the mapping when written: the pages of the
-    tensors it read count as this process's resident memory for as long as they stay mapped,
-    so one mapping for the whole build would end up holding every stage's weights."""
+    The file is mapped once; the builder gives each weight's mapped pages back once mapped
+    (they would otherwise count as this process's resident memory for the whole build)."""
     built = _Built(local)
-    model = header_of(path)
-    for k, span in enumerate(stage_ranges(plan, model)):
+    source = _open(path)
+    for k, span in enumerate(stage_ranges(plan, source.model)):
         scratch = out / f"segment{k}{SCRATCH_SUFFIX}.onnx"
-        source = _open(path)
         files = write_segment(scratch, source, span, weights=weights)
-        del source  # unmaps the file: its pages leave this process's resident set
-        gc.collect()
         graph = onnx.load(str(scratch), load_external_data=False).graph
         inputs = [i.name for i in graph.input]
         outputs = [o.name for o in graph.output]

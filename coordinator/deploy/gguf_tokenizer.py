@@ -25,6 +25,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Final
 
+from coordinator.deploy.gguf_metadata import MetadataError, read_metadata
 from coordinator.errors import UnsupportedModelError
 
 log = logging.getLogger(__name__)
@@ -72,29 +73,28 @@ class GgufVocabulary:
 
 
 def read_vocabulary(path: Path) -> GgufVocabulary:
-    """The tokenizer metadata of the GGUF file at ``path`` (memory-mapped, no weight read)."""
-    from gguf import GGUFReader
-
-    fields = GGUFReader(str(path), "r").fields
-
-    def get(key: str, default: Any = None) -> Any:
-        field = fields.get(key)
-        return default if field is None else field.contents()
-
-    model = get("tokenizer.ggml.model")
+    """The tokenizer metadata of the GGUF file at ``path`` (its metadata only, no weight)."""
+    try:
+        meta = read_metadata(path)
+    except (OSError, MetadataError) as exc:
+        raise UnsupportedModelError(f"cannot read {path.name}'s metadata: {exc}") from exc
+    model = meta.get("tokenizer.ggml.model")
     if model is None:
         raise UnsupportedModelError(f"{path.name} carries no tokenizer", "tokenizer")
-    tokens = list(get("tokenizer.ggml.tokens", []))
+    tokens = list(meta.get("tokenizer.ggml.tokens", []))
+    types = meta.get("tokenizer.ggml.token_type")
+    scores = meta.get("tokenizer.ggml.scores")
+    unknown = meta.get("tokenizer.ggml.unknown_token_id")
     return GgufVocabulary(
         model=str(model),
-        pre=get("tokenizer.ggml.pre"),
+        pre=meta.get("tokenizer.ggml.pre"),
         tokens=tokens,
-        types=list(get("tokenizer.ggml.token_type", [NORMAL] * len(tokens))),
-        scores=list(get("tokenizer.ggml.scores", [])),
-        merges=list(get("tokenizer.ggml.merges", [])),
-        add_bos=bool(get("tokenizer.ggml.add_bos_token", model == "llama")),
-        add_space_prefix=bool(get("tokenizer.ggml.add_space_prefix", True)),
-        unknown_id=get("tokenizer.ggml.unknown_token_id"),
+        types=[NORMAL] * len(tokens) if types is None else [int(t) for t in types],
+        scores=[] if scores is None else [float(x) for x in scores],
+        merges=list(meta.get("tokenizer.ggml.merges", [])),
+        add_bos=bool(meta.get("tokenizer.ggml.add_bos_token", model == "llama")),
+        add_space_prefix=bool(meta.get("tokenizer.ggml.add_space_prefix", True)),
+        unknown_id=None if unknown is None else int(unknown),
     )
 
 

@@ -8,12 +8,13 @@ from pathlib import Path
 import numpy as np
 import onnx
 import pytest
-from gguf import GGUFWriter
+from gguf import GGUFReader, GGUFWriter
 from gguf_lab import BOS, write_tiny
 
 from coordinator.deploy.cutting import DeployCommand
 from coordinator.deploy.deployer import check_model_file
 from coordinator.deploy.gguf_cut import FALLBACK_CHAT_TEMPLATE, gguf_split_and_run, health_feeds
+from coordinator.deploy.gguf_metadata import read_metadata
 from coordinator.deploy.gguf_tokenizer import GgufVocabulary, build_tokenizer
 from coordinator.deploy.model_files import ModelFormat, model_format
 from coordinator.deploy.peak_memory import PeakMemory
@@ -204,3 +205,15 @@ def test_peak_memory_sees_an_allocation_inside() -> None:
         block = np.ones(64 * MIB, dtype=np.uint8)
         del block
     assert peak.bytes >= 64 * MIB
+
+
+def test_metadata_reader_agrees_with_gguf_py(tmp_path: Path) -> None:
+    path = write_tiny(tmp_path / "tiny.gguf", "qwen2", "q4_k_m")
+    meta = read_metadata(path)
+    fields = GGUFReader(str(path)).fields
+    for key in ("tokenizer.ggml.tokens", "tokenizer.ggml.merges", "general.architecture"):
+        assert list(np.atleast_1d(meta[key])) == list(np.atleast_1d(fields[key].contents()))
+    np.testing.assert_array_equal(
+        meta["tokenizer.ggml.token_type"], fields["tokenizer.ggml.token_type"].contents()
+    )
+    assert meta["qwen2.block_count"] == SPECS["qwen2"].layers
