@@ -21,6 +21,7 @@ from typing import Any
 import httpx
 from agent_helpers import PYTHON, REPO, AgentProc, start_agent, stop_agent
 
+from coordinator.client import CoordinatorClient
 from devtools.reference import unsharded_embeddings  # noqa: F401  (re-exported for the tests)
 
 FEDSHARD = str(Path(PYTHON).parent / "fedshard")
@@ -41,8 +42,14 @@ class CoordinatorProc:
         return self.log_path.read_text(errors="replace")
 
     def client(self, timeout: float = 120.0) -> httpx.Client:
+        """A raw keep-alive client with the token, for what the typed client has no verb for
+        (and for hostile requests the typed client would never send)."""
         headers = {"Authorization": f"Bearer {self.token}"}
         return httpx.Client(base_url=self.url, headers=headers, timeout=timeout, trust_env=False)
+
+    def api(self, timeout: float = 120.0) -> CoordinatorClient:
+        """The coordinator's typed client (:mod:`coordinator.client`), as the CLI uses it."""
+        return CoordinatorClient(self.url, self.token, timeout)
 
     def cli(self, *args: str, timeout: float = 600.0) -> subprocess.CompletedProcess[str]:
         """Run ``fedshard ARGS --coordinator URL --token T`` the way an operator would."""
@@ -92,7 +99,7 @@ def start_coordinator(
         if match:
             coordinator.token = match.group(2)
             with contextlib.suppress(httpx.TransportError):
-                if coordinator.client().get("/v1/devices").status_code == 200:
+                if coordinator.api().call("GET", "/v1/devices").status == 200:
                     return coordinator
         if proc.poll() is not None or time.monotonic() > deadline:
             stop_process(proc)
