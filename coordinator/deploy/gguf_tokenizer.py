@@ -25,6 +25,8 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Final
 
+import numpy as np
+
 from coordinator.deploy.gguf_metadata import MetadataError, read_metadata
 from coordinator.errors import UnsupportedModelError
 
@@ -176,19 +178,24 @@ def spm_merges(
 ) -> list[tuple[str, str]]:
     """BPE merges of a SentencePiece vocabulary: every split of a normal piece into two pieces
     of the vocabulary, the pieces with higher scores merged first (ties: the left part's id,
-    then the right's)."""
+    then the right's). Sorted as arrays: Gemma 3's 515,000 merges are built in seconds."""
     ids = {token: i for i, token in enumerate(tokens)}
-    ranked: list[tuple[float, int, int, str, str]] = []
+    score: list[float] = []
+    lefts: list[int] = []
+    rights: list[int] = []
     for i, piece in enumerate(tokens):
         if types[i] not in (NORMAL, USER_DEFINED) or len(piece) < 2:
             continue
-        score = scores[i] if i < len(scores) else 0.0
+        value = scores[i] if i < len(scores) else 0.0
         for cut in range(1, len(piece)):
-            left, right = piece[:cut], piece[cut:]
-            if left in ids and right in ids:
-                ranked.append((-score, ids[left], ids[right], left, right))
-    ranked.sort()
-    return [(left, right) for _, _, _, left, right in ranked]
+            left, right = ids.get(piece[:cut]), ids.get(piece[cut:])
+            if left is not None and right is not None:
+                score.append(-value)
+                lefts.append(left)
+                rights.append(right)
+    left_ids, right_ids = np.asarray(lefts), np.asarray(rights)
+    order = np.lexsort((right_ids, left_ids, np.asarray(score)))
+    return [(tokens[left_ids[k]], tokens[right_ids[k]]) for k in order.tolist()]
 
 
 def _add_special(tokenizer: Any, vocab: GgufVocabulary) -> None:
