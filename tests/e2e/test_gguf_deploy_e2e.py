@@ -155,3 +155,12 @@ def test_an_architecture_not_served_is_refused_with_400(lab: GgufLab, tmp_path: 
     assert reply.json()["code"] == "unsupported_architecture"
     assert "mamba" in reply.json()["detail"]
     assert _live(lab)["source"] == str(lab.gguf)  # the live version is untouched
+
+
+def test_the_console_plan_shows_the_stages(lab: GgufLab) -> None:
+    with lab.coordinator.client() as api:
+        view = api.get(f"/v1/plan/{MODEL_ID}")
+    assert view.status_code == 200, view.text
+    stages = view.json()["stages"]
+    assert len(stages) == len(_live(lab)["segments"])  # type: ignore[arg-type]
+    assert stages[-1]["unit_end"] == 3 + 2  # embedding, three blocks, head
