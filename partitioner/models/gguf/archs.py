@@ -73,9 +73,9 @@ class Emitter:
     def part(self, part: GraphPart) -> str:
         """Append a kernel's nodes; its initializers go to the sink."""
         self.nodes.extend(part.nodes)
-        self.initializers.extend(self.sink(t) for t in part.initializers)
-        if self.release is not None:
+        if self.release is not None:  # the file's pages first: the sink copies each tensor
             self.release()
+        self.initializers.extend(self.sink(t) for t in part.initializers)
         return part.output
 
     def vector(self, tensor: str) -> str:

@@ -134,6 +134,8 @@ def build_segment(
     """
     model = source.model
     span.check(model)
+    if not 1 <= top_k <= model.vocab:
+        raise GraphError(f"top_k must be between 1 and the vocabulary size {model.vocab}")
     e = archs.Emitter(model, source.raw, sink, weights, accuracy_level, source.file.release)
     blocks = range(span.start, span.end)
     inputs: list[onnx.ValueInfoProto] = []
