@@ -101,22 +101,23 @@ def lab(request: pytest.FixtureRequest, tmp_path_factory: pytest.TempPathFactory
 
 
 def _pair_three(lab: Lab) -> None:
-    with lab.coordinator.client() as api:
-        expected = {lab.name(r) for r in lab.agents}
-        found = wait_for(lambda: expected <= {d["name"] for d in api.get("/v1/devices").json()}, 10)
-        assert found, api.get("/v1/devices").text
-        wrong = "AAAA-AAAA" if pairing_code(lab.agents["a0"]) != "AAAA-AAAA" else "BBBB-BBBB"
-        lab.wrong_code = lab.coordinator.cli("pair", lab.name("a0"), wrong)
-        for role in ("a0", "a1", "a2"):
-            agent = lab.agents[role]
-            result = lab.coordinator.cli("pair", agent.name, pairing_code(agent))
-            assert result.returncode == 0, result.stdout + result.stderr
-        assert wait_for(lambda: _statuses(api, lab)[:3] == ["paired"] * 3, 10), _statuses(api, lab)
+    api = lab.coordinator.api()
+    expected = {lab.name(r) for r in lab.agents}
+    found = wait_for(lambda: expected <= {d.name for d in api.devices()}, 10)
+    assert found, api.devices()
+    wrong = "AAAA-AAAA" if pairing_code(lab.agents["a0"]) != "AAAA-AAAA" else "BBBB-BBBB"
+    lab.wrong_code = lab.coordinator.cli("pair", lab.name("a0"), wrong)
+    for role in ("a0", "a1", "a2"):
+        agent = lab.agents[role]
+        result = lab.coordinator.cli("pair", agent.name, pairing_code(agent))
+        assert result.returncode == 0, result.stdout + result.stderr
+    assert wait_for(lambda: _statuses(lab)[:3] == ["paired"] * 3, 10), _statuses(lab)
 
 
-def _statuses(api: httpx.Client, lab: Lab) -> list[str]:
-    devices = {d["name"]: d for d in api.get("/v1/devices").json() if d["online"]}
-    return [devices.get(lab.name(r), {}).get("status", "missing") for r in lab.agents]
+def _statuses(lab: Lab) -> list[str]:
+    """Each agent's pairing status as the API lists it (``missing`` while it is offline)."""
+    online = {d.name: d.status for d in lab.coordinator.api().devices() if d.online}
+    return [online.get(lab.name(r), "missing") for r in lab.agents]
 
 
 def _embed(api: httpx.Client, texts: list[str]) -> httpx.Response:
@@ -144,7 +145,7 @@ def test_pairing_by_cli_after_mdns_discovery(lab: Lab) -> None:
     assert lab.wrong_code.returncode == 1
     assert "does not match" in lab.wrong_code.stdout
     with lab.coordinator.client() as api:
-        assert _statuses(api, lab) == ["paired", "paired", "paired", "unpaired"]
+        assert _statuses(lab) == ["paired", "paired", "paired", "unpaired"]
         pending = api.get("/v1/pairing").json()["pending"]
         spare = lab.name("spare")
         offers = [p for p in pending if p["name"] == spare]  # the code is shown on the device only
@@ -201,10 +202,10 @@ def test_unpaired_fourth_agent_is_never_used(lab: Lab) -> None:
     spare = lab.name("spare")
     with lab.coordinator.client() as api:
         records = api.get("/v1/deployments").json()
-        [device] = [d for d in api.get("/v1/devices").json() if d["name"] == spare]
+    [device] = [d for d in lab.coordinator.api().devices() if d.name == spare]
     used = {p["device"] for m in records for v in m["versions"] for p in v["segments"]}
     assert spare not in used
-    assert device["status"] == "unpaired" and device["announcement"]["state"]["plan_version"] == 0
+    assert device.status == "unpaired" and device.announcement.state.plan_version == 0
 
 
 def test_joins_and_leaves_are_seen_within_3_s(lab: Lab) -> None:
@@ -212,8 +213,7 @@ def test_joins_and_leaves_are_seen_within_3_s(lab: Lab) -> None:
     name = f"visitor-{secrets.token_hex(3)}"
 
     def online() -> bool:
-        with lab.coordinator.client() as api:
-            return any(d["name"] == name and d["online"] for d in api.get("/v1/devices").json())
+        return any(d.name == name and d.online for d in lab.coordinator.api().devices())
 
     with unpaired_agents(lab.tmp, [name], AGENT_MEMORY) as [visitor]:
         assert wait_for(online, 3.0), f"{name} not seen within 3 s of its start"
@@ -332,7 +332,7 @@ def test_restart_keeps_ca_pairings_and_deployments(lab: Lab) -> None:
     assert lab.coordinator.state_dir == state and lab.coordinator.token == token
     assert (state / "ca_cert.pem").read_bytes() == ca_before
     with lab.coordinator.client() as api:
-        assert wait_for(lambda: _statuses(api, lab)[:3] == ["paired"] * 3, 10)
+        assert wait_for(lambda: _statuses(lab)[:3] == ["paired"] * 3, 10)
         assert api.get("/v1/deployments").json()[0]["active"] == active
         response = _embed(api, SENTENCES[:2])
     assert response.status_code == 200, response.text
@@ -390,7 +390,7 @@ def test_revoked_agent_is_refused_on_both_planes(lab: Lab) -> None:
     assert wait_for(lambda: not _control_ok(ctx, peer), 10)
     assert not _data_ok(ctx, peer)
     with lab.coordinator.client() as api:
-        statuses = {d["name"]: d["status"] for d in api.get("/v1/devices").json() if d["online"]}
+        statuses = {d.name: d.status for d in lab.coordinator.api().devices() if d.online}
         assert statuses[revoked.name] == "revoked"
         again = lab.coordinator.cli("pair", revoked.name, pairing_code(revoked))
         assert again.returncode == 1 and "revoked" in again.stdout
