@@ -74,9 +74,11 @@ _BEARER = HTTPBearer(auto_error=False)
 
 
 class ErrorBody(FrozenModel):
-    """Every error reply: a message (or, for a malformed request, the validation errors)."""
+    """Every error reply: a message (or, for a malformed request, the validation errors), and
+    the catalogue's code where the error has one (:mod:`coordinator.http.errors`)."""
 
     detail: str | list[dict[str, Any]]
+    code: str | None = None
 
 
 ERROR_RESPONSES: dict[int | str, dict[str, Any]] = {
