@@ -86,6 +86,7 @@ def decoder_info(
         eos_token_ids=[EOS],
         chat_template=chat_template,
         state=[StatePair(past="past.0.key", present="present.0.key")],
+        rows_probed=True,  # the fakes compute each position alone
     )
 
 

@@ -74,7 +74,9 @@ class ConsoleModel(BaseModel):
     speculative: str = "off"
     """A decoder's speculative decoding setting (``off|lookup|draft|auto``)."""
     speculation_off: str | None = None
-    """Why that setting is not in effect (e.g. a quantized graph that decodes a token a pass)."""
+    """Why that setting is not in effect (e.g. a graph whose rows are not independent)."""
+    speculation_in_effect: str | None = None
+    """What runs, in words: ``on: <how it drafts>`` or ``off: <why>`` (None: an encoder)."""
     draft_model: str | None = None
     """The draft model's export directory, when one is set."""
     acceptance_rate: float | None = None
@@ -104,6 +106,7 @@ def console_model(
         previous=record.previous,
         speculative=record.speculative if kind == "decoder" else "off",
         speculation_off=off if kind == "decoder" else None,
+        speculation_in_effect=in_effect(record, off) if kind == "decoder" else None,
         draft_model=record.draft_model if kind == "decoder" else None,
         acceptance_rate=stats.acceptance_rate if stats is not None else None,
         tokens_per_s=stats.tokens_per_s if stats is not None else None,
@@ -111,6 +114,20 @@ def console_model(
         accepted_tokens=stats.accepted if stats is not None else 0,
         gguf=_card(record),
     )
+
+
+def in_effect(record: ModelRecord, off: str | None) -> str:
+    """A decoder's speculative decoding as it runs: ``on: <how it drafts>`` or ``off: <why>``
+    (``off``: why its setting is not in effect, None when it is)."""
+    if record.speculative == "off":
+        return "off: set off"
+    if off is not None:
+        return f"off: {off}"
+    if record.speculative == "draft":
+        return "on: the draft model drafts"
+    if record.speculative == "auto" and record.draft_model is not None:
+        return "on: prompt lookup drafts, else the draft model"
+    return "on: prompt lookup drafts"
 
 
 def _card(record: ModelRecord) -> GgufCard | None:

@@ -343,11 +343,26 @@ def not_in_effect(
     """Why speculative decoding ``setting`` cannot run on a decoder described by ``info``
     (``no_draft``: its draft model is not loaded; ``rows_exact``: every device of its chain
     computes a 4-bit product's row alike alone and in a pass), in words; None when it can or
-    is off."""
+    is off.
+
+    Greedy text is the same with speculation as without only where a pass of several tokens
+    decodes each as a one-token step does, bit for bit: so a graph runs speculatively only if
+    its export probed that (``rows_probed``) and found it so (``rows_independent``). int8 and
+    int4 exports were probed before the probe's verdict was recorded, so theirs is trusted
+    without ``rows_probed``; float graphs made before then were never probed.
+    """
     if setting == "off":
         return None
     if not info.rows_independent:
-        return "its quantized graph decodes a token a pass (k in one pass differ from k passes)"
+        return (
+            "rows not independent: its graph decodes a token differently in a pass of several "
+            "(probed at export), so it decodes a token a pass"
+        )
+    if not info.rows_probed and info.weights not in ("int8", "int4"):
+        return (
+            "rows not checked: its graph was made without the probe that a pass of several "
+            "tokens decodes as one-token steps (export it again), so it decodes a token a pass"
+        )
     if info.weights == "int4" and not rows_exact:
         return (
             "an agent of its chain computes 4-bit products of one token differently from a pass "

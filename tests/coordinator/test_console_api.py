@@ -344,6 +344,7 @@ def test_plan_route_shows_units_memory_and_the_bottleneck(
         "previous": None,
         "speculative": "off",  # an encoder does not generate
         "speculation_off": None,
+        "speculation_in_effect": None,
         "draft_model": None,
         "acceptance_rate": None,
         "tokens_per_s": None,

@@ -15,6 +15,9 @@ FS.pages.playground = {
     $("no-decoder").hidden = decoders.length > 0;
     $("chat-form").hidden = !(chosen && chosen.kind === "decoder");
     $("play-decoder").hidden = Boolean(chosen && chosen.kind === "encoder") && decoders.length > 0;
+    if (chosen && chosen.kind === "decoder" && !FS.chat.abort) {
+      status("chat-status", await speculationLine(chosen.model_id));  // on or off, and why
+    }
   },
   hide() { if (FS.chat.abort) FS.chat.abort.abort(); },
   wire() {
@@ -67,17 +70,22 @@ function renderSentenceKey(sentences) {
   list.innerHTML = sentences.map(s => `<li>${esc(s)}</li>`).join("");
 }
 
-// "speculative decoding: lookup, 62% of drafted tokens accepted, 23.1 tokens/s" for a decoder.
+// "Speculative decoding on: prompt lookup drafts (setting: auto), 62% of drafted tokens
+// accepted, 23.1 tokens/s" or "Speculative decoding off: rows not independent: ... (setting:
+// auto)" for a decoder: what runs, next to the stored setting.
 async function speculationLine(modelId) {
   const m = (await loadModels()).find(x => x.model_id === modelId);
-  if (!m || m.speculative === "off") return "Speculative decoding: off.";
-  if (m.speculation_off) return `Speculative decoding: ${m.speculative}, not in effect: ${m.speculation_off}.`;
+  if (!m) return "Speculative decoding: off.";
+  // what runs ("on: ..." or "off: why"), not only the stored setting ("auto" may be off)
+  if (m.speculative === "off" || m.speculation_off) {
+    return `Speculative decoding ${m.speculation_in_effect || "off"} (setting: ${m.speculative}).`;
+  }
   const rate = m.acceptance_rate === null ? "no drafts yet" :
     `${Math.round(m.acceptance_rate * 100)}% of drafted tokens accepted`;
   const speed = m.tokens_per_s === null ? "" : `, ${m.tokens_per_s.toFixed(1)} tokens/s`;
   const draft = m.draft_model && m.speculative !== "lookup" ?
-    ` (draft model ${m.draft_model.split("/").filter(Boolean).pop()})` : "";
-  return `Speculative decoding: ${m.speculative}${draft}, ${rate}${speed}.`;
+    `, draft model ${m.draft_model.split("/").filter(Boolean).pop()}` : "";
+  return `Speculative decoding ${m.speculation_in_effect || "on"} (setting: ${m.speculative}${draft}), ${rate}${speed}.`;
 }
 
 function chatBubble(role, text) {
