@@ -21,6 +21,7 @@ from gguf import GGMLQuantizationType, GGUFReader, GGUFWriter, RopeScalingType
 
 from devtools.gguf_files import MIXES, SPECS, Spec, tensor_list, write_gguf
 from partitioner.models.gguf import kernels, reference
+from partitioner.models.gguf.archs import row_chunks
 from partitioner.models.gguf.builder import (
     GgufSource,
     SegmentRange,
@@ -164,6 +165,21 @@ def test_rope_factors_and_softcap_match_the_reference(tmp_path: Path, spec: Spec
     _check(_generate(_stages(source, [0, 2, m.layers + 2]), source), ref, FLOAT_TOL)
     if m.final_softcap is not None:
         assert np.abs(ref).max() < m.final_softcap
+
+
+@pytest.mark.parametrize("mix", ["q4_k_m", "legacy", "kquants", "floats"])
+def test_embedding_and_head_in_pieces_change_nothing(tmp_path: Path, mix: str) -> None:
+    source = GgufSource(write_gguf(tmp_path / "m.gguf", SPECS["llama"], mix))
+    span = SegmentRange(0, source.model.layers, True, True)
+    assert len(row_chunks(300, 256, 20_000)) == 4
+    pieces = build_segment(source, span, in_memory, chunk_values=20_000)
+    names = {t.name for t in pieces.graph.initializer}
+    assert {"output.3.qweight", "token_embd.3.qweight"} & names or mix == "floats"
+    whole = _generate([_session(build_segment(source, span, in_memory))], source)
+    cut = _generate([_session(pieces)], source)
+    for (a, ids_a), (b, ids_b) in zip(whole, cut, strict=True):
+        np.testing.assert_array_equal(ids_a[:1], ids_b[:1])
+        np.testing.assert_allclose(a, b, rtol=0, atol=1e-6 * float(np.abs(a).max()))
 
 
 def test_embedding_and_head_alone_are_stages(files: dict[tuple[str, str], Path]) -> None:

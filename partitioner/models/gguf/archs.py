@@ -33,6 +33,10 @@ Sink = Callable[[TensorProto], TensorProto]
 """Takes each initializer as soon as it is made (e.g. writes it out) and returns what the graph
 keeps of it."""
 MASK_MIN = float(np.finfo(np.float32).min)
+CHUNK_VALUES = 1 << 25
+"""Values per piece of the embedding and output head (32 Mi): mapping a tensor holds a few
+bytes per value for a moment (codes, packed copy, protobuf copy), so a 262k x 640 vocabulary
+(Gemma 3) in one piece took about 500 MB above the process's base; in pieces about 100 MB."""
 SWA_ROPE_BASE = 10000.0
 """llama.cpp's Gemma 3 sliding layers: RoPE base 10000, no scaling (whatever the file says)."""
 
@@ -48,6 +52,8 @@ class Emitter:
     accuracy_level: int = kernels.ACCURACY_LEVEL
     """``MatMulNBits``' accuracy level (0: float activations, for exactness checks)."""
     release: Release | None = None
+    chunk_values: int = CHUNK_VALUES
+    """The embedding and output head are mapped in row pieces of about this many values."""
     nodes: list[onnx.NodeProto] = field(default_factory=list)
     initializers: list[TensorProto] = field(default_factory=list)
     _shared: dict[str, str] = field(default_factory=dict)
@@ -357,15 +363,45 @@ def layer(e: Emitter, i: int, x: str) -> str:
     return e.op("Add", [x, f], f"{b}/out")
 
 
+def row_chunks(rows: int, cols: int, chunk_values: int) -> list[tuple[int, int]]:
+    """Row ranges splitting a ``[rows, cols]`` table into pieces of at most about
+    ``chunk_values`` values (one piece when it is smaller)."""
+    pieces = max(1, -(-rows * cols // chunk_values))
+    size = -(-rows // pieces)
+    return [(r, min(r + size, rows)) for r in range(0, rows, size)]
+
+
 def embedding(e: Emitter) -> str:
-    """``input_ids`` to the first hidden state (Gemma 3: times ``sqrt(hidden)``)."""
+    """``input_ids`` to the first hidden state (Gemma 3: times ``sqrt(hidden)``).
+
+    A large table is gathered in row pieces (:attr:`Emitter.chunk_values`), so mapping it
+    holds one piece at a time: each piece gathers its own ids (others read its row 0) and
+    zeroes the rest; the pieces' rows are summed (exact: one piece holds each id).
+    """
     m = e.model
     t = m.tensor("token_embd.weight")
-    rows = e.part(
-        kernels.gather(
-            "token_embd", "input_ids", e.raw(t.name), t.type, m.vocab, m.hidden, e.weights
+    raw = e.raw(t.name)
+    pieces = row_chunks(m.vocab, m.hidden, e.chunk_values)
+    if len(pieces) == 1:
+        rows = e.part(
+            kernels.gather("token_embd", "input_ids", raw, t.type, m.vocab, m.hidden, e.weights)
         )
-    )
+    else:
+        parts = []
+        for k, (r0, r1) in enumerate(pieces):
+            p = f"token_embd/{k}"
+            local = e.op("Sub", ["input_ids", e.ints(f"{p}/r0", [r0])], f"{p}/local")
+            low = e.op("GreaterOrEqual", [local, e.ints(f"{p}/zero", [0])], f"{p}/low")
+            high = e.op("Less", [local, e.ints(f"{p}/n", [r1 - r0])], f"{p}/high")
+            valid = e.op("And", [low, high], f"{p}/valid")
+            safe = e.op("Where", [valid, local, e.ints(f"{p}/first", [0])], f"{p}/safe")
+            name = f"token_embd.{k}"
+            table = raw[r0:r1]
+            got = e.part(kernels.gather(name, safe, table, t.type, r1 - r0, m.hidden, e.weights))
+            keep = e.op("Unsqueeze", [valid, e.ints(f"{p}/last", [-1])], f"{p}/valid3")
+            keep = e.op("Cast", [keep], f"{p}/keep", to=TensorProto.FLOAT)
+            parts.append(e.op("Mul", [got, keep], f"{p}/rows"))
+        rows = e.op("Sum", parts, "token_embd/out")
     if m.architecture != Architecture.GEMMA3:
         return rows
     return e.op("Mul", [rows, e.floats("embd/scale", np.sqrt(m.hidden))], "embd/scaled")
@@ -387,11 +423,17 @@ def head(e: Emitter, x: str, trailing: int, top_k: int) -> tuple[str, str, str, 
     )
     h = rms_norm(e, last, "output_norm.weight", "head/norm")
     t = m.tensor(m.output_tensor)
-    part = kernels.matmul(
-        "output", h, e.raw(t.name), t.type, m.vocab, m.hidden, e.weights,
-        accuracy_level=e.accuracy_level,
-    )  # fmt: skip
-    logits = e.part(part)
+    raw = e.raw(t.name)
+    pieces = row_chunks(m.vocab, m.hidden, e.chunk_values)
+    outs = []
+    for piece, (r0, r1) in enumerate(pieces):  # vocabulary pieces: one held at a time
+        name = "output" if len(pieces) == 1 else f"output.{piece}"
+        part = kernels.matmul(
+            name, h, raw[r0:r1], t.type, r1 - r0, m.hidden, e.weights,
+            accuracy_level=e.accuracy_level,
+        )  # fmt: skip
+        outs.append(e.part(part))
+    logits = outs[0] if len(outs) == 1 else e.op("Concat", outs, "head/logits", axis=-1)
     if m.final_softcap is not None:
         c = e.floats("head/softcap", m.final_softcap)
         inner = e.op("Tanh", [e.op("Div", [logits, c], "head/capped_in")], "head/capped_t")

@@ -126,17 +126,22 @@ def build_segment(
     top_k: int = DEFAULT_TOP_K,
     trailing: int = TRAILING_POSITIONS,
     accuracy_level: int = ACCURACY_LEVEL,
+    chunk_values: int = archs.CHUNK_VALUES,
 ) -> onnx.ModelProto:
     """The segment of ``span`` (module docstring); each initializer passes ``sink`` as made.
 
     ``accuracy_level``: ``MatMulNBits``' (4: int8 activations, ONNX Runtime's fast path and
     llama.cpp's practice; 0: float activations, exact to float rounding, slow).
+    ``chunk_values``: the embedding and output head are mapped in row pieces of about this
+    many values (bounds the builder's memory; see :data:`archs.CHUNK_VALUES`).
     """
     model = source.model
     span.check(model)
     if not 1 <= top_k <= model.vocab:
         raise GraphError(f"top_k must be between 1 and the vocabulary size {model.vocab}")
-    e = archs.Emitter(model, source.raw, sink, weights, accuracy_level, source.file.release)
+    e = archs.Emitter(
+        model, source.raw, sink, weights, accuracy_level, source.file.release, chunk_values
+    )
     blocks = range(span.start, span.end)
     inputs: list[onnx.ValueInfoProto] = []
     outputs: list[onnx.ValueInfoProto] = []

@@ -24,6 +24,7 @@ from gguf import GGMLQuantizationType
 
 from partitioner.analysis.units import GraphUnit, UnitPlan
 from partitioner.models.gguf import kernels
+from partitioner.models.gguf.archs import CHUNK_VALUES, row_chunks
 from partitioner.models.gguf.builder import DEFAULT_TOP_K, SegmentRange
 from partitioner.models.gguf.header import Architecture, GgufModel, TensorEntry
 from partitioner.models.gguf.kernels import WeightsMode
@@ -124,6 +125,8 @@ def _embedding(model: GgufModel, weights: WeightsMode, prompt: int) -> GgufUnit:
     t = model.tensor("token_embd.weight")
     stored = tensor_stored_bytes(t, weights, embedding=True)
     row = -(-stored // model.vocab)
+    pieces = len(row_chunks(model.vocab, model.hidden, CHUNK_VALUES))
+    ops = 2 if pieces == 1 else 11 * pieces + 1  # per piece: select its ids, gather, zero
     scale = model.hidden if model.architecture == Architecture.GEMMA3 else 0
     return GgufUnit(
         name="embedding",
@@ -131,9 +134,9 @@ def _embedding(model: GgufModel, weights: WeightsMode, prompt: int) -> GgufUnit:
         file_bytes=t.n_bytes,
         kv_bytes_per_token=0,
         out_bytes=model.hidden * FLOAT_BYTES,
-        decode=Work(flops=scale, bytes_read=row + model.hidden * FLOAT_BYTES, ops=2),
+        decode=Work(flops=scale, bytes_read=row + model.hidden * FLOAT_BYTES, ops=ops),
         prefill=Work(
-            flops=scale * prompt, bytes_read=(row + model.hidden * FLOAT_BYTES) * prompt, ops=2
+            flops=scale * prompt, bytes_read=(row + model.hidden * FLOAT_BYTES) * prompt, ops=ops
         ),
     )
 
