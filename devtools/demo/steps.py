@@ -127,13 +127,18 @@ def minilm_caps(model: Path, names: Sequence[str]) -> dict[str, int]:
 
 
 def budgets_table(
-    model_name: str, model: Path, caps: dict[str, int], names: Sequence[str] = ()
+    model_name: str,
+    model: Path,
+    caps: dict[str, int],
+    names: Sequence[str] = (),
+    weights: int | None = None,
 ) -> Table:
     """The agents' budgets and one model's planning caps, with what losing one agent leaves.
 
     Without caps (the model's weights exceed every budget by themselves) the budgets are what
-    no agent can hold it under."""
-    weights = model.stat().st_size
+    no agent can hold it under. ``weights``: the model's weights as served (default: the
+    file's size)."""
+    weights = model.stat().st_size if weights is None else weights
     budget = parse_size(AGENT_MEMORY)
     limits = planning_limits(caps, names)
     left = sum(limits.values()) - max(limits.values())

@@ -1,0 +1,231 @@
+"""The packaged Qwen2.5-Coder-1.5B GGUF served through the segment builder (``--weights keep``)
+against llama.cpp on the same file (issue 40 item 5).
+
+A fixed English passage is tokenized by llama.cpp with the file's own tokenizer; llama.cpp
+(node-llama-cpp's prebuilt CPU binary, ``make bench-setup``) scores every position in one
+teacher-forced pass: its top-1 next token and the log-probability of the text's next token.
+fedshard serves the same file (``POST /v1/deployments`` of the ``.gguf``, weights ``keep``) on
+four agents of 1 GiB planned under caps of 45 % of the model's stored weights, so each holds
+less than half of it. Teacher-forced top-1 through the agents: for every prefix, one greedy
+token from ``/v1/completions`` (token-id prompt, ``max_tokens`` 1), compared with llama.cpp's
+top-1 as text. Perplexity needs the full distribution, which the served head does not return
+(its top-k only): the same stages' segments (the deployed plan's unit ranges, the same builder,
+weights and accuracy level) are rebuilt with a full-vocabulary head and run chained here.
+Writes ``bench/results/gguf_agreement.md``::
+
+    .venv/bin/python bench/gguf_agreement.py [--tokens 96]
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import math
+import secrets
+import shutil
+import subprocess
+import sys
+import tempfile
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+REPO = Path(__file__).resolve().parents[1]
+sys.path[:0] = [str(REPO)]
+
+import numpy as np  # noqa: E402
+from rich.console import Console  # noqa: E402
+
+from devtools.demo.gguf import deploy_gguf, gguf_caps, packaged_gguf, stored_bytes  # noqa: E402
+from devtools.demo.procs import demo_processes, free_port  # noqa: E402
+from devtools.demo.steps import Api, pair_automatically  # noqa: E402
+from protocols.manifest import MANIFEST_FILE  # noqa: E402
+from protocols.sizes import parse_size  # noqa: E402
+
+MODEL = "qwen2.5-coder-1.5b"
+AGENTS = 4
+MEMORY = "1GiB"
+TEXT = (
+    "The history of the printing press begins in the fifteenth century, when Johannes "
+    "Gutenberg combined movable metal type with an oil-based ink and a screw press. Within "
+    "fifty years presses were operating in more than two hundred cities across Europe, and "
+    "the cost of books fell sharply. Pamphlets, calendars and newspapers followed, and "
+    "reading spread from monasteries and universities to merchants and craftsmen. Scholars "
+    "could compare identical copies of a text for the first time, which changed how science "
+    "was done: an error found in one city could be corrected in the next edition everywhere."
+)
+HERE = Path(__file__).resolve().parent
+NODE_DIR = HERE / ".node"
+RUNNER = HERE / "_llama_cpp_logits.mjs"
+RESULTS = HERE / "results" / "gguf_agreement.md"
+MB = 1e6
+
+
+@dataclass(frozen=True)
+class Scores:
+    """Teacher-forced next-token scores of positions 0..n-2."""
+
+    top: list[int]
+    logprob: list[float]
+
+    def perplexity(self) -> float:
+        """exp of the mean negative log-likelihood of the text's next tokens."""
+        return math.exp(-float(np.mean(self.logprob)))
+
+
+def llama_cpp(gguf: Path, tokens: int, threads: int) -> tuple[list[int], Scores, int]:
+    """The text's ids, llama.cpp's scores and its resident bytes."""
+    if not (NODE_DIR / "node_modules" / "node-llama-cpp").is_dir():
+        raise SystemExit(f"node-llama-cpp is not installed in {NODE_DIR}: run `make bench-setup`")
+    runner = NODE_DIR / RUNNER.name  # next to node_modules, so node resolves the package
+    shutil.copyfile(RUNNER, runner)
+    request = {"gguf": str(gguf), "text": TEXT, "max_tokens": tokens, "threads": threads}
+    done = subprocess.run(
+        ["node", str(runner)], input=json.dumps(request).encode(), capture_output=True, check=True
+    )
+    reply = json.loads(done.stdout.decode().strip().splitlines()[-1])
+    scores = Scores([int(t) for t in reply["top"]], [float(x) for x in reply["logprob"]])
+    return [int(i) for i in reply["ids"]], scores, int(reply["resident_bytes"])
+
+
+def token_texts(gguf: Path, ids: list[int]) -> list[str]:
+    """Each id's text under the file's own tokenizer (as the coordinator writes it)."""
+    from tokenizers import Tokenizer
+
+    from coordinator.deploy.gguf_tokenizer import write_tokenizer
+
+    with tempfile.TemporaryDirectory() as tmp:
+        path = Path(tmp) / "tokenizer.json"
+        write_tokenizer(gguf, path)
+        tokenizer = Tokenizer.from_file(str(path))
+    return [tokenizer.decode([i], skip_special_tokens=True) for i in ids]
+
+
+def served(console: Console, gguf: Path, ids: list[int]) -> tuple[list[str], dict[str, Any]]:
+    """Deploy the file on the agents; each prefix's greedy next token (text) through them, and
+    the deployment (its placements and each stage's unit range)."""
+    with tempfile.TemporaryDirectory(prefix="fedshard-agreement-") as tmp:
+        work = Path(tmp)
+        with demo_processes(work) as procs:
+            coordinator = procs.start_coordinator(work / "coordinator", free_port())
+            suffix = secrets.token_hex(2)
+            names = [f"agree{i}-{suffix}" for i in range(AGENTS)]
+            first, dirs = None, {}
+            for name in names:
+                child = procs.start_agent(name, MEMORY, work / name, profile_from=first)
+                first = first or child.state_dir / "profile.json"
+                dirs[name] = child.state_dir
+            api = Api(coordinator.url, coordinator.token)
+            pair_automatically(console, api, dirs, procs.check_alive)
+            caps = gguf_caps(gguf, names, parse_size(MEMORY))
+            version = deploy_gguf(console, api, gguf, MODEL, caps)
+            api.call("PUT", f"/v1/deployments/{MODEL}/speculative", {"speculative": "off"})
+            manifest_path = (
+                work / "coordinator" / "deployments" / MODEL / f"v{version['plan_version']}"
+            ) / MANIFEST_FILE
+            manifest = json.loads(manifest_path.read_text())
+            texts = []
+            with console.status("teacher-forced top-1 through the agents...") as status:
+                for n in range(1, len(ids)):
+                    status.update(f"teacher-forced top-1 through the agents: {n}/{len(ids) - 1}")
+                    body = {"model": MODEL, "prompt": ids[:n], "max_tokens": 1, "temperature": 0}
+                    code, reply = api.call("POST", "/v1/completions", body, timeout=600)
+                    if code != 200:
+                        raise SystemExit(f"/v1/completions failed ({code}): {reply}")
+                    texts.append(str(reply["choices"][0]["text"]))
+    units = [tuple(s["units"]) for s in manifest["segments"]]
+    return texts, {"placements": version["segments"], "units": units, "card": version["card"]}
+
+
+def chained(gguf: Path, units: list[tuple[int, int]], ids: list[int]) -> Scores:
+    """The deployed stages rebuilt with a full-vocabulary head and run chained here."""
+    import onnxruntime as ort
+
+    from partitioner.models.gguf.builder import GgufSource, write_segment
+    from partitioner.models.gguf.units import segment_range
+
+    source = GgufSource(gguf)
+    n = len(ids)
+    pool: dict[str, np.ndarray] = {
+        "input_ids": np.array([ids], np.int64),
+        "attention_mask": np.ones((1, n), np.int64),
+        "position_ids": np.arange(n, dtype=np.int64)[None],
+    }
+    options = ort.SessionOptions()
+    options.log_severity_level = 3
+    with tempfile.TemporaryDirectory(prefix="gguf-agreement-") as tmp:
+        for k, (a, b) in enumerate(units):
+            path = Path(tmp) / f"seg{k}.onnx"
+            span = segment_range(source.model, a, b)
+            write_segment(path, source, span, top_k=source.model.vocab, trailing=n)
+            session = ort.InferenceSession(str(path), options, providers=["CPUExecutionProvider"])
+            for i in session.get_inputs():
+                if i.name.startswith("past."):
+                    pool[i.name] = np.zeros((1, i.shape[1], 0, i.shape[3]), np.float32)
+            outs = session.run(None, {i.name: pool[i.name] for i in session.get_inputs()})
+            pool |= dict(zip([o.name for o in session.get_outputs()], outs, strict=True))
+            del session
+    logits = pool["trailing_top_logits"][0]  # [n, vocab], sorted
+    order = pool["trailing_top_ids"][0]
+    top = order[:, 0]
+    best = logits[:, :1].astype(np.float64)
+    norm = best[:, 0] + np.log(np.exp(logits - best).sum(-1))
+    logprob = []
+    for i in range(n - 1):
+        where = int(np.flatnonzero(order[i] == ids[i + 1])[0])
+        logprob.append(float(logits[i, where] - norm[i]))
+    return Scores([int(t) for t in top[: n - 1]], logprob)
+
+
+def main() -> None:
+    """Run both, compare, print and write the table."""
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--tokens", type=int, default=96)
+    parser.add_argument("--threads", type=int, default=1)
+    parser.add_argument("--cache-dir", type=Path, default=REPO / ".cache" / "fedshard")
+    args = parser.parse_args()
+    console = Console()
+    gguf = packaged_gguf(MODEL, args.cache_dir)
+    ids, reference, llama_rss = llama_cpp(gguf, args.tokens, args.threads)
+    console.print(f"llama.cpp: {len(ids)} tokens, perplexity {reference.perplexity():.3f}")
+    texts, deployed = served(console, gguf, ids)
+    expected = token_texts(gguf, reference.top)
+    agents_top1 = float(np.mean([a == b for a, b in zip(texts, expected, strict=True)]))
+    local = chained(gguf, deployed["units"], ids)
+    local_top1 = float(np.mean(np.array(local.top) == np.array(reference.top)))
+    stored = stored_bytes(gguf)
+    lines = [
+        "# Qwen2.5-Coder-1.5B (packaged Q4_K_M GGUF): fedshard `--weights keep` vs llama.cpp",
+        "",
+        f"`.venv/bin/python bench/gguf_agreement.py --tokens {args.tokens}`: a fixed English "
+        f"passage, {len(ids)} tokens (llama.cpp's tokenization of the file), teacher-forced. "
+        f"File {gguf.stat().st_size / MB:,.0f} MB; stored as served (keep) {stored / MB:,.0f} "
+        f"MB; {AGENTS} agents of {MEMORY}, planning caps "
+        f"{min(gguf_caps(gguf, ['x'], parse_size(MEMORY)).values()) / MB:,.0f} MB each "
+        "(45 % of the stored weights).",
+        "",
+        "| engine | top-1 agreement with llama.cpp | perplexity |",
+        "|---|---|---|",
+        f"| llama.cpp (node-llama-cpp {args.threads} thread(s), one process, "
+        f"{llama_rss / MB:,.0f} MB resident) | 1 | {reference.perplexity():.3f} |",
+        f"| fedshard, {len(deployed['placements'])} agents (/v1/completions, one greedy token "
+        f"per prefix) | {agents_top1:.3f} | - |",
+        f"| the same stages chained here, full-vocabulary head | {local_top1:.3f} | "
+        f"{local.perplexity():.3f} |",
+        "",
+        "| stage | device | units | predicted MB | measured MB | share of stored weights |",
+        "|---|---|---|---|---|---|",
+    ]
+    for p, (a, b) in zip(deployed["placements"], deployed["units"], strict=True):
+        predicted = p["predicted_memory_bytes"] - int(p.get("state_bytes", 0))
+        lines.append(
+            f"| {p['index']} | {p['device']} | {a}-{b - 1} | {predicted / MB:,.0f} | "
+            f"{p['measured_memory_bytes'] / MB:,.0f} | {p['param_bytes'] / stored:.2f} |"
+        )
+    text = "\n".join(lines) + "\n"
+    console.print(text, highlight=False)
+    RESULTS.write_text(text)
+
+
+if __name__ == "__main__":
+    main()
