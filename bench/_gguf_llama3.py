@@ -115,12 +115,12 @@ def _metadata(writer: GGUFWriter, s: Llama3Shape) -> None:
     writer.add_layer_norm_rms_eps(1e-5)
     writer.add_rope_freq_base(500000.0)
     writer.add_file_type(15)  # LLAMA_FTYPE_MOSTLY_Q4_K_M
-    tokens = [f"<{b:02x}>" for b in range(256)] + ["<s>", "</s>", "<|end|>"]
+    tokens = [f"<{b:02x}>" for b in range(256)] + ["<s>", "</s>", "<|end|>", "a", "b", "ab"]
     tokens += [f"w{i}" for i in range(s.vocab - len(tokens))]
     writer.add_tokenizer_model("gpt2")
     writer.add_token_list(tokens)
     writer.add_token_types([1] * len(tokens))
-    writer.add_token_merges([])
+    writer.add_token_merges(["a b"])  # llama.cpp refuses a BPE vocabulary without merges
     writer.add_bos_token_id(256)
     writer.add_eos_token_id(257)
     writer.add_chat_template(CHAT_TEMPLATE)
