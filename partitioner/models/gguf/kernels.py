@@ -76,7 +76,8 @@ from partitioner.models.gguf.kernels_codes import (
     GraphPart,
     UnsupportedTensorType,
     WeightsMode,
-    decode,
+    array_tensor,
+    decode_stored,
     default_zero_shift,
     float_rows,
     float_tensor,
@@ -84,7 +85,7 @@ from partitioner.models.gguf.kernels_codes import (
     int64_constant,
     layout,
 )
-from partitioner.models.gguf.kernels_gather import gather_bits, quantized_gather
+from partitioner.models.gguf.kernels_gather import gather_bits, streamed_gather
 from partitioner.models.gguf.kernels_iq import IQ_SCALES
 from partitioner.models.gguf.kernels_requant import requantized_gather, requantized_matmul
 
@@ -169,8 +170,39 @@ def matmul(
         return requantized_matmul(name, x, raw, ggml_type, n_out, n_in, weights)
     if ggml_type in FLOAT_TYPES:
         return _float_matmul(name, x, raw, ggml_type, n_out, n_in)
-    codes = decode(raw, ggml_type, n_out, n_in)
-    return nbits_matmul(name, x, codes, MATMUL_BITS[ggml_type], accuracy_level)
+    return _streamed_nbits_matmul(name, x, raw, ggml_type, n_out, n_in, accuracy_level)
+
+
+def _streamed_nbits_matmul(
+    name: str,
+    x: str,
+    raw: np.ndarray,
+    ggml_type: GGMLQuantizationType,
+    n_out: int,
+    n_in: int,
+    accuracy_level: int,
+) -> GraphPart:
+    """:func:`nbits_matmul` of ``decode(raw)``, its codes stored chunk by chunk straight into
+    the packed initializer (about 1x the stored bytes besides it, instead of the codes, a
+    packed copy and its temporaries)."""
+    lay = layout(ggml_type)
+    bits = MATMUL_BITS[ggml_type]
+    shift = default_zero_shift(lay, bits)
+    if shift is None and lay.code_bits > bits:
+        raise GraphError(f"{lay.code_bits}-bit codes do not fit {bits}-bit MatMulNBits")
+    done = decode_stored(raw, ggml_type, n_out, n_in, shift or 0, bits)
+    blocks = n_in // lay.block
+    holder = [done.stored.reshape(n_out, blocks, -1)]
+    scales, low = done.scales, done.lows
+    del done
+    packed = array_tensor(f"{name}.qweight", holder)
+    scale_tensor = numpy_helper.from_array(scales, f"{name}.scales")
+    if shift is None:
+        shifted = np.float32((1 << (bits - 1)) - lay.zero) * scales
+        low = shifted if low is None else shifted + low
+    return _nbits_part(
+        name, x, packed, scale_tensor, low, n_out, n_in, bits, lay.block, accuracy_level
+    )
 
 
 def _float_matmul(
@@ -201,7 +233,26 @@ def nbits_matmul(name: str, x: str, codes: Codes, bits: int, accuracy_level: int
     blocks = n_in // lay.block
     packed = numpy_helper.from_array(stored.reshape(n_out, blocks, -1), f"{name}.qweight")
     scales = numpy_helper.from_array(codes.scales, f"{name}.scales")
-    base = f"{name}/nbits" if const is not None or codes.lows is not None else f"{name}/out"
+    low = codes.lows
+    if const is not None:
+        shifted = np.float32(const) * codes.scales
+        low = shifted if low is None else shifted + low
+    return _nbits_part(name, x, packed, scales, low, n_out, n_in, bits, lay.block, accuracy_level)
+
+
+def _nbits_part(
+    name: str,
+    x: str,
+    packed: TensorProto,
+    scales: TensorProto,
+    low: np.ndarray | None,
+    n_out: int,
+    n_in: int,
+    bits: int,
+    block: int,
+    accuracy_level: int,
+) -> GraphPart:
+    base = f"{name}/out" if low is None else f"{name}/nbits"
     node = helper.make_node(
         "MatMulNBits",
         [x, packed.name, scales.name],
@@ -211,16 +262,12 @@ def nbits_matmul(name: str, x: str, codes: Codes, bits: int, accuracy_level: int
         K=n_in,
         N=n_out,
         bits=bits,
-        block_size=lay.block,
+        block_size=block,
         accuracy_level=accuracy_level,
     )
-    low = codes.lows
-    if const is not None:
-        shifted = np.float32(const) * codes.scales
-        low = shifted if low is None else shifted + low
     if low is None:
         return GraphPart((node,), (packed, scales), base)
-    nodes, inits = min_term(name, x, base, low, lay.block)
+    nodes, inits = min_term(name, x, base, low, block)
     return GraphPart((node, *nodes), (packed, scales, *inits), f"{name}/out")
 
 
@@ -313,7 +360,7 @@ def gather(
             helper.make_node("Cast", [f"{name}/rows"], [out], f"{name}/Cast", to=TensorProto.FLOAT),
         )
         return GraphPart(nodes, (table,), out)
-    return quantized_gather(name, ids, decode(raw, ggml_type, n_rows, n_cols))
+    return streamed_gather(name, ids, raw, ggml_type, n_rows, n_cols)
 
 
 def stored_bytes(

@@ -334,3 +334,59 @@ def values(decoded: Codes) -> np.ndarray:
         out += decoded.lows[..., None]
     result: np.ndarray = out.reshape(rows, cols)
     return result
+
+
+@dataclass(frozen=True)
+class StoredCodes:
+    """A weight's codes as an ONNX Runtime kernel stores them: ``stored`` uint8 ``[rows,
+    cols * bits // 8]`` (``(code + shift) mod 256``, two 4-bit codes a byte, low nibble first,
+    when ``bits`` is 4), with ``scales`` and ``lows`` as in :class:`Codes`."""
+
+    layout: Layout
+    stored: np.ndarray
+    scales: np.ndarray
+    lows: np.ndarray | None
+
+
+def decode_stored(
+    raw: np.ndarray, ggml_type: GGMLQuantizationType, rows: int, cols: int, shift: int, bits: int
+) -> StoredCodes:
+    """:func:`decode`, shifted and packed row chunk by row chunk straight into the output, so
+    no full-size code array exists beside it (bit for bit ``decode`` then shift then pack)."""
+    lay = layout(ggml_type)
+    decoder = LAYOUTS[ggml_type][1]
+    nbytes = GGML_QUANT_SIZES[ggml_type][1]
+    data = block_rows(raw, ggml_type, rows, cols)
+    stored = np.empty((rows, cols * bits // 8), np.uint8)
+    subs = cols // lay.block
+    scales = np.empty((rows, subs), np.float32)
+    lows = np.empty((rows, subs), np.float32) if lay.has_low else None
+    add = np.uint8(shift % 256)
+    for start in range(0, rows, ROWS_PER_CHUNK):
+        stop = min(rows, start + ROWS_PER_CHUNK)
+        c, s, low = decoder(data[start:stop].reshape(-1, nbytes))
+        c = c.reshape(stop - start, cols)
+        if add:
+            c = np.add(c, add, dtype=np.uint8)
+        if bits == 4:
+            np.left_shift(c[:, 1::2], np.uint8(4), out=stored[start:stop])
+            stored[start:stop] |= c[:, 0::2]
+        else:
+            stored[start:stop] = c
+        del c
+        scales[start:stop] = s.reshape(stop - start, subs)
+        if lows is not None and low is not None:
+            lows[start:stop] = low.reshape(stop - start, subs)
+    return StoredCodes(lay, stored, scales, lows)
+
+
+def array_tensor(name: str, holder: list[np.ndarray]) -> TensorProto:
+    """The initializer of the one array in ``holder`` (emptied: the array is dropped once its
+    bytes exist, so the array, its bytes and the protobuf copy never all exist at once)."""
+    array = holder.pop()
+    dims, dtype = array.shape, helper.np_dtype_to_tensor_dtype(array.dtype)
+    data = array.tobytes()
+    del array
+    tensor = helper.make_tensor(name, dtype, dims, data, raw=True)
+    del data
+    return tensor

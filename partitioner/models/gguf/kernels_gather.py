@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import numpy as np
 import onnx
+from gguf import GGMLQuantizationType
 from onnx import TensorProto, helper, numpy_helper
 
 from partitioner.models.gguf.kernels_codes import (
@@ -19,8 +20,11 @@ from partitioner.models.gguf.kernels_codes import (
     Codes,
     GraphPart,
     Layout,
+    array_tensor,
+    decode_stored,
     default_zero_shift,
     int64_constant,
+    layout,
 )
 
 
@@ -38,12 +42,40 @@ def quantized_gather(name: str, ids: str, codes: Codes) -> GraphPart:
     if bits == 4:
         stored = stored[:, 0::2] | (stored[:, 1::2] << np.uint8(4))
     data = numpy_helper.from_array(np.ascontiguousarray(stored), f"{name}.qtable")
-    scales = numpy_helper.from_array(codes.scales, f"{name}.scales")
+    return _gather_part(name, ids, data, codes.scales, codes.lows, lay, n_cols, bits)
+
+
+def streamed_gather(
+    name: str, ids: str, raw: np.ndarray, ggml_type: GGMLQuantizationType, n_rows: int, n_cols: int
+) -> GraphPart:
+    """:func:`quantized_gather` of ``decode(raw)``, the table's codes stored row chunk by row
+    chunk straight into its initializer (no full-size code array beside it)."""
+    lay = layout(ggml_type)
+    bits = gather_bits(lay)
+    done = decode_stored(raw, ggml_type, n_rows, n_cols, (1 << (bits - 1)) - lay.zero, bits)
+    holder = [done.stored]
+    scales, lows = done.scales, done.lows
+    del done
+    data = array_tensor(f"{name}.qtable", holder)
+    return _gather_part(name, ids, data, scales, lows, lay, n_cols, bits)
+
+
+def _gather_part(
+    name: str,
+    ids: str,
+    data: TensorProto,
+    scale_values: np.ndarray,
+    lows: np.ndarray | None,
+    lay: Layout,
+    n_cols: int,
+    bits: int,
+) -> GraphPart:
+    scales = numpy_helper.from_array(scale_values, f"{name}.scales")
     out = f"{name}/out"
     node = helper.make_node(
         "GatherBlockQuantized",
         [data.name, ids, scales.name],
-        [out if codes.lows is None else f"{name}/scaled"],
+        [out if lows is None else f"{name}/scaled"],
         f"{name}/GatherBlockQuantized",
         domain=MS_DOMAIN,
         gather_axis=0,
@@ -51,9 +83,9 @@ def quantized_gather(name: str, ids: str, codes: Codes) -> GraphPart:
         block_size=lay.block,
         bits=bits,
     )
-    if codes.lows is None:
+    if lows is None:
         return GraphPart((node,), (data, scales), out)
-    nodes, inits = _add_lows(name, ids, f"{name}/scaled", codes.lows, lay.block, n_cols)
+    nodes, inits = _add_lows(name, ids, f"{name}/scaled", lows, lay.block, n_cols)
     return GraphPart((node, *nodes), (data, scales, *inits), out)
 
 
