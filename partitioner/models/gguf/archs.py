@@ -91,19 +91,23 @@ class Emitter:
         return tensor
 
     def linear(self, tensor: str, x: str) -> str:
-        """``x @ W.T`` for the GGUF weight ``tensor`` (``[n_out, n_in]``)."""
+        """``x @ W.T`` for the GGUF weight ``tensor`` (``[n_out, n_in]``); a weight of more
+        than :attr:`chunk_values` values is mapped in pieces of output rows, concatenated."""
         n_out, n_in = self.model.tensor(tensor).shape
-        part = kernels.matmul(
-            tensor.removesuffix(".weight"),
-            x,
-            self.raw(tensor),
-            self._type(tensor),
-            n_out,
-            n_in,
-            self.weights,
-            accuracy_level=self.accuracy_level,
-        )
-        return self.part(part)
+        base = tensor.removesuffix(".weight")
+        raw = self.raw(tensor)
+        pieces = row_chunks(n_out, n_in, self.chunk_values)
+        outs = []
+        for k, (r0, r1) in enumerate(pieces):
+            name = base if len(pieces) == 1 else f"{base}.{k}"
+            part = kernels.matmul(
+                name, x, raw[r0:r1], self._type(tensor), r1 - r0, n_in, self.weights,
+                accuracy_level=self.accuracy_level,
+            )  # fmt: skip
+            outs.append(self.part(part))
+        if len(outs) == 1:
+            return outs[0]
+        return self.op("Concat", outs, f"{base}/out", axis=-1)
 
     def shared(self, key: str, make: Callable[[], str]) -> str:
         """A tensor computed once per segment (masks, rotary tables)."""

@@ -73,6 +73,8 @@ def block_ops(model: GgufModel, matrices: list[TensorEntry], weights: WeightsMod
     weight and the min-term product's nodes per weight that needs one."""
     ops = OPS_BASE[model.architecture]
     for t in matrices:
+        pieces = len(row_chunks(t.shape[0], t.shape[1], CHUNK_VALUES))
+        ops += 0 if pieces == 1 else 2 * pieces  # a product per piece and a Concat (about)
         if weights != "keep" or t.type in FLOAT_TYPES:
             ops += 1 if t.type in (T.F16, T.BF16) and weights == "keep" else 0
             continue
