@@ -200,7 +200,11 @@ class ExternalSink:
         self.bytes_written = 0
 
     def __call__(self, tensor: TensorProto) -> TensorProto:
-        """Write ``tensor``'s bytes out (small ones stay inline); returns the reference."""
+        """Write ``tensor``'s bytes out (small ones stay inline); returns the reference.
+
+        The reference is a new message: clearing ``raw_data`` would not free it (the upb
+        protobuf keeps a message's bytes in its arena until the message itself is dropped), so
+        the graph would hold every weight it was built from until the segment is saved."""
         if not tensor.HasField("raw_data"):
             return tensor
         data = tensor.raw_data
@@ -210,13 +214,21 @@ class ExternalSink:
         self._out.write(b"\0" * pad)
         self.offset += pad
         self._out.write(data)
-        onnx.external_data_helper.set_external_data(
-            tensor, self._location, offset=self.offset, length=len(data)
-        )
-        tensor.ClearField("raw_data")
-        self.offset += len(data)
-        self.bytes_written += len(data)
-        return tensor
+        length = len(data)
+        del data
+        reference = TensorProto(name=tensor.name, data_type=tensor.data_type)
+        reference.dims.extend(tensor.dims)
+        reference.data_location = TensorProto.EXTERNAL
+        for key, value in (
+            ("location", self._location),
+            ("offset", self.offset),
+            ("length", length),
+        ):
+            entry = reference.external_data.add()
+            entry.key, entry.value = key, str(value)
+        self.offset += length
+        self.bytes_written += length
+        return reference
 
 
 @contextmanager
