@@ -2,10 +2,13 @@
 
 from __future__ import annotations
 
+import subprocess
+from collections.abc import Callable, Iterator
 from pathlib import Path
 from typing import Any
 
 import pytest
+from mdns_helpers import start_advertiser
 
 
 @pytest.fixture(scope="session")
@@ -117,3 +120,19 @@ def _qwen_int4(model: Any) -> Path:
     if not current_export(out, "int4"):  # missing, or stored under an older int4 scheme
         export_decoder(model.name, out, cache_dir=REPO_CACHE, weights="int4", score=False)
     return out
+
+
+@pytest.fixture
+def advertise() -> Iterator[Callable[[str, int, dict[str, str]], subprocess.Popen[str]]]:
+    """Start mDNS advertisers (:func:`mdns_helpers.start_advertiser`); those still running
+    when the test ends are killed."""
+    started: list[subprocess.Popen[str]] = []
+
+    def start(service: str, port: int, txt: dict[str, str]) -> subprocess.Popen[str]:
+        return start_advertiser(service, port, txt, started)
+
+    yield start
+    for proc in started:
+        if proc.poll() is None:
+            proc.kill()
+        proc.wait(timeout=10)

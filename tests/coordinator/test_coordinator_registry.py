@@ -2,12 +2,7 @@
 
 from __future__ import annotations
 
-import subprocess
-import sys
-import textwrap
-from collections.abc import Iterator
-
-import pytest
+from mdns_helpers import stop_advertiser
 
 from coordinator.fleet.discovery import ZeroconfDiscovery
 from coordinator.fleet.registry import DeviceRecord, DeviceRegistry
@@ -51,54 +46,6 @@ def test_departure_marks_offline_and_a_return_keeps_first_seen() -> None:
     assert again.first_seen == first.first_seen
 
 
-ADVERTISER = textwrap.dedent(
-    """
-    import socket, sys, time
-    from zeroconf import IPVersion, ServiceInfo, Zeroconf
-    name, port, txt = sys.argv[1], int(sys.argv[2]), dict(a.split("=", 1) for a in sys.argv[3:])
-    zc = Zeroconf(interfaces=["127.0.0.1"], ip_version=IPVersion.V4Only)
-    info = ServiceInfo("_fedshard._tcp.local.", f"{name}._fedshard._tcp.local.",
-                       addresses=[socket.inet_aton("127.0.0.1")], port=port, properties=txt)
-    zc.register_service(info)
-    print("up", flush=True)
-    try:
-        sys.stdin.read()
-    finally:
-        zc.unregister_service(info)
-        zc.close()
-    """
-)
-
-
-@pytest.fixture
-def advertise() -> Iterator:
-    started: list[subprocess.Popen[str]] = []
-
-    def start(service: str, port: int, txt: dict[str, str]) -> subprocess.Popen[str]:
-        args = [f"{k}={v}" for k, v in txt.items()]
-        proc = subprocess.Popen(
-            [sys.executable, "-c", ADVERTISER, service, str(port), *args],
-            stdin=subprocess.PIPE,
-            stdout=subprocess.PIPE,
-            text=True,
-        )
-        started.append(proc)
-        assert proc.stdout is not None and proc.stdout.readline().strip() == "up"
-        return proc
-
-    yield start
-    for proc in started:
-        if proc.poll() is None:
-            proc.kill()
-        proc.wait(timeout=10)
-
-
-def _stop(proc: subprocess.Popen[str]) -> None:
-    assert proc.stdin is not None
-    proc.stdin.close()
-    proc.wait(timeout=10)
-
-
 def _names(devices: list[DeviceRecord]) -> set[str]:
     return {d.name for d in devices}
 
@@ -110,7 +57,7 @@ def test_real_agents_are_seen_joining_and_leaving_within_three_seconds(advertise
         advertise("sbc-svc", 9010, encode_txt(_announcement("sbc", "b", port=9010)))
         advertise("broken-svc", 9020, {"pv": "1", "mem": "lots"})
         assert registry.wait_for(lambda ds: _names(ds) == {"nas", "sbc"}, timeout=3.0)
-        _stop(nas)
+        stop_advertiser(nas)
         assert registry.wait_for(lambda ds: _names(ds) == {"sbc"}, timeout=3.0)
     sbc = next(d for d in registry.devices() if d.name == "sbc")
     assert sbc.host == "127.0.0.1"

@@ -39,8 +39,8 @@ from coordinator_helpers import (
     unsharded_embeddings,
     wait_for,
 )
+from dataplane_fakes import SERVERS, FakeAgent
 from failover_helpers import active_version, failover_events, segment_devices
-from test_coordinator_dataplane import SERVERS, FakeAgent
 
 from coordinator.deploy.store import (
     DeploymentBook,
@@ -635,18 +635,17 @@ def lab(request: pytest.FixtureRequest, tmp_path_factory: pytest.TempPathFactory
 
 
 def _pair(lab: Lab) -> None:
-    with lab.coordinator.client() as api:
-        names = {a.name for a in lab.agents}
-        assert wait_for(lambda: names <= {d["name"] for d in api.get("/v1/devices").json()}, 20)
-        for agent in lab.agents:
-            result = lab.coordinator.cli("pair", agent.name, pairing_code(agent))
-            assert result.returncode == 0, result.stdout + result.stderr
+    api = lab.coordinator.api()
+    names = {a.name for a in lab.agents}
+    assert wait_for(lambda: names <= {d.name for d in api.devices()}, 20)
+    for agent in lab.agents:
+        result = lab.coordinator.cli("pair", agent.name, pairing_code(agent))
+        assert result.returncode == 0, result.stdout + result.stderr
 
-        def paired() -> bool:
-            devices = api.get("/v1/devices").json()
-            return sum(d["status"] == "paired" and d["online"] for d in devices) == 3
+    def paired() -> bool:
+        return sum(d.status == "paired" and d.online for d in api.devices()) == 3
 
-        assert wait_for(paired, 20), api.get("/v1/devices").text
+    assert wait_for(paired, 20), api.devices()
 
 
 def _deploy(lab: Lab, caps: list[int]) -> dict[str, Any]:

@@ -1,7 +1,7 @@
 """Hostile mDNS: a rogue agent with a paired device's name, and oversized TXT records.
 
 Real zeroconf on 127.0.0.1: the advertisers are separate processes (the ``advertise`` fixture of
-``test_coordinator_registry``), the coordinator side is :class:`ZeroconfDiscovery` feeding a
+``tests/conftest.py``), the coordinator side is :class:`ZeroconfDiscovery` feeding a
 :class:`DeviceRegistry`, and trust is decided as the running coordinator decides it.
 """
 
@@ -17,8 +17,8 @@ from cryptography.hazmat.primitives import hashes, serialization
 from cryptography.hazmat.primitives.asymmetric import ec
 from cryptography.x509.oid import NameOID
 from fastapi.testclient import TestClient
+from mdns_helpers import stop_advertiser
 from pairing_helpers import request_code
-from test_coordinator_registry import _stop, advertise  # noqa: F401  (the fixture)
 
 from coordinator.fleet.discovery import ZeroconfDiscovery
 from coordinator.fleet.registry import DeviceRecord, DeviceRegistry
@@ -96,7 +96,7 @@ def _hex(n: int) -> str:
 @pytest.mark.parametrize("rogue_first", [True, False], ids=["rogue-first", "rogue-second"])
 def test_a_rogue_with_a_paired_name_and_a_fake_fingerprint_is_never_used(
     tmp_path: Path,
-    advertise,  # noqa: F811
+    advertise,
     rogue_first: bool,
 ) -> None:
     coordinator = Coordinator(tmp_path)
@@ -129,7 +129,7 @@ def test_a_rogue_with_a_paired_name_and_a_fake_fingerprint_is_never_used(
 @pytest.mark.parametrize("rogue_first", [True, False], ids=["rogue-first", "rogue-second"])
 def test_a_rogue_copying_a_paired_fingerprint_can_hide_the_device_never_take_its_place(
     tmp_path: Path,
-    advertise,  # noqa: F811
+    advertise,
     rogue_first: bool,
 ) -> None:
     coordinator = Coordinator(tmp_path)
@@ -152,10 +152,10 @@ def test_a_rogue_copying_a_paired_fingerprint_can_hide_the_device_never_take_its
         # both announced: the first one holds the record (a rogue first hides the device)
         assert wait_for(lambda: ports() == [9100 if rogue_first else 9000], 5.0), ports()
         assert len(_mine(registry.devices(online_only=False), name)) == 1
-        _stop(procs["rogue"])  # the fake is withdrawn: the real device is there, and used
+        stop_advertiser(procs["rogue"])  # the fake is withdrawn: the real device is there, and used
         assert wait_for(lambda: ports() == [9000], 5.0), ports()
         assert coordinator.statuses()[nas.fingerprint] == ("paired", True)
-        _stop(procs["real"])
+        stop_advertiser(procs["real"])
         assert registry.wait_for(lambda ds: not _mine(ds, name), 5.0)
 
 
@@ -179,7 +179,7 @@ def test_a_rogue_taking_over_the_instance_name_cannot_erase_the_paired_device(
 
 def test_an_oversized_txt_record_is_refused_and_the_browser_keeps_running(
     tmp_path: Path,
-    advertise,  # noqa: F811
+    advertise,
 ) -> None:
     registry = DeviceRegistry()
     big, good, late = _unique("big"), _unique("sbc"), _unique("late")
