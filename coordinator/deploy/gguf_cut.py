@@ -32,6 +32,7 @@ import onnx
 from tokenizers import Tokenizer
 
 from coordinator.deploy.cutting import Arrays, DeployCommand, SplitOutcome, baseline_planner
+from coordinator.deploy.gguf_heap import release_freed_heap
 from coordinator.deploy.gguf_plan import GgufUnits, planning_problem, stage_ranges, unit_table
 from coordinator.deploy.gguf_tokenizer import GgufVocabulary, write_tokenizer
 from coordinator.deploy.limits import planned_limits
@@ -290,6 +291,7 @@ def _build_stages(path: Path, plan: Plan, out: Path, local: Arrays, weights: Wei
     for k, span in enumerate(stage_ranges(plan, source.model)):
         scratch = out / f"segment{k}{SCRATCH_SUFFIX}.onnx"
         files = write_segment(scratch, source, span, weights=weights)
+        release_freed_heap()
         graph = onnx.load(str(scratch), load_external_data=False).graph
         inputs = [i.name for i in graph.input]
         outputs = [o.name for o in graph.output]
@@ -298,10 +300,12 @@ def _build_stages(path: Path, plan: Plan, out: Path, local: Arrays, weights: Wei
         try:
             built.warmups.append({n: built.known[n] for n in inputs})
             built.known.update(run_model(scratch, built.known))
+            release_freed_heap()
         except (PartitionerError, KeyError) as exc:
             raise DeployError(f"segment {k} of {path.name} does not run: {exc}") from exc
         final = out / f"segment{k}.onnx"
         inline_external_data(scratch, final)
+        release_freed_heap()
         built.param_bytes.append(sum(f.stat().st_size for f in files[1:]))
         for file in files:
             file.unlink(missing_ok=True)
