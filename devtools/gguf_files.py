@@ -171,7 +171,8 @@ def _k_blocks(
     one = np.ones(blocks.shape[0], np.float16).view(np.uint8).reshape(-1, 2)
     for offset in K_SCALE_OFFSETS[ggml_type]:
         blocks[:, offset : offset + 2] = one
-    spread = float(np.std(np.asarray(gguf_dequantize(raw, ggml_type), np.float64)))
+    sample = raw[: min(rows, 64)]  # the spread of a few rows: no tensor is dequantized whole
+    spread = float(np.std(np.asarray(gguf_dequantize(sample, ggml_type), np.float64)))
     scale = np.full(blocks.shape[0], std / spread, np.float16).view(np.uint8).reshape(-1, 2)
     for offset in K_SCALE_OFFSETS[ggml_type]:
         blocks[:, offset : offset + 2] = scale
