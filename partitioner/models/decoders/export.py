@@ -316,6 +316,8 @@ def _write(
 
     # heavy: keeps onnx off a light import
     from partitioner.models.decoders.precision import SCHEME_METADATA_KEY, SCHEMES
+
+    # heavy: keeps onnx off a light import
     from partitioner.models.decoders.rowwise import at_least_two_rows, probe_rows
 
     inputs, _ = state_names(info)
