@@ -371,3 +371,26 @@ def test_non_gguf_file_is_refused(tmp_path: Path) -> None:
     path.write_bytes(b"\x08\x07" + bytes(100))
     with pytest.raises(GgufFormatError, match="not a GGUF file"):
         GgufFile(path)
+
+
+def test_a_batch_of_sequences_is_each_sequence_alone(files: dict[tuple[str, str], Path]) -> None:
+    source = GgufSource(files["gemma3", "f32"])
+    m = source.model
+    sess = _session(build_segment(source, SegmentRange(0, m.layers, True, True), in_memory))
+    batch = np.array([TOKENS[:5], TOKENS[2:7]], np.int64)
+
+    def run(ids: np.ndarray) -> np.ndarray:
+        empty = np.zeros((ids.shape[0], m.kv_heads, 0, m.head_dim), np.float32)
+        feeds = {
+            "input_ids": ids,
+            "attention_mask": np.ones_like(ids),
+            "position_ids": np.tile(np.arange(ids.shape[1], dtype=np.int64), (ids.shape[0], 1)),
+            **{f"past.{i}.{k}": empty for i in range(m.layers) for k in ("key", "value")},
+        }
+        out: np.ndarray = sess.run(["trailing_top_logits"], feeds)[0]
+        return out
+
+    together = run(batch)
+    for row in range(2):
+        alone = run(batch[row : row + 1])
+        np.testing.assert_allclose(together[row], alone[0], rtol=0, atol=1e-5)
