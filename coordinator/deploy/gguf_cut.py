@@ -137,6 +137,7 @@ def gguf_split_and_run(
         model = header_of(command.model_path)
         with refusals(command.model_path):
             vocab = write_tokenizer(command.model_path, out / TOKENIZER_FILE)
+            release_freed_heap()  # the tokenizer's build freed hundreds of MB (Gemma 3)
             info = decoder_info(model, vocab, command.model_id, command.weights)
             (out / DECODER_FILE).write_text(info.to_json() + "\n")
             sessions = DEFAULT_SESSIONS
