@@ -7,8 +7,8 @@ every package of the project; the partitioner's and the edge agent's rooms tests
   import-linter contract sees at import time and a circle waiting to happen. One is allowed
   only where it keeps a heavy optional dependency (onnx, torch, transformers, Flower) off a
   light import, and then says so with a ``# heavy:`` comment on the import or the line above.
-- :func:`unmapped_modules`: modules the package map (its ``__init__`` docstring) does not name
-  as ``:mod:`dotted.name```.
+- :func:`unmapped_modules`: modules no package map (the ``__init__`` docstring of the package
+  or of a sub-package enclosing them) names as ``:mod:`dotted.name```.
 
 Run ``python -m devtools.import_hygiene PACKAGE_DIR`` to list both.
 """
@@ -51,12 +51,26 @@ def package_modules(package_dir: Path) -> list[str]:
 
 
 def unmapped_modules(package_dir: Path) -> list[str]:
-    """Modules under ``package_dir`` that its ``__init__`` docstring does not name as
-    ``:mod:`dotted.name``` (the package itself needs no entry)."""
-    init = package_dir / "__init__.py"
-    doc = ast.get_docstring(ast.parse(init.read_text(encoding="utf-8"))) or ""
-    own = package_dir.name
-    return [m for m in package_modules(package_dir) if m != own and f":mod:`{m}`" not in doc]
+    """Modules under ``package_dir`` that no map names as ``:mod:`dotted.name``` (or
+    ``:mod:`~dotted.name```): a map is the ``__init__`` docstring of the package or of any
+    sub-package that encloses the module (the package itself needs no entry)."""
+    root = package_dir.parent
+    maps: dict[str, str] = {}
+    for init in package_dir.rglob("__init__.py"):
+        name = ".".join(init.relative_to(root).parent.parts)
+        maps[name] = ast.get_docstring(ast.parse(init.read_text(encoding="utf-8"))) or ""
+    return [
+        m
+        for m in package_modules(package_dir)
+        if m != package_dir.name and not _named_in_a_map(m, maps)
+    ]
+
+
+def _named_in_a_map(module: str, maps: dict[str, str]) -> bool:
+    parts = module.split(".")
+    enclosing = (".".join(parts[:i]) for i in range(1, len(parts)))
+    marks = (f":mod:`{module}`", f":mod:`~{module}`")
+    return any(mark in maps.get(p, "") for p in enclosing for mark in marks)
 
 
 def hidden_imports(package_dir: Path, mark: str = HEAVY_MARK) -> list[HiddenImport]:

@@ -28,6 +28,7 @@ Rooms, each importing only the rooms below it (the import-linter layers contract
     - :mod:`edge_agent.net.tls`           TLS 1.3 contexts, peer name/role checks, revocation
     - :mod:`edge_agent.net.channel`       data-plane transport (frame channels over TLS/TCP)
     - :mod:`edge_agent.net.frame_budget`  the unfinished-frame budget a server's connections share
+    - :mod:`edge_agent.net.budgets`       what the listeners may hold, derived from ``--memory``
     - :mod:`edge_agent.net.links`         persistent connections to the next agent
     - :mod:`edge_agent.net.probe`         link probe (latency, bandwidth)
     - :mod:`edge_agent.net.routing`       who may send what to a stage; routed ids, answers' claims

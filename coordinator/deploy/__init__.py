@@ -6,4 +6,16 @@
 - :mod:`coordinator.deploy.stage_timing`  per-device calibration from the agents' stage times
 - :mod:`coordinator.deploy.deployer`      push, health-check, switch, roll back: one at a time
 - :mod:`coordinator.deploy.store`         deployments and their versions on disk
+- :mod:`coordinator.deploy.pushing`       a version's segments to its agents: hosts in parallel
+- :mod:`coordinator.deploy.model_files`   what kind of model file a deploy was given (ONNX, GGUF)
+- :mod:`coordinator.deploy.onnx_inline`   one self-contained ONNX file from external-data weights
+- :mod:`coordinator.deploy.term_fit`      per-term roofline corrections fitted on measured stages
+- :mod:`coordinator.deploy.unit_residuals`  what the per-term fit leaves, per planning unit
+- :mod:`coordinator.deploy.peak_memory`   this process's peak resident memory over some work
+- :mod:`coordinator.deploy.gguf_cut`      a deploy from a GGUF file: planned from its header,
+  each stage's segment built from the file
+- :mod:`coordinator.deploy.gguf_plan`     a GGUF decoder's planning problem from its header alone
+- :mod:`coordinator.deploy.gguf_metadata` a GGUF file's key-value metadata, read with ``struct``
+- :mod:`coordinator.deploy.gguf_tokenizer`  a GGUF file's tokenizer as a ``tokenizer.json``
+- :mod:`coordinator.deploy.gguf_heap`     the C heap's freed memory given back between stages
 """

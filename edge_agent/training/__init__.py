@@ -8,6 +8,7 @@
 - :mod:`edge_agent.training.lora`        a federated LoRA round on this device (its own room)
 - :mod:`edge_agent.training.copies`      the served version the coordinator sends before a run
 - :mod:`edge_agent.training.ledger`      the privacy ledger, its composition and the budget
+- :mod:`edge_agent.training.errors`      the errors of federated fine-tuning on this device
 
 Nothing else in :mod:`edge_agent` imports this package but :mod:`.copies` (no torch, no Flower;
 only when the agent trains), so the plain agent needs neither torch nor Flower.
