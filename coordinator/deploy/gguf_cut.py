@@ -32,7 +32,6 @@ import onnx
 from tokenizers import Tokenizer
 
 from coordinator.deploy.cutting import Arrays, DeployCommand, SplitOutcome, baseline_planner
-from coordinator.deploy.gguf_heap import release_freed_heap
 from coordinator.deploy.gguf_plan import GgufUnits, planning_problem, stage_ranges, unit_table
 from coordinator.deploy.gguf_tokenizer import GgufVocabulary, write_tokenizer
 from coordinator.deploy.limits import planned_limits
@@ -54,6 +53,7 @@ from partitioner.cutting.verify import run_model
 from partitioner.errors import InfeasiblePlanError, PartitionerError
 from partitioner.models.gguf.builder import DEFAULT_TOP_K, GgufSource, write_segment
 from partitioner.models.gguf.header import GgufModel, UnsupportedModel, read_header
+from partitioner.models.gguf.heap import release_freed_heap
 from partitioner.models.gguf.kernels import MATMUL_BITS, UnsupportedTensorType
 from partitioner.planning.planner import plan_preferring_one_device
 from protocols.decoder import (
@@ -145,6 +145,7 @@ def gguf_split_and_run(
             problem = planning_problem(table, devices, command.model_id, work_scales)
             plan = _plan(command, problem, table, sessions)
             wire, local = health_feeds(model, _prompt(out, info))
+            release_freed_heap()  # loading the tokenizer did too (Gemma 3: about 260 MB)
             built = _build_stages(command.model_path, plan, out, local, command.weights)
         manifest = _manifest(command.model_path, plan, problem, table, built, sessions)
         (out / "manifest.json").write_text(manifest.to_json() + "\n")

@@ -45,6 +45,7 @@ from onnx import TensorProto, helper
 from partitioner.errors import GraphError
 from partitioner.models.gguf import archs
 from partitioner.models.gguf.header import GgufModel, header_of
+from partitioner.models.gguf.heap import release_freed_heap
 from partitioner.models.gguf.kernels import ACCURACY_LEVEL, WeightsMode
 from partitioner.models.gguf.reader import GgufFile
 from protocols.decoder import (
@@ -67,6 +68,9 @@ EXTERNAL_THRESHOLD = 1024
 """Initializers of at least this many bytes go to the external data file."""
 ALIGN = 4096
 """External data offsets are page-aligned, so ONNX Runtime may map them."""
+TRIM_THRESHOLD = 8 << 20
+"""After writing a tensor of at least this many bytes the C heap's freed memory is given back
+(its codes, bytes and protobuf copies, freed below glibc's mmap threshold, would stay)."""
 
 
 def hidden_name(block: int) -> str:
@@ -228,6 +232,8 @@ class ExternalSink:
             entry.key, entry.value = key, str(value)
         self.offset += length
         self.bytes_written += length
+        if length >= TRIM_THRESHOLD:
+            release_freed_heap()
         return reference
 
 

@@ -1,4 +1,5 @@
-"""Giving the C heap's freed memory back between the stages of a GGUF build.
+"""Giving the C heap's freed memory back during a GGUF build (after each large weight is
+written out, and between a deploy's stages).
 
 Each stage's segment is built (protobuf and numpy buffers of one tensor at a time) and then run
 in an ONNX Runtime session; both free what they took, but glibc keeps freed blocks below its
