@@ -17,5 +17,4 @@
 - :mod:`coordinator.deploy.gguf_plan`     a GGUF decoder's planning problem from its header alone
 - :mod:`coordinator.deploy.gguf_metadata` a GGUF file's key-value metadata, read with ``struct``
 - :mod:`coordinator.deploy.gguf_tokenizer`  a GGUF file's tokenizer as a ``tokenizer.json``
-- :mod:`coordinator.deploy.gguf_heap`     the C heap's freed memory given back between stages
 """

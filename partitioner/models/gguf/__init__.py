@@ -6,6 +6,7 @@
   (:mod:`.kernels_codes`, :mod:`.kernels_gather`, :mod:`.kernels_requant` behind it)
 - :mod:`.archs`           the five architectures' layers as ONNX nodes
 - :mod:`.builder`         one segment per block range, streamed to disk (the segment contract)
+- :mod:`.heap`            the C heap's freed memory given back while a segment is built
 - :mod:`.units`           the planner's unit table from the header alone
 - :mod:`.reference`       a numpy forward for tests (llama.cpp semantics)
 
