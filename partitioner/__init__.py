@@ -53,6 +53,8 @@ is there only to keep onnx or torch off a light import, and says so (``# heavy:`
 - :mod:`partitioner.models.gguf.reader`           a lean GGUF reader (memory-mapped data)
 - :mod:`partitioner.models.gguf.header`           a GGUF header as a typed model, refusals
 - :mod:`partitioner.models.gguf.archs`            the five architectures' layers as nodes
+- :mod:`partitioner.models.gguf.heap`             the C heap's freed memory given back
+- :mod:`partitioner.models.gguf.ends`             the embedding and the output head
 - :mod:`partitioner.models.gguf.builder`          one segment per block range, streamed
 - :mod:`partitioner.models.gguf.units`            the unit table from the header alone
 - :mod:`partitioner.models.gguf.reference`        a numpy forward for tests

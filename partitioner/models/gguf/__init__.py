@@ -5,6 +5,7 @@
 - :mod:`.kernels`         GGUF tensors onto ONNX Runtime's CPU kernels, per tensor type
   (:mod:`.kernels_codes`, :mod:`.kernels_gather`, :mod:`.kernels_requant` behind it)
 - :mod:`.archs`           the five architectures' layers as ONNX nodes
+- :mod:`.ends`            the embedding and the output head (top-k), in row pieces
 - :mod:`.builder`         one segment per block range, streamed to disk (the segment contract)
 - :mod:`.heap`            the C heap's freed memory given back while a segment is built
 - :mod:`.units`           the planner's unit table from the header alone

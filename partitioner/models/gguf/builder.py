@@ -43,7 +43,7 @@ import onnx
 from onnx import TensorProto, helper
 
 from partitioner.errors import GraphError
-from partitioner.models.gguf import archs
+from partitioner.models.gguf import archs, ends
 from partitioner.models.gguf.header import GgufModel, header_of
 from partitioner.models.gguf.heap import release_freed_heap
 from partitioner.models.gguf.kernels import ACCURACY_LEVEL, WeightsMode
@@ -155,7 +155,7 @@ def build_segment(
     ]
     if span.first:
         inputs.append(_value(INPUT_IDS, TensorProto.INT64, ["batch", "sequence"]))
-        x = archs.embedding(e)
+        x = ends.embedding(e)
     else:
         inputs.append(hidden[0])
         x = hidden_name(span.start)
@@ -166,7 +166,7 @@ def build_segment(
         inputs += [_kv(past_name(i, kind), model, "past_sequence") for kind in ("key", "value")]
         x = archs.layer(e, i, x)
     if span.last:
-        archs.head(e, x, trailing, top_k)
+        ends.head(e, x, trailing, top_k)
         outputs += [
             _value(TOP_LOGITS, TensorProto.FLOAT, ["batch", top_k]),
             _value(TOP_IDS, TensorProto.INT64, ["batch", top_k]),
