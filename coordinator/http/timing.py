@@ -5,7 +5,7 @@ requests are timed too). Before the request goes in, each ``start`` hook may not
 scope (the Prometheus meter leaves a :class:`~coordinator.http.metrics.RequestNotes` there);
 when the response has ended, or the application raised, each observer gets one
 :class:`TimedRequest`: the Prometheus meter (:class:`~coordinator.http.metrics.RequestMeter`)
-and the console's inference counters (:class:`~coordinator.http.console.InferenceCounter`).
+and the console's inference counters (:class:`~coordinator.console.stats.InferenceCounter`).
 """
 
 from __future__ import annotations

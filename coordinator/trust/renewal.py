@@ -1,8 +1,8 @@
 """Certificate renewal, coordinator side: paired agents get a new certificate before theirs expires.
 
-Every poll of :class:`coordinator.trust.TrustService` looks at the trusted agents: one whose
-certificate in the pairing book expires within :data:`RENEW_BEFORE` is issued a new one for the
-same key, name and role (:meth:`coordinator.pairing.Pairing.renew`, which keeps the old
+Every poll of :class:`coordinator.trust.delivery.TrustService` looks at the trusted agents: one
+whose certificate in the pairing book expires within :data:`RENEW_BEFORE` is issued a new one for
+the same key, name and role (:meth:`coordinator.trust.pairing.Pairing.renew`, which keeps the old
 fingerprint trusted meanwhile), and one still announcing the certificate its book entry renewed
 is sent the new one (``POST /v1/certificate``) until it uses it, also after a restart.
 """

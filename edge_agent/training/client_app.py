@@ -12,7 +12,7 @@ Privacy (:mod:`protocols.privacy`): the innermost mod of each app sets the fit c
 :data:`~protocols.privacy.SECAGG_CONFIG_KEY` (True only behind ``secaggplus_mod``, whatever the
 server sent), so the device knows whether its reply is masked. With a ledger, each round is
 checked against the operator's policy and budget before it trains (a declined round fails with
-a :class:`~protocols.privacy.DeclineReason`) and written to the ledger before its reply leaves.
+a :class:`~protocols.ledger.DeclineReason`) and written to the ledger before its reply leaves.
 Under DP the reply holds only :func:`~protocols.privacy.reply_fields` (no count, no loss, no
 memory figure); the rest stays in :attr:`ShardClient.local_metrics`. A DP round's randomness
 comes from ``os.urandom``; the ``crc32(node/round)`` seed is for rounds without DP only.

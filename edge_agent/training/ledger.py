@@ -4,7 +4,7 @@ Before a round trains, :func:`check_round` composes the ledger with the round's 
 mechanism (its noise multiplier, the sample rate ``1 / ceil(records / batch)`` and the steps
 ``epochs · ceil(records / batch)`` Opacus will take, an upper bound) and declines the round
 (:class:`~edge_agent.training.errors.RoundDeclinedError`, with a
-:class:`~protocols.privacy.DeclineReason`) when it would take the epsilon past the budget, or
+:class:`~protocols.ledger.DeclineReason`) when it would take the epsilon past the budget, or
 when it trains without DP or without SecAgg+ and the operator did not allow that. After the
 round trained, and before its reply leaves, the round's actual mechanism is appended
 (:meth:`PrivacyLedger.append`).

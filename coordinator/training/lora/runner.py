@@ -1,7 +1,7 @@
 """A federated LoRA run of a served decoder, end to end on the coordinator side.
 
-1. Plan: the served version's segments and the decoder's :class:`~.lora_plan.LoraBase` give
-   the :class:`~protocols.lora.LoraPlan` (:func:`~.lora_plan.build_plan`).
+1. Plan: the served version's segments and the decoder's :class:`~.plan.LoraBase` give
+   the :class:`~protocols.lora.LoraPlan` (:func:`~.plan.build_plan`).
 2. Federation: a SuperLink with SuperNode authentication (and the local SuperNodes of the
    target, each with its own registered key); ``flwr run`` of
    :mod:`coordinator.training.lora.server_app`, whose record is followed round by round.
@@ -9,9 +9,9 @@
    written or rolled out. So does a run whose training diverged (:func:`check_converged`:
    adapters not finite): merged, its NaNs would pass the deploy's
    health check, which compares the chain with the version's own outputs.
-4. The final adapters are merged (:func:`~.lora_version.write_lora_version`) into a new signed
+4. The final adapters are merged (:func:`~.version.write_lora_version`) into a new signed
    version, which also carries the whole merged model (so a failover can re-plan it), its
-   ``decoder.json``, tokenizer and :data:`~.lora_plan.LORA_BASE_FILE`; the publisher verifies
+   ``decoder.json``, tokenizer and :data:`~.plan.LORA_BASE_FILE`; the publisher verifies
    the signature and rolls it out live.
 """
 

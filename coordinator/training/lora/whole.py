@@ -4,7 +4,7 @@ A failover re-plans a served version from the model file it came from
 (:attr:`~coordinator.deploy.store.VersionRecord.source`). A LoRA version therefore carries its
 own ``model.onnx``: the parent's whole model with the same adapters merged (same initializer
 names, same metadata: the decoder description and the sample inputs), beside copies of the
-parent's ``decoder.json`` and tokenizer files, and the :class:`~.lora_plan.LoraBase` it was
+parent's ``decoder.json`` and tokenizer files, and the :class:`~.plan.LoraBase` it was
 planned with (the next run plans from it without loading torch).
 """
 

@@ -1,8 +1,8 @@
 """One round of federated LoRA on a device: frozen segments in ONNX Runtime, the tail in torch.
 
-1. Records: this device's text (:mod:`.text_data`), tokenized with the version's own
-   ``tokenizer.json`` (hash-checked against the plan), cut to ``max_tokens`` and right-padded.
-   Right padding is exact here: attention is causal, so no real token sees a pad.
+1. Records: this device's text (:mod:`~edge_agent.training.text_data`), tokenized with the
+   version's own ``tokenizer.json`` (hash-checked against the plan), cut to ``max_tokens`` and
+   right-padded. Right padding is exact here: attention is causal, so no real token sees a pad.
 2. Frozen prefix: the segments before the first trainable one run in ONNX Runtime, one at a
    time, and their residual-stream output (the plan's ``boundary``) is cached on disk.
 3. The tail (:mod:`.model`) trains only its adapters with the causal-LM loss. With
