@@ -16,7 +16,13 @@ from onnx import helper, numpy_helper
 from onnxruntime.capi._pybind_state import quantize_matmul_4bits, quantize_matmul_8bits
 
 from partitioner.errors import GraphError
-from partitioner.models.gguf.kernels_codes import MS_DOMAIN, GraphPart, WeightsMode, float_rows
+from partitioner.models.gguf.kernels_codes import (
+    MS_DOMAIN,
+    GraphPart,
+    WeightsMode,
+    array_tensor,
+    float_rows,
+)
 
 BLOCK = 32
 ACCURACY_LEVEL = 4
@@ -64,8 +70,10 @@ def requantized_matmul(
     """``MatMulNBits`` (int4 or int8, block 32, uint8 zero points) computing ``x @ W.T``."""
     bits = _bits(weights)
     packed, scales, zeros = blockwise(raw, ggml_type, n_out, n_in, bits)
+    holder = [packed]
+    del packed  # the array goes once its bytes exist (array_tensor)
     inits = (
-        numpy_helper.from_array(packed, f"{name}.qweight"),
+        array_tensor(f"{name}.qweight", holder),
         numpy_helper.from_array(scales, f"{name}.scales"),
         numpy_helper.from_array(zeros, f"{name}.zero_points"),
     )
@@ -99,8 +107,10 @@ def requantized_gather(
         raise GraphError(f"embedding rows of {n_cols} values are not whole {BLOCK}-blocks")
     bits = _bits(weights)
     packed, scales, zeros = blockwise(raw, ggml_type, n_rows, n_cols, bits)
+    holder = [packed.reshape(n_rows, -1)]
+    del packed  # the array goes once its bytes exist (array_tensor)
     inits = (
-        numpy_helper.from_array(packed.reshape(n_rows, -1), f"{name}.qtable"),
+        array_tensor(f"{name}.qtable", holder),
         numpy_helper.from_array(scales, f"{name}.scales"),
         numpy_helper.from_array(zeros, f"{name}.zero_points"),
     )
