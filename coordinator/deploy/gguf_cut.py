@@ -29,11 +29,10 @@ from typing import Any
 
 import numpy as np
 import onnx
-from tokenizers import Tokenizer
 
 from coordinator.deploy.cutting import Arrays, DeployCommand, SplitOutcome, baseline_planner
 from coordinator.deploy.gguf_plan import GgufUnits, planning_problem, stage_ranges, unit_table
-from coordinator.deploy.gguf_tokenizer import GgufVocabulary, write_tokenizer
+from coordinator.deploy.gguf_tokenizer import GgufVocabulary, build_tokenizer, read_vocabulary
 from coordinator.deploy.limits import planned_limits
 from coordinator.deploy.onnx_inline import inline_external_data
 from coordinator.deploy.peak_memory import PeakMemory
@@ -136,7 +135,8 @@ def gguf_split_and_run(
     with PeakMemory() as peak:
         model = header_of(command.model_path)
         with refusals(command.model_path):
-            vocab = write_tokenizer(command.model_path, out / TOKENIZER_FILE)
+            vocab = read_vocabulary(command.model_path)
+            encoded = _write_tokenizer(vocab, out / TOKENIZER_FILE)
             release_freed_heap()  # the tokenizer's build freed hundreds of MB (Gemma 3)
             info = decoder_info(model, vocab, command.model_id, command.weights)
             (out / DECODER_FILE).write_text(info.to_json() + "\n")
@@ -144,8 +144,7 @@ def gguf_split_and_run(
             table = unit_table(model, sessions, command.weights)
             problem = planning_problem(table, devices, command.model_id, work_scales)
             plan = _plan(command, problem, table, sessions)
-            wire, local = health_feeds(model, _prompt(out, info))
-            release_freed_heap()  # loading the tokenizer did too (Gemma 3: about 260 MB)
+            wire, local = health_feeds(model, _prompt(encoded, info))
             built = _build_stages(command.model_path, plan, out, local, command.weights)
         manifest = _manifest(command.model_path, plan, problem, table, built, sessions)
         (out / "manifest.json").write_text(manifest.to_json() + "\n")
@@ -247,14 +246,18 @@ def _four_bit(model: GgufModel, weights: WeightsMode) -> bool:
     return any(MATMUL_BITS.get(t.type) == 4 for t in model.tensors.values() if len(t.shape) == 2)
 
 
-def _prompt(directory: Path, info: DecoderInfo) -> list[int]:
+def _write_tokenizer(vocab: GgufVocabulary, out: Path) -> list[int]:
+    """Write ``vocab``'s ``tokenizer.json`` to ``out``; the health prompt's ids, encoded by the
+    same tokenizer object (loading the file again took about 260 MB more for Gemma 3)."""
+    tokenizer = build_tokenizer(vocab)
+    tokenizer.save(str(out))
+    ids: list[int] = tokenizer.encode(HEALTH_PROMPT, add_special_tokens=False).ids
+    return ids
+
+
+def _prompt(encoded: list[int], info: DecoderInfo) -> list[int]:
     """The health check's prompt as token ids (BOS first where the model adds one)."""
-    ids: list[int] = (
-        Tokenizer.from_file(str(directory / TOKENIZER_FILE))
-        .encode(HEALTH_PROMPT, add_special_tokens=False)
-        .ids
-    )
-    ids = [i for i in ids if i < info.vocab_size][:16] or [0]
+    ids = [i for i in encoded if i < info.vocab_size][:16] or [0]
     return ([info.bos_token_id] if info.bos_token_id is not None else []) + ids
 
 
