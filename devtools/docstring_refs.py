@@ -11,7 +11,9 @@ dots) that name one of the given packages must resolve:
 - ``Class.member`` is defined in the class body (a method, a field, a nested class, an enum
   member), as ``self.member`` in one of its methods, or in a base class of ours.
 
-Leading dots work as in a relative import (``.backend`` in ``pkg/__init__.py`` is
+A target that names none of the packages, a builtin or another installed module (``Router``,
+``Pairing.renew``) must be defined where the docstring sits: in its module or an enclosing
+class. Leading dots work as in a relative import (``.backend`` in ``pkg/__init__.py`` is
 ``pkg.backend``; in ``pkg/a.py`` it is ``pkg.backend`` too); a single leading dot also finds a
 name of the current module. Every bare string statement counts as a docstring (the module's,
 a class's, a function's, an attribute's).
@@ -22,6 +24,8 @@ Run ``python -m devtools.docstring_refs PACKAGE_DIR...`` to list the stale refer
 from __future__ import annotations
 
 import ast
+import builtins
+import importlib.util
 import re
 import sys
 from collections.abc import Iterator
@@ -57,6 +61,8 @@ class Where:
     module: str
     is_package: bool
     classes: tuple[str, ...]
+    imported: frozenset[str] = frozenset()
+    """Top-level names of the modules the file imports anywhere (``torch``, ``onnxruntime``)."""
 
 
 def stale_refs(package_dirs: list[Path]) -> list[StaleRef]:
@@ -81,8 +87,9 @@ def _stale_in_file(root: Path, own: frozenset[str], path: Path) -> Iterator[Stal
     is_package = parts[-1] == "__init__"
     module = ".".join(parts[:-1] if is_package else parts)
     tree = ast.parse(path.read_text(encoding="utf-8"))
+    imported = frozenset(_imported_modules(tree))
     for text, line, classes in _docstrings(tree):
-        where = Where(module, is_package, classes)
+        where = Where(module, is_package, classes, imported)
         for match in ROLE.finditer(text):
             role, content = match.group(1), match.group(2)
             target = _target(content)
@@ -115,9 +122,32 @@ def _check(root: Path, own: frozenset[str], where: Where, role: str, target: str
     """Why ``target`` does not resolve from ``where``, or None when it does (or is not ours)."""
     if target.startswith("."):
         return _check_relative(root, where, role, target)
-    if target.split(".")[0] not in own:
+    first = target.split(".")[0]
+    if first in own:
+        return _resolve(root, role, target)
+    if role == "mod" or first in where.imported or _elsewhere(first):
         return None
-    return _resolve(root, role, target)
+    if _check_relative(root, where, role, "." + target) is None:
+        return None
+    return "not defined here: qualify it (package.module.name)"
+
+
+def _imported_modules(tree: ast.AST) -> Iterator[str]:
+    for node in ast.walk(tree):
+        if isinstance(node, ast.Import):
+            yield from (alias.name.split(".")[0] for alias in node.names)
+        elif isinstance(node, ast.ImportFrom) and node.level == 0 and node.module:
+            yield node.module.split(".")[0]
+
+
+def _elsewhere(name: str) -> bool:
+    """Whether ``name`` is a builtin or a module outside the project (found, not imported)."""
+    if hasattr(builtins, name) or name in sys.stdlib_module_names:
+        return True
+    try:
+        return importlib.util.find_spec(name) is not None
+    except (ImportError, ValueError):
+        return False
 
 
 def _check_relative(root: Path, where: Where, role: str, target: str) -> str | None:

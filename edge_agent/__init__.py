@@ -49,7 +49,7 @@ Rooms, each importing only the rooms below it (the import-linter layers contract
 - :mod:`edge_agent.protobuf`  the hand-written ONNX protobuf writer and reader (no ``onnx``)
     - :mod:`edge_agent.protobuf.writer`  small models serialized field by field
     - :mod:`edge_agent.protobuf.limits`  declared-size checks before ONNX Runtime parses a segment
-- :mod:`edge_agent.config`    :class:`AgentConfig`, built once at the entry point
+- :mod:`edge_agent.config`    :class:`~edge_agent.config.AgentConfig`, built once at the entry point
 - :mod:`edge_agent.errors`    the error hierarchy (drawn in its docstring)
 
 Why this order:

@@ -108,7 +108,8 @@ class DecoderInfo(FrozenModel):
     weights: Literal["fp32", "fp16", "int8", "int4"] | None = None
     """The precision the graph's weights are stored in (None: float32, or an export made before
     the precision was recorded here). int4 graphs compute a row alike alone and in a pass only
-    on CPUs whose 4-bit kernel does (:attr:`DeviceProfile.int4_rows_exact`)."""
+    on CPUs whose 4-bit kernel does
+    (:attr:`~protocols.profile.DeviceProfile.int4_rows_exact`)."""
     rows_independent: bool = True
     """Whether a position's outputs do not depend on the other positions run in the same pass.
     False for ``quantize_dynamic``'s int8, whose ``DynamicQuantizeLinear`` picks one

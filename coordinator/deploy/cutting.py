@@ -1,8 +1,8 @@
 """The partitioner's side of a deploy: plan and cut a model, or read a cut version, and run its
 segments here on the model's samples (warm-up inputs and the health check's expected answer).
 
-Partitioner errors become :class:`~coordinator.errors.DeployError`. The :class:`Deployer`
-(:mod:`coordinator.deploy.deployer`) pushes what this module produced.
+Partitioner errors become :class:`~coordinator.errors.DeployError`. The
+:class:`~coordinator.deploy.deployer.Deployer` pushes what this module produced.
 """
 
 from __future__ import annotations

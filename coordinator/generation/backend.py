@@ -8,11 +8,12 @@ top-k next-token candidates of the last position, as the ``fedshard.decoder/1`` 
 session it has stepped, whatever happened (finished, failed, cancelled, client gone), so the
 backend can free that session's KV cache on every stage.
 
-Backends signal typed errors from :mod:`coordinator.errors`: :class:`CapacityError` when there
-is no room for a new session now (the API answers 503 with ``Retry-After``),
-:class:`ContextLengthError` when a position would pass the context window, and
-:class:`AgentError` when a stage fails. Many sessions are stepped concurrently (one asyncio task
-per request), so a pipelined backend can keep every stage busy.
+Backends signal typed errors from :mod:`coordinator.errors`:
+:class:`~coordinator.errors.CapacityError` when there is no room for a new session now (the API
+answers 503 with ``Retry-After``), :class:`~coordinator.errors.ContextLengthError` when a
+position would pass the context window, and :class:`~coordinator.errors.AgentError` when a
+stage fails. Many sessions are stepped concurrently (one asyncio task per request), so a
+pipelined backend can keep every stage busy.
 """
 
 from __future__ import annotations

@@ -272,7 +272,7 @@ def time_stamp() -> str:
 
 
 def rounds_table(record: Any) -> Any:
-    """A rich table of a :class:`TrainingRecord`'s rounds."""
+    """A rich table of a :class:`~coordinator.training.records.TrainingRecord`'s rounds."""
     from rich.table import Table
 
     table = Table(title=f"baseline accuracy {record.baseline_accuracy:.3f}")

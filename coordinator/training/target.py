@@ -142,7 +142,8 @@ class PairedAgents:
     host: str
     """The coordinator's interface: the SuperLink listens there."""
     node_keys: Callable[[], Mapping[str, str]]
-    """The paired agents' node-authentication keys by name (:meth:`Pairing.node_keys`)."""
+    """The paired agents' node-authentication keys by name
+    (:meth:`~coordinator.trust.pairing.Pairing.node_keys`)."""
     client: AgentClient | None = None
     """Control-plane client: a LoRA run sends the served version to the agents first."""
     devices: Callable[[], list[AgentAddress]] = list

@@ -11,8 +11,9 @@ the machine's own namespace, no namespace has a default route, and nothing is fo
 Shaping. A host with a bandwidth gets a ``tbf`` on its ``eth0`` (what it sends) and on its
 bridge port (what it receives), so the link between two hosts runs at the smaller of their two
 rates, as ``DEVICES.json`` assumes for a missing link. This kernel has no ``netem``: latency
-cannot be shaped, so each host's one-way latency is only recorded (state file, :meth:`links`) for
-the application to add; the latency of a pair is the sum of both hosts' latencies.
+cannot be shaped, so each host's one-way latency is only recorded (state file,
+:meth:`LabPlan.links`) for the application to add; the latency of a pair is the sum of both
+hosts' latencies.
 """
 
 from __future__ import annotations

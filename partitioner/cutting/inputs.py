@@ -45,7 +45,7 @@ class Analysis:
 
 @dataclass(frozen=True)
 class SplitOptions:
-    """Knobs of :func:`split_model` (the CLI flags)."""
+    """Knobs of :func:`~partitioner.cutting.split.split_model` (the CLI flags)."""
 
     objective: Objective = Objective.THROUGHPUT
     queue_depth: int = DEFAULT_QUEUE_DEPTH

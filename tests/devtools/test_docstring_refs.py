@@ -3,7 +3,8 @@
 A Sphinx-style role (``:mod:``, ``:func:``, ``:class:``, ``:meth:``, ``:attr:``, ``:data:``,
 ``:exc:``, ``:obj:``) naming one of import-linter's root packages (``pyproject.toml``) must name
 a module that exists, a name its module defines, or a member of a class that exists
-(:func:`devtools.docstring_refs.stale_refs`, which reads the source and imports nothing).
+(:func:`devtools.docstring_refs.stale_refs`, which reads the source and imports nothing). A
+name that is neither ours, a builtin nor an installed module must be defined where it is used.
 """
 
 from __future__ import annotations
@@ -44,9 +45,10 @@ MAP = '''"""The map.
 A = '''"""Module a: :class:`~pkg.a.A`, :meth:`pkg.a.A.m`, :attr:`pkg.a.A.x`, :data:`pkg.a.CONST`.
 
 Through a re-export: :meth:`pkg.a.Bee.n`; from a base class: :meth:`pkg.a.C.m`; relative:
-:class:`.b.B`, :func:`.f`; titled: :class:`the A <pkg.a.A>`; not ours: :class:`other.Thing`.
+:class:`.b.B`, :func:`.f`; titled: :class:`the A <pkg.a.A>`; here: :meth:`A.m`, :data:`Bee`.
 Stale: :meth:`pkg.a.A.gone`, :func:`pkg.a.missing`, :func:`pkg.b`, :mod:`pkg.a.A`,
-:class:`.lost`, :class:`an old name <pkg.a.Nope>`.
+:class:`.lost`, :class:`an old name <pkg.a.Nope>`, :class:`Gone` (defined nowhere here).
+Not ours, not checked: :class:`pathlib.Path`, :exc:`ValueError`, :mod:`somewhere`.
 """
 
 from pkg.b import B as Bee
@@ -106,7 +108,8 @@ def test_a_stale_reference_is_caught(tmp_path: Path) -> None:
         ("a.py", 5, "mod", "pkg.a.A"),
         ("a.py", 6, "class", ".lost"),
         ("a.py", 6, "class", "pkg.a.Nope"),
-        ("a.py", 24, "func", "pkg.b.g"),
+        ("a.py", 6, "class", "Gone"),
+        ("a.py", 25, "func", "pkg.b.g"),
     ]
 
 
@@ -121,6 +124,7 @@ def test_the_reasons_say_what_is_missing(tmp_path: Path) -> None:
     assert reasons["pkg.b"] == "pkg.b is a module"
     assert reasons["pkg.a.A"] == "no module pkg.a.A"
     assert reasons["pkg.b.g"] == "pkg.b defines no g"
+    assert reasons["Gone"] == "not defined here: qualify it (package.module.name)"
 
 
 def test_the_command_lists_them_and_fails(

@@ -8,11 +8,13 @@ No quantizer is written here; each precision is one of ONNX Runtime's own:
   inputs and outputs kept float32 (the KV cache and the frames between agents stay float32),
   its products then run on at least two rows, as float32's.
 - ``int8``: :func:`onnxruntime.quantization.quantize_dynamic`, int8 weights per output
-  channel in a 7-bit range (:data:`INT8_REDUCE_RANGE`): every ``MatMul`` with a constant
-  weight becomes ``MatMulInteger`` (activations quantized at run time), the embedding an int8
-  ``Gather`` followed by ``DequantizeLinear``. Its activations are then quantized per row
-  rather than per pass (:func:`~partitioner.models.decoders.int8rows.per_row_activations`) and its
-  float products run on two rows or more, so every row decodes alike in a pass of any size.
+  channel in a 7-bit range
+  (:data:`~partitioner.models.decoders.ort_quantizers.INT8_REDUCE_RANGE`): every ``MatMul``
+  with a constant weight becomes ``MatMulInteger`` (activations quantized at run time), the
+  embedding an int8 ``Gather`` followed by ``DequantizeLinear``. Its activations are then
+  quantized per row rather than per pass
+  (:func:`~partitioner.models.decoders.int8rows.per_row_activations`) and its float products
+  run on two rows or more, so every row decodes alike in a pass of any size.
   (``MatMulNBits`` at 8 bits ran 5-6x slower than this on tiny-llama here, and slower than
   float32.)
 - ``int4``: :class:`~onnxruntime.quantization.matmul_nbits_quantizer.MatMulNBitsQuantizer`,
