@@ -76,6 +76,7 @@ def test_greedy_text_is_identical_with_and_without_speculation(lab: GenLab) -> N
     assert plain == want
     assert fast == want
     assert isinstance(shown["drafted_tokens"], int) and shown["drafted_tokens"] > 0
+    assert shown["speculation_in_effect"] == "on: prompt lookup drafts"  # probed at export
     assert isinstance(shown["acceptance_rate"], float)
     assert isinstance(shown["tokens_per_s"], float) and shown["tokens_per_s"] > 0
     for agent in lab.agents:  # rewound and ended sessions hold nothing
