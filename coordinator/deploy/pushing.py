@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import threading
 from collections.abc import Callable, Sequence
 from concurrent.futures import ThreadPoolExecutor
 
@@ -16,7 +17,9 @@ def push_per_host(
 ) -> list[DeployReport | Exception]:
     """``deploy(address, body)`` of each segment: its report, or the exception it raised. A
     body given as a function is made just before its push and dropped after it, so one host's
-    segments are never all in memory at once.
+    segments are never all in memory at once; bodies are made one at a time (making one reads
+    its segment and joins it to the envelope: twice the segment for a moment), so lanes pushing
+    in parallel hold one segment each plus at most one being made.
 
     Hosts are pushed to in parallel, the agents of one host one after another: agents sharing
     a host share its cores and memory bus, and warmed up at once each would time its stage
@@ -28,11 +31,17 @@ def push_per_host(
         lanes.setdefault(address.host, []).append(i)
     outcomes: list[DeployReport | Exception] = [AssertionError("not pushed")] * len(bodies)
 
+    making = threading.Lock()
+
     def push_lane(lane: list[int]) -> None:
         for i in lane:
             try:
                 body = bodies[i]
-                outcomes[i] = deploy(addresses[i], body() if callable(body) else body)
+                if callable(body):
+                    with making:  # one body made at a time: making one holds its segment twice
+                        body = body()
+                outcomes[i] = deploy(addresses[i], body)
+                del body
             except Exception as exc:  # every outcome goes back to the caller, which reports it
                 outcomes[i] = exc
 
