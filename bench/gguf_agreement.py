@@ -39,6 +39,7 @@ from rich.console import Console  # noqa: E402
 from devtools.demo.gguf import deploy_gguf, gguf_caps, packaged_gguf, stored_bytes  # noqa: E402
 from devtools.demo.procs import demo_processes, free_port  # noqa: E402
 from devtools.demo.steps import Api, pair_automatically  # noqa: E402
+from partitioner.models.gguf.kernels import ACCURACY_LEVEL  # noqa: E402
 from protocols.manifest import MANIFEST_FILE  # noqa: E402
 from protocols.sizes import parse_size  # noqa: E402
 
@@ -101,12 +102,15 @@ def token_texts(gguf: Path, ids: list[int]) -> list[str]:
     return [tokenizer.decode([i], skip_special_tokens=True) for i in ids]
 
 
-def served(console: Console, gguf: Path, ids: list[int]) -> tuple[list[str], dict[str, Any]]:
+def served(
+    console: Console, gguf: Path, ids: list[int], keep: Path | None = None
+) -> tuple[list[str], dict[str, Any]]:
     """Deploy the file on the agents; each prefix's greedy next token (text) through them, and
-    the deployment (its placements and each stage's unit range)."""
+    the deployment (its placements and each stage's unit range). ``keep``: their state and
+    logs there instead of in a temporary directory."""
     with tempfile.TemporaryDirectory(prefix="fedshard-agreement-") as tmp:
-        work = Path(tmp)
-        with demo_processes(work) as procs:
+        work = keep or Path(tmp)
+        with demo_processes(work / "logs") as procs:
             coordinator = procs.start_coordinator(work / "coordinator", free_port())
             suffix = secrets.token_hex(2)
             names = [f"agree{i}-{suffix}" for i in range(AGENTS)]
@@ -137,8 +141,12 @@ def served(console: Console, gguf: Path, ids: list[int]) -> tuple[list[str], dic
     return texts, {"placements": version["segments"], "units": units, "card": version["card"]}
 
 
-def chained(gguf: Path, units: list[tuple[int, int]], ids: list[int]) -> Scores:
-    """The deployed stages rebuilt with a full-vocabulary head and run chained here."""
+def chained(
+    gguf: Path, units: list[tuple[int, int]], ids: list[int], level: int = ACCURACY_LEVEL
+) -> tuple[Scores, np.ndarray]:
+    """The deployed stages rebuilt with a full-vocabulary head (``MatMulNBits`` accuracy
+    ``level``; the deploy's is 4: int8 activations) and run chained here; the scores and the
+    full logits of every position."""
     import onnxruntime as ort
 
     from partitioner.models.gguf.builder import GgufSource, write_segment
@@ -157,7 +165,9 @@ def chained(gguf: Path, units: list[tuple[int, int]], ids: list[int]) -> Scores:
         for k, (a, b) in enumerate(units):
             path = Path(tmp) / f"seg{k}.onnx"
             span = segment_range(source.model, a, b)
-            write_segment(path, source, span, top_k=source.model.vocab, trailing=n)
+            write_segment(
+                path, source, span, top_k=source.model.vocab, trailing=n, accuracy_level=level
+            )
             session = ort.InferenceSession(str(path), options, providers=["CPUExecutionProvider"])
             for i in session.get_inputs():
                 if i.name.startswith("past."):
@@ -174,7 +184,18 @@ def chained(gguf: Path, units: list[tuple[int, int]], ids: list[int]) -> Scores:
     for i in range(n - 1):
         where = int(np.flatnonzero(order[i] == ids[i + 1])[0])
         logprob.append(float(logits[i, where] - norm[i]))
-    return Scores([int(t) for t in top[: n - 1]], logprob)
+    full = np.empty_like(logits)
+    np.put_along_axis(full, order, logits, axis=-1)
+    return Scores([int(t) for t in top[: n - 1]], logprob), full[: n - 1]
+
+
+def near_ties(logits: np.ndarray, ours: list[int], theirs: list[int]) -> list[float]:
+    """Where the two top-1s differ: how far llama.cpp's choice is below ours in our logits."""
+    return [
+        float(logits[i, a] - logits[i, b])
+        for i, (a, b) in enumerate(zip(ours, theirs, strict=True))
+        if a != b
+    ]
 
 
 def main() -> None:
@@ -183,16 +204,20 @@ def main() -> None:
     parser.add_argument("--tokens", type=int, default=96)
     parser.add_argument("--threads", type=int, default=1)
     parser.add_argument("--cache-dir", type=Path, default=REPO / ".cache" / "fedshard")
+    parser.add_argument("--keep", type=Path, help="keep the processes' state and logs here")
     args = parser.parse_args()
     console = Console()
     gguf = packaged_gguf(MODEL, args.cache_dir)
     ids, reference, llama_rss = llama_cpp(gguf, args.tokens, args.threads)
     console.print(f"llama.cpp: {len(ids)} tokens, perplexity {reference.perplexity():.3f}")
-    texts, deployed = served(console, gguf, ids)
+    texts, deployed = served(console, gguf, ids, args.keep)
     expected = token_texts(gguf, reference.top)
     agents_top1 = float(np.mean([a == b for a, b in zip(texts, expected, strict=True)]))
-    local = chained(gguf, deployed["units"], ids)
+    local, logits = chained(gguf, deployed["units"], ids)
     local_top1 = float(np.mean(np.array(local.top) == np.array(reference.top)))
+    gaps = near_ties(logits, local.top, reference.top)
+    exact, _ = chained(gguf, deployed["units"], ids, level=0)
+    exact_top1 = float(np.mean(np.array(exact.top) == np.array(reference.top)))
     stored = stored_bytes(gguf)
     lines = [
         "# Qwen2.5-Coder-1.5B (packaged Q4_K_M GGUF): fedshard `--weights keep` vs llama.cpp",
@@ -212,6 +237,13 @@ def main() -> None:
         f"per prefix) | {agents_top1:.3f} | - |",
         f"| the same stages chained here, full-vocabulary head | {local_top1:.3f} | "
         f"{local.perplexity():.3f} |",
+        f"| the same, accuracy level 0 (float activations) | {exact_top1:.3f} | "
+        f"{exact.perplexity():.3f} |",
+        "",
+        f"Where the served top-1 differs from llama.cpp's ({len(gaps)} of {len(local.top)}), "
+        "llama.cpp's choice is this far below ours in our logits: "
+        + (", ".join(f"{g:.2f}" for g in sorted(gaps)) or "-")
+        + ".",
         "",
         "| stage | device | units | predicted MB | measured MB | share of stored weights |",
         "|---|---|---|---|---|---|",
