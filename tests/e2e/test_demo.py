@@ -6,7 +6,7 @@ a chat answer, fine-tunes the served Gemma with federated LoRA on three local de
 text (SecAgg+, record-level DP), prints the held-out loss before and after, the epsilon per
 device and a held-out question answered before and after, prints the console line, and stops
 every process it started (the training's Flower processes included) before it exits. The
-default decoder, Qwen2.5-Coder-1.5B in int4, is ``heavy`` (its first export takes minutes);
+default decoder, Qwen2.5-Coder-1.5B served from its packaged GGUF file, is ``heavy``;
 ``make test`` runs the same demo with ``--decoder gemma3-270m``. Exports are cached in
 ``<repo>/.cache/fedshard`` (shared with the decoder tests).
 """
@@ -145,18 +145,23 @@ def test_demo_exit(tmp_path: Path) -> None:
 @pytest.mark.heavy
 @pytest.mark.timeout(DEMO_TIMEOUT_S + 60)
 def test_default_demo_serves_qwen_no_agent_can_hold_and_fine_tunes_gemma(tmp_path: Path) -> None:
-    """``make demo``'s default: Qwen2.5-Coder-1.5B in int4 across four agents none of which can
-    hold it, answering as the whole model does in one session; Gemma served and fine-tuned."""
+    """``make demo``'s default: Qwen2.5-Coder-1.5B served from its packaged GGUF file in the
+    file's own quantization (nothing converted to float32) across four agents none of which
+    can hold half of it, the coordinator's peak memory printed; Gemma served (from its torch
+    export: LoRA needs it) and fine-tuned."""
     pytest.importorskip("transformers")
     out, _, pids, _ = _run_demo(tmp_path)
     text = " ".join(out.split())
-    assert "no agent can hold qwen2.5-coder-1.5b (int4) alone in its memory budget" in text, out
+    assert "no agent can hold qwen2.5-coder-1.5b (keep) alone in its memory budget" in text, out
     assert "nor half of it under its planning cap" in text, out
     assert "plan: qwen2.5-coder-1.5b" in out and "plan: gemma3-270m" in out
+    peak = re.search(r"coordinator: peak resident memory ([\d.]+) MB while building", text)
+    assert peak is not None and float(peak.group(1)) < 2000, out
+    assert "exporting qwen2.5-coder-1.5b" not in out, out
     answer = re.search(r"^qwen2.5-coder-1.5b: (.+)$", out, re.MULTILINE)
     assert answer is not None and len(answer.group(1).split()) >= 5, out
-    assert "answers the same, token for token" in out, out
-    assert "answers otherwise" not in out, out
+    assert "served from the GGUF file" in text, out
+    assert "federated LoRA does not work yet on a version built from a GGUF file" in text, out
     deployed = dict(re.findall(r"^deployed (\S+) v\d+ in .* across (\d+) devices", out, re.M))
     assert int(deployed["qwen2.5-coder-1.5b"]) >= 2 and "gemma3-270m" in deployed, out
     _assert_fine_tuned(out)
