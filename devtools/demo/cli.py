@@ -307,8 +307,10 @@ def _decoder(
 
     From an export (cached; ``check``: the answer next to the whole model's in one ONNX
     Runtime session), or from the GGUF file, each stage built from its own tensors."""
-    # heavy: devtools.demo.decoder brings onnx (the partitioner's decoders)
+    # heavy: devtools.demo.gguf brings onnx (the GGUF builder)
     from devtools.demo import gguf
+
+    # heavy: devtools.demo.decoder brings onnx (the partitioner's decoders)
     from devtools.demo.decoder import chat
 
     if from_gguf and name in gguf.PACKAGED:
