@@ -76,7 +76,10 @@ def test_a_lora_run_of_the_served_encoder_is_rolled_out(lab: GenLab) -> None:
         status = _wait(api, started.json()["run_id"], 800)
         assert status["status"] == "finished", (status, lab.coordinator.log()[-4000:])
         print("encoder LoRA run:", json.dumps(status, indent=1))  # the README's numbers
-        assert 0 <= status["baseline_recall_at_1"] <= 1 and 0 <= status["final_recall_at_1"] <= 1
+        # under DP no device releases its held-out recall in clear (protocols.privacy's table)
+        assert status["baseline_recall_at_1"] is None, status
+        final = status["final_recall_at_1"]
+        assert final is None or 0 <= final <= 1, status
         assert len(status["epsilon_per_device"]) == 2 and all(
             0 < e <= 8 for e in status["epsilon_per_device"]
         )
