@@ -15,6 +15,5 @@
 - :mod:`coordinator.deploy.gguf_cut`      a deploy from a GGUF file: planned from its header,
   each stage's segment built from the file
 - :mod:`coordinator.deploy.gguf_plan`     a GGUF decoder's planning problem from its header alone
-- :mod:`coordinator.deploy.gguf_metadata` a GGUF file's key-value metadata, read with ``struct``
 - :mod:`coordinator.deploy.gguf_tokenizer`  a GGUF file's tokenizer as a ``tokenizer.json``
 """

@@ -27,8 +27,8 @@ from typing import Any, Final
 
 import numpy as np
 
-from coordinator.deploy.gguf_metadata import MetadataError, read_metadata
 from coordinator.errors import UnsupportedModelError
+from partitioner.models.gguf.reader import GgufFile, GgufFormatError
 
 log = logging.getLogger(__name__)
 
@@ -77,23 +77,25 @@ class GgufVocabulary:
 def read_vocabulary(path: Path) -> GgufVocabulary:
     """The tokenizer metadata of the GGUF file at ``path`` (its metadata only, no weight)."""
     try:
-        meta = read_metadata(path)
-    except (OSError, MetadataError) as exc:
+        header = GgufFile(path)
+        meta = header.metadata
+        model = meta.get("tokenizer.ggml.model")
+        if model is None:
+            raise UnsupportedModelError(f"{path.name} carries no tokenizer", "tokenizer")
+        tokens = header.array("tokenizer.ggml.tokens") or []
+        types = header.array("tokenizer.ggml.token_type")
+        scores = header.array("tokenizer.ggml.scores")
+        merges = header.array("tokenizer.ggml.merges") or []
+    except (OSError, GgufFormatError) as exc:
         raise UnsupportedModelError(f"cannot read {path.name}'s metadata: {exc}") from exc
-    model = meta.get("tokenizer.ggml.model")
-    if model is None:
-        raise UnsupportedModelError(f"{path.name} carries no tokenizer", "tokenizer")
-    tokens = list(meta.get("tokenizer.ggml.tokens", []))
-    types = meta.get("tokenizer.ggml.token_type")
-    scores = meta.get("tokenizer.ggml.scores")
     unknown = meta.get("tokenizer.ggml.unknown_token_id")
     return GgufVocabulary(
         model=str(model),
         pre=meta.get("tokenizer.ggml.pre"),
-        tokens=tokens,
+        tokens=list(tokens),
         types=[NORMAL] * len(tokens) if types is None else [int(t) for t in types],
         scores=[] if scores is None else [float(x) for x in scores],
-        merges=list(meta.get("tokenizer.ggml.merges", [])),
+        merges=list(merges),
         add_bos=bool(meta.get("tokenizer.ggml.add_bos_token", model == "llama")),
         add_space_prefix=bool(meta.get("tokenizer.ggml.add_space_prefix", True)),
         unknown_id=None if unknown is None else int(unknown),

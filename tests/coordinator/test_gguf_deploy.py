@@ -14,7 +14,6 @@ from gguf_lab import BOS, write_tiny
 from coordinator.deploy.cutting import DeployCommand
 from coordinator.deploy.deployer import check_model_file
 from coordinator.deploy.gguf_cut import FALLBACK_CHAT_TEMPLATE, gguf_split_and_run, health_feeds
-from coordinator.deploy.gguf_metadata import read_metadata
 from coordinator.deploy.gguf_tokenizer import GgufVocabulary, build_tokenizer
 from coordinator.deploy.model_files import ModelFormat, model_format
 from coordinator.deploy.peak_memory import PeakMemory
@@ -29,6 +28,7 @@ from coordinator.http.errors import entry_of
 from devtools.gguf_files import SPECS, write_gguf
 from partitioner.cutting.verify import run_chain
 from partitioner.models.gguf.builder import GgufSource
+from partitioner.models.gguf.reader import GgufFile
 from partitioner.models.gguf.reference import dequantized, forward
 from protocols.decoder import DecoderInfo
 from protocols.devices import DeviceList
@@ -209,11 +209,13 @@ def test_peak_memory_sees_an_allocation_inside() -> None:
 
 def test_metadata_reader_agrees_with_gguf_py(tmp_path: Path) -> None:
     path = write_tiny(tmp_path / "tiny.gguf", "qwen2", "q4_k_m")
-    meta = read_metadata(path)
+    header = GgufFile(path)
+    meta = header.metadata
     fields = GGUFReader(str(path)).fields
-    for key in ("tokenizer.ggml.tokens", "tokenizer.ggml.merges", "general.architecture"):
-        assert list(np.atleast_1d(meta[key])) == list(np.atleast_1d(fields[key].contents()))
+    for key in ("tokenizer.ggml.tokens", "tokenizer.ggml.merges"):
+        assert header.array(key) == list(np.atleast_1d(fields[key].contents()))
+    assert meta["general.architecture"] == fields["general.architecture"].contents()
     np.testing.assert_array_equal(
-        meta["tokenizer.ggml.token_type"], fields["tokenizer.ggml.token_type"].contents()
+        header.array("tokenizer.ggml.token_type"), fields["tokenizer.ggml.token_type"].contents()
     )
     assert meta["qwen2.block_count"] == SPECS["qwen2"].layers
