@@ -26,6 +26,7 @@ from coordinator.errors import ApiError
 from coordinator.fleet.registry import DeviceRegistry
 from coordinator.http.app import Services, create_app
 from coordinator.http.device_models import DeviceView
+from coordinator.http.replies import CompletionChunk, EmbeddingsReply, FailoverView
 from coordinator.trust.ca import CertificateAuthority
 from coordinator.trust.pairing import Pairing
 from devtools.demo.steps import Api
@@ -143,3 +144,53 @@ def test_the_demos_api_handle_is_the_clients_call(api: tuple[str, Services]) -> 
     assert Api(url, "wrong").call("GET", "/v1/devices")[0] == 401
     with pytest.raises(httpx.HTTPError):  # no answer: raised, so that the demo can retry
         Api(f"http://127.0.0.1:{_free_port()}", TOKEN).call("GET", "/v1/devices", timeout=5)
+
+
+def test_one_connection_pool_in_a_block_and_typed_refusals_of_routes_not_served(
+    api: tuple[str, Services],
+) -> None:
+    url, services = api
+    request_code(services.pairing, "cam", make_csr("cam"))
+    with CoordinatorClient(url, TOKEN) as client:
+        assert [p.name for p in client.pairing().pending] == ["cam"]
+        assert client.console_models() == []
+        with pytest.raises(ApiError) as no_serving:  # no deployments without serving
+            client.deployments()
+        assert no_serving.value.status == 404
+        with pytest.raises(ApiError) as unknown:
+            client.embeddings("enc", "hello")
+        assert unknown.value.status == 404 and unknown.value.detail
+        with pytest.raises(ApiError) as refused:
+            list(client.stream("/v1/completions", {"model": "dec", "prompt": "hi"}))
+        assert refused.value.status == 404 and refused.value.detail
+    assert client.call("GET", "/v1/devices").status == 200  # after the block: one-off calls
+    with pytest.raises(ApiError) as lost:
+        list(CoordinatorClient(f"http://127.0.0.1:{_free_port()}", TOKEN).stream("/x", {}))
+    assert lost.value.status == 0
+
+
+def test_the_reply_models_read_what_the_routes_write() -> None:
+    reply = EmbeddingsReply.model_validate(
+        {
+            "object": "list",
+            "model": "enc",
+            "data": [
+                {"object": "embedding", "index": 1, "embedding": [0.5, 0.25]},
+                {"object": "embedding", "index": 0, "embedding": [1.0, 0.0]},
+            ],
+            "usage": {"prompt_tokens": 3, "total_tokens": 3},
+            "plan_version": 2,
+        }
+    )
+    assert reply.vectors() == [[1.0, 0.0], [0.5, 0.25]] and reply.plan_version == 2
+    chat = CompletionChunk.model_validate({"choices": [{"delta": {"content": "Hi"}}]})
+    text = CompletionChunk.model_validate({"choices": [{"text": " there", "index": 0}]})
+    assert (chat.text(), text.text(), CompletionChunk().text()) == ("Hi", " there", "")
+    view = FailoverView.model_validate(
+        {
+            "enabled": True,
+            "models": {"m": {"state": "recovering", "plan_version": 3, "reason": "lost a"}},
+            "events": [{"at": 1.0, "kind": "lost", "device": "a"}],
+        }
+    )
+    assert view.models["m"].state == "recovering" and view.events[0].device == "a"
