@@ -56,7 +56,6 @@ from typing import Any
 REPO = Path(__file__).resolve().parents[1]
 sys.path[:0] = [str(REPO)]
 
-import httpx  # noqa: E402
 from rich.console import Console  # noqa: E402
 from rich.table import Table  # noqa: E402
 
@@ -114,28 +113,18 @@ def stream_chat(api: Api, model_id: str, tokens: int, question: str = QUESTION) 
         "stream": True,
         "stream_options": {"include_usage": True},
     }
-    headers = {"Authorization": f"Bearer {api.token}"}
     start = time.perf_counter()
     first = last = 0.0
     count = 0
     pieces: list[str] = []
-    with (
-        httpx.Client(base_url=api.url, timeout=600, trust_env=False) as client,
-        client.stream("POST", "/v1/chat/completions", json=body, headers=headers) as reply,
-    ):
-        if reply.status_code != 200:
-            raise RuntimeError(f"chat completion failed: {reply.status_code} {reply.read()!r}")
-        for line in reply.iter_lines():
-            if not line.startswith("data: {"):
-                continue
-            chunk = json.loads(line[len("data: ") :])
-            if chunk.get("usage"):
-                count = int(chunk["usage"]["completion_tokens"])
-            if chunk.get("choices") and chunk["choices"][0]["delta"].get("content"):
-                pieces.append(chunk["choices"][0]["delta"]["content"])
-                now = time.perf_counter()
-                first = first or now
-                last = now
+    for chunk in api.client(timeout=600).stream("/v1/chat/completions", body):
+        if chunk.usage:
+            count = int(chunk.usage["completion_tokens"])
+        if piece := chunk.text():
+            pieces.append(piece)
+            now = time.perf_counter()
+            first = first or now
+            last = now
     wall = time.perf_counter() - start
     decode = (count - 1) / (last - first) if count > 1 and last > first else 0.0
     return Run(first - start, count, decode, wall, "".join(pieces))
@@ -222,12 +211,8 @@ def speculative_rows(
 
 def _set_speculative(api: Api, model_id: str, mode: str, drafts: dict[str, Path]) -> None:
     """Switch the deployment to ``mode`` (a key of ``drafts`` means that draft model)."""
-    body: dict[str, Any] = {"speculative": mode if mode not in drafts else "draft"}
-    if mode in drafts:
-        body["draft_model"] = str(drafts[mode])
-    code, reply = api.call("PUT", f"/v1/deployments/{model_id}/speculative", body)
-    if code != 200:
-        raise RuntimeError(f"cannot set speculative={mode}: {code} {reply}")
+    draft = str(drafts[mode]) if mode in drafts else None
+    api.client().set_speculative(model_id, mode if draft is None else "draft", draft)
 
 
 @contextlib.contextmanager
@@ -244,11 +229,8 @@ def _counting(
 
 def _counts(api: Api, model_id: str) -> tuple[int, int]:
     """The model's drafted and accepted token counters from the console API."""
-    code, reply = api.call("GET", "/v1/console/models", None)
-    if code != 200:
-        raise RuntimeError(f"console models: {code}")
-    [model] = [m for m in reply if m["model_id"] == model_id]
-    return int(model["drafted_tokens"]), int(model["accepted_tokens"])
+    [model] = [m for m in api.client().console_models() if m.model_id == model_id]
+    return model.drafted_tokens, model.accepted_tokens
 
 
 def prompt_ids(export: Path) -> list[int]:
@@ -361,7 +343,7 @@ def fedshard_runs(
             pair_automatically(console, api, state_dirs, procs.check_alive)
             caps = decoder_caps(export, names, parse_size(fleet.memory)) if fleet.caps else {}
             placements = deploy_decoder(console, api, export, model_id, caps)["segments"]
-            api.call("PUT", f"/v1/deployments/{model_id}/speculative", {"speculative": "off"})
+            api.client().set_speculative(model_id, "off")
             stream_chat(api, model_id, 4)  # warm the connections
             ort_run(decoder, ids, 4)
             single: list[Run] = []

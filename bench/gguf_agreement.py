@@ -36,6 +36,7 @@ sys.path[:0] = [str(REPO)]
 import numpy as np  # noqa: E402
 from rich.console import Console  # noqa: E402
 
+from coordinator.errors import ApiError  # noqa: E402
 from devtools.demo.gguf import deploy_gguf, gguf_caps, packaged_gguf, stored_bytes  # noqa: E402
 from devtools.demo.procs import demo_processes, free_port  # noqa: E402
 from devtools.demo.steps import Api, pair_automatically  # noqa: E402
@@ -123,7 +124,8 @@ def served(
             pair_automatically(console, api, dirs, procs.check_alive)
             caps = gguf_caps(gguf, names, parse_size(MEMORY))
             version = deploy_gguf(console, api, gguf, MODEL, caps)
-            api.call("PUT", f"/v1/deployments/{MODEL}/speculative", {"speculative": "off"})
+            client = api.client(timeout=600)
+            client.set_speculative(MODEL, "off")
             manifest_path = (
                 work / "coordinator" / "deployments" / MODEL / f"v{version['plan_version']}"
             ) / MANIFEST_FILE
@@ -133,9 +135,10 @@ def served(
                 for n in range(1, len(ids)):
                     status.update(f"teacher-forced top-1 through the agents: {n}/{len(ids) - 1}")
                     body = {"model": MODEL, "prompt": ids[:n], "max_tokens": 1, "temperature": 0}
-                    code, reply = api.call("POST", "/v1/completions", body, timeout=600)
-                    if code != 200:
-                        raise SystemExit(f"/v1/completions failed ({code}): {reply}")
+                    try:
+                        reply = client.expect("POST", "/v1/completions", body)
+                    except ApiError as exc:
+                        raise SystemExit(f"/v1/completions failed: {exc}") from exc
                     texts.append(str(reply["choices"][0]["text"]))
     units = [tuple(s["units"]) for s in manifest["segments"]]
     return texts, {"placements": version["segments"], "units": units, "card": version["card"]}

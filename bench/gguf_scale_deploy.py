@@ -21,7 +21,6 @@ Then starts a coordinator and the agents (one ONNX Runtime thread each), deploys
 from __future__ import annotations
 
 import argparse
-import json
 import sys
 import tempfile
 import time
@@ -51,7 +50,7 @@ from partitioner.models.gguf.kernels import WeightsMode  # noqa: E402
 from partitioner.models.gguf.units import unit_table as raw_units  # noqa: E402
 from partitioner.planning.planner import plan  # noqa: E402
 from protocols.devices import DeviceList  # noqa: E402
-from protocols.manifest import DEFAULT_SESSIONS, Manifest  # noqa: E402
+from protocols.manifest import DEFAULT_SESSIONS, MANIFEST_FILE, Manifest  # noqa: E402
 from protocols.sizes import parse_size  # noqa: E402
 
 MB = 1e6
@@ -153,20 +152,11 @@ def stream_decode(coordinator: CoordinatorProc, tokens: int) -> tuple[float, flo
     start = time.perf_counter()
     first = last = 0.0
     count = 0
-    with (
-        coordinator.client(timeout=1800) as api,
-        api.stream("POST", "/v1/chat/completions", json=body) as reply,
-    ):
-        if reply.status_code != 200:
-            raise RuntimeError(f"chat completion failed: {reply.status_code} {reply.read()!r}")
-        for line in reply.iter_lines():
-            if not line.startswith("data: {"):
-                continue
-            chunk = json.loads(line[len("data: ") :])
-            if chunk.get("usage"):
-                count = int(chunk["usage"]["completion_tokens"])
-            if chunk.get("choices") and chunk["choices"][0]["delta"].get("content") is not None:
-                first = first or time.perf_counter()
+    for chunk in coordinator.api(timeout=1800).stream("/v1/chat/completions", body):
+        if chunk.usage:
+            count = int(chunk.usage["completion_tokens"])
+        if chunk.choices and chunk.choices[0]["delta"].get("content") is not None:
+            first = first or time.perf_counter()
     last = time.perf_counter()
     decode = (count - 1) / (last - first) if count > 1 and last > first else 0.0
     return first - start, decode, count
@@ -191,10 +181,8 @@ def deploy_and_measure(gguf: Path, work: Path, choice: Choice, agents: int, toke
         names = [f"g{i}" for i in range(agents)]
         memory = f"{choice.memory // MIB}MiB"
         with unpaired_agents(work, names, memory) as procs:
-            with coordinator.client() as api:
-                assert wait_for(
-                    lambda: set(names) <= {d["name"] for d in api.get("/v1/devices").json()}, 30
-                )
+            api = coordinator.api()
+            assert wait_for(lambda: set(names) <= {d.name for d in api.devices()}, 30)
             for agent in procs:
                 paired = coordinator.cli("pair", agent.name, pairing_code(agent))
                 assert paired.returncode == 0, paired.stdout + paired.stderr
@@ -226,19 +214,18 @@ def deploy_and_measure(gguf: Path, work: Path, choice: Choice, agents: int, toke
 
 def report_build(coordinator: CoordinatorProc) -> None:
     """The deploy's peak resident memory against the largest segment + 300 MB."""
-    with coordinator.client() as api:
-        console = api.get("/v1/console/models").json()
-    [entry] = [m for m in console if m["model_id"] == MODEL_ID]
-    build = entry["gguf"]["build"]
-    peak = int(build.get("deploy_peak_rss_bytes") or build["peak_rss_bytes"])
-    largest = int(build["largest_segment_bytes"])
-    bound = largest + BOUND_MARGIN
+    [entry] = [m for m in coordinator.api().console_models() if m.model_id == MODEL_ID]
+    if entry.gguf is None or entry.gguf.build is None:
+        raise RuntimeError(f"{MODEL_ID} has no GGUF build card")
+    build = entry.gguf.build
+    peak = build.deploy_peak_rss_bytes or build.peak_rss_bytes
+    bound = build.largest_segment_bytes + BOUND_MARGIN
     print(
         f"deploy peak resident memory {peak / MB:.0f} MB (build alone "
-        f"{build['peak_rss_bytes'] / MB:.0f} MB) | largest segment {largest / MB:.0f} MB + 300 MB "
-        f"= {bound / MB:.0f} MB | peak / bound {peak / bound:.2f} "
-        f"({'below' if peak < bound else 'ABOVE'} the bound); segments "
-        f"{build['segment_bytes'] / MB:.0f} MB in all, build {build['seconds']:.0f} s"
+        f"{build.peak_rss_bytes / MB:.0f} MB) | largest segment "
+        f"{build.largest_segment_bytes / MB:.0f} MB + 300 MB = {bound / MB:.0f} MB | peak / bound "
+        f"{peak / bound:.2f} ({'below' if peak < bound else 'ABOVE'} the bound); segments "
+        f"{build.segment_bytes / MB:.0f} MB in all, build {build.seconds:.0f} s"
     )
 
 
@@ -246,11 +233,9 @@ def report_agents(
     coordinator: CoordinatorProc, model: GgufModel, procs: list[AgentProc], idle: dict[str, int]
 ) -> None:
     """Each agent's resident memory next to the GGUF bytes of its layers."""
-    with coordinator.client() as api:
-        [record] = [m for m in api.get("/v1/deployments").json() if m["model_id"] == MODEL_ID]
-    [live] = [v for v in record["versions"] if v["state"] == "active"]
-    vdir = coordinator.state_dir / "deployments" / MODEL_ID / f"v{live['plan_version']}"
-    manifest = Manifest.model_validate_json((vdir / "manifest.json").read_text())
+    live = coordinator.api().active_version(MODEL_ID)
+    vdir = coordinator.state_dir / "deployments" / MODEL_ID / f"v{live.plan_version}"
+    manifest = Manifest.model_validate_json((vdir / MANIFEST_FILE).read_text())
     held = stage_bytes(model, manifest)
     print(
         f"{'agent':6s} {'units':22s} {'GGUF bytes':>11s} {'resident':>9s} {'ratio':>6s} "

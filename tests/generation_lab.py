@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import contextlib
-import json
 import re
 import secrets
 import signal
@@ -57,10 +56,8 @@ def decoder_lab(
     try:
         names = [f"g{i}-{suffix}" for i in range(agents)]
         with unpaired_agents(tmp, names, memory, agent_args) as procs:
-            with coordinator.client() as api:
-                assert wait_for(
-                    lambda: set(names) <= {d["name"] for d in api.get("/v1/devices").json()}, 15
-                )
+            api = coordinator.api()
+            assert wait_for(lambda: set(names) <= {d.name for d in api.devices()}, 15)
             for agent in procs:
                 paired = coordinator.cli("pair", agent.name, pairing_code(agent))
                 assert paired.returncode == 0, paired.stdout + paired.stderr
@@ -98,9 +95,7 @@ def agent_metric(lab: GenLab, agent: AgentProc, name: str) -> float:
 def live_version(lab: GenLab, model_id: str) -> dict[str, Any]:
     """The model's active version as ``GET /v1/deployments`` shows it (segments in stage
     order)."""
-    with lab.coordinator.client() as api:
-        [record] = [m for m in api.get("/v1/deployments").json() if m["model_id"] == model_id]
-    [live] = [v for v in record["versions"] if v["state"] == "active"]
+    live = lab.coordinator.api().active_version(model_id).model_dump(mode="json")
     return {**live, "segments": sorted(live["segments"], key=lambda p: p["index"])}
 
 
@@ -113,21 +108,15 @@ def agents_in_stage_order(lab: GenLab, model_id: str) -> list[AgentProc]:
 def stream_completion(
     lab: GenLab, body: dict[str, object], on_piece: Callable[[int], None]
 ) -> tuple[int, str]:
-    """``POST /v1/completions`` of ``body`` streamed: the status and the text; ``on_piece(n)``
-    runs after the n-th piece (to act mid-stream). A chunk that carries an error fails."""
+    """``POST /v1/completions`` of ``body`` streamed: the status (200; a refusal raises
+    ApiError) and the text; ``on_piece(n)`` runs after the n-th piece (to act mid-stream). A
+    chunk that carries an error fails."""
     pieces: list[str] = []
-    with (
-        lab.coordinator.client(timeout=900) as api,
-        api.stream("POST", "/v1/completions", json={**body, "stream": True}) as reply,
-    ):
-        for line in reply.iter_lines():
-            if not line.startswith("data: {"):
-                continue
-            chunk = json.loads(line[len("data: ") :])
-            assert "error" not in chunk, chunk
-            pieces.append(chunk["choices"][0]["text"])
-            on_piece(len(pieces))
-        return reply.status_code, "".join(pieces)
+    for chunk in lab.coordinator.api(timeout=900).stream("/v1/completions", body):
+        assert chunk.error is None, chunk
+        pieces.append(chunk.text())
+        on_piece(len(pieces))
+    return 200, "".join(pieces)
 
 
 def kill_at_piece(agent: AgentProc, piece: int, killed: threading.Event) -> Callable[[int], None]:

@@ -18,7 +18,6 @@ from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field
 from pathlib import Path
 
-import httpx
 import psutil
 from agent_helpers import AgentProc
 from coordinator_helpers import (
@@ -29,6 +28,9 @@ from coordinator_helpers import (
     unpaired_agents,
     wait_for,
 )
+
+from coordinator.client import CoordinatorClient
+from coordinator.errors import ApiError
 
 MODEL_ID = "all-minilm-l6-v2"
 CAPS = ("70MB", "30MB", "30MB")
@@ -83,29 +85,33 @@ def minilm_lab(tmp: Path, model: Path) -> Iterator[Lab]:
 
 def _pair(lab: Lab) -> None:
     names = {a.name for a in lab.agents}
-    with lab.coordinator.client() as api:
+    with lab.coordinator.api() as api:
 
         def listed() -> bool:
-            return names <= {d["name"] for d in api.get("/v1/devices").json()}
+            return names <= {d.name for d in api.devices()}
 
         if not wait_for(listed, 20):
-            raise RuntimeError(f"agents not discovered: {api.get('/v1/devices').text}")
+            raise RuntimeError(f"agents not discovered: {api.devices()}")
         for agent in lab.agents:
             result = lab.coordinator.cli("pair", agent.name, pairing_code(agent))
             if result.returncode != 0:
                 raise RuntimeError(f"pairing {agent.name} failed: {result.stdout}{result.stderr}")
 
         def paired() -> bool:
-            devices = api.get("/v1/devices").json()
-            return all(d["status"] == "paired" for d in devices if d["name"] in names)
+            return all(d.status == "paired" for d in api.devices() if d.name in names)
 
         if not wait_for(paired, 20):
-            raise RuntimeError(f"agents not paired: {api.get('/v1/devices').text}")
+            raise RuntimeError(f"agents not paired: {api.devices()}")
 
 
-def embed(api: httpx.Client, text: str) -> httpx.Response:
-    """One ``/v1/embeddings`` request for one sentence."""
-    return api.post("/v1/embeddings", json={"model": MODEL_ID, "input": text})
+def embed(api: CoordinatorClient, text: str) -> str | None:
+    """One ``/v1/embeddings`` request for one sentence: None when answered, else what went
+    wrong (the status and detail of a refusal; status 0: no answer)."""
+    try:
+        api.embeddings(MODEL_ID, text)
+    except ApiError as exc:
+        return f"{exc.status}: {exc.detail}"
+    return None
 
 
 @dataclass
@@ -164,18 +170,13 @@ def run_load(
             return issued[0]
 
     def client() -> None:
-        with lab.coordinator.client(timeout=60.0) as api:
+        with lab.coordinator.api(timeout=60.0) as api:
             while (n := take()) is not None:
                 started = time.perf_counter()
-                try:
-                    response = embed(api, SENTENCES[n % len(SENTENCES)])
-                    problem = None if response.status_code == 200 else response.text
-                except httpx.HTTPError as exc:
-                    problem = f"{type(exc).__name__}: {exc}"
-                    response = None
+                problem = embed(api, SENTENCES[n % len(SENTENCES)])
                 took = time.perf_counter() - started
                 with lock:
-                    if problem is None and response is not None:
+                    if problem is None:
                         result.latencies_s.append(took)
                     else:
                         result.errors.append(f"request {n}: {problem}")

@@ -17,12 +17,11 @@ from __future__ import annotations
 
 import collections
 import functools
-import json
 import os
 import signal
 import threading
 import time
-from collections.abc import Callable, Iterator, Sequence
+from collections.abc import Callable, Sequence
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -33,6 +32,7 @@ import numpy as np
 from rich.console import Console
 from rich.table import Table
 
+from coordinator.errors import ApiError
 from devtools.demo.steps import MODEL_ID, Api
 from devtools.demo.supervise import AgentSupervisor, FailoverNote, failover_notes
 from devtools.reference import greedy_reference, unsharded_embeddings
@@ -324,34 +324,23 @@ def _stream_client(
 def _read_stream(
     api: Api, body: dict[str, Any], first_token: threading.Event, tally: Tally
 ) -> str | None:
-    """The text of one streamed completion, or None when it was refused or ended in an error."""
-    headers = {"Authorization": f"Bearer {api.token}"}
-    with (
-        httpx.Client(base_url=api.url, timeout=120, trust_env=False) as client,
-        client.stream("POST", "/v1/completions", json=body, headers=headers) as response,
-    ):
-        if response.status_code != 200:
-            tally.refused(str(response.status_code))
-            return None
-        parts: list[str] = []
-        for chunk in _events(response.iter_lines()):
-            if "error" in chunk:
+    """The text of one streamed completion, or None when it was refused or ended in an error;
+    httpx.HTTPError when the connection dropped (to send it again)."""
+    parts: list[str] = []
+    try:
+        for chunk in api.client(timeout=120).stream("/v1/completions", body):
+            if chunk.error is not None:
                 tally.refused("stream error")
                 return None
-            for choice in chunk.get("choices", []):
+            for choice in chunk.choices:
                 parts.append(choice.get("text", ""))
                 first_token.set()
-        return "".join(parts)
-
-
-def _events(lines: Iterator[str]) -> Iterator[dict[str, Any]]:
-    for line in lines:
-        if not line.startswith("data: "):
-            continue
-        data = line[len("data: ") :]
-        if data == "[DONE]":
-            return
-        yield json.loads(data)
+    except ApiError as exc:
+        if exc.status == 0 and isinstance(exc.__cause__, httpx.HTTPError):
+            raise exc.__cause__ from None
+        tally.refused(str(exc.status))
+        return None
+    return "".join(parts)
 
 
 def _plan_devices(api: Api) -> dict[str, dict[int, frozenset[str]]]:

@@ -15,7 +15,7 @@ import warnings
 from collections.abc import Callable, Iterator, Mapping, Sequence
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import numpy as np
 from rich.console import Console
@@ -26,6 +26,9 @@ from coordinator.config import API_DEPLOY_TIMEOUT_S
 from protocols.manifest import MANIFEST_FILE
 from protocols.pairing import CODE_FILE
 from protocols.sizes import parse_size
+
+if TYPE_CHECKING:
+    from coordinator.client import CoordinatorClient
 
 MODEL_ID = "all-minilm-l6-v2"
 AGENT_MEMORY = "1GiB"
@@ -57,15 +60,19 @@ class Api:
     url: str
     token: str
 
+    def client(self, timeout: float = 60.0) -> CoordinatorClient:
+        """The typed client of the same API, for the verbs it has (typed replies, ApiError)."""
+        # heavy: httpx (coordinator extra), absent on an agent-only install whose parser imports us
+        from coordinator.client import CoordinatorClient
+
+        return CoordinatorClient(self.url, self.token, timeout)
+
     def call(
         self, method: str, path: str, body: Any = None, timeout: float = 60.0
     ) -> tuple[int, Any]:
         """``(status, JSON reply)`` of one request (a non-JSON reply as ``{"detail": text}``);
         httpx.HTTPError when the coordinator cannot be reached."""
-        # heavy: httpx (coordinator extra), absent on an agent-only install whose parser imports us
-        from coordinator.client import CoordinatorClient
-
-        reply = CoordinatorClient(self.url, self.token).call(method, path, body, timeout)
+        reply = self.client().call(method, path, body, timeout)
         return reply.status, reply.body
 
     def get(self, path: str) -> Any:
