@@ -39,6 +39,7 @@ Rooms, each importing only the rooms below it (an import-linter layers contract)
     - :mod:`coordinator.http.openai`          OpenAI-compatible text generation routes
     - :mod:`coordinator.http.openai_models`   their bodies
     - :mod:`coordinator.http.openai_serving`  OpenAI-compatible models and embeddings routes
+    - :mod:`coordinator.http.replies`         the replies routes build as plain JSON, as models
     - :mod:`coordinator.http.console`         the routes the web console needs beyond the core API
     - :mod:`coordinator.http.training`        the training-run routes
     - :mod:`coordinator.http.metrics`         Prometheus metrics at ``GET /metrics``

@@ -52,7 +52,7 @@ def serve(config: CoordinatorConfig, console: Console) -> int:
     pairing = Pairing(config.state_dir, ca)
     registry = DeviceRegistry(paired_fingerprint=pairing.fingerprint_of)
     agents = AgentClient(ctx, config.timeouts)
-    trust = TrustService(pairing, registry, ca, agents)
+    trust = TrustService(pairing, registry, ca, agents, config.timeouts, config.retries)
     store = DeploymentStore(config.state_dir)
     plane = DataPlane(config.timeouts)
     # failover, router, liveness and deployer need one another: late-bound through lambdas
@@ -73,12 +73,14 @@ def serve(config: CoordinatorConfig, console: Console) -> int:
         lambda record, timeout: agents.status(address_of(record), timeout),
         failover,
         busy=lambda: deployer.busy_devices(),
+        timeouts=config.timeouts,
+        retries=config.retries,
     )
 
     def live() -> list[DeviceRecord]:
         return [r for r in trust.trusted() if liveness.alive(r.name)]
 
-    links = LinkMeter(agents, live, requester_probe(plane, ctx))
+    links = LinkMeter(agents, live, requester_probe(plane, ctx, config.timeouts))
     deployer = Deployer(
         config.state_dir,
         store,
@@ -127,7 +129,7 @@ def serve(config: CoordinatorConfig, console: Console) -> int:
         )
     )
     server = api_server(app, config.api_host, config.port)
-    discovery = ZeroconfDiscovery(registry, config.interface)
+    discovery = ZeroconfDiscovery(registry, config.interface, config.timeouts)
     try:
         trust.start()
         failover.start()

@@ -54,6 +54,26 @@ class Timeouts:
     """One deploy to an agent (send the segment, load, warm up, answer), or one training file."""
     agent_metrics_s: float = 10.0
     """Reading an agent's ``/metrics`` (the console's stage rates)."""
+    ping_s: float = 1.0
+    """One liveness ping (``GET /v1/status``) of a paired agent
+    (:class:`~coordinator.fleet.liveness.Liveness`)."""
+    busy_grace_s: float = 60.0
+    """How long a device that is being deployed to may miss pings before it is lost (it is
+    loading its segment and may not answer)."""
+    startup_grace_s: float = 5.0
+    """How long after start a device the deployments expect may be absent before it is lost."""
+    settle_s: float = 2.0
+    """How long a lost device must answer every ping before it is back (no flapping)."""
+    link_probe_s: float = 60.0
+    """Measuring the coordinator's link to one agent, all probe rounds
+    (:func:`~coordinator.fleet.requester_links.requester_probe`)."""
+    link_reply_s: float = 10.0
+    """One probe frame's answer while measuring that link."""
+    mdns_resolve_s: float = 2.0
+    """Resolving one agent's mDNS service record (:mod:`coordinator.fleet.discovery`)."""
+    trust_delivery_s: float = 10.0
+    """An approve or revoke's wait for its deliveries to the agents; the poller tells the others
+    later (:class:`~coordinator.trust.delivery.TrustService`)."""
 
 
 @dataclass(frozen=True)
@@ -63,6 +83,20 @@ class Retries:
     unavailable_s: float = 15.0
     """A model the devices left cannot hold: re-planned again this often, and callers are told
     to come back after it."""
+    ping_interval_s: float = 0.5
+    """Liveness pings every paired agent this often (after a miss the next round starts at
+    once)."""
+    ping_misses: int = 2
+    """Failed pings in a row after which a device is lost."""
+    trust_poll_s: float = 0.5
+    """The trust poller's round: offers, undelivered grants, renewals, revocation pushes."""
+    renewal_retry_s: float = 5.0
+    """A renewed certificate that did not reach its agent is sent again after this."""
+    exchange_retry_s: float = 5.0
+    """An agent that failed a trust exchange is not asked again for this long, doubling with
+    each failure in a row up to :attr:`exchange_max_backoff_s`; an answer resets it."""
+    exchange_max_backoff_s: float = 60.0
+    """The longest wait between trust exchanges with an agent that keeps failing."""
 
 
 @dataclass(frozen=True)

@@ -55,7 +55,6 @@ from protocols.plan import Objective
 
 log = logging.getLogger(__name__)
 HEALTH_TOLERANCE = 1e-4
-HEALTH_TIMEOUT_S = 60.0
 
 HealthCheck = Callable[[list[Hop], int, Arrays], Arrays]
 """Send inputs into a chain for a plan version; the outputs."""

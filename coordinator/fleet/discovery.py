@@ -19,13 +19,13 @@ import time
 
 from zeroconf import IPVersion, ServiceBrowser, ServiceStateChange, Zeroconf
 
+from coordinator.config import Timeouts
 from coordinator.fleet.registry import DeviceRegistry
 from protocols.constants import SERVICE_TYPE
 from protocols.errors import TxtRecordError
 from protocols.txt import decode_txt
 
 log = logging.getLogger(__name__)
-RESOLVE_TIMEOUT_MS = 2000
 DISCOVERY_INTERVAL_S = 1.0
 GOODBYE_S = 1.2
 """zeroconf keeps a goodbye's records for 1 s (RFC 6762 10.1); names are asked again after."""
@@ -36,8 +36,11 @@ ANSWER_S = 0.5
 class ZeroconfDiscovery:
     """Browses for agents on ``interface`` and keeps ``registry`` up to date."""
 
-    def __init__(self, registry: DeviceRegistry, interface: str) -> None:
+    def __init__(
+        self, registry: DeviceRegistry, interface: str, timeouts: Timeouts | None = None
+    ) -> None:
         self._registry = registry
+        self._resolve_ms = int((timeouts or Timeouts()).mdns_resolve_s * 1000)
         self._zeroconf = Zeroconf(interfaces=[interface], ip_version=IPVersion.V4Only)
         self._browser = ServiceBrowser(self._zeroconf, SERVICE_TYPE, handlers=[self._on_change])
         self._departed: dict[str, float] = {}
@@ -108,7 +111,7 @@ class ZeroconfDiscovery:
         self._resolve(service_type, name)
 
     def _resolve(self, service_type: str, name: str) -> None:
-        info = self._zeroconf.get_service_info(service_type, name, timeout=RESOLVE_TIMEOUT_MS)
+        info = self._zeroconf.get_service_info(service_type, name, timeout=self._resolve_ms)
         if info is None:
             log.warning("could not resolve %s", name)
             return

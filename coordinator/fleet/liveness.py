@@ -2,18 +2,22 @@
 
 mDNS alone cannot tell that an agent died: a ``kill -9``'d agent sends no goodbye, and its
 records stay cached for minutes. :class:`Liveness` therefore asks each trusted agent for its
-``GET /v1/status`` every :data:`PING_INTERVAL_S` with a short timeout and decides:
+``GET /v1/status`` every :attr:`~coordinator.config.Retries.ping_interval_s` with a short
+timeout (:attr:`~coordinator.config.Timeouts.ping_s`) and decides:
 
-- **lost** after :data:`MISSES` failed pings in a row (timeouts: a busy agent may answer
-  late; after a miss the next round starts at once, so a silent device, such as one behind a
-  cut link, is lost about ``PING_INTERVAL_S + MISSES * PING_TIMEOUT_S`` after it went quiet).
-  A device the coordinator is pushing a segment to right now (``busy``) is loading it and may
-  not answer for seconds; its timeouts are forgiven for up to :data:`BUSY_GRACE_S`;
+- **lost** after :attr:`~coordinator.config.Retries.ping_misses` failed pings in a row
+  (timeouts: a busy agent may answer late; after a miss the next round starts at once, so a
+  silent device, such as one behind a cut link, is lost about ``ping_interval_s +
+  ping_misses * ping_s`` after it went quiet). A device the coordinator is pushing a segment
+  to right now (``busy``) is loading it and may not answer for seconds; its timeouts are
+  forgiven for up to :attr:`~coordinator.config.Timeouts.busy_grace_s`;
   at once when its port refuses the connection (nothing listens: the process is gone), when a
   caller's own evidence (a broken chain) is confirmed by a failed :meth:`Liveness.probe`, when
   the device leaves the trusted set (mDNS goodbye, revocation), or when a device the
-  deployments expect has not shown up :data:`STARTUP_GRACE_S` after start;
-- **back** once a lost device has answered every ping for :data:`SETTLE_S` (no flapping).
+  deployments expect has not shown up
+  :attr:`~coordinator.config.Timeouts.startup_grace_s` after start;
+- **back** once a lost device has answered every ping for
+  :attr:`~coordinator.config.Timeouts.settle_s` (no flapping).
 
 Events go to a :class:`LivenessListener` (the failover policy), outside any lock. The status
 replies are handed on too, so the listener can see an agent that answers but no longer holds
@@ -30,17 +34,12 @@ from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 from typing import Protocol
 
+from coordinator.config import Retries, Timeouts
 from coordinator.errors import AgentError
 from coordinator.fleet.registry import DeviceRecord
 from protocols.deploy import AgentStatus
 
 log = logging.getLogger(__name__)
-PING_INTERVAL_S = 0.5
-PING_TIMEOUT_S = 1.0
-MISSES = 2
-SETTLE_S = 2.0
-STARTUP_GRACE_S = 5.0
-BUSY_GRACE_S = 60.0
 
 Ping = Callable[[DeviceRecord, float], AgentStatus]
 """``GET /v1/status`` of a device with a timeout in seconds; raises AgentError."""
@@ -95,7 +94,11 @@ class Liveness:
         clock: Callable[[], float] = time.monotonic,
         wall: Callable[[], float] = time.time,
         busy: Callable[[], Collection[str]] = frozenset,
+        timeouts: Timeouts | None = None,
+        retries: Retries | None = None,
     ) -> None:
+        self._timeouts = timeouts or Timeouts()
+        self._retries = retries or Retries()
         self._devices = devices
         self._busy = busy
         self._expected = expected
@@ -171,13 +174,13 @@ class Liveness:
         """The wait before the next round: none while a device not yet lost has just missed."""
         with self._lock:
             suspect = any(d.state == "alive" and d.misses > 0 for d in self._known.values())
-        return 0.0 if suspect else PING_INTERVAL_S
+        return 0.0 if suspect else self._retries.ping_interval_s
 
     def _ping_all(self, records: list[DeviceRecord]) -> dict[str, _Reply]:
         def one(record: DeviceRecord) -> _Reply:
             asked = self._wall()
             try:
-                return _Reply(self._ping(record, PING_TIMEOUT_S), "", False, asked)
+                return _Reply(self._ping(record, self._timeouts.ping_s), "", False, asked)
             except AgentError as exc:
                 refused = isinstance(exc.__cause__, ConnectionRefusedError)
                 return _Reply(None, str(exc), refused, asked)
@@ -202,22 +205,22 @@ class Liveness:
         device.misses = 0
         if device.state == "lost":
             device.state, device.since = "returning", self._clock()
-        if device.state == "returning" and self._clock() - device.since >= SETTLE_S:
+        if device.state == "returning" and self._clock() - device.since >= self._timeouts.settle_s:
             device.state = "alive"
             return [("back", name, "")]
         return []
 
     def _out_of_patience(self, device: _Device, patient: bool) -> bool:
         if not patient:
-            return device.misses >= MISSES
-        return self._clock() - device.quiet_since >= BUSY_GRACE_S
+            return device.misses >= self._retries.ping_misses
+        return self._clock() - device.quiet_since >= self._timeouts.busy_grace_s
 
     def _judge_absent(self, present: set[str]) -> list[tuple[str, str, str]]:
         events = []
         for name, device in self._known.items():
             if name not in present and device.state != "lost":
                 events += self._lose(name, "it left (mDNS goodbye) or is no longer trusted")
-        if self._clock() - self._started >= STARTUP_GRACE_S:
+        if self._clock() - self._started >= self._timeouts.startup_grace_s:
             for name in set(self._expected()) - present - set(self._known):
                 events += self._lose(name, "a deployment uses it but it has not come online")
         return events
@@ -227,7 +230,7 @@ class Liveness:
         if device.state == "lost":
             return []
         was_alive = device.state == "alive"
-        device.state, device.misses = "lost", max(device.misses, MISSES)
+        device.state, device.misses = "lost", max(device.misses, self._retries.ping_misses)
         return [("lost", name, reason)] if was_alive else []
 
     def _emit(self, events: list[tuple[str, str, str]], replies: dict[str, _Reply]) -> None:

@@ -22,6 +22,7 @@ from typing import Any
 import numpy as np
 import numpy.typing as npt
 
+from coordinator.config import Timeouts
 from coordinator.errors import AgentError
 from coordinator.fleet.links import MIN_BANDWIDTH_MBPS, PROBE_BYTES
 from coordinator.fleet.registry import DeviceRecord
@@ -31,13 +32,14 @@ from protocols.frames import Frame, FrameHeader
 from protocols.links import RequesterLink, probe_estimate
 
 PROBE_ROUNDS = 6
-REPLY_TIMEOUT_S = 10.0
 
 
 class ProbeConnection:
     """A data-plane connection that sends probe frames and waits for their answers."""
 
-    def __init__(self) -> None:
+    def __init__(self, reply_s: float = Timeouts.link_reply_s) -> None:
+        """``reply_s``: how long one probe frame's answer is awaited."""
+        self._reply_s = reply_s
         self._waiting: dict[str, asyncio.Future[None]] = {}
         self._connection: FrameConnection | None = None
 
@@ -55,9 +57,9 @@ class ProbeConnection:
         start = time.perf_counter()
         try:
             await self._connection.send(FrameHeader(request_id=request_id), tensors)
-            await asyncio.wait_for(answered, REPLY_TIMEOUT_S)
+            await asyncio.wait_for(answered, self._reply_s)
         except TimeoutError as exc:
-            raise AgentError(f"no answer to a link probe within {REPLY_TIMEOUT_S:.0f} s") from exc
+            raise AgentError(f"no answer to a link probe within {self._reply_s:.0f} s") from exc
         finally:
             self._waiting.pop(request_id, None)
         return time.perf_counter() - start
@@ -79,10 +81,14 @@ class ProbeConnection:
 
 
 async def probe_agent(
-    hop: Hop, ctx: ssl.SSLContext, payload_bytes: int = PROBE_BYTES, rounds: int = PROBE_ROUNDS
+    hop: Hop,
+    ctx: ssl.SSLContext,
+    payload_bytes: int = PROBE_BYTES,
+    rounds: int = PROBE_ROUNDS,
+    reply_s: float = Timeouts.link_reply_s,
 ) -> RequesterLink:
     """The link between the coordinator and ``hop``'s agent; raises :class:`AgentError`."""
-    probe = ProbeConnection()
+    probe = ProbeConnection(reply_s)
     await probe.open(hop, ctx)
     try:
         small = [await probe.round_trip({}) for _ in range(rounds)]
@@ -100,15 +106,17 @@ async def probe_agent(
 
 
 def requester_probe(
-    plane: DataPlane, ctx: ssl.SSLContext, timeout_s: float = 60.0
+    plane: DataPlane, ctx: ssl.SSLContext, timeouts: Timeouts | None = None
 ) -> Callable[[DeviceRecord], RequesterLink]:
     """Measures the coordinator's link to one paired agent on the data-plane loop."""
+    timeouts = timeouts or Timeouts()
+    timeout_s = timeouts.link_probe_s
 
     def probe(record: DeviceRecord) -> RequesterLink:
         profile = record.announcement.profile
         hop = Hop(device=record.name, host=record.host, data_port=profile.data_port)
         try:
-            return plane.call(probe_agent(hop, ctx), timeout_s)
+            return plane.call(probe_agent(hop, ctx, reply_s=timeouts.link_reply_s), timeout_s)
         except TimeoutError as exc:
             raise AgentError(
                 f"probing the link to {record.name} took over {timeout_s:.0f} s"

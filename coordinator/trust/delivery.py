@@ -20,6 +20,7 @@ import threading
 import time
 from functools import partial
 
+from coordinator.config import Retries, Timeouts
 from coordinator.errors import AgentError, PairingError
 from coordinator.fleet.registry import DeviceRecord, DeviceRegistry
 from coordinator.transport.agent_client import AgentAddress, AgentClient, fetch_offer, send_grant
@@ -32,11 +33,6 @@ from protocols.deploy import AgentStatus, CertificateRenewal, Revocations
 from protocols.pairing import PairingGrant, PairingOffer, grant_proof
 
 log = logging.getLogger(__name__)
-POLL_INTERVAL_S = 0.5
-RETRY_S = 5.0
-"""A renewed certificate is sent again this much later if the agent still announces the old."""
-WAIT_S = 10.0
-"""How long approve, revoke and a waited poll round wait for the exchanges they started."""
 
 
 def address_of(record: DeviceRecord) -> AgentAddress:
@@ -53,12 +49,16 @@ class TrustService:
         registry: DeviceRegistry,
         ca: CertificateAuthority,
         agents: AgentClient,
+        timeouts: Timeouts | None = None,
+        retries: Retries | None = None,
     ) -> None:
         self._pairing = pairing
         self._registry = registry
         self._ca = ca
         self._agents = agents
-        self._exchanges = Exchanges()
+        self._wait_s = (timeouts or Timeouts()).trust_delivery_s
+        self._retries = retries or Retries()
+        self._exchanges = Exchanges(retries=self._retries)
         self._offered: set[str] = set()
         """Fingerprints of unpaired agents whose offer is recorded."""
         self._undelivered: dict[str, PairedDevice] = {}
@@ -81,28 +81,31 @@ class TrustService:
 
     def approve(self, name: str, code: str) -> PairedDevice:
         """Issue ``name``'s certificate if ``code`` matches, and deliver it to the agent
-        (waiting up to :data:`WAIT_S` for the deliveries; the poller retries the rest)."""
+        (waiting up to :attr:`~coordinator.config.Timeouts.trust_delivery_s` for the
+        deliveries; the poller retries the rest)."""
         device, key = self._pairing.approve_with_key(name, code)
         with self._lock:
             self._undelivered[name] = device
             self._grant_keys[name] = key
-        self._exchanges.wait_idle(WAIT_S, self._deliver_grants())
+        self._exchanges.wait_idle(self._wait_s, self._deliver_grants())
         return device
 
     def revoke(self, name: str) -> list[str]:
         """Revoke ``name`` and tell every paired agent, all at once; returns the agents that
-        were told within :data:`WAIT_S` (the poller tells the others later)."""
+        were told within :attr:`~coordinator.config.Timeouts.trust_delivery_s` (the poller
+        tells the others later)."""
         self._pairing.revoke(name)
         told: list[str] = []
         started = self._push_revocations(force=True, told=told)
-        self._exchanges.wait_idle(WAIT_S, started)
+        self._exchanges.wait_idle(self._wait_s, started)
         with self._lock:
             return sorted(told)
 
     def poll_once(self) -> None:
-        """One round, waited for (up to :data:`WAIT_S`): see :meth:`start_round`."""
+        """One round, waited for (up to
+        :attr:`~coordinator.config.Timeouts.trust_delivery_s`): see :meth:`start_round`."""
         self.start_round()
-        self._exchanges.wait_idle(WAIT_S)
+        self._exchanges.wait_idle(self._wait_s)
 
     def start_round(self) -> None:
         """Start what is due: offer fetches, grant deliveries, revocation and renewal pushes.
@@ -131,7 +134,7 @@ class TrustService:
         self._exchanges.close()
 
     def _run(self) -> None:
-        while not self._stop.wait(POLL_INTERVAL_S):
+        while not self._stop.wait(self._retries.trust_poll_s):
             try:
                 self.start_round()
             except Exception:  # the poller must outlive any one bad round
@@ -198,7 +201,7 @@ class TrustService:
                     continue
                 device = self._pairing.renew(record.name)
             with self._lock:
-                self._retry_at[record.fingerprint] = now + RETRY_S
+                self._retry_at[record.fingerprint] = now + self._retries.renewal_retry_s
             renewal = CertificateRenewal(cert_pem=device.cert_pem)
             call = partial(self._agents.renew, address_of(record), renewal)
             self._exchanges.start(

@@ -8,8 +8,9 @@ moment it completes (the ``done`` callback, in that worker), and it is tracked u
 - at most one exchange per endpoint (host, port) at a time, and at most :data:`MAX_IN_FLIGHT`
   in all (a round that finds no room asks again next round);
 - an endpoint whose exchange failed (refused, dripped past its deadline, an unreadable answer)
-  is not asked again for :data:`RETRY_S`, doubling with each failure in a row up to
-  :data:`MAX_BACKOFF_S`; an answer resets it;
+  is not asked again for :attr:`~coordinator.config.Retries.exchange_retry_s`, doubling with
+  each failure in a row up to :attr:`~coordinator.config.Retries.exchange_max_backoff_s`; an
+  answer resets it;
 - :meth:`Exchanges.close` cancels what has not started and waits for what has (each within its
   deadline): nothing is left running.
 """
@@ -25,12 +26,11 @@ from dataclasses import dataclass
 from functools import partial
 from typing import Any, TypeVar
 
+from coordinator.config import Retries
 from coordinator.errors import AgentError
 
 log = logging.getLogger(__name__)
 MAX_IN_FLIGHT = 64
-RETRY_S = 5.0
-MAX_BACKOFF_S = 60.0
 MAX_BACKOFFS = 4096
 """Endpoints remembered as backing off; past that, the ones whose backoff ended are dropped."""
 Endpoint = tuple[str, int]
@@ -46,8 +46,11 @@ class _Backoff:
 class Exchanges:
     """Tracked exchanges, one per endpoint, with per-endpoint backoff after failures."""
 
-    def __init__(self, clock: Callable[[], float] = time.monotonic) -> None:
+    def __init__(
+        self, clock: Callable[[], float] = time.monotonic, retries: Retries | None = None
+    ) -> None:
         self._clock = clock
+        self._retries = retries or Retries()
         self._pool = ThreadPoolExecutor(MAX_IN_FLIGHT, thread_name_prefix="trust-exchange")
         self._lock = threading.Lock()
         self._idle = threading.Condition(self._lock)
@@ -143,5 +146,6 @@ class Exchanges:
             if len(self._backoff) >= MAX_BACKOFFS:
                 self._backoff = {e: b for e, b in self._backoff.items() if b.until > now}
             previous = self._backoff.get(endpoint)
-            delay = RETRY_S if previous is None else min(2 * previous.delay, MAX_BACKOFF_S)
+            first, most = self._retries.exchange_retry_s, self._retries.exchange_max_backoff_s
+            delay = first if previous is None else min(2 * previous.delay, most)
             self._backoff[endpoint] = _Backoff(now + delay, delay)

@@ -42,6 +42,7 @@ from coordinator_helpers import (
 from dataplane_fakes import SERVERS, FakeAgent
 from failover_helpers import active_version, failover_events, segment_devices
 
+from coordinator.config import Retries, Timeouts
 from coordinator.deploy.store import (
     DeploymentBook,
     DeploymentStore,
@@ -50,7 +51,7 @@ from coordinator.deploy.store import (
     VersionRecord,
 )
 from coordinator.errors import DeployError, NotServableError, UnavailableError
-from coordinator.fleet.liveness import MISSES, SETTLE_S, STARTUP_GRACE_S, Liveness
+from coordinator.fleet.liveness import Liveness
 from coordinator.fleet.registry import DeviceRecord
 from coordinator.serving.failover import Failover, FailoverEvent
 from coordinator.serving.router import Router
@@ -67,6 +68,9 @@ from protocols.profile import AgentState, Announcement, DeviceProfile
 log = logging.getLogger(__name__)
 SHA = "ab" * 32
 IO = [TensorInfo(name="x", dtype="float32", shape=["batch", 4])]
+MISSES = Retries().ping_misses
+SETTLE_S = Timeouts().settle_s
+STARTUP_GRACE_S = Timeouts().startup_grace_s
 
 
 # ---------------------------------------------------------------------------- fakes
@@ -425,7 +429,8 @@ def test_liveness_misses_settle_and_absence() -> None:
 def test_a_device_loading_a_segment_is_given_time_but_not_forever() -> None:
     """Timeouts of a device being deployed to are forgiven for BUSY_GRACE_S; refusals are not."""
     from coordinator.errors import AgentError
-    from coordinator.fleet.liveness import BUSY_GRACE_S
+
+    busy_grace_s = Timeouts().busy_grace_s
 
     clock = [0.0]
     busy = {"a", "b"}
@@ -452,7 +457,7 @@ def test_a_device_loading_a_segment_is_given_time_but_not_forever() -> None:
         assert ("lost", "a") not in listener.events and live.alive("a")
         assert ("lost", "b") in listener.events  # busy, but nothing listens: lost at once
         assert ("lost", "c") in listener.events  # not busy: lost after MISSES time-outs
-        clock[0] = BUSY_GRACE_S
+        clock[0] = busy_grace_s
         live.tick()
         assert listener.events[-1] == ("lost", "a")  # still silent after the grace
     finally:

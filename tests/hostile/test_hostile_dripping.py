@@ -24,11 +24,12 @@ from coordinator_helpers import wait_for
 from cryptography import x509
 from cryptography.hazmat.primitives import serialization
 
+from coordinator.config import Retries
 from coordinator.errors import AgentError
 from coordinator.fleet.registry import DeviceRegistry
 from coordinator.transport.agent_client import AgentAddress, AgentClient, fetch_offer
 from coordinator.transport.tls import client_context
-from coordinator.trust import delivery, exchanges
+from coordinator.trust import delivery
 from coordinator.trust.ca import CertificateAuthority
 from coordinator.trust.delivery import TrustService
 from coordinator.trust.exchanges import Exchanges
@@ -181,12 +182,12 @@ def test_an_endpoint_that_fails_backs_off_doubling_and_an_answer_resets_it() -> 
         gate.set()
         assert pool.wait_idle(5.0)
         assert not pool.ready(endpoint)
-        clock.now += exchanges.RETRY_S
+        clock.now += Retries().exchange_retry_s
         assert pool.start(endpoint, failing, results.append)
         assert pool.wait_idle(5.0)
-        clock.now += exchanges.RETRY_S
+        clock.now += Retries().exchange_retry_s
         assert not pool.ready(endpoint)  # the second failure in a row doubled it
-        clock.now += exchanges.RETRY_S
+        clock.now += Retries().exchange_retry_s
         assert pool.start(endpoint, lambda: "answer", results.append)
         assert pool.wait_idle(5.0)
         assert pool.ready(endpoint)  # an answer resets the backoff
