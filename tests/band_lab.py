@@ -1,0 +1,91 @@
+"""Two paired agents and a coordinator on 127.0.0.1 that deploy the tiny decoders in two
+stages, for the stage-time calibration: ``tests/e2e/test_prediction_band.py`` (the mechanism)
+and ``bench/prediction_band.py`` (how close the calibrated predictions come)."""
+
+from __future__ import annotations
+
+import secrets
+import statistics
+from collections.abc import Iterator
+from contextlib import contextmanager
+from dataclasses import dataclass
+from pathlib import Path
+
+from agent_helpers import AgentProc
+from coordinator_helpers import (
+    CoordinatorProc,
+    pairing_code,
+    start_coordinator,
+    stop_process,
+    unpaired_agents,
+    wait_for,
+)
+
+CAPS = {"tiny-llama": "14MB", "tiny-gemma3": "16MB"}
+"""Per model: the cap on each agent under which no one agent holds it (the embedding and the
+output head, 7.8 MB each for tiny-llama, plus the KV cache)."""
+
+
+@dataclass
+class BandLab:
+    """The lab's coordinator and its two agents."""
+
+    coordinator: CoordinatorProc
+    agents: list[AgentProc]
+
+    def deploy(self, export: Path, model_id: str, cap: str) -> str:
+        """Deploy ``export`` under ``model_id`` with every agent capped at ``cap``."""
+        args = ["deploy", str(export / "model.onnx"), "--name", model_id]
+        args += ["--tokenizer", str(export)]
+        for agent in self.agents:
+            args += ["--memory-cap", f"{agent.name}={cap}"]
+        done = self.coordinator.cli(*args)
+        if done.returncode != 0:
+            raise RuntimeError(done.stdout + done.stderr + self.coordinator.log())
+        return done.stdout
+
+    def active_segments(self, model_id: str) -> list[dict[str, object]]:
+        """The active version's segments as ``GET /v1/deployments`` lists them."""
+        with self.coordinator.client() as api:
+            records = api.get("/v1/deployments").json()
+        [record] = [m for m in records if m["model_id"] == model_id]
+        [live] = [v for v in record["versions"] if v["state"] == "active"]
+        segments: list[dict[str, object]] = live["segments"]
+        return segments
+
+
+@contextmanager
+def band_lab(tmp: Path) -> Iterator[BandLab]:
+    """A coordinator and two agents (512 MiB each), paired, until the block ends."""
+    coordinator = start_coordinator(tmp)
+    try:
+        names = [f"b{i}-{secrets.token_hex(3)}" for i in range(2)]
+        with unpaired_agents(tmp, names, "512MiB") as agents:
+            with coordinator.client() as api:
+                listed = lambda: set(names) <= {d["name"] for d in api.get("/v1/devices").json()}  # noqa: E731
+                if not wait_for(listed, 15):
+                    raise RuntimeError("the agents were not discovered in 15 s")
+            for agent in agents:
+                paired = coordinator.cli("pair", agent.name, pairing_code(agent))
+                if paired.returncode != 0:
+                    raise RuntimeError(paired.stdout + paired.stderr)
+            yield BandLab(coordinator, agents)
+    finally:
+        stop_process(coordinator.proc)
+
+
+def ratios(segments: list[dict[str, object]]) -> list[float]:
+    """Each stage's predicted over measured decode-step time."""
+    return [float(str(s["predicted_compute_s"])) / float(str(s["warmup_s"])) for s in segments]
+
+
+def median_ratios(deploys: list[list[dict[str, object]]]) -> list[float]:
+    """Per stage, the median of :func:`ratios` over several deploys."""
+    runs = [ratios(segments) for segments in deploys]
+    return [statistics.median(stage) for stage in zip(*runs, strict=True)]
+
+
+def slowest_stage(deploys: list[list[dict[str, object]]]) -> int:
+    """The index of the stage with the larger median measured time over ``deploys``."""
+    measured = [statistics.median(float(str(s[i]["warmup_s"])) for s in deploys) for i in range(2)]
+    return measured.index(max(measured))
