@@ -10,9 +10,12 @@ No whole-model graph is ever built or written. In turn:
    model's tokenizer directory;
 3. the unit table (:mod:`coordinator.deploy.gguf_plan`) is planned with the planner as it is;
 4. each stage's segment is written by the builder (weights streamed to a data file), run here
-   in ONNX Runtime on the health check's prompt (its outputs feed the next stage; the session
-   is released before the next segment is built), then joined into the one file an agent
-   receives (:mod:`coordinator.deploy.onnx_inline`), so the process holds about one segment;
+   in ONNX Runtime on the health check's prompt (its outputs feed the next stage), probed with
+   the same session for speculative decoding (a pass of ``k`` tokens against ``k`` one-token
+   steps, bit for bit; the verdict goes into ``decoder.json`` as ``rows_probed`` and
+   ``rows_independent``, so verification runs only where it holds), released before the next
+   segment is built, then joined into the one file an agent receives
+   (:mod:`coordinator.deploy.gguf_stages`), so the process holds about one segment;
 5. the manifest is written, and the peak resident memory of the whole stretch is measured
    (:class:`~coordinator.deploy.peak_memory.PeakMemory`) and logged next to the file size and
    the largest segment, and kept on the version's :class:`~protocols.gguf_card.GgufCard`.
@@ -28,13 +31,12 @@ from pathlib import Path
 from typing import Any
 
 import numpy as np
-import onnx
 
 from coordinator.deploy.cutting import Arrays, DeployCommand, SplitOutcome, baseline_planner
-from coordinator.deploy.gguf_plan import GgufUnits, planning_problem, stage_ranges, unit_table
+from coordinator.deploy.gguf_plan import GgufUnits, planning_problem, unit_table
+from coordinator.deploy.gguf_stages import Built, build_stages
 from coordinator.deploy.gguf_tokenizer import GgufVocabulary, build_tokenizer, read_vocabulary
 from coordinator.deploy.limits import planned_limits
-from coordinator.deploy.onnx_inline import inline_external_data
 from coordinator.deploy.peak_memory import PeakMemory
 from coordinator.errors import (
     DeployError,
@@ -48,12 +50,12 @@ from coordinator.generation.feeds import step_inputs
 from hostkit.files import file_sha256
 from partitioner.analysis.decoding import describe_state
 from partitioner.analysis.phases import stage_prefill_s
-from partitioner.cutting.verify import run_model
-from partitioner.errors import InfeasiblePlanError, PartitionerError
-from partitioner.models.gguf.builder import DEFAULT_TOP_K, GgufSource, write_segment
+from partitioner.errors import InfeasiblePlanError
+from partitioner.models.gguf.builder import DEFAULT_TOP_K, GgufSource
 from partitioner.models.gguf.header import GgufModel, UnsupportedModel, read_header
 from partitioner.models.gguf.heap import release_freed_heap
 from partitioner.models.gguf.kernels import MATMUL_BITS, UnsupportedTensorType
+from partitioner.models.gguf.rows import RowsProbe
 from partitioner.planning.planner import plan_preferring_one_device
 from protocols.decoder import (
     DECODER_FILE,
@@ -71,7 +73,6 @@ from protocols.manifest import (
     ModelInfo,
     SegmentEntry,
     SessionLimits,
-    TensorInfo,
 )
 from protocols.plan import Plan
 from protocols.problem import PlanningProblem
@@ -88,7 +89,6 @@ message as ``role: content`` on its own line, then ``assistant:``. Plain text an
 continues; a file with its own template always uses that."""
 HEALTH_PROMPT = "The devices of a local network"
 """The health check's prompt (encoded with the file's tokenizer)."""
-SCRATCH_SUFFIX = ".build"
 
 
 def header_of(path: Path) -> GgufModel:
@@ -145,7 +145,9 @@ def gguf_split_and_run(
             problem = planning_problem(table, devices, command.model_id, work_scales)
             plan = _plan(command, problem, table, sessions)
             wire, local = health_feeds(model, _prompt(encoded, info))
-            built = _build_stages(command.model_path, plan, out, local, command.weights)
+            built = build_stages(_open(command.model_path), plan, out, local, command.weights)
+            info = probed(info, built.probe)
+            (out / DECODER_FILE).write_text(info.to_json() + "\n")
         manifest = _manifest(command.model_path, plan, problem, table, built, sessions)
         (out / "manifest.json").write_text(manifest.to_json() + "\n")
     known = built.known
@@ -189,6 +191,13 @@ def _open(path: Path) -> GgufSource:
             return GgufSource(path)
         except (OSError, ValueError) as exc:  # gguf-py raises ValueError for a bad file
             raise DeployError(f"cannot read the GGUF file {path}: {exc}") from exc
+
+
+def probed(info: DecoderInfo, probe: RowsProbe) -> DecoderInfo:
+    """``info`` recording the rows probe's verdict on the built chain (``rows_probed``,
+    ``rows_independent``): speculative verification runs only where it found a pass of several
+    tokens decoding as one-token steps, bit for bit."""
+    return info.model_copy(update={"rows_probed": True, "rows_independent": probe.alike})
 
 
 def _plan(
@@ -273,68 +282,12 @@ def health_feeds(model: GgufModel, prompt: Sequence[int]) -> tuple[Arrays, Array
     return wire, local
 
 
-class _Built:
-    """The stages as built: per segment its file, inputs, outputs and declared types."""
-
-    def __init__(self, known: Arrays) -> None:
-        self.known: Arrays = dict(known)
-        self.files: list[Path] = []
-        self.inputs: list[list[str]] = []
-        self.outputs: list[list[str]] = []
-        self.warmups: list[Arrays] = []
-        self.param_bytes: list[int] = []
-        self.declared: dict[str, TensorInfo] = {}
-
-
-def _build_stages(path: Path, plan: Plan, out: Path, local: Arrays, weights: WeightsMode) -> _Built:
-    """Write, run and join each stage's segment in turn (one segment in memory at a time).
-
-    The file is mapped once; the builder gives each weight's mapped pages back once mapped
-    (they would otherwise count as this process's resident memory for the whole build)."""
-    built = _Built(local)
-    source = _open(path)
-    for k, span in enumerate(stage_ranges(plan, source.model)):
-        scratch = out / f"segment{k}{SCRATCH_SUFFIX}.onnx"
-        files = write_segment(scratch, source, span, weights=weights)
-        release_freed_heap()
-        graph = onnx.load(str(scratch), load_external_data=False).graph
-        inputs = [i.name for i in graph.input]
-        outputs = [o.name for o in graph.output]
-        for value in [*graph.input, *graph.output]:
-            built.declared.setdefault(value.name, _tensor_info(value))
-        try:
-            built.warmups.append({n: built.known[n] for n in inputs})
-            built.known.update(run_model(scratch, built.known))
-            release_freed_heap()
-        except (PartitionerError, KeyError) as exc:
-            raise DeployError(f"segment {k} of {path.name} does not run: {exc}") from exc
-        final = out / f"segment{k}.onnx"
-        inline_external_data(scratch, final)
-        release_freed_heap()
-        built.param_bytes.append(sum(f.stat().st_size for f in files[1:]))
-        for file in files:
-            file.unlink(missing_ok=True)
-        built.files.append(final)
-        built.inputs.append(inputs)
-        built.outputs.append(outputs)
-    return built
-
-
-def _tensor_info(value: onnx.ValueInfoProto) -> TensorInfo:
-    tt = value.type.tensor_type
-    dtype = str(onnx.helper.tensor_dtype_to_np_dtype(tt.elem_type))
-    shape: list[int | str | None] = [
-        d.dim_value if d.HasField("dim_value") else (d.dim_param or None) for d in tt.shape.dim
-    ]
-    return TensorInfo(name=value.name, dtype=dtype, shape=shape)
-
-
 def _manifest(
     path: Path,
     plan: Plan,
     problem: PlanningProblem,
     table: GgufUnits,
-    built: _Built,
+    built: Built,
     sessions: SessionLimits,
 ) -> Manifest:
     types = {d.name: d.type for d in problem.devices}

@@ -13,7 +13,12 @@ from gguf_lab import BOS, write_tiny
 
 from coordinator.deploy.cutting import DeployCommand
 from coordinator.deploy.deployer import check_model_file
-from coordinator.deploy.gguf_cut import FALLBACK_CHAT_TEMPLATE, gguf_split_and_run, health_feeds
+from coordinator.deploy.gguf_cut import (
+    FALLBACK_CHAT_TEMPLATE,
+    gguf_split_and_run,
+    health_feeds,
+    probed,
+)
 from coordinator.deploy.gguf_tokenizer import GgufVocabulary, build_tokenizer
 from coordinator.deploy.model_files import ModelFormat, model_format
 from coordinator.deploy.peak_memory import PeakMemory
@@ -25,11 +30,13 @@ from coordinator.errors import (
     UnsupportedRopeScalingError,
 )
 from coordinator.http.errors import entry_of
+from coordinator.serving.decoder import not_in_effect
 from devtools.gguf_files import SPECS, write_gguf
 from partitioner.cutting.verify import run_chain
 from partitioner.models.gguf.builder import GgufSource
 from partitioner.models.gguf.reader import GgufFile
 from partitioner.models.gguf.reference import dequantized, forward
+from partitioner.models.gguf.rows import RowsProbe
 from protocols.decoder import DecoderInfo
 from protocols.devices import DeviceList
 
@@ -100,6 +107,24 @@ def test_segments_chain_and_agree_with_the_numpy_reference(
     assert set(card.quantization) == set(source.model.quantization)
     assert card.build is not None and card.build.peak_rss_bytes > 0
     assert card.build.largest_segment_bytes <= card.build.segment_bytes
+    # the chain was probed as built: a pass of several tokens decodes as one-token steps
+    info = DecoderInfo.from_json((out / "decoder.json").read_bytes())
+    assert info.rows_probed and info.rows_independent
+    assert not_in_effect("lookup", info, no_draft=True) is None
+
+
+def test_a_probe_that_finds_a_difference_keeps_speculation_off(tmp_path: Path) -> None:
+    path = write_tiny(tmp_path / "tiny.gguf")
+    gguf_split_and_run(DeployCommand(path, "tiny"), _devices(64 * MIB, 1), tmp_path / "v")
+    info = DecoderInfo.from_json((tmp_path / "v" / "decoder.json").read_bytes())
+    assert info.rows_probed and info.rows_independent and info.weights is None
+    failed = RowsProbe(prompt_length=3, vocab=info.vocab_size, alike=False, difference="x")
+    off = probed(info, failed)
+    assert off.rows_probed and not off.rows_independent
+    reason = not_in_effect("lookup", off, no_draft=True)
+    assert reason is not None and reason.startswith("rows not independent")
+    unprobed = info.model_copy(update={"rows_probed": False})
+    assert (not_in_effect("auto", unprobed, no_draft=True) or "").startswith("rows not checked")
 
 
 @pytest.mark.parametrize("weights", ["int8", "int4"])

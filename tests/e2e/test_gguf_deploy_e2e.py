@@ -4,8 +4,9 @@ A coordinator and two paired agents; a small random Llama GGUF (float weights, b
 tokenizer in its metadata) is deployed with ``fedshard deploy`` under caps that need both
 agents. The segments are built from the file (no ONNX export exists anywhere), a chat
 completion's greedy answer equals the numpy reference's greedy tokens on the same file,
-``GET /v1/models`` shows the file, and files that are no model or a GGUF of an architecture
-fedshard does not serve are refused with 400 and a code naming why.
+``GET /v1/models`` shows the file, files that are no model or a GGUF of an architecture
+fedshard does not serve are refused with 400 and a code naming why, and the segments, probed at
+deploy, speculate: greedy text with prompt lookup drafts is the text without.
 """
 
 from __future__ import annotations
@@ -14,6 +15,7 @@ import secrets
 from collections.abc import Iterator
 from dataclasses import dataclass
 from pathlib import Path
+from typing import Any
 
 import pytest
 from coordinator_helpers import (
@@ -73,6 +75,13 @@ def lab(tmp_path_factory: pytest.TempPathFactory) -> Iterator[GgufLab]:
         stop_process(coordinator.proc)
 
 
+def _version_dir(state_dir: Path, plan_version: object) -> Path:
+    """A version's directory: ``plan-N`` (``vN`` in state dirs of earlier releases)."""
+    root = state_dir / "deployments" / MODEL_ID
+    named = root / f"plan-{plan_version}"
+    return named if named.is_dir() else root / f"v{plan_version}"
+
+
 def _live(lab: GgufLab) -> dict[str, object]:
     with lab.coordinator.client() as api:
         [record] = [m for m in api.get("/v1/deployments").json() if m["model_id"] == MODEL_ID]
@@ -86,7 +95,7 @@ def test_the_stages_are_built_from_the_file_on_both_agents(lab: GgufLab) -> None
     assert isinstance(segments, list)
     assert {p["device"] for p in segments} == set(lab.agents)
     assert live["source"] == str(lab.gguf)
-    version_dir = lab.coordinator.state_dir / "deployments" / MODEL_ID / f"v{live['plan_version']}"
+    version_dir = _version_dir(lab.coordinator.state_dir, live["plan_version"])
     assert {p.name for p in version_dir.iterdir()} >= {"decoder.json", "tokenizer.json"}
     assert not list(lab.coordinator.state_dir.rglob("model.onnx"))  # no whole-model graph
     assert "tiny.gguf" in lab.deploy_out and "peak resident memory" in lab.deploy_out
@@ -109,7 +118,7 @@ def test_models_list_shows_the_file(lab: GgufLab) -> None:
 
 def test_chat_completion_equals_the_reference_greedy_tokens(lab: GgufLab) -> None:
     live = _live(lab)
-    version_dir = lab.coordinator.state_dir / "deployments" / MODEL_ID / f"v{live['plan_version']}"
+    version_dir = _version_dir(lab.coordinator.state_dir, live["plan_version"])
     tokenizer = Tokenizer.from_file(str(version_dir / "tokenizer.json"))
     rendered = f"<|user|>{QUESTION}<|end|><|assistant|>"  # devtools.gguf_files.CHAT_TEMPLATE
     prompt = tokenizer.encode(rendered, add_special_tokens=False).ids
@@ -164,3 +173,40 @@ def test_the_console_plan_shows_the_stages(lab: GgufLab) -> None:
     stages = view.json()["stages"]
     assert len(stages) == len(_live(lab)["segments"])  # type: ignore[arg-type]
     assert stages[-1]["unit_end"] == 3 + 2  # embedding, three blocks, head
+
+
+EDIT = "the devices of a local network, the devices of a local network, the devices of a"
+"""A prompt that repeats itself, so prompt lookup drafts (and a verify pass runs) often."""
+
+
+def _greedy_texts(lab: GgufLab, mode: str, prompts: list[str]) -> tuple[list[str], dict[str, Any]]:
+    with lab.coordinator.client(timeout=300) as api:
+        route = f"/v1/deployments/{MODEL_ID}/speculative"
+        reply = api.put(route, json={"speculative": mode})
+        assert reply.status_code == 200, reply.text
+        texts = []
+        for prompt in prompts:
+            body = {"model": MODEL_ID, "prompt": prompt, "max_tokens": 24, "temperature": 0}
+            response = api.post("/v1/completions", json=body)
+            assert response.status_code == 200, response.text
+            texts.append(response.json()["choices"][0]["text"])
+        console = api.get("/v1/console/models").json()
+    [entry] = [m for m in console if m["model_id"] == MODEL_ID]
+    return texts, entry
+
+
+def test_greedy_text_is_the_same_with_and_without_speculation(lab: GgufLab) -> None:
+    """The segments were probed at deploy (a pass of k tokens decodes as k one-token steps),
+    so prompt lookup drafts are verified in one pass of each stage and the greedy text is the
+    text one token a pass gives (the chat test above holds the default, ``auto``, to the numpy
+    reference)."""
+    prompts = [EDIT, QUESTION]
+    try:
+        plain, off = _greedy_texts(lab, "off", prompts)
+        fast, on = _greedy_texts(lab, "lookup", prompts)
+    finally:
+        _greedy_texts(lab, "auto", [])
+    assert off["speculation_in_effect"] == "off: set off"
+    assert on["speculation_in_effect"] == "on: prompt lookup drafts"
+    assert fast == plain
+    assert on["drafted_tokens"] > 0  # verify passes ran

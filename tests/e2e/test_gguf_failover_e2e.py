@@ -59,6 +59,13 @@ def lab(tmp_path_factory: pytest.TempPathFactory) -> Iterator[GenLab]:
         stop_process(coordinator.proc)
 
 
+def _version_dir(state_dir: Path, plan_version: object) -> Path:
+    """A version's directory: ``plan-N`` (``vN`` in state dirs of earlier releases)."""
+    root = state_dir / "deployments" / MODEL_ID
+    named = root / f"plan-{plan_version}"
+    return named if named.is_dir() else root / f"v{plan_version}"
+
+
 def _live(lab: GenLab) -> dict[str, object]:
     with lab.coordinator.client() as api:
         [record] = [m for m in api.get("/v1/deployments").json() if m["model_id"] == MODEL_ID]
@@ -68,7 +75,7 @@ def _live(lab: GenLab) -> dict[str, object]:
 
 def test_a_stream_survives_losing_a_stage_and_the_file_is_rebuilt(lab: GenLab) -> None:
     first = _live(lab)
-    version_dir = lab.coordinator.state_dir / "deployments" / MODEL_ID / f"v{first['plan_version']}"
+    version_dir = _version_dir(lab.coordinator.state_dir, first["plan_version"])
     tokenizer = Tokenizer.from_file(str(version_dir / "tokenizer.json"))
     prompt = [BOS, *tokenizer.encode(PROMPT, add_special_tokens=False).ids]
     want = tokenizer.decode(reference_greedy(lab.export, prompt, TOKENS))

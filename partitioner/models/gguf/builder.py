@@ -28,6 +28,14 @@ model's; ``hidden.{k}`` is the one tensor between stages), and the KV cache pair
 carries no weights of blocks outside its range: :func:`write_segment` reads each tensor of the
 range from the memory-mapped file, maps it (:mod:`.kernels`), appends it to the segment's
 external data file and drops it, so the process holds about one tensor at a time.
+
+Rows: every float ``MatMul`` of a segment (the attention's two products, float weights, the
+min terms) runs on at least two rows
+(:func:`~partitioner.models.decoders.rowwise.at_least_two_rows`), so a one-token step goes
+through the kernel a pass of several tokens runs; ``MatMulNBits`` computes each row alike on
+the CPUs where it does. Whether a pass of ``k`` tokens then decodes as ``k`` one-token steps,
+bit for bit, is probed on the built segments (:mod:`.rows`), and speculative decoding runs only
+where it does.
 """
 
 from __future__ import annotations
@@ -43,6 +51,7 @@ import onnx
 from onnx import TensorProto, helper
 
 from partitioner.errors import GraphError
+from partitioner.models.decoders.rowwise import at_least_two_rows
 from partitioner.models.gguf import archs, ends
 from partitioner.models.gguf.header import GgufModel, header_of
 from partitioner.models.gguf.heap import release_freed_heap
@@ -186,7 +195,7 @@ def build_segment(
     opsets = [helper.make_opsetid("", OPSET), helper.make_opsetid("com.microsoft", MS_OPSET)]
     proto = helper.make_model(graph, opset_imports=opsets, producer_name="fedshard.gguf")
     proto.ir_version = 8
-    return proto
+    return at_least_two_rows(proto, weight_products=True)
 
 
 def in_memory(tensor: TensorProto) -> TensorProto:

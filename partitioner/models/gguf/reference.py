@@ -6,7 +6,8 @@ independently of the ONNX graph: RMS norms, RoPE in the file's layout (adjacent 
 masks, SwiGLU / GELU-tanh FFNs, Gemma 3's sandwich norms and embedding scale, Phi 3's fused
 tensors, Qwen 2's biases, Qwen 3 / Gemma 3 q/k norms, final logit softcapping. Weights are
 ``gguf.quants.dequantize``'s values; activations stay float64 (llama.cpp quantizes them to
-8 bits for its products, so agreement with it is a tolerance).
+8 bits for its products, so agreement with it is a tolerance; ``forward``'s ``activations``
+hook, e.g. :func:`q8_k`, applies such a rounding to every weight product's input).
 """
 
 from __future__ import annotations
@@ -21,6 +22,28 @@ from partitioner.models.gguf.kernels import dequantize
 
 Tensors = Callable[[str], np.ndarray]
 """A tensor's float64 values in its logical shape, by name."""
+Activations = Callable[[np.ndarray], np.ndarray]
+"""What a weight product's input becomes before the product (rows of the last axis)."""
+Q8_K_BLOCK = 256
+
+
+def _same(x: np.ndarray) -> np.ndarray:
+    return x
+
+
+def q8_k(x: np.ndarray) -> np.ndarray:
+    """``x`` rounded as llama.cpp's CPU products round activations against K-quant weights
+    (``quantize_row_q8_K_ref`` in ``ggml-quants.c``): per block of 256 values of the last axis,
+    ``d = max / -128`` where ``max`` is the value of largest magnitude, codes
+    ``min(127, round(x / d))``; returns ``codes * d``. A block holding one outlier keeps little
+    of its other values."""
+    blocks = np.asarray(x, np.float32).reshape(-1, Q8_K_BLOCK)
+    big = np.take_along_axis(blocks, np.abs(blocks).argmax(-1)[:, None], -1)
+    iscale = np.divide(-128.0, big, out=np.zeros_like(big), where=big != 0).astype(np.float32)
+    codes = np.minimum(127.0, np.rint(iscale * blocks))
+    d = np.divide(1.0, iscale, out=np.zeros_like(iscale), where=iscale != 0).astype(np.float32)
+    rounded: np.ndarray = (codes * d).reshape(x.shape).astype(np.float64)
+    return rounded
 
 
 def dequantized(model: GgufModel, raw: Callable[[str], np.ndarray]) -> Tensors:
@@ -66,9 +89,12 @@ def _silu(x: np.ndarray) -> np.ndarray:
     return out
 
 
-def _attention(m: GgufModel, w: Tensors, i: int, h: np.ndarray, pos: np.ndarray) -> np.ndarray:
+def _attention(
+    m: GgufModel, w: Tensors, i: int, h: np.ndarray, pos: np.ndarray, act: Activations = _same
+) -> np.ndarray:
     b = f"blk.{i}"
     n, d, hq, hk = h.shape[0], m.head_dim, m.heads, m.kv_heads
+    h = act(h)
     if m.architecture == Architecture.PHI3:
         qkv = h @ w(f"{b}.attn_qkv.weight").T
         q, k, v = np.split(qkv, [hq * d, hq * d + hk * d], axis=-1)
@@ -98,22 +124,26 @@ def _attention(m: GgufModel, w: Tensors, i: int, h: np.ndarray, pos: np.ndarray)
         p = np.exp(s - s.max(axis=-1, keepdims=True))
         p /= p.sum(axis=-1, keepdims=True)
         out[:, head] = p @ v[:, kv]
-    return out.reshape(n, hq * d) @ w(f"{b}.attn_output.weight").T
+    return act(out.reshape(n, hq * d)) @ w(f"{b}.attn_output.weight").T
 
 
-def _ffn(m: GgufModel, w: Tensors, i: int, h: np.ndarray) -> np.ndarray:
+def _ffn(m: GgufModel, w: Tensors, i: int, h: np.ndarray, act: Activations = _same) -> np.ndarray:
     b = f"blk.{i}"
+    h = act(h)
     if m.architecture == Architecture.PHI3:
         gate, up = np.split(h @ w(f"{b}.ffn_up.weight").T, 2, axis=-1)
     else:
         gate, up = h @ w(f"{b}.ffn_gate.weight").T, h @ w(f"{b}.ffn_up.weight").T
-    act = _gelu_tanh(gate) if m.architecture == Architecture.GEMMA3 else _silu(gate)
-    out: np.ndarray = (act * up) @ w(f"{b}.ffn_down.weight").T
+    gated = _gelu_tanh(gate) if m.architecture == Architecture.GEMMA3 else _silu(gate)
+    out: np.ndarray = act(gated * up) @ w(f"{b}.ffn_down.weight").T
     return out
 
 
-def forward(m: GgufModel, w: Tensors, tokens: Sequence[int]) -> np.ndarray:
-    """Logits ``[len(tokens), vocab]`` for ``tokens`` at positions ``0 .. len - 1``."""
+def forward(
+    m: GgufModel, w: Tensors, tokens: Sequence[int], activations: Activations = _same
+) -> np.ndarray:
+    """Logits ``[len(tokens), vocab]`` for ``tokens`` at positions ``0 .. len - 1``; every
+    weight product's input goes through ``activations`` first (default: as it is)."""
     gemma = m.architecture == Architecture.GEMMA3
     eps = m.norm_eps
     x = w("token_embd.weight")[np.asarray(tokens)]
@@ -122,15 +152,15 @@ def forward(m: GgufModel, w: Tensors, tokens: Sequence[int]) -> np.ndarray:
     pos = np.arange(len(tokens), dtype=np.float64)
     for i in range(m.layers):
         b = f"blk.{i}"
-        a = _attention(m, w, i, _rms(x, w(f"{b}.attn_norm.weight"), eps), pos)
+        a = _attention(m, w, i, _rms(x, w(f"{b}.attn_norm.weight"), eps), pos, activations)
         if gemma:
             a = _rms(a, w(f"{b}.post_attention_norm.weight"), eps)
         x = x + a
-        f = _ffn(m, w, i, _rms(x, w(f"{b}.ffn_norm.weight"), eps))
+        f = _ffn(m, w, i, _rms(x, w(f"{b}.ffn_norm.weight"), eps), activations)
         if gemma:
             f = _rms(f, w(f"{b}.post_ffw_norm.weight"), eps)
         x = x + f
-    logits = _rms(x, w("output_norm.weight"), eps) @ w(m.output_tensor).T
+    logits = activations(_rms(x, w("output_norm.weight"), eps)) @ w(m.output_tensor).T
     if m.final_softcap is not None:
         logits = np.tanh(logits / m.final_softcap) * m.final_softcap
     result: np.ndarray = logits

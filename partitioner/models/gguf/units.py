@@ -33,16 +33,21 @@ from protocols.decoder import TRAILING_POSITIONS
 from protocols.problem import Work
 
 OPS_BASE: dict[Architecture, int] = {
-    Architecture.LLAMA: 84,
-    Architecture.QWEN2: 81,
-    Architecture.QWEN3: 90,
-    Architecture.GEMMA3: 112,
-    Architecture.PHI3: 77,
+    Architecture.LLAMA: 94,
+    Architecture.QWEN2: 91,
+    Architecture.QWEN3: 100,
+    Architecture.GEMMA3: 122,
+    Architecture.PHI3: 87,
 }
 """Operators (non-constant nodes) of a one-block segment the builder makes with F32 weights,
-its mask and RoPE tables included (checked in tests/partitioner/test_gguf_builder.py)."""
-MIN_TERM_OPS = 9
-"""Nodes a weight's min-term product adds (:func:`kernels.min_term`)."""
+its mask and RoPE tables and its attention's two row-padded products included, the weights'
+row padding not (checked in tests/partitioner/test_gguf_builder.py)."""
+ROW_PAD_OPS = 5
+"""Nodes a float product's row padding adds
+(:func:`~partitioner.models.decoders.rowwise.at_least_two_rows`: Concat, Shape, Max and two
+Slice around the MatMul)."""
+MIN_TERM_OPS = 9 + ROW_PAD_OPS
+"""Nodes a weight's min-term product adds (:func:`kernels.min_term`, its product padded)."""
 FLOAT_BYTES = 4
 T = GGMLQuantizationType
 
@@ -70,13 +75,15 @@ def tensor_stored_bytes(t: TensorEntry, weights: WeightsMode, *, embedding: bool
 
 def block_ops(model: GgufModel, matrices: list[TensorEntry], weights: WeightsMode) -> int:
     """Operators of a one-block segment: the architecture's base plus a ``Cast`` per F16/BF16
-    weight and the min-term product's nodes per weight that needs one."""
+    weight, the row padding of each float weight's products and the min-term product's nodes per
+    weight that needs one."""
     ops = OPS_BASE[model.architecture]
     for t in matrices:
         pieces = len(row_chunks(t.shape[0], t.shape[1], CHUNK_VALUES))
         ops += 0 if pieces == 1 else 2 * pieces  # a product per piece and a Concat (about)
         if weights != "keep" or t.type in FLOAT_TYPES:
-            ops += 1 if t.type in (T.F16, T.BF16) and weights == "keep" else 0
+            if weights == "keep":
+                ops += ROW_PAD_OPS * pieces + (1 if t.type in (T.F16, T.BF16) else 0)
             continue
         lay = layout(t.type)
         if lay.has_low or default_zero_shift(lay, kernels.MATMUL_BITS[t.type]) is None:
