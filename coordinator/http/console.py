@@ -362,8 +362,12 @@ def _version(services: Services, model_id: str, plan_version: int | None) -> Ver
 
 def _unit_names(analyses: AnalysisCache, version: VersionRecord) -> list[str] | None:
     try:
+        if version.card is not None:  # built from a GGUF file: its header's units
+            from coordinator.deploy.gguf_what_if import gguf_unit_names
+
+            return gguf_unit_names(Path(version.source), version.card.weights)
         return [u.name for u in analyses.get(Path(version.source)).units.units]
-    except DeployError:
+    except (DeployError, RequestError):
         return None  # the plan is still shown, with unit numbers only
 
 
@@ -383,12 +387,22 @@ def _what_if(
     devices = what_if_devices(
         profiles, links, body.budgets, body.drop, requester, _roofs(services), body.slowdown
     )
-    analysis = analyses.get(Path(version.source))
     objective = body.objective or version.objective
-    new = what_if(analysis, devices, objective, version.model_id)
-    names = [u.name for u in analysis.units.units]
+    manifest = read_manifest(services.state_dir, version)
+    if version.card is not None:  # built from a GGUF file: planned from its header
+        from coordinator.deploy.gguf_what_if import gguf_what_if
+
+        sessions = manifest.sessions if manifest is not None else None
+        new, names = gguf_what_if(
+            Path(version.source), devices, objective, version.model_id, version.card.weights,
+            sessions,
+        )  # fmt: skip
+    else:
+        analysis = analyses.get(Path(version.source))
+        new = what_if(analysis, devices, objective, version.model_id)
+        names = [u.name for u in analysis.units.units]
     budgets = {d.name: d.memory_bytes for d in devices.devices}
-    current = deployed_view(version, read_manifest(services.state_dir, version), budgets, names)
+    current = deployed_view(version, manifest, budgets, names)
     return WhatIfAnswer(current=current, what_if=plan_view(version.model_id, new, names, budgets))
 
 
