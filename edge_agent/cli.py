@@ -18,6 +18,7 @@ from edge_agent.config import (
     TlsFiles,
     TrainConfig,
     parse_size,
+    read_metrics_token,
     usable_cores,
 )
 from edge_agent.errors import AgentError, ConfigError
@@ -73,6 +74,13 @@ def register(subparsers: Any) -> None:
     agent.add_argument("--max-frame", default="256MiB", help="largest data-plane frame accepted")
     agent.add_argument("--no-advertise", action="store_true", help="do not announce over mDNS")
     agent.add_argument("--reprofile", action="store_true", help="re-measure GFLOP/s at start")
+    agent.add_argument(
+        "--metrics-token-file",
+        type=Path,
+        help="a file holding a token (at least 16 printable characters): a scraper that sends "
+        "it as 'Authorization: Bearer TOKEN' may read /v1/status and /metrics over TLS "
+        "without a client certificate (default: only the coordinator may)",
+    )
     _add_runtime_args(agent)
     _add_train_args(agent)
     agent.add_argument("-v", "--verbose", action="store_true", help="debug logging")
@@ -197,6 +205,9 @@ def config_from_args(args: argparse.Namespace) -> AgentConfig:
         advertise=not args.no_advertise,
         reprofile=args.reprofile,
         training=_train_config(args, memory_bytes),
+        metrics_token=(
+            read_metrics_token(args.metrics_token_file) if args.metrics_token_file else None
+        ),
     )
 
 

@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 import os
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 
 from edge_agent.errors import ConfigError
@@ -99,6 +99,10 @@ class AgentConfig:
     """Measure GFLOP/s at start even when the state dir holds a cached profile."""
     training: TrainConfig | None = None
     """Run a Flower SuperNode beside the agent (``--train-data``)."""
+    metrics_token: bytes | None = field(default=None, repr=False)
+    """``--metrics-token-file``: a scraper that sends ``Authorization: Bearer TOKEN`` may read
+    ``/v1/status`` and ``/metrics`` without the coordinator's certificate (None: only the
+    coordinator may)."""
 
     def __post_init__(self) -> None:
         if self.name.lower() in RESERVED_NAMES:
@@ -107,3 +111,28 @@ class AgentConfig:
             raise ConfigError("--memory must be positive")
         if self.queue_depth < 1:
             raise ConfigError("--queue-depth must be at least 1")
+        if self.metrics_token is not None and len(self.metrics_token) < MIN_METRICS_TOKEN_BYTES:
+            raise ConfigError(
+                f"the metrics token must be at least {MIN_METRICS_TOKEN_BYTES} characters"
+            )
+
+
+MIN_METRICS_TOKEN_BYTES = 16
+"""Shortest ``--metrics-token-file`` token accepted (``openssl rand -hex 32`` writes 64)."""
+
+
+def read_metrics_token(path: Path) -> bytes:
+    """The token in ``path`` (surrounding whitespace stripped): printable ASCII without spaces,
+    at least :data:`MIN_METRICS_TOKEN_BYTES` long; raises ConfigError."""
+    try:
+        token = path.read_bytes().strip()
+    except OSError as exc:
+        raise ConfigError(f"cannot read --metrics-token-file {path}: {exc}") from exc
+    if not all(0x21 <= b <= 0x7E for b in token):
+        raise ConfigError(f"--metrics-token-file {path}: the token must be printable ASCII")
+    if len(token) < MIN_METRICS_TOKEN_BYTES:
+        raise ConfigError(
+            f"--metrics-token-file {path}: the token must be at least "
+            f"{MIN_METRICS_TOKEN_BYTES} characters (e.g. `openssl rand -hex 32`)"
+        )
+    return token

@@ -10,7 +10,9 @@ unauthenticated 1 MiB pairing bodies took a 256 MiB agent to 412 MB, and one pai
   bodies of coordinator-only routes (deploys, training files: their caller is authenticated and
   their size checked against their own limits); a body that does not fit is answered 503
   before a byte of it is read;
-- frames still being received on the data plane: :func:`frame_allowance`.
+- frames still being received on the data plane: :func:`frame_allowance`, of which one peer
+  (by its certificate's name) may hold at most :func:`frame_allowance_per_peer`, so that a
+  paired peer that starts large frames and never finishes them cannot starve the others.
 """
 
 from __future__ import annotations
@@ -40,6 +42,12 @@ def frame_allowance(memory_bytes: int, max_frame_bytes: int) -> int:
     """Bytes of data-plane frames still being received at once: a quarter of ``--memory``, at
     least 16 MiB, at most twice the frame limit."""
     return min(2 * max_frame_bytes, max(16 * MiB, memory_bytes // 4))
+
+
+def frame_allowance_per_peer(allowance: int) -> int:
+    """Bytes of unfinished frames one peer may hold: half of :func:`frame_allowance` (a larger
+    frame from one peer is refused; a chain's frames are a few MiB at most)."""
+    return allowance // 2
 
 
 class ConnectionLimits:

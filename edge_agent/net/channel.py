@@ -85,6 +85,10 @@ class FrameProtocol(asyncio.BufferedProtocol):
         self._max_queued = max_queued
         self._budget = budget
         self._reserved = 0
+        self._reserved_by = ""
+        self.peer_key = ""
+        """Whose share of ``budget`` this connection's frames reserve: the verified peer's
+        name once :meth:`identify` is called, an unnamed share before."""
         self._staging = bytearray(STAGING_BYTES)
         self._staged = 0
         self._frame: memoryview | None = None
@@ -145,15 +149,12 @@ class FrameProtocol(asyncio.BufferedProtocol):
                 offset += total
             else:
                 if self._budget is not None:
-                    if not self._budget.take(total):
-                        self._fail(
-                            FrameError(
-                                f"a {total}-byte frame does not fit the {self._budget.limit}-byte "
-                                "budget of unfinished frames"
-                            )
-                        )
+                    why = self._budget.refusal(total, self.peer_key)
+                    if why is not None:
+                        self._fail(FrameError(f"a {total}-byte frame does not fit {why}"))
                         return
-                    self._reserved = total
+                    self._budget.take(total, self.peer_key)
+                    self._reserved, self._reserved_by = total, self.peer_key
                 # np.empty, not bytearray(total): no zero-fill of a buffer about to be overwritten
                 frame = np.empty(total, np.uint8).data.cast("B")
                 frame[:available] = self._staging[offset : self._staged]
@@ -165,9 +166,26 @@ class FrameProtocol(asyncio.BufferedProtocol):
             self._staging[:rest] = self._staging[offset : self._staged]
         self._staged = rest
 
+    def identify(self, key: str) -> None:
+        """Reserve from ``key``'s share from now on. A frame that began with the handshake's
+        last bytes (before the server knew the peer) moves to that share, or fails when it
+        does not fit there."""
+        self.peer_key = key
+        if self._budget is None or not self._reserved or self._reserved_by == key:
+            return
+        total = self._reserved
+        self._budget.give(total, self._reserved_by)
+        self._reserved = 0
+        why = self._budget.refusal(total, key)
+        if why is not None:
+            self._fail(FrameError(f"a {total}-byte frame does not fit {why}"))
+            return
+        self._budget.take(total, key)
+        self._reserved, self._reserved_by = total, key
+
     def _release(self) -> None:
         if self._budget is not None and self._reserved:
-            self._budget.give(self._reserved)
+            self._budget.give(self._reserved, self._reserved_by)
         self._reserved = 0
 
     def _fail(self, exc: Exception) -> None:
@@ -371,7 +389,9 @@ class FrameServer:
 
     Every connection runs in a task this server keeps; :meth:`close` cancels and awaits them.
     Frames still being received on all connections together reserve at most
-    ``max_unfinished_bytes`` (default twice the frame limit; see :class:`UnfinishedBudget`).
+    ``max_unfinished_bytes`` (default twice the frame limit; see :class:`UnfinishedBudget`),
+    those of one peer (by its certificate's name; plain TCP: by address) at most
+    ``max_unfinished_per_peer`` (default: all of it).
     A failed handshake (plaintext client, certificate from another CA) is logged and aborted.
     """
 
@@ -383,12 +403,14 @@ class FrameServer:
         admit: Callable[[Peer], Peer] | None = None,
         max_unfinished_bytes: int | None = None,
         limits: ConnectionLimits | None = None,
+        max_unfinished_per_peer: int | None = None,
     ) -> None:
         """``limits``: open connections in all and per source (over them: closed at once)."""
         self._handler = handler
         self._limits = limits
         self._budget = UnfinishedBudget(
-            2 * max_frame_bytes if max_unfinished_bytes is None else max_unfinished_bytes
+            2 * max_frame_bytes if max_unfinished_bytes is None else max_unfinished_bytes,
+            max_unfinished_per_peer,
         )
         self.ctx = ctx
         """The TLS context for new connections (replaced when the agent pairs)."""
@@ -429,8 +451,9 @@ class FrameServer:
         if self.ctx is None:
             raw.set_protocol(protocol)
             protocol.connection_made(raw)
-            raw.resume_reading()
             peer = Peer(name=f"{address}", role="")
+            protocol.identify(peer.name)
+            raw.resume_reading()
         else:
             loop = asyncio.get_running_loop()
             try:
@@ -440,6 +463,8 @@ class FrameServer:
                 assert transport is not None
                 protocol.connection_made(transport)  # start_tls does not call it
                 peer = peer_of(transport.get_extra_info("ssl_object"))
+                # frame bytes may arrive with the handshake's end, before we know the peer
+                protocol.identify(peer.name)
                 if self._admit is not None:
                     self._admit(peer)
             except (ssl.SSLError, OSError, TimeoutError, PeerRejectedError) as exc:

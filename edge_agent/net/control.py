@@ -8,11 +8,13 @@ client certificate is asked for and only the pairing routes answer)::
     POST /v1/probe    coordinator  ProbeRequest                                -> ProbeReport
     POST /v1/training/copy  coordinator  TrainingCopyOffer                     -> TrainingCopyStatus
     POST /v1/training/file  coordinator  one file of the offer (raw bytes)     -> TrainingCopyStatus
-    GET  /v1/status   coordinator                                              -> AgentStatus
-    GET  /metrics     coordinator  Prometheus text format
+    GET  /v1/status   coordinator or scraper token                             -> AgentStatus
+    GET  /metrics     coordinator or scraper token  Prometheus text format
 
 (``/v1/status`` and ``/metrics`` were open to any paired agent: one agent could read every
-other's load and segments.)
+other's load and segments.) A route with a ``token`` (``fedshard agent --metrics-token-file``)
+is also served to a caller that sends ``Authorization: Bearer TOKEN``, compared in constant
+time, whatever certificate it has or lacks; any other caller still needs the route's role.
 
 Before a byte of a body is read, the route, the caller's role and the body's declared size
 (deploy: the agent's deploy limit; a training file: the largest file the signed offer still
@@ -28,9 +30,10 @@ or 5xx status.
 from __future__ import annotations
 
 import asyncio
+import hmac
 import logging
 from collections.abc import Awaitable, Callable
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 from edge_agent.errors import DeployError, LinkError, PairingError, PeerRejectedError
 from edge_agent.net.frame_budget import UnfinishedBudget
@@ -87,6 +90,8 @@ class Route:
     body_limit: Callable[[], int] | None = None
     """When set, the largest body right now (asked before the body is read; a training file
     may be as large as the largest file its signed offer still lacks)."""
+    token: bytes | None = field(default=None, repr=False)
+    """When set, a caller without one of ``roles`` is served if it sends this bearer token."""
 
 
 COORDINATOR_ONLY = frozenset({ROLE_COORDINATOR})
@@ -144,16 +149,18 @@ class ControlServer:
 
     async def _respond(self, reader: asyncio.StreamReader, peer: Peer) -> Response:
         """Route, role and size are checked before a byte of the body is read."""
-        method, path, length = await self._read_head(reader)
+        method, path, headers = await self._read_head(reader)
+        length = self._body_length(headers)
         route = self._routes.get((method, path.split("?", 1)[0]))
         if route is None:
             return _error(404, ControlErrorCode.NOT_FOUND, f"no route {method} {path}")
         try:
-            if route.roles is not None:
+            if route.roles is not None and not _bearer_admits(route.token, headers):
                 check_peer(peer, roles=route.roles)
         except PeerRejectedError as exc:
             log.warning("refused %s %s from %s: %s", method, path, peer.name, exc)
-            return _error(403, control_code_of(exc), str(exc))
+            hint = " or the operator's metrics token" if route.token is not None else ""
+            return _error(403, control_code_of(exc), f"{exc}{hint}")
         limit = min(self._max_body, route.max_body_bytes or SMALL_BODY_BYTES)
         if route.body_limit is not None:
             limit = min(self._max_body, route.body_limit())
@@ -182,7 +189,7 @@ class ControlServer:
         except LinkError as exc:
             return _error(502, control_code_of(exc), str(exc))
 
-    async def _read_head(self, reader: asyncio.StreamReader) -> tuple[str, str, int]:
+    async def _read_head(self, reader: asyncio.StreamReader) -> tuple[str, str, dict[str, str]]:
         try:
             head = await asyncio.wait_for(reader.readuntil(b"\r\n\r\n"), self._head_timeout)
         except asyncio.LimitOverrunError as exc:
@@ -197,7 +204,7 @@ class ControlServer:
         parts = lines[0].split(" ")
         if len(parts) != 3 or not parts[2].startswith("HTTP/1."):
             raise HttpError(400, "malformed request line")
-        return parts[0], parts[1], self._body_length(_headers(lines[1:]))
+        return parts[0], parts[1], _headers(lines[1:])
 
     def _body_length(self, headers: dict[str, str]) -> int:
         """The declared body length, refused when chunked, malformed or over the limit."""
@@ -210,6 +217,16 @@ class ControlServer:
         if length > self._max_body:
             raise HttpError(413, f"body of {length} bytes is over the {self._max_body}-byte limit")
         return length
+
+
+def _bearer_admits(token: bytes | None, headers: dict[str, str]) -> bool:
+    """Whether ``headers`` carry ``Authorization: Bearer token`` (constant-time comparison)."""
+    if token is None:
+        return False
+    scheme, _, given = headers.get("authorization", "").partition(" ")
+    if scheme.lower() != "bearer":
+        return False
+    return hmac.compare_digest(given.strip().encode("latin-1"), token)
 
 
 def _headers(lines: list[str]) -> dict[str, str]:

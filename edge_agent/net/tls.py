@@ -29,6 +29,18 @@ def server_context(identity: Identity) -> ssl.SSLContext:
     return ctx
 
 
+def control_context(identity: Identity, scrapers: bool) -> ssl.SSLContext:
+    """The control plane's server side: :func:`server_context`, except that with ``scrapers``
+    (``fedshard agent --metrics-token-file``) a client certificate is optional, so that a
+    scraper with the token but without a certificate completes the handshake. A certificate
+    that is presented is still verified against the CA; a caller without one has no role and
+    reaches only the routes its token opens."""
+    ctx = server_context(identity)
+    if scrapers:
+        ctx.verify_mode = ssl.CERT_OPTIONAL
+    return ctx
+
+
 def client_context(identity: Identity) -> ssl.SSLContext:
     """Client side: TLS 1.3 only, presents our certificate, verifies the server's against the CA.
 

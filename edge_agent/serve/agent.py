@@ -13,7 +13,12 @@ from pathlib import Path
 
 from edge_agent.config import AgentConfig, TlsFiles
 from edge_agent.errors import ConfigError, PeerRejectedError
-from edge_agent.net.budgets import ConnectionLimits, control_body_budget, frame_allowance
+from edge_agent.net.budgets import (
+    ConnectionLimits,
+    control_body_budget,
+    frame_allowance,
+    frame_allowance_per_peer,
+)
 from edge_agent.net.channel import FrameServer
 from edge_agent.net.control import (
     COORDINATOR_ONLY,
@@ -26,7 +31,14 @@ from edge_agent.net.discovery import Advertiser
 from edge_agent.net.frame_budget import UnfinishedBudget
 from edge_agent.net.links import PeerLink
 from edge_agent.net.probe import probe_link
-from edge_agent.net.tls import Peer, Revocation, client_context, peer_of, server_context
+from edge_agent.net.tls import (
+    Peer,
+    Revocation,
+    client_context,
+    control_context,
+    peer_of,
+    server_context,
+)
 from edge_agent.profile.microbench import ComputeProfile
 from edge_agent.runtime.engine import release_freed_heap, resident_bytes
 from edge_agent.runtime.fixed_costs import RecentCosts
@@ -90,6 +102,7 @@ class Agent:
             identity, config.memory_bytes, config.runtime, config.state_dir / "segments"
         )
         self._server_ctx = server_context(identity)
+        self._control_ctx = control_context(identity, config.metrics_token is not None)
         self._client_ctx = client_context(identity)
         self._pairing_ctx = pairing_server_context(identity)
         self.pipeline = Pipeline(self.store, self.metrics, self._link, config.queue_depth)
@@ -102,10 +115,14 @@ class Agent:
                 ("POST", "/v1/probe"): Route(self._probe, COORDINATOR_ONLY),
                 ("POST", "/v1/revocations"): Route(self._revoke, COORDINATOR_ONLY),
                 ("POST", "/v1/certificate"): Route(self._renew, COORDINATOR_ONLY),
-                ("GET", "/v1/status"): Route(self._status, COORDINATOR_ONLY),
+                ("GET", "/v1/status"): Route(
+                    self._status, COORDINATOR_ONLY, token=config.metrics_token
+                ),
                 ("GET", "/v1/pairing"): Route(self._pairing_offer, None),
                 ("POST", "/v1/pairing"): Route(self._pair, None),
-                ("GET", "/metrics"): Route(self._metrics, COORDINATOR_ONLY),
+                ("GET", "/metrics"): Route(
+                    self._metrics, COORDINATOR_ONLY, token=config.metrics_token
+                ),
                 **self._training_routes(),
             },
             config.max_deploy_bytes,
@@ -133,13 +150,15 @@ class Agent:
                 cfg.control_port,
                 limit=1 << 16,
             )
+            allowance = frame_allowance(cfg.memory_bytes, cfg.max_frame_bytes)
             self._data = FrameServer(
                 self.pipeline.serve,
                 self._server_ctx,
                 cfg.max_frame_bytes,
                 self.revocation.admit,
-                max_unfinished_bytes=frame_allowance(cfg.memory_bytes, cfg.max_frame_bytes),
+                max_unfinished_bytes=allowance,
                 limits=ConnectionLimits.for_memory(cfg.memory_bytes),
+                max_unfinished_per_peer=frame_allowance_per_peer(allowance),
             )
             data_port = await self._data.start(cfg.interface, cfg.data_port)
             self._ports = (control.sockets[0].getsockname()[1], data_port)
@@ -219,10 +238,13 @@ class Agent:
         try:
             try:
                 paired = self.identity.paired
-                ctx = self._server_ctx if paired else self._pairing_ctx
+                ctx = self._control_ctx if paired else self._pairing_ctx
                 await writer.start_tls(ctx, ssl_handshake_timeout=10.0)
                 ssl_object = writer.get_extra_info("ssl_object")
-                if paired or (ssl_object is not None and ssl_object.getpeercert()):
+                certified = ssl_object is not None and bool(ssl_object.getpeercert())
+                # a paired agent's control context asks for a certificate; only with a metrics
+                # token is it optional, and a caller without one has no role
+                if certified or (paired and self.config.metrics_token is None):
                     peer = self.revocation.admit(peer_of(ssl_object))
                 else:
                     peer = Peer(name=f"unauthenticated {address}", role="")
@@ -348,6 +370,7 @@ class Agent:
         """Serve every new connection with ``identity``'s certificate."""
         self.identity = identity
         self._server_ctx = server_context(identity)
+        self._control_ctx = control_context(identity, self.config.metrics_token is not None)
         self._client_ctx = client_context(identity)
         self.store.identity = identity
         if self._data is not None:

@@ -304,6 +304,18 @@ def test_an_idle_control_connection_is_answered_408_and_closed(tmp_path: Path) -
     assert idle.startswith(b"HTTP/1.1 408")
 
 
+async def _send_and_wait(port: int, ctx: ssl.SSLContext, frame: bytes, received: list[str]) -> None:
+    """Send one whole frame on a new connection; wait (5 s at most) until something arrived."""
+    _, writer = await asyncio.open_connection("127.0.0.1", port, ssl=ctx)
+    writer.write(frame)
+    await writer.drain()
+    for _ in range(100):
+        if received:
+            break
+        await asyncio.sleep(0.05)
+    writer.close()
+
+
 def test_unfinished_frames_share_one_bounded_budget(tmp_path: Path) -> None:
     ca = TestCA(tmp_path / "ca")
     receiver, sender = tls_identity(ca, "a1", tmp_path), tls_identity(ca, "a0", tmp_path)
@@ -335,14 +347,7 @@ def test_unfinished_frames_share_one_bounded_budget(tmp_path: Path) -> None:
                     cut.append(await asyncio.wait_for(reader.read(1), 0.5) == b"")
                 except TimeoutError:
                     cut.append(False)
-            _, honest = await asyncio.open_connection("127.0.0.1", port, ssl=ctx)
-            honest.write(small)
-            await honest.drain()
-            for _ in range(100):
-                if received:
-                    break
-                await asyncio.sleep(0.05)
-            honest.close()
+            await _send_and_wait(port, ctx, small, received)
             return reserved, cut
         finally:
             for _, writer in parked:
@@ -353,3 +358,58 @@ def test_unfinished_frames_share_one_bounded_budget(tmp_path: Path) -> None:
     assert reserved == 2 * len(big)  # two unfinished frames fit; the others were refused
     assert cut.count(True) == 2 and cut.count(False) == 2
     assert received == ["small"]  # an honest peer is still served
+
+
+def test_one_peer_cannot_take_the_whole_frame_allowance(tmp_path: Path) -> None:
+    ca = TestCA(tmp_path / "ca")
+    receiver = tls_identity(ca, "a1", tmp_path)
+    greedy, other = tls_identity(ca, "a0", tmp_path), tls_identity(ca, "a2", tmp_path / "a2")
+    received: list[str] = []
+    big = encode_frame(FrameHeader(request_id="big"), {"t": np.zeros(2 * MiB, np.float32)})
+    small = encode_frame(FrameHeader(request_id="small"), {"t": np.ones(4, np.float32)})
+
+    async def park(port: int, ctx: ssl.SSLContext) -> tuple[asyncio.StreamReader, object]:
+        reader, writer = await asyncio.open_connection("127.0.0.1", port, ssl=ctx)
+        writer.write(big[:MiB])  # starts a large frame and never finishes it
+        await writer.drain()
+        return reader, writer
+
+    async def cut(reader: asyncio.StreamReader) -> bool:
+        try:
+            return await asyncio.wait_for(reader.read(1), 0.5) == b""
+        except TimeoutError:
+            return False
+
+    async def main() -> tuple[list[int], list[bool], bool]:
+        server = FrameServer(
+            request_id_recorder(received),
+            server_context(receiver),
+            16 * MiB,
+            max_unfinished_bytes=len(big) * 4,
+            max_unfinished_per_peer=len(big) * 2,
+        )
+        port = await server.start("127.0.0.1", 0)
+        parked = []
+        try:
+            for _ in range(4):
+                parked.append(await park(port, client_context(greedy)))
+            await asyncio.sleep(0.5)
+            held = [server._budget.used, server._budget.held_by("a0")]
+            greedy_cut = [await cut(reader) for reader, _ in parked]
+            # another peer still gets a share: its large frame is reserved, not refused
+            parked.append(await park(port, client_context(other)))
+            await asyncio.sleep(0.5)
+            held.append(server._budget.held_by("a2"))
+            other_cut = await cut(parked[-1][0])
+            # a whole small frame reserves nothing: the greedy peer's too is served
+            await _send_and_wait(port, client_context(greedy), small, received)
+            return held, greedy_cut, other_cut
+        finally:
+            for _, writer in parked:
+                writer.close()  # type: ignore[attr-defined]
+            await server.close()
+
+    held, greedy_cut, other_cut = asyncio.run(main())
+    assert held == [2 * len(big), 2 * len(big), len(big)]  # a0 stopped at its half
+    assert greedy_cut.count(True) == 2 and not other_cut
+    assert received == ["small"]
