@@ -27,6 +27,7 @@ from __future__ import annotations
 
 from typing import Final, Literal
 
+import numpy as np
 from pydantic import Field, NonNegativeInt, PositiveFloat, PositiveInt
 
 from protocols.base import FrozenModel
@@ -39,12 +40,13 @@ METRIC_EPSILON: Final = "epsilon"
 rounded up to 2 significant digits (what leaves a device: :mod:`protocols.privacy`)."""
 METRIC_HELD_OUT_LOSS: Final = "held-out-loss"
 """Fit metric (without DP only): mean token loss of the round's global model on the device's
-held-out records (under DP with SecAgg+ it travels masked: :data:`STATS_SCALE`)."""
+held-out records (under DP with SecAgg+ it travels masked: :func:`stats_array`)."""
 METRIC_HELD_OUT_TOKENS: Final = "held-out-tokens"
 """Fit metric: held-out tokens (decoders) or held-out pairs (encoders) behind the loss."""
 METRIC_RECALL_AT_1: Final = "held-out-recall-at-1"
-"""Fit/evaluate metric of encoders: share of held-out anchors whose nearest positive (cosine,
-over the device's whole held-out set) is their own."""
+"""Fit/evaluate metric of encoders (without DP only): share of held-out anchors whose nearest
+positive (cosine, over the device's whole held-out set) is their own (under DP with SecAgg+ it
+travels masked: :func:`stats_array`)."""
 METRIC_TRAINED_BYTES: Final = "trained-shard-bytes"
 """Fit metric: bytes of the base weights of the segments the device adapted."""
 METRIC_PEAK_RSS: Final = "peak-rss-bytes"
@@ -208,10 +210,40 @@ def reply_weight(plan: LoraPlan, records: int) -> int:
 
 
 STATS_SCALE: Final = 16.0
-"""Under DP with SecAgg+, a reply's last array is ``[held-out loss / STATS_SCALE, 1]`` (``[0,
-0]`` for a device without held-out records): inside the masked vector, so the coordinator sees
-only the round's mean, ``sum(loss) / sum(has)``, never one device's. The scale keeps losses up to
-128 nats inside SecAgg+'s clipping range [-8, 8]."""
+"""Scale of the held-out loss in :func:`stats_array` (keeps losses up to 128 nats inside
+SecAgg+'s clipping range [-8, 8])."""
+STATS_SIZE: Final = 4
+"""Length of the held-out statistics array (:func:`stats_array`)."""
+EVALUATE_ONLY_KEY: Final = "fedshard-lora-evaluate-only"
+"""Fit-config key set (True) on the round after a DP run's last one under SecAgg+: the device
+trains nothing and replies with zero adapters and the held-out statistics of the global (final)
+adapters, so the final evaluation also leaves only inside the SecAgg+ vector."""
+
+
+def stats_array(loss: float, recall: float | None = None) -> np.ndarray:
+    """A device's held-out statistics, appended to its reply under DP with SecAgg+: ``[loss /
+    STATS_SCALE, 1, recall@1, 1]``, with ``[0, 0]`` in place of a measure the device lacks
+    (no held-out records, a decoder's recall, a loss that is not finite). Inside the masked
+    vector, so the coordinator sees only the round's sum and reads the devices' means
+    (:func:`read_stats`), never one device's figure."""
+    out = np.zeros(STATS_SIZE, np.float32)
+    if np.isfinite(loss):
+        out[0:2] = (loss / STATS_SCALE, 1.0)
+    if recall is not None and np.isfinite(recall):
+        out[2:4] = (recall, 1.0)
+    return out
+
+
+def read_stats(aggregate: np.ndarray) -> tuple[float | None, float | None]:
+    """(mean held-out loss, mean recall@1) over the devices that had one, from the aggregate of
+    their :func:`stats_array` (a sum or a mean: only ratios are read); None where none had."""
+    values = [float(v) for v in np.asarray(aggregate, np.float64).reshape(-1)]
+    if len(values) != STATS_SIZE:
+        raise ValueError(f"held-out statistics of {len(values)} values, not {STATS_SIZE}")
+    loss_sum, has_loss, recall_sum, has_recall = values
+    loss = loss_sum / has_loss * STATS_SCALE if has_loss > 1e-6 else None
+    recall = min(max(recall_sum / has_recall, 0.0), 1.0) if has_recall > 1e-6 else None
+    return loss, recall
 
 
 def carries_stats(plan: LoraPlan, secagg: bool) -> bool:

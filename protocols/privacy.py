@@ -1,10 +1,12 @@
 """What leaves a training device in a round, and how (issue 39: the privacy promise holds
 against the coordinator too).
 
-:data:`FIT_REPLY_FIELDS` lists every field of a fit reply (a test checks a real reply against
-it). Under DP only the masked adapters and values that follow from the plan (public) or from
-the privacy accounting leave the device; nothing computed from its records in clear. The
-ledger a device keeps of what its records spent is :mod:`protocols.ledger`.
+:data:`FIT_REPLY_FIELDS` lists every field of a fit reply and :data:`EVALUATE_REPLY_FIELDS`
+every field of an evaluate reply (a test checks real replies against them). Under DP only the
+masked adapters (with the held-out statistics inside the masked vector) and values that follow
+from the plan (public) or from the privacy accounting leave the device; nothing computed from
+its records in clear, and no clear evaluation at all. The ledger a device keeps of what its
+records spent is :mod:`protocols.ledger`.
 """
 
 from __future__ import annotations
@@ -52,8 +54,10 @@ FIT_REPLY_FIELDS: Final[tuple[ReplyField, ...]] = (
     ReplyField(
         name="parameters", under_dp="masked", without_dp="clear",
         what="the adapters after local training (masked by SecAgg+ when the run uses it); "
-        "under DP and SecAgg+ also [held-out loss / 16, 1] (lora.STATS_SCALE), masked: the "
-        "coordinator sees only the round's mean",
+        "under DP and SecAgg+ also the held-out statistics [loss / 16, 1, recall@1, 1] "
+        "(lora.stats_array), masked: the coordinator sees only the devices' means; in the "
+        "evaluate-only round after the last (lora.EVALUATE_ONLY_KEY) zero adapters and the "
+        "final adapters' statistics",
     ),
     ReplyField(
         name="num_examples", under_dp="public", without_dp="clear",
@@ -88,7 +92,8 @@ FIT_REPLY_FIELDS: Final[tuple[ReplyField, ...]] = (
     ),
     ReplyField(
         name=METRIC_HELD_OUT_LOSS, under_dp="absent", without_dp="clear",
-        what="held-out loss of the round's global model",
+        what="held-out loss of the round's global model (under DP with SecAgg+ inside the "
+        "parameters)",
     ),
     ReplyField(
         name=METRIC_HELD_OUT_TOKENS, under_dp="absent", without_dp="clear",
@@ -96,7 +101,7 @@ FIT_REPLY_FIELDS: Final[tuple[ReplyField, ...]] = (
     ),
     ReplyField(
         name=METRIC_RECALL_AT_1, under_dp="absent", without_dp="clear",
-        what="an encoder's held-out recall@1",
+        what="an encoder's held-out recall@1 (under DP with SecAgg+ inside the parameters)",
     ),
     ReplyField(
         name=METRIC_PEAK_RSS, under_dp="absent", without_dp="clear",
@@ -106,10 +111,34 @@ FIT_REPLY_FIELDS: Final[tuple[ReplyField, ...]] = (
 """Every field of a fit reply (the arrays, the weight, each metric key)."""
 
 
-def reply_fields(dp: bool, *, sent: bool = True) -> frozenset[str]:
-    """Names of the fit-reply fields a device sends (``sent``) or keeps (not ``sent``)."""
+EVALUATE_REPLY_FIELDS: Final[tuple[ReplyField, ...]] = (
+    ReplyField(
+        name="loss", under_dp="absent", without_dp="clear",
+        what="held-out loss of the final adapters; under DP the device refuses a clear "
+        "evaluation (ClearReleaseError): the final evaluation is the evaluate-only fit round, "
+        "inside SecAgg+",
+    ),
+    ReplyField(
+        name="num_examples", under_dp="absent", without_dp="clear",
+        what="held-out tokens (decoders) or pairs (encoders) behind that loss",
+    ),
+    ReplyField(
+        name=METRIC_HELD_OUT_TOKENS, under_dp="absent", without_dp="clear",
+        what="the same count, as a metric",
+    ),
+    ReplyField(
+        name=METRIC_RECALL_AT_1, under_dp="absent", without_dp="clear",
+        what="an encoder's held-out recall@1 of the final adapters",
+    ),
+)  # fmt: skip
+"""Every field of an evaluate reply (the final evaluation of a run without DP)."""
+
+
+def reply_fields(
+    dp: bool, *, sent: bool = True, table: tuple[ReplyField, ...] = FIT_REPLY_FIELDS
+) -> frozenset[str]:
+    """Names of the reply fields (of ``table``: fit replies by default) a device sends
+    (``sent``) or keeps (not ``sent``)."""
     return frozenset(
-        f.name
-        for f in FIT_REPLY_FIELDS
-        if ((f.under_dp if dp else f.without_dp) != "absent") == sent
+        f.name for f in table if ((f.under_dp if dp else f.without_dp) != "absent") == sent
     )

@@ -14,8 +14,11 @@ server sent), so the device knows whether its reply is masked. With a ledger, ea
 checked against the operator's policy and budget before it trains (a declined round fails with
 a :class:`~protocols.ledger.DeclineReason`) and written to the ledger before its reply leaves.
 Under DP the reply holds only :func:`~protocols.privacy.reply_fields` (no count, no loss, no
-memory figure); the rest stays in :attr:`ShardClient.local_metrics`. A DP round's randomness
-comes from ``os.urandom``; the ``crc32(node/round)`` seed is for rounds without DP only.
+memory figure); the rest stays in :attr:`ShardClient.local_metrics`, and the held-out loss and
+recall@1 travel inside the SecAgg+ vector (:func:`~protocols.lora.stats_array`), in each round
+and in the evaluate-only round after the last; a clear evaluation under DP is refused. A DP
+round's randomness comes from ``os.urandom``; the ``crc32(node/round)`` seed is for rounds
+without DP only.
 
 torch is imported only when a round actually trains, so the SecAgg+ key-exchange stages start
 quickly.
@@ -36,7 +39,7 @@ from flwr.clientapp.typing import ClientAppCallable
 from flwr.common import NDArrays, Scalar
 from flwr.supercore.differential_privacy import KEY_CLIPPING_NORM
 
-from edge_agent.training.errors import PlanMismatchError
+from edge_agent.training.errors import ClearReleaseError, PlanMismatchError
 from edge_agent.training.ledger import (
     PrivacyPolicy,
     ceil_significant,
@@ -50,16 +53,19 @@ from edge_agent.training.text_data import load_pairs, load_text
 from protocols.errors import SchemaError
 from protocols.ledger import LedgerDp
 from protocols.lora import (
+    DP_REPLY_WEIGHT,
+    EVALUATE_ONLY_KEY,
     LORA_PLAN_KEY,
     METRIC_EPSILON,
     METRIC_HELD_OUT_LOSS,
     METRIC_HELD_OUT_TOKENS,
     METRIC_PEAK_RSS,
+    METRIC_RECALL_AT_1,
     METRIC_TRAINED_BYTES,
-    STATS_SCALE,
     LoraPlan,
     carries_stats,
     reply_weight,
+    stats_array,
 )
 from protocols.privacy import SECAGG_CONFIG_KEY, reply_fields
 from protocols.training import (
@@ -116,14 +122,6 @@ def lora_data(plan: LoraPlan, data_dir: Path) -> tuple[str, int]:
     return records.sha256, len(records.train)
 
 
-def stats_array(held_out_loss: float) -> np.ndarray:
-    """``[loss / STATS_SCALE, 1]``, or ``[0, 0]`` without a held-out loss (see
-    :data:`protocols.lora.STATS_SCALE`)."""
-    if not np.isfinite(held_out_loss):
-        return np.zeros(2, np.float32)
-    return np.array([held_out_loss / STATS_SCALE, 1.0], np.float32)
-
-
 def private_reply(metrics: dict[str, Scalar]) -> dict[str, Scalar]:
     """The metrics a DP round may send (:func:`~protocols.privacy.reply_fields`), epsilon
     rounded up to 2 significant digits."""
@@ -137,9 +135,13 @@ def private_reply(metrics: dict[str, Scalar]) -> dict[str, Scalar]:
 class ShardClient(NumPyClient):
     """Trains the shards that fit; returns every plan array (untrained ones unchanged)."""
 
-    def __init__(self, settings: LocalSettings, node_id: int) -> None:
+    def __init__(self, settings: LocalSettings, node_id: int, *, over_wire: bool = False) -> None:
         self.settings = settings
         self.node_id = node_id
+        self.over_wire = over_wire
+        """True for the client Flower runs (:func:`client_fn`): its replies leave the device, so
+        under DP it refuses a clear evaluation. An in-process lab (the records' owner) leaves it
+        False and reads every figure."""
         self.local_metrics: dict[str, Scalar] = {}
         """Every metric of the last fit, sent or not (for in-process labs; never sent)."""
 
@@ -194,6 +196,8 @@ class ShardClient(NumPyClient):
             raise PlanMismatchError(f"the fit config carries no valid LoRA plan: {exc}") from exc
         server_round = int(config.get("round", 0))
         secagg = config.get(SECAGG_CONFIG_KEY) is True
+        if config.get(EVALUATE_ONLY_KEY) is True:
+            return self.evaluate_only(plan, [np.asarray(a) for a in parameters], secagg)
         policy = self.settings.privacy
         digest = ""
         if policy is not None:
@@ -243,18 +247,55 @@ class ShardClient(NumPyClient):
         if plan.dp is not None:
             metrics = private_reply(metrics)
         if carries_stats(plan, secagg):
-            arrays = [*arrays, stats_array(result.held_out_before)]
+            recall = result.extra.get(METRIC_RECALL_AT_1)
+            arrays = [*arrays, stats_array(result.held_out_before, recall)]
         return arrays, reply_weight(plan, result.examples), metrics
+
+    def evaluate_only(
+        self, plan: LoraPlan, arrays: list[np.ndarray], secagg: bool
+    ) -> tuple[NDArrays, int, dict[str, Scalar]]:
+        """The evaluate-only round (:data:`~protocols.lora.EVALUATE_ONLY_KEY`): nothing trains
+        (no epsilon spent, no ledger line); the reply is zero adapters and, under DP with SecAgg+,
+        the held-out statistics of ``arrays`` inside the masked vector (a DP reply without
+        SecAgg+ carries none)."""
+        from edge_agent.training.lora.train import evaluate_lora_metrics
+
+        policy = self.settings.privacy
+        if policy is not None and plan.dp is None:  # its figures leave in clear
+            check_round(policy, None, secagg)
+        loss, count, extra = evaluate_lora_metrics(plan, arrays, self.settings)
+        reply: NDArrays = [np.zeros_like(a) for a in arrays]
+        metrics: dict[str, Scalar] = {
+            METRIC_TRAINED_SHARDS: ",".join(str(i) for i in plan.trainable),
+            METRIC_HELD_OUT_LOSS: loss,
+            METRIC_HELD_OUT_TOKENS: count,
+            METRIC_UPLOAD_BYTES: float(sum(a.nbytes for a in reply)),
+            **extra,
+        }
+        self.local_metrics = dict(metrics)
+        if plan.dp is not None:
+            metrics = private_reply(metrics)
+        if carries_stats(plan, secagg):
+            reply.append(stats_array(loss, extra.get(METRIC_RECALL_AT_1)))
+        log.info("LoRA evaluation of the final adapters: held-out loss %.4f", loss)
+        return reply, DP_REPLY_WEIGHT, metrics
 
     def evaluate(
         self, parameters: NDArrays, config: dict[str, Scalar]
     ) -> tuple[float, int, dict[str, Scalar]]:
-        """Held-out loss of the global adapters on this device's held-out records (LoRA only)."""
+        """Held-out loss of the global adapters on this device's held-out records (LoRA only).
+        Over the wire a DP plan's evaluation is refused (:class:`ClearReleaseError`): it would
+        release the loss in clear; the run's final evaluation is the evaluate-only fit round."""
         from edge_agent.training.lora.train import evaluate_lora_metrics
 
         if LORA_PLAN_KEY not in config:
             raise PlanMismatchError("evaluation needs a LoRA plan")
         plan = LoraPlan.from_json(str(config[LORA_PLAN_KEY]))
+        if plan.dp is not None and self.over_wire:
+            raise ClearReleaseError(
+                "a DP run's held-out evaluation leaves this device only inside SecAgg+ "
+                f"(the evaluate-only fit round, {EVALUATE_ONLY_KEY}), never in clear"
+            )
         arrays = [np.asarray(a) for a in parameters]
         loss, tokens, extra = evaluate_lora_metrics(plan, arrays, self.settings)
         return loss, tokens, {METRIC_HELD_OUT_TOKENS: tokens, **extra}
@@ -262,9 +303,8 @@ class ShardClient(NumPyClient):
 
 def client_fn(context: Context) -> Client:
     """Build this node's client from its node config."""
-    return ShardClient(
-        settings_from_node_config(dict(context.node_config)), context.node_id
-    ).to_client()
+    settings = settings_from_node_config(dict(context.node_config))
+    return ShardClient(settings, context.node_id, over_wire=True).to_client()
 
 
 def dp_clipping_mod(msg: Message, ctxt: Context, call_next: ClientAppCallable) -> Message:

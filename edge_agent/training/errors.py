@@ -12,6 +12,7 @@ AgentError
     └── PrivacyError           a round would break this device's privacy rules
         ├── DpSeedError        a DP round was given a fixed seed
         ├── LedgerError        the privacy ledger is unreadable
+        ├── ClearReleaseError  a DP run asked for the held-out evaluation in clear
         └── RoundDeclinedError the device declines the round (budget, no DP, no SecAgg+)
 """
 
@@ -65,6 +66,12 @@ class DpSeedError(PrivacyError):
 class LedgerError(PrivacyError):
     """The device's privacy ledger is unreadable or malformed (a round is declined until the
     operator repairs it: a ledger that cannot be read cannot show the budget is kept)."""
+
+
+class ClearReleaseError(PrivacyError):
+    """A run under DP asked this device for a held-out evaluation in clear: under DP the
+    evaluation leaves only inside the SecAgg+ vector (the evaluate-only fit round,
+    :data:`protocols.lora.EVALUATE_ONLY_KEY`), so the request is refused."""
 
 
 class RoundDeclinedError(PrivacyError):

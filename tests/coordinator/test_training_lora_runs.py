@@ -141,6 +141,65 @@ def test_the_strategy_averages_adapters_and_records_each_device(tmp_path: Path) 
     strategy.check_recorded(1)
 
 
+def test_under_dp_and_secagg_the_held_out_figures_come_only_from_the_aggregate(
+    tmp_path: Path,
+) -> None:
+    """A DP run under SecAgg+: each round's held-out loss and recall@1 are read from the
+    aggregated statistics array (stripped from the adapters); the round after the last trains
+    nothing and gives the final figures the same way; no clear evaluation is asked for."""
+    from flwr.common import FitIns
+    from flwr.server.client_manager import SimpleClientManager
+
+    from protocols.lora import EVALUATE_ONLY_KEY, RecordDp, stats_array
+
+    plan = _plan().model_copy(update={"dp": RecordDp()})
+    strategy = LoraFedAvg(plan, _config(tmp_path, secagg=True), tmp_path / "record.json")
+    assert strategy.flower_rounds == 3  # two rounds and the evaluate-only one
+    adapters = [np.ones((8, 2), np.float32), np.zeros((3, 8), np.float32)]
+
+    def aggregated(loss: float, recall: float) -> list[Any]:
+        # what SecAgg+ hands the strategy: every result holds the unmasked mean, and only the
+        # metrics the table lets leave a device under DP (no held-out figure among them)
+        stats = np.mean(
+            [stats_array(loss - 1, recall - 0.1), stats_array(loss + 1, recall + 0.1)], 0
+        )
+        arrays = [*adapters, stats]
+        res = [FitRes(Status(Code.OK, ""), ndarrays_to_parameters(arrays), 1, {"epsilon": 1.0})
+               for _ in range(2)]  # fmt: skip
+        return [(_Proxy(n), r) for n, r in zip((1, 2), res, strict=True)]
+
+    strategy.aggregate_fit(1, aggregated(4.0, 0.4), [])
+    assert len(strategy.latest) == 2  # the statistics are not an adapter
+    [r] = strategy.record.rounds
+    assert r.held_out_loss == pytest.approx(4.0, rel=1e-5)
+    assert r.held_out_recall == pytest.approx(0.4, rel=1e-5) and r.held_out_tokens == 0
+
+    class Manager(SimpleClientManager):
+        def num_available(self) -> int:
+            return 2
+
+        def sample(self, *args: Any, **kwargs: Any) -> list[Any]:
+            return [_Proxy(1), _Proxy(2)]
+
+    params, manager = ndarrays_to_parameters(adapters), Manager()
+    strategy.aggregate_fit(2, aggregated(3.0, 0.5), [])
+    second = strategy.configure_fit(2, params, manager)
+    assert not any(EVALUATE_ONLY_KEY in i.config for _, i in second)
+    assert strategy.configure_evaluate(2, params, manager) == []  # no clear evaluation
+    final = strategy.configure_fit(3, params, manager)
+    assert all(isinstance(i, FitIns) and i.config[EVALUATE_ONLY_KEY] is True for _, i in final)
+    latest = strategy.latest
+    strategy.aggregate_fit(3, aggregated(2.5, 0.6), [])
+    assert strategy.latest is latest and len(strategy.record.rounds) == 2  # nothing trained
+    saved = LoraRecord.from_json((tmp_path / "record.json").read_bytes())
+    assert saved.final_loss == pytest.approx(2.5, rel=1e-5)
+    assert saved.final_recall == pytest.approx(0.6, rel=1e-5)
+    assert saved.baseline_recall == pytest.approx(0.4, rel=1e-5)
+    # without DP nothing changes: two rounds, the final evaluation in clear
+    plain = LoraFedAvg(_plan(), _config(tmp_path, secagg=True), None)
+    assert plain.flower_rounds == 2 and not plain.evaluates(3)
+
+
 def test_a_round_without_a_successful_client_fails_the_run(tmp_path: Path) -> None:
     strategy = LoraFedAvg(_plan(), _config(tmp_path), tmp_path / "record.json")
     with pytest.raises(TrainingRunError, match="0 client"):

@@ -49,18 +49,21 @@ def test_a_non_dp_ancestor_replaces_the_number(tmp_path: Path) -> None:
     assert _lineage(1.0, epsilon_total=4.25).epsilon_label == "4.25"
 
 
-def test_the_held_out_mean_comes_out_of_the_masked_vector() -> None:
-    """Devices' ``[loss / 16, has]`` arrays, averaged as SecAgg+ does with weight 1 each: the
-    round's mean over the devices that hold records out; the server strips the array."""
+def test_the_held_out_means_come_out_of_the_masked_vector() -> None:
+    """Devices' ``[loss / 16, has, recall, has]`` arrays, averaged as SecAgg+ does with weight 1
+    each: the mean loss and recall@1 over the devices that hold records out."""
     import numpy as np
 
-    from coordinator.training.lora.server_app import mean_held_out_loss
-    from edge_agent.training.client_app import stats_array
+    from protocols.lora import read_stats, stats_array
 
-    replies = [stats_array(3.0), stats_array(5.0), stats_array(float("nan"))]
-    mean = np.mean(replies, axis=0)
-    assert mean_held_out_loss(mean) == pytest.approx(4.0)
-    assert mean_held_out_loss(np.zeros(2, np.float32)) is None
+    replies = [stats_array(3.0, 0.25), stats_array(5.0, 0.75), stats_array(float("nan"))]
+    loss, recall = read_stats(np.mean(replies, axis=0))
+    assert loss == pytest.approx(4.0) and recall == pytest.approx(0.5, abs=1e-6)
+    decoder = read_stats(np.mean([stats_array(2.0), stats_array(4.0)], axis=0))
+    assert decoder[0] == pytest.approx(3.0) and decoder[1] is None
+    assert read_stats(np.zeros(4, np.float32)) == (None, None)
+    with pytest.raises(ValueError, match="not 4"):
+        read_stats(np.zeros(2, np.float32))
 
 
 def test_the_run_view_shows_each_devices_ledger() -> None:

@@ -3,7 +3,9 @@
 The tiny Llama, split by the planner; one device with WordNet records. Asserted: two DP rounds
 with identical inputs (node id, round, data, global torch seed) give different adapters while
 rounds without DP are reproducible; a DP reply carries exactly the fields
-:data:`protocols.privacy.FIT_REPLY_FIELDS` lists as sent under DP; the device's ledger records
+:data:`protocols.privacy.FIT_REPLY_FIELDS` lists as sent under DP; the final evaluation under DP
+leaves only inside SecAgg+ (the evaluate-only round) and a clear one is refused, as
+:data:`~protocols.privacy.EVALUATE_REPLY_FIELDS` says; the device's ledger records
 every round and the device declines, with a typed reason, a round past its budget, without DP or
 without SecAgg+.
 """
@@ -17,22 +19,33 @@ from typing import Any
 import numpy as np
 import pytest
 import torch
-from flwr.common import FitIns, ndarrays_to_parameters, parameters_to_ndarrays
+from flwr.app import Context, RecordDict
+from flwr.common import EvaluateIns, FitIns, ndarrays_to_parameters, parameters_to_ndarrays
 
 from devtools.lora_lab import LoraSetup, lora_setup, plan_config, split_version
-from edge_agent.training.client_app import ShardClient
-from edge_agent.training.errors import RoundDeclinedError
+from edge_agent.training.client_app import ShardClient, client_fn
+from edge_agent.training.errors import ClearReleaseError, RoundDeclinedError
 from edge_agent.training.ledger import PrivacyLedger, PrivacyPolicy, compose
 from edge_agent.training.local import LocalSettings
 from protocols.ledger import DeclineReason, LedgerRound, RunFate
 from protocols.lora import (
+    EVALUATE_ONLY_KEY,
+    METRIC_EPSILON,
     METRIC_HELD_OUT_LOSS,
     METRIC_PEAK_RSS,
+    METRIC_RECALL_AT_1,
     STATS_SCALE,
+    STATS_SIZE,
     LoraPlan,
     RecordDp,
+    read_stats,
 )
-from protocols.privacy import FIT_REPLY_FIELDS, SECAGG_CONFIG_KEY, reply_fields
+from protocols.privacy import (
+    EVALUATE_REPLY_FIELDS,
+    FIT_REPLY_FIELDS,
+    SECAGG_CONFIG_KEY,
+    reply_fields,
+)
 from protocols.training import METRIC_EXAMPLES, METRIC_LOSS
 
 pytestmark = pytest.mark.slow
@@ -95,7 +108,8 @@ def test_a_dp_reply_carries_only_what_the_table_lists(
     # the adapters, then the held-out statistics, both inside the SecAgg+ vector
     assert len(res.parameters.tensors) == setup.plan.num_arrays + 1
     stats = parameters_to_ndarrays(res.parameters)[-1]
-    assert stats.shape == (2,) and stats[1] == 1.0 and 0 < stats[0] * STATS_SCALE < 20
+    assert stats.shape == (STATS_SIZE,) and stats[1] == 1.0 and 0 < stats[0] * STATS_SCALE < 20
+    assert stats[3] == 0.0  # a decoder has no recall@1
     kept = reply_fields(dp=True, sent=False)
     assert {METRIC_EXAMPLES, METRIC_LOSS, METRIC_HELD_OUT_LOSS, METRIC_PEAK_RSS} <= kept
     # without DP the same client sends the records' statistics (the table says so too)
@@ -103,6 +117,38 @@ def test_a_dp_reply_carries_only_what_the_table_lists(
     res = client.fit(FitIns(ndarrays_to_parameters(setup.initial), plan_config(plain, 1)))
     clear = {METRIC_EXAMPLES, METRIC_LOSS, METRIC_HELD_OUT_LOSS}
     assert clear <= set(res.metrics) <= reply_fields(dp=False)
+
+
+def test_the_final_evaluation_leaves_only_inside_secagg_under_dp(
+    lab: tuple[LoraSetup, Path], tmp_path: Path
+) -> None:
+    """The evaluate-only round's reply: zero adapters and the held-out statistics (masked), and
+    only the table's DP fields; a clear evaluation is refused over the wire under DP, and
+    without DP it carries exactly the evaluate table's fields."""
+    setup, data = lab
+    settings = LocalSettings(setup.version_dir, data, tmp_path, 1 << 30)
+    context = Context(1, 7, {"segments-dir": str(setup.version_dir), "data-dir": str(data),
+                             "cache-dir": str(tmp_path)}, RecordDict(), {})  # fmt: skip
+    wire = client_fn(context)  # the client Flower runs
+    config = {**plan_config(setup.plan, 3), SECAGG_CONFIG_KEY: True, EVALUATE_ONLY_KEY: True}
+    res = wire.fit(FitIns(ndarrays_to_parameters(setup.initial), config))
+    arrays = parameters_to_ndarrays(res.parameters)
+    assert len(arrays) == setup.plan.num_arrays + 1 and res.num_examples == 1
+    assert all(not a.any() for a in arrays[:-1])  # nothing trained, nothing of it sent
+    loss, recall = read_stats(arrays[-1])
+    assert loss is not None and 0 < loss < 20 and recall is None
+    assert set(res.metrics) <= reply_fields(dp=True) - {METRIC_EPSILON}  # no round was spent
+    # the same evaluation in clear: refused over the wire, the owner's own call reads it
+    ins = EvaluateIns(ndarrays_to_parameters(setup.initial), plan_config(setup.plan, 3))
+    with pytest.raises(ClearReleaseError):
+        wire.evaluate(ins)
+    owner = ShardClient(settings, 7).evaluate(setup.initial, plan_config(setup.plan, 3))
+    assert owner[0] == pytest.approx(loss, rel=1e-4)  # the aggregate of one device is its own
+    plain = setup.plan.model_copy(update={"dp": None})
+    done = wire.evaluate(EvaluateIns(ndarrays_to_parameters(setup.initial), plan_config(plain, 3)))
+    sent = {"loss", "num_examples", *done.metrics}  # a decoder has no recall@1
+    assert sent == reply_fields(dp=False, table=EVALUATE_REPLY_FIELDS) - {METRIC_RECALL_AT_1}
+    assert reply_fields(dp=True, table=EVALUATE_REPLY_FIELDS) == frozenset()
 
 
 def test_the_ledger_counts_every_round_and_the_budget_declines(

@@ -5,8 +5,11 @@
 instruction carries the :class:`~protocols.lora.LoraPlan` (``fedshard-lora-plan``); the arrays
 that travel are the adapters only. Record-level DP is the clients' (Opacus DP-SGD, each device's
 RDP accountant): the server adds no noise, and under SecAgg+ sees only the sum. Every round's
-record carries each device's epsilon, the held-out loss of the adapters the round started from
-and the upload size; after the last round the clients evaluate the final adapters.
+record carries each device's epsilon, the held-out loss (and an encoder's recall@1) of the
+adapters the round started from and the upload size; after the last round the clients evaluate
+the final adapters: in clear without DP; under DP with SecAgg+ in one more fit round that trains
+nothing (:data:`~protocols.lora.EVALUATE_ONLY_KEY`), whose masked vector carries only the
+devices' held-out statistics, so the coordinator reads their means and no device's figure.
 
 A round that no client finished (or whose secure aggregation did not complete) ends the run
 with the reason in the record; nothing is saved, so nothing can be rolled out.
@@ -35,11 +38,12 @@ from coordinator.training.strategy import failure_reasons
 from partitioner.models.lora import initial_adapters
 from protocols import lora as lora_wire
 from protocols.lora import (
+    EVALUATE_ONLY_KEY,
     LORA_PLAN_KEY,
-    STATS_SCALE,
     LoraPlan,
     carries_stats,
     max_reply_weight,
+    read_stats,
 )
 from protocols.training import METRIC_LOSS, METRIC_UPLOAD_BYTES
 
@@ -51,10 +55,11 @@ def round_of(
     results: fl.FitResults,
     failures: int,
     seconds: float,
-    masked_loss: float | None = None,
+    masked: tuple[float | None, float | None] = (None, None),
 ) -> LoraRound:
     """The recorded round from the clients' fit metrics (under DP, which sends no held-out loss
-    in clear, ``masked_loss``: the devices' mean from the SecAgg+ vector)."""
+    or recall in clear, ``masked``: the devices' mean loss and recall@1 from the SecAgg+
+    vector)."""
     metrics = [(str(proxy.node_id), res.metrics) for proxy, res in results]
     held, tokens = token_weighted(
         [
@@ -73,7 +78,9 @@ def round_of(
     train = [float(m[METRIC_LOSS]) for _, m in metrics if METRIC_LOSS in m]
     uploads = [float(m.get(METRIC_UPLOAD_BYTES, 0.0)) for _, m in metrics]
     if held is None:
-        held = masked_loss
+        held = masked[0]
+    if recall is None:
+        recall = masked[1]
     return LoraRound(
         round=server_round,
         clients=len(results),
@@ -95,15 +102,6 @@ def round_of(
     )
 
 
-def mean_held_out_loss(stats: np.ndarray) -> float | None:
-    """The round's mean held-out loss from the aggregated statistics array ``[mean(loss·has) /
-    STATS_SCALE, mean(has)]`` (None when no device had held-out records)."""
-    has = float(stats[1])
-    if has <= 1e-6:
-        return None
-    return float(stats[0]) / has * STATS_SCALE
-
-
 class LoraFedAvg(FedAvg):
     """FedAvg over the adapters that records every round and fails the run on an empty one."""
 
@@ -123,7 +121,10 @@ class LoraFedAvg(FedAvg):
         )
         self.cfg = cfg
         self.stats = carries_stats(plan, cfg.secagg)
-        """Whether each reply's last array is the held-out statistics (DP under SecAgg+)."""
+        """Whether each reply's last array is the held-out statistics (DP under SecAgg+); then
+        the round after the last is the evaluate-only round, the final evaluation."""
+        self.dp = plan.dp is not None
+        """Under DP no device answers a clear evaluation (nor is it asked for one)."""
         self.record = LoraRecord()
         self.record_path = record_path
         self.started = time.monotonic()
@@ -153,12 +154,29 @@ class LoraFedAvg(FedAvg):
         """Refuse to go on after a round that ended without an aggregate."""
         self.check_recorded(server_round - 1)
         self.started = time.monotonic()
-        return super().configure_fit(server_round, parameters, client_manager)
+        instructions = super().configure_fit(server_round, parameters, client_manager)
+        if self.evaluates(server_round):
+            for _, ins in instructions:
+                ins.config[EVALUATE_ONLY_KEY] = True
+        return instructions
+
+    @property
+    def flower_rounds(self) -> int:
+        """Rounds the workflow runs: the run's, and the evaluate-only one under DP and SecAgg+."""
+        return self.cfg.rounds + (1 if self.stats else 0)
+
+    def evaluates(self, server_round: int) -> bool:
+        """Whether ``server_round`` is the evaluate-only round (trains nothing)."""
+        return self.stats and server_round > self.cfg.rounds
 
     def aggregate_fit(
         self, server_round: int, results: fl.FitResults, failures: fl.FitFailures
     ) -> fl.FitAggregate:
-        """Average the adapters and record the round; no successful client fails the run."""
+        """Average the adapters and record the round; no successful client fails the run (the
+        evaluate-only round leaves the final loss unknown instead)."""
+        if not results and self.evaluates(server_round):
+            log.warning("the final evaluation had no reply: %s", failure_reasons(failures))
+            return ndarrays_to_parameters(self.latest), {}
         if not results:
             raise self.fail(
                 f"round {server_round}: {len(results)} client(s) succeeded; "
@@ -167,14 +185,23 @@ class LoraFedAvg(FedAvg):
         params, metrics = super().aggregate_fit(server_round, results, failures)
         if params is None:
             raise self.fail(f"round {server_round}: no aggregate")
-        self.latest = parameters_to_ndarrays(params)
-        masked_loss = None
+        aggregate = parameters_to_ndarrays(params)
+        if self.evaluates(server_round):  # zero adapters and the final adapters' statistics
+            loss, recall = read_stats(aggregate[-1])
+            update = {"final_loss": loss, "final_tokens": 0, "final_recall": recall}
+            self.record = self.record.model_copy(update=update)
+            self._save()
+            log.info("final evaluation (inside SecAgg+): held-out loss %s, recall@1 %s",
+                     loss, recall)  # fmt: skip
+            return ndarrays_to_parameters(self.latest), metrics
+        self.latest = aggregate
+        masked: tuple[float | None, float | None] = (None, None)
         if self.stats:  # the last array is the devices' held-out statistics, not an adapter
             self.latest, stats = self.latest[:-1], self.latest[-1]
             params = ndarrays_to_parameters(self.latest)
-            masked_loss = mean_held_out_loss(stats)
+            masked = read_stats(stats)
         seconds = time.monotonic() - self.started
-        done = round_of(server_round, results, len(failures), seconds, masked_loss)
+        done = round_of(server_round, results, len(failures), seconds, masked)
         self.record = self.record.model_copy(update={"rounds": [*self.record.rounds, done]})
         self._save()
         log.info("round %d: held-out loss %s, epsilon %s", server_round, done.held_out_loss,
@@ -184,8 +211,9 @@ class LoraFedAvg(FedAvg):
     def configure_evaluate(
         self, server_round: int, parameters: Parameters, client_manager: ClientManager
     ) -> fl.EvaluateInstructions:
-        """Only the final adapters are evaluated (every round's fit reports the loss before)."""
-        if server_round < self.cfg.rounds:
+        """Only the final adapters are evaluated (every round's fit reports the loss before),
+        and in clear only without DP (under DP and SecAgg+ the evaluate-only round does it)."""
+        if server_round != self.cfg.rounds or self.dp:
             return []
         return super().configure_evaluate(server_round, parameters, client_manager)
 
@@ -236,7 +264,7 @@ def main(grid: Grid, context: Context) -> None:
     plan = LoraPlan.from_json(Path(cfg.plan_file).read_bytes())
     strategy = LoraFedAvg(plan, cfg, Path(cfg.record_file))
     legacy = LegacyContext(
-        context=context, config=ServerConfig(num_rounds=cfg.rounds), strategy=strategy
+        context=context, config=ServerConfig(num_rounds=strategy.flower_rounds), strategy=strategy
     )
     try:
         workflow_for(cfg, plan)(grid, legacy)
