@@ -1,6 +1,6 @@
-"""The hostile side of ``bench/soak.py``: a rogue on mDNS, a dripping client, unauthenticated
-floods, and the resident-memory sampler with its plot. Each runs in a thread until told to stop
-and counts what it saw, so the soak can report every refusal by its status."""
+"""The hostile side of ``bench/soak.py``: a rogue on mDNS, a dripping client and unauthenticated
+floods. Each runs in a thread until told to stop and counts what it saw, so the soak can report
+every refusal by its status. (Resident memory over time: ``bench/_soak_memory.py``.)"""
 
 from __future__ import annotations
 
@@ -9,13 +9,9 @@ import collections
 import secrets
 import socket
 import threading
-import time
-from collections.abc import Callable
 from dataclasses import dataclass, field
-from pathlib import Path
 
 import httpx
-import psutil
 
 from edge_agent.net.discovery import ZeroconfAdvertiser
 from protocols.profile import AgentState, Announcement, DeviceProfile
@@ -105,71 +101,15 @@ def _status(answer: bytes) -> str:
     return parts[1].decode(errors="replace") if len(parts) > 1 else "closed"
 
 
-def flooder(url: str, path: str, stop: threading.Event, seen: Seen) -> None:
-    """POST :data:`FLOOD_BYTES` bodies without a token until ``stop``; counts the statuses."""
+def flooder(url: str, path: str, stop: threading.Event, seen: Seen, pause_s: float = 0.0) -> None:
+    """POST :data:`FLOOD_BYTES` bodies without a token until ``stop``, ``pause_s`` apart;
+    counts the statuses. (The typed client never sends such a request: raw httpx.)"""
     body = b"x" * FLOOD_BYTES
     headers = {"Content-Type": "application/json"}
     with httpx.Client(base_url=url, timeout=30, trust_env=False) as client:
-        while not stop.is_set():
+        while not stop.wait(pause_s):
             try:
                 status = str(client.post(path, content=body, headers=headers).status_code)
             except httpx.HTTPError as exc:
                 status = type(exc).__name__
             seen.add(f"unauthenticated {FLOOD_BYTES // MiB} MiB body: {status}")
-
-
-@dataclass
-class MemoryLog:
-    """Resident memory of every process over time: (seconds since start, bytes) by name."""
-
-    started: float = field(default_factory=time.monotonic)
-    samples: dict[str, list[tuple[float, int]]] = field(default_factory=dict)
-
-    def sample(self, pids: dict[str, int]) -> None:
-        """One sample of each process still running."""
-        now = time.monotonic() - self.started
-        for name, pid in pids.items():
-            try:
-                rss = int(psutil.Process(pid).memory_info().rss)
-            except psutil.Error:
-                continue
-            self.samples.setdefault(name, []).append((now, rss))
-
-    def peak(self, name: str) -> int:
-        """The largest resident set seen for ``name``."""
-        return max(rss for _, rss in self.samples.get(name, [(0.0, 0)]))
-
-
-def sampler(pids: Callable[[], dict[str, int]], log: MemoryLog, stop: threading.Event) -> None:
-    """Sample every second until ``stop``."""
-    while not stop.wait(1.0):
-        log.sample(pids())
-
-
-def plot_memory(
-    log: MemoryLog, budgets: dict[str, int], events: dict[str, float], out: Path
-) -> bool:
-    """Resident memory against budget over time as a PNG; False when matplotlib is missing."""
-    try:
-        import matplotlib
-
-        matplotlib.use("Agg")
-        import matplotlib.pyplot as plt
-    except ImportError:
-        return False
-    fig, ax = plt.subplots(figsize=(10, 5))
-    for name, points in sorted(log.samples.items()):
-        line = ax.plot([t for t, _ in points], [r / MiB for _, r in points], label=name)[0]
-        if name in budgets:
-            ax.axhline(budgets[name] / MiB, color=line.get_color(), linestyle=":", linewidth=1)
-    for label, at in events.items():
-        ax.axvline(at, color="grey", linestyle="--", linewidth=1)
-        ax.text(at, ax.get_ylim()[1] * 0.97, label, rotation=90, va="top", fontsize=8)
-    ax.set_xlabel("seconds into the soak")
-    ax.set_ylabel("resident MiB (dotted: the agent's --memory budget)")
-    ax.set_title("Resident memory of every process under hostile load")
-    ax.legend(fontsize=8, loc="center right")
-    fig.tight_layout()
-    fig.savefig(out, dpi=110)
-    plt.close(fig)
-    return True

@@ -1,35 +1,47 @@
-"""Soak under hostility: embeddings and generations from 16 clients while the LAN attacks.
+"""Long soak under hostility: is the memory of every process flat?
 
-A real ``fedshard coordinator`` and three agents (``--memory 512MiB`` each) on 127.0.0.1 serve
-all-MiniLM-L6-v2 (planning caps of 120 MB per device, so it is cut in at least two segments)
-and a decoder (``tiny-llama`` by default: a random 4-layer Llama, so the run fits two cores;
-``--decoder gemma3-270m`` for real text). Sixteen client threads share the work: ``--embeddings``
-one-sentence ``/v1/embeddings`` requests (default 10,000) and ``--generations`` greedy
-``/v1/completions`` of ``--tokens`` tokens (default 500 of 16). Meanwhile:
+A real ``fedshard coordinator`` (with the digits training target) and three agents
+(``--memory 512MiB`` each) on 127.0.0.1 serve all-MiniLM-L6-v2 (planning caps of 120 MB per
+device, so it is cut in at least two segments) and a decoder (``tiny-llama`` by default: a
+random 4-layer Llama, so the run fits two cores). For ``--minutes`` (default 30) and then it
+stops by itself:
 
+- ``--clients`` (16) client threads send a mix of one-sentence ``/v1/embeddings`` and
+  ``/v1/chat/completions`` of ``--tokens`` tokens (``--chat-share`` of the requests, default 0.3)
+  through the typed client :class:`coordinator.client.CoordinatorClient`, each ``--think``
+  seconds apart;
+- a federated training run (``POST /v1/training/runs``: one round, SecAgg+, DP, three local
+  SuperNodes) starts every ``--train-every`` seconds (default 240) once the last one ended;
 - a rogue announces fakes over mDNS on 127.0.0.1 (one per paired name with a made-up
-  fingerprint, one copying a paired device's fingerprint);
-- a client drips a request into the API one byte a second, reconnecting when cut off;
-- two clients flood 4 MiB bodies without a token;
-- after a quarter of the work one agent is killed (SIGKILL) and started again 10 s later.
+  fingerprint, one copying a paired device's fingerprint), a client drips a request into the API
+  one byte a second, two clients flood 4 MiB bodies without a token;
+- at ``--kill-at`` of the run (default 0.25) one agent is killed (SIGKILL) and started again 10 s
+  later on its state.
 
 Clients behave like well-kept OpenAI clients (as ``fedshard demo --chaos``'s): on 429/503 they
 wait ``Retry-After`` (at most 2 s) and send again, on a dropped connection they send again.
 Every answer is checked: embeddings against the whole model in one local ONNX Runtime session
-(cosine >= 0.999), text against a local greedy run (identical), both from
-:mod:`devtools.reference`. Reported: answers correct, wrong and lost (targets 0), every refusal
-by status, what the hostile clients were answered, and the resident memory of every process
-over time against its budget (``bench/results/soak.png``).
+(cosine >= 0.999), chat text against a local greedy run with the served chat template
+(identical), both from :mod:`devtools.reference`.
 
-    .venv/bin/python bench/soak.py [--embeddings 10000] [--generations 500] [--clients 16]
+Every process's resident memory is sampled every 2 s (and the sum over the coordinator's
+children: the training runs' Flower processes). Growth after warm-up (``--warmup`` minutes,
+counted from the restart for the restarted agent) compares the median of the last
+``--window`` minutes with the median of the first ``--window`` minutes after warm-up
+(``bench/_soak_memory.py``); the target is below 5 % for the coordinator and every agent.
 
-Writes bench/results/soak.md, soak.json and soak.png.
+    .venv/bin/python bench/soak.py --minutes 30          # the soak of record
+    .venv/bin/python bench/soak.py --minutes 3 --out /tmp/soak-check   # a quick check
+
+Writes ``OUT/soak.md``, ``soak.json`` (headlines), ``soak-memory.json`` (every sample, the
+growth per process, the training runs) and ``soak.png``; ``OUT`` defaults to bench/results.
 """
 
 from __future__ import annotations
 
 import argparse
 import contextlib
+import json
 import random
 import signal
 import sys
@@ -46,15 +58,23 @@ sys.path[:0] = [str(REPO), str(REPO / "tests")]
 
 import httpx  # noqa: E402
 import numpy as np  # noqa: E402
-from _soak_hostile import MemoryLog, Seen, dripper, flooder, plot_memory, rogue_announcer, sampler  # noqa: E402
+from _soak_hostile import Seen, dripper, flooder, rogue_announcer  # noqa: E402
+from _soak_memory import CHILDREN, MemoryLog, growth, plot_memory, sampler  # noqa: E402
 from agent_helpers import AgentProc, minilm_model, start_agent  # noqa: E402
-from coordinator_helpers import CoordinatorProc, start_coordinator, stop_process  # noqa: E402
-from load_lab import SENTENCES, _pair  # noqa: E402
+from coordinator_helpers import (  # noqa: E402
+    CoordinatorProc,
+    pairing_code,
+    start_coordinator,
+    stop_process,
+    wait_for,
+)
+from load_lab import SENTENCES  # noqa: E402
 from report.headlines import Headline, write_headlines  # noqa: E402
 from report.machine import stamp  # noqa: E402
 
+from coordinator.client import CoordinatorClient  # noqa: E402
 from devtools.demo.chaos import MAX_BACKOFF_S, MIN_COSINE, TEXTS, Tally  # noqa: E402
-from devtools.reference import greedy_reference, unsharded_embeddings  # noqa: E402
+from devtools.reference import greedy_chat_reference, unsharded_embeddings  # noqa: E402
 
 CACHE = REPO / ".pytest_cache" / "d" / "fedshard-minilm"
 EXPORTS = REPO / ".cache" / "fedshard" / "exports"
@@ -63,14 +83,17 @@ MINILM = "all-minilm-l6-v2"
 DECODER = "soak-decoder"
 AGENT_MEMORY = 512 << 20
 CAP = "120MB"
-PROMPTS = (
-    "The three most useful things a home network router does are",
-    "Once upon a time",
-    "The capital of France is",
-    "def fibonacci(n):",
+QUESTIONS = (
+    "What are the three most useful things a home network router does?",
+    "Tell me a story.",
+    "What is the capital of France?",
+    "Write a function that returns the n-th Fibonacci number.",
 )
 REQUEST_DEADLINE_S = 300.0
 RESTART_AFTER_S = 10.0
+TARGET_GROWTH = 0.05
+TRAINING_BODY = {"rounds": 1, "secure_aggregation": True, "dp": True}
+TRAINING_DEADLINE_S = 900.0
 
 
 class Lab:
@@ -78,6 +101,7 @@ class Lab:
 
     def __init__(self, tmp: Path, coordinator: CoordinatorProc, agents: list[AgentProc]) -> None:
         self.tmp, self.coordinator, self.agents = tmp, coordinator, agents
+        self.api = coordinator.api()
         self.lock = threading.Lock()
 
     def pids(self) -> dict[str, int]:
@@ -101,7 +125,7 @@ class Lab:
 def start_lab(tmp: Path, minilm: Path, decoder: Path) -> Iterator[Lab]:
     """Start, pair and deploy both models; always stop every process."""
     names = [f"sk{i}-{random.randrange(16**6):06x}" for i in range(3)]
-    coordinator = start_coordinator(tmp)
+    coordinator = start_coordinator(tmp, training=True)
     lab = Lab(tmp, coordinator, [])
     try:
         for name in names:
@@ -109,13 +133,35 @@ def start_lab(tmp: Path, minilm: Path, decoder: Path) -> Iterator[Lab]:
         _pair(lab)
         caps = [arg for n in names for arg in ("--memory-cap", f"{n}={CAP}")]
         _cli(coordinator, "deploy", str(minilm), "--name", MINILM, *caps)
-        _cli(coordinator, "deploy", str(decoder / "model.onnx"), "--name", DECODER,
-             "--tokenizer", str(decoder))  # fmt: skip
+        _cli(
+            coordinator,
+            "deploy",
+            str(decoder / "model.onnx"),
+            "--name",
+            DECODER,
+            "--tokenizer",
+            str(decoder),
+        )
         yield lab
     finally:
         stop_process(coordinator.proc)
         for agent in lab.agents:
             stop_process(agent.proc)
+
+
+def _pair(lab: Lab) -> None:
+    """Approve every agent with the code in its log, through the typed client."""
+    names = {a.name for a in lab.agents}
+    if not wait_for(lambda: names <= {d.name for d in lab.api.devices()}, 30):
+        raise RuntimeError(f"agents not discovered: {lab.api.devices()}")
+    for agent in lab.agents:
+        lab.api.approve(agent.name, pairing_code(agent))
+
+    def paired() -> bool:
+        return all(d.status == "paired" for d in lab.api.devices() if d.name in names)
+
+    if not wait_for(paired, 30):
+        raise RuntimeError(f"agents not paired: {lab.api.devices()}")
 
 
 def _cli(coordinator: CoordinatorProc, *args: str) -> None:
@@ -134,58 +180,60 @@ def _decoder_export(name: str) -> Path:
 
 
 class Clients:
-    """The work queue, the references and what the clients saw."""
+    """The clients' work until the deadline, the references and what the clients saw."""
 
-    def __init__(self, url: str, token: str, work: list[tuple[str, str]], refs: Any) -> None:
-        self.url, self.token = url, token
-        self.work, self.next = work, 0
-        self.vectors, self.texts = refs
+    def __init__(self, api: CoordinatorClient, refs: Any, args: argparse.Namespace) -> None:
+        self.api = api
+        self.vectors, self.answers = refs
+        self.texts, self.chat_share = sorted(self.vectors), args.chat_share
+        self.tokens, self.think = args.tokens, args.think
         self.tally = Tally()
+        self.by_kind: dict[str, int] = {"embed": 0, "chat": 0}
         self.lock = threading.Lock()
-        self.done = 0
 
-    def take(self) -> tuple[str, str] | None:
-        with self.lock:
-            if self.next >= len(self.work):
-                return None
-            self.next += 1
-            return self.work[self.next - 1]
+    def run(self, seed: int, stop: threading.Event) -> None:
+        rng = random.Random(seed)
+        while not stop.wait(self.think):
+            if rng.random() < self.chat_share:
+                item = ("chat", QUESTIONS[rng.randrange(len(QUESTIONS))])
+            else:
+                item = ("embed", self.texts[rng.randrange(len(self.texts))])
+            self.tally.add(sent=1)
+            ok = self._until_answered(item)
+            self.tally.add(
+                **({"correct": 1} if ok else {"wrong": 1} if ok is False else {"lost": 1})
+            )
+            with self.lock:
+                self.by_kind[item[0]] += 1
 
-    def run(self, tokens: int) -> None:
-        headers = {"Authorization": f"Bearer {self.token}"}
-        with httpx.Client(base_url=self.url, headers=headers, timeout=120, trust_env=False) as api:
-            while (item := self.take()) is not None:
-                self.tally.add(sent=1)
-                ok = self._until_answered(api, item, tokens)
-                self.tally.add(
-                    **({"correct": 1} if ok else {"wrong": 1} if ok is False else {"lost": 1})
-                )
-                with self.lock:
-                    self.done += 1
-
-    def _until_answered(self, api: httpx.Client, item: tuple[str, str], tokens: int) -> bool | None:
+    def _until_answered(self, item: tuple[str, str]) -> bool | None:
         kind, text = item
-        path = "/v1/embeddings" if kind == "embed" else "/v1/completions"
+        path = "/v1/embeddings" if kind == "embed" else "/v1/chat/completions"
         body: dict[str, Any] = {"model": MINILM, "input": text}
-        if kind == "generate":
-            body = {"model": DECODER, "prompt": text, "max_tokens": tokens, "temperature": 0}
+        if kind == "chat":
+            body = {
+                "model": DECODER,
+                "messages": [{"role": "user", "content": text}],
+                "max_tokens": self.tokens,
+                "temperature": 0,
+            }
         deadline, attempt = time.monotonic() + REQUEST_DEADLINE_S, 0
         while time.monotonic() < deadline:
             if attempt:
                 self.tally.add(resent=1)
             attempt += 1
             try:
-                reply = api.post(path, json=body)
+                reply = self.api.call("POST", path, body)
             except httpx.HTTPError as exc:
                 self.tally.refused(f"{kind}: {type(exc).__name__}")
                 time.sleep(0.2)
                 continue
-            if reply.status_code == 200:
-                return self._check(kind, text, reply.json())
-            self.tally.refused(f"{kind}: {reply.status_code}")
-            if reply.status_code not in (429, 503):
+            if reply.status == 200:
+                return self._check(kind, text, reply.body)
+            self.tally.refused(f"{kind}: {reply.status}")
+            if reply.status not in (429, 503):
                 return False
-            time.sleep(min(float(reply.headers.get("retry-after", 1)), MAX_BACKOFF_S))
+            time.sleep(MAX_BACKOFF_S * random.random())
         return None
 
     def _check(self, kind: str, text: str, reply: dict[str, Any]) -> bool:
@@ -194,107 +242,215 @@ class Clients:
             want = self.vectors[text]
             cosine = float(got @ want / (np.linalg.norm(got) * np.linalg.norm(want)))
             return cosine >= MIN_COSINE
-        return bool(reply["choices"][0]["text"] == self.texts[text])
+        return bool(reply["choices"][0]["message"]["content"] == self.answers[text])
+
+
+def trainer(
+    api: CoordinatorClient,
+    every_s: float,
+    stop: threading.Event,
+    log: MemoryLog,
+    runs: list[dict[str, Any]],
+) -> None:
+    """Start a training run every ``every_s`` seconds (after the last one ended) until
+    ``stop``; record each run's span and outcome in ``runs``."""
+    while not stop.wait(every_s):
+        started = log.now()
+        try:
+            reply = api.call("POST", "/v1/training/runs", TRAINING_BODY)
+        except httpx.HTTPError as exc:
+            runs.append({"start_s": started, "end_s": log.now(), "status": type(exc).__name__})
+            continue
+        if reply.status != 200:
+            runs.append(
+                {
+                    "start_s": started,
+                    "end_s": log.now(),
+                    "status": f"refused {reply.status}: {reply.detail}",
+                }
+            )
+            continue
+        run_id = str(reply.body["run_id"])
+        status: dict[str, Any] = {"status": "unknown"}
+        deadline = time.monotonic() + TRAINING_DEADLINE_S
+        while time.monotonic() < deadline and not stop.is_set():
+            with contextlib.suppress(httpx.HTTPError):
+                status = api.call("GET", f"/v1/training/runs/{run_id}").body
+            if status.get("status") in ("finished", "failed"):
+                break
+            stop.wait(2.0)
+        runs.append(
+            {
+                "run_id": run_id,
+                "start_s": started,
+                "end_s": log.now(),
+                "status": status.get("status")
+                if status.get("status") != "running"
+                else "still running when the soak ended",
+                "error": status.get("error"),
+                "rounds": len(status.get("rounds") or []),
+            }
+        )
 
 
 def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--embeddings", type=int, default=10_000)
-    parser.add_argument("--generations", type=int, default=500)
-    parser.add_argument("--tokens", type=int, default=16)
+    parser.add_argument("--minutes", type=float, default=30.0)
     parser.add_argument("--clients", type=int, default=16)
+    parser.add_argument("--chat-share", type=float, default=0.3)
+    parser.add_argument("--tokens", type=int, default=16)
+    parser.add_argument(
+        "--think", type=float, default=0.2, help="seconds each client waits between requests"
+    )
+    parser.add_argument("--train-every", type=float, default=240.0)
+    parser.add_argument("--kill-at", type=float, default=0.25)
+    parser.add_argument("--warmup", type=float, default=5.0, help="minutes")
+    parser.add_argument("--window", type=float, default=3.0, help="minutes")
+    parser.add_argument("--flood-pause", type=float, default=0.2)
     parser.add_argument("--decoder", default="tiny-llama")
+    parser.add_argument("--out", type=Path, default=RESULTS)
     args = parser.parse_args()
+    # a short check run scales warm-up and window down with it
+    args.warmup = min(args.warmup, args.minutes / 3)
+    args.window = min(args.window, args.minutes / 8)
     CACHE.mkdir(parents=True, exist_ok=True)
     minilm, decoder = minilm_model(CACHE), _decoder_export(args.decoder)
     texts = sorted(set(TEXTS) | set(SENTENCES))
     refs = (
         unsharded_embeddings(minilm, texts),
-        {p: greedy_reference(decoder, p, args.tokens)[0] for p in PROMPTS},
+        {q: greedy_chat_reference(decoder, q, args.tokens) for q in QUESTIONS},
     )
-    work = [("embed", texts[i % len(texts)]) for i in range(args.embeddings)]
-    work += [("generate", PROMPTS[i % len(PROMPTS)]) for i in range(args.generations)]
-    random.Random(0).shuffle(work)
     with tempfile.TemporaryDirectory() as tmp, start_lab(Path(tmp), minilm, decoder) as lab:
-        outcome = soak(lab, work, refs, args)
-    report(outcome, args)
+        outcome = soak(lab, refs, args)
+    flat = report(outcome, args)
     tally = outcome["clients"].tally
-    return 0 if tally.wrong == tally.lost == 0 else 1
+    return 0 if tally.wrong == tally.lost == 0 and flat else 1
 
 
-def soak(
-    lab: Lab, work: list[tuple[str, str]], refs: Any, args: argparse.Namespace
-) -> dict[str, Any]:
-    """Run the clients and the hostile threads; what happened."""
-    coordinator = lab.coordinator
-    with coordinator.client() as api:
-        devices = [
-            d for d in api.get("/v1/devices").json() if d["name"] in {a.name for a in lab.agents}
-        ]
-        version = next(m for m in api.get("/v1/deployments").json() if m["model_id"] == MINILM)
+def soak(lab: Lab, refs: Any, args: argparse.Namespace) -> dict[str, Any]:
+    """Run the clients, the trainer and the hostile threads for ``args.minutes``."""
+    api = lab.api
+    ours = {a.name for a in lab.agents}
+    devices = [d for d in api.devices() if d.name in ours]
+    deployments = api.expect("GET", "/v1/deployments")
+    version = next(m for m in deployments if m["model_id"] == MINILM)
     active = next(v for v in version["versions"] if v["plan_version"] == version["active"])
     victim = active["segments"][0]["device"]
-    clients = Clients(coordinator.url, coordinator.token, work, refs)
+    fingerprint = next(d.fingerprint for d in devices if d.name == victim)
+    clients = Clients(api, refs, args)
     stop, seen, memory = threading.Event(), Seen(), MemoryLog()
-    port = int(coordinator.url.rsplit(":", 1)[1])
-    fingerprint = next(d["fingerprint"] for d in devices if d["name"] == victim)
-    hostile = [
+    runs: list[dict[str, Any]] = []
+    url = lab.coordinator.url
+    port = int(url.rsplit(":", 1)[1])
+    coordinator_pid = lab.coordinator.proc.pid
+    background = [
         threading.Thread(
-            target=rogue_announcer, args=([d["name"] for d in devices], fingerprint, stop, seen)
+            target=rogue_announcer, args=([d.name for d in devices], fingerprint, stop, seen)
         ),
         threading.Thread(target=dripper, args=(port, stop, seen)),
-        threading.Thread(target=flooder, args=(coordinator.url, "/v1/embeddings", stop, seen)),
-        threading.Thread(target=flooder, args=(coordinator.url, "/v1/completions", stop, seen)),
-        threading.Thread(target=sampler, args=(lab.pids, memory, stop)),
+        threading.Thread(
+            target=flooder, args=(url, "/v1/embeddings", stop, seen, args.flood_pause)
+        ),
+        threading.Thread(
+            target=flooder, args=(url, "/v1/chat/completions", stop, seen, args.flood_pause)
+        ),
+        threading.Thread(target=sampler, args=(lab.pids, memory, stop, 2.0, coordinator_pid)),
+        threading.Thread(target=trainer, args=(api, args.train_every, stop, memory, runs)),
     ]
-    for thread in hostile:
+    for thread in background:
         thread.start()
     events: dict[str, float] = {}
-    started = time.monotonic()
+    duration = args.minutes * 60
     with ThreadPoolExecutor(max_workers=args.clients) as pool:
-        futures = [pool.submit(clients.run, args.tokens) for _ in range(args.clients)]
-        while clients.done < len(work) // 4 and not all(f.done() for f in futures):
-            time.sleep(0.5)
-        events[f"kill {victim}"] = time.monotonic() - memory.started
+        futures = [pool.submit(clients.run, seed, stop) for seed in range(args.clients)]
+        stop.wait(max(0.0, duration * args.kill_at - memory.now()))
+        events[f"kill {victim}"] = memory.now()
         lab.kill_and_restart(victim)
-        events[f"restart {victim}"] = time.monotonic() - memory.started
+        events[f"restart {victim}"] = memory.now()
+        stop.wait(max(0.0, duration - memory.now()))
+        statuses = [
+            (d.name, d.fingerprint[:12], d.status, d.online)
+            for d in api.devices()
+            if d.name in ours or d.name.startswith("copy-")
+        ]
+        failover = api.expect("GET", "/v1/failover")
+        stop.set()
         for future in futures:
             future.result()
-    wall = time.monotonic() - started
-    ours = {a.name for a in lab.agents}
-    with coordinator.client() as api:
-        statuses = [
-            (d["name"], d["fingerprint"][:12], d["status"], d["online"])
-            for d in api.get("/v1/devices").json()
-            if d["name"] in ours or d["name"].startswith("copy-")
-        ]
-        failover = api.get("/v1/failover").json()
-    stop.set()
-    for thread in hostile:
-        thread.join(60)
-    return {"clients": clients, "seen": seen, "memory": memory, "events": events, "wall": wall,
-            "victim": victim, "statuses": statuses, "failover": failover,
-            "agents": [a.name for a in lab.agents]}  # fmt: skip
+    wall = memory.now()
+    for thread in background:
+        thread.join(TRAINING_DEADLINE_S)
+    return {
+        "clients": clients,
+        "seen": seen,
+        "memory": memory,
+        "events": events,
+        "wall": wall,
+        "victim": victim,
+        "statuses": statuses,
+        "failover": failover,
+        "runs": runs,
+        "agents": [a.name for a in lab.agents],
+    }
 
 
-def report(outcome: dict[str, Any], args: argparse.Namespace) -> None:
-    """Write soak.md, soak.json and soak.png and print the Markdown."""
-    tally, memory, agents = outcome["clients"].tally, outcome["memory"], outcome["agents"]
+def report(outcome: dict[str, Any], args: argparse.Namespace) -> bool:
+    """Write soak.md, soak.json, soak-memory.json and soak.png, print the Markdown; whether
+    every process stayed within :data:`TARGET_GROWTH` after warm-up."""
+    clients, memory, agents = outcome["clients"], outcome["memory"], outcome["agents"]
+    tally, runs, victim = clients.tally, outcome["runs"], outcome["victim"]
     budgets = {name: AGENT_MEMORY for name in agents}
-    RESULTS.mkdir(parents=True, exist_ok=True)
-    plotted = plot_memory(memory, budgets, outcome["events"], RESULTS / "soak.png")
+    warmup_s, window_s = args.warmup * 60, args.window * 60
+    restarted = {victim: outcome["events"][f"restart {victim}"]}
+    grown = growth(memory, warmup_s, window_s, restarted)
+    judged = {n: g for n, g in grown.items() if g is not None}
+    over = sorted(n for n, g in judged.items() if g.growth >= TARGET_GROWTH)
+    flat = not over and len(judged) == len(grown)
+    out: Path = args.out
+    out.mkdir(parents=True, exist_ok=True)
+    spans = [(r["start_s"], r["end_s"]) for r in runs]
+    plotted = plot_memory(memory, budgets, outcome["events"], spans, warmup_s, out / "soak.png")
+    command = (
+        f"`.venv/bin/python bench/soak.py --minutes {args.minutes:g} --clients {args.clients} "
+        f"--chat-share {args.chat_share:g} --tokens {args.tokens} --think {args.think:g} "
+        f"--train-every {args.train_every:g} --kill-at {args.kill_at:g} --warmup "
+        f"{args.warmup:g} --window {args.window:g} --decoder {args.decoder}`"
+    )
+    verdict = (
+        f"**Flat**: every process grew less than {TARGET_GROWTH:.0%} after warm-up."
+        if flat
+        else f"**Not shown flat**: {', '.join(over) or 'a process had too little run left'} "
+        f"grew {TARGET_GROWTH:.0%} or more after warm-up (or could not be judged)."
+    )
     lines = [
-        "# Soak under hostility",
+        "# Long soak under hostility: resident memory over time",
         "",
         *stamp(REPO),
         "",
-        f"`.venv/bin/python bench/soak.py --embeddings {args.embeddings} --generations "
-        f"{args.generations} --tokens {args.tokens} --clients {args.clients} --decoder "
-        f"{args.decoder}`: {outcome['wall']:.0f} s.",
+        f"{command}: {outcome['wall'] / 60:.1f} minutes.",
+        "",
+        verdict,
+        "",
+        f"Growth: median resident memory over the last {args.window:g} minutes against the "
+        f"median over the first {args.window:g} minutes after a {args.warmup:g}-minute warm-up "
+        f"(for `{victim}`, killed and restarted, counted from its restart). Slope: least squares "
+        "over every sample after warm-up.",
+        "",
+        "| process | after warm-up MiB | last window MiB | growth | slope MiB/min | peak after "
+        "warm-up MiB | peak MiB | budget MiB |",
+        "|---|---|---|---|---|---|---|---|",
+        *[
+            _growth_row(name, grown.get(name), memory.peak(name), budgets)
+            for name in sorted(memory.samples)
+            if name != CHILDREN
+        ],
+        f"| {CHILDREN} (training runs; not judged) | - | - | - | - | - | "
+        f"{memory.peak(CHILDREN) / (1 << 20):.0f} | - |",
         "",
         "| answers | count |",
         "|---|---|",
-        f"| sent | {tally.sent} |",
+        f"| sent | {tally.sent} (embeddings {clients.by_kind['embed']}, chat "
+        f"{clients.by_kind['chat']}) |",
         f"| correct | {tally.correct} |",
         f"| wrong (target 0) | {tally.wrong} |",
         f"| lost (target 0) | {tally.lost} |",
@@ -304,20 +460,22 @@ def report(outcome: dict[str, Any], args: argparse.Namespace) -> None:
         "|---|---|",
         *[f"| {why} | {n} |" for why, n in sorted(tally.refusals.items())],
         "",
+        "| training run | start min | minutes | status | rounds |",
+        "|---|---|---|---|---|",
+        *[
+            f"| {r.get('run_id', '-')} | {r['start_s'] / 60:.1f} | "
+            f"{(r['end_s'] - r['start_s']) / 60:.1f} | {r['status']}"
+            f"{': ' + str(r['error']) if r.get('error') else ''} | {r.get('rounds', 0)} |"
+            for r in runs
+        ],
+        "",
         "| what the hostile clients got | count |",
         "|---|---|",
         *[f"| {why} | {n} |" for why, n in sorted(outcome["seen"].counts.items())],
         "",
-        f"Killed (SIGKILL) and restarted {RESTART_AFTER_S:.0f} s later: `{outcome['victim']}`. "
-        f"Failover events: {len(outcome['failover'].get('events', []))}.",
-        "",
-        "| process | peak resident MiB | budget MiB |",
-        "|---|---|---|",
-        *[
-            f"| {name} | {memory.peak(name) / (1 << 20):.0f} | "
-            f"{budgets[name] >> 20 if name in budgets else '-'} |"
-            for name in sorted(memory.samples)
-        ],
+        f"Killed (SIGKILL) at {outcome['events'][f'kill {victim}'] / 60:.1f} min and restarted "
+        f"{RESTART_AFTER_S:.0f} s later: `{victim}`. Failover events: "
+        f"{len(outcome['failover'].get('events', []))}.",
         "",
         "Device list at the end, while the rogue still announces (name, fingerprint, status):",
         "",
@@ -328,18 +486,65 @@ def report(outcome: dict[str, Any], args: argparse.Namespace) -> None:
         "",
     ]
     if plotted:
-        lines += ["![resident memory against budget](soak.png)", ""]
-    (RESULTS / "soak.md").write_text("\n".join(lines))
-    over = [n for n in agents if memory.peak(n) > AGENT_MEMORY]
+        lines += ["![resident memory over time](soak.png)", ""]
+    (out / "soak.md").write_text("\n".join(lines))
+    detail = {
+        "format": "fedshard.soak-memory/1",
+        "args": {k: str(v) if isinstance(v, Path) else v for k, v in vars(args).items()},
+        "wall_s": outcome["wall"],
+        "events_s": outcome["events"],
+        "training_runs": runs,
+        "growth": {
+            n: None
+            if g is None
+            else {
+                "since_s": g.since_s,
+                "baseline_bytes": g.baseline,
+                "final_bytes": g.final,
+                "growth": g.growth,
+                "peak_bytes": g.peak,
+                "slope_mib_per_min": g.slope_mib_per_min,
+            }
+            for n, g in grown.items()
+        },
+        "samples": {n: [[round(t, 1), rss] for t, rss in pts] for n, pts in memory.samples.items()},
+    }
+    (out / "soak-memory.json").write_text(json.dumps(detail) + "\n")
+    limit = 100 * TARGET_GROWTH
+    worst = max((g.growth for g in judged.values()), default=float("nan"))
     write_headlines(
         "soak",
         [
+            Headline("largest growth after warm-up", 100 * worst, "%", f"< {limit:g}"),
             Headline("answers lost or wrong", float(tally.lost + tally.wrong), "", "<= 0"),
-            Headline("agents over their budget", float(len(over)), "", "<= 0"),
+            Headline(
+                "agents over their budget",
+                float(sum(memory.peak(n) > AGENT_MEMORY for n in agents)),
+                "",
+                "<= 0",
+            ),
             Headline("answers correct", float(tally.correct), ""),
+            Headline(
+                "training runs finished", float(sum(r["status"] == "finished" for r in runs)), ""
+            ),
         ],
+        out,
     )
     print("\n".join(lines))
+    return flat
+
+
+def _growth_row(name: str, g: Any, peak: int, budgets: dict[str, int]) -> str:
+    budget = f"{budgets[name] >> 20}" if name in budgets else "-"
+    if g is None:
+        return (
+            f"| {name} | - | - | too little run after warm-up | - | - | {peak >> 20} | {budget} |"
+        )
+    return (
+        f"| {name} | {g.baseline / (1 << 20):.0f} | {g.final / (1 << 20):.0f} | "
+        f"{100 * g.growth:+.1f} % | {g.slope_mib_per_min:+.2f} | {g.peak / (1 << 20):.0f} | "
+        f"{peak / (1 << 20):.0f} | {budget} |"
+    )
 
 
 if __name__ == "__main__":
