@@ -92,8 +92,9 @@ def main() -> int:
         analysis = analyse_model(model)
         rates = (None, None, args.slow_mbps)
         with lab_cluster(tmp, rates, lambda step: print(f"planner_lab: {step}")) as cluster:
-            links = cluster.api.post("/v1/links/measure", None, timeout=120)
-            requester = cluster.api.get("/v1/links/requester")
+            api = cluster.api.client()
+            links = [link.model_dump(mode="json") for link in api.measure_links(timeout=120)]
+            requester = [link.model_dump(mode="json") for link in api.requester_links()]
             devices = lab_devices(cluster, caps, links, requester)
             single = best_single(analysis, devices)
             alone = {name: cap if name == single else 0 for name, cap in caps.items()}
@@ -170,7 +171,10 @@ def lab_devices(
 ) -> DeviceList:
     """What the coordinator's planner sees: capped memory, announced GFLOP/s, measured links
     between the agents and from the coordinator to each, devices in the coordinator's order."""
-    found = {d["name"]: d["announcement"]["profile"] for d in cluster.api.get("/v1/devices")}
+    found = {
+        d.name: d.announcement.profile.model_dump(mode="json")
+        for d in cluster.api.client().devices()
+    }
     devices = [
         {
             "name": name,
@@ -267,21 +271,20 @@ def measure(
     if strategy not in (*OBJECTIVES, "single"):
         body["baseline"] = strategy
     start = time.monotonic()
-    record = cluster.api.post("/v1/deployments", body, timeout=900)
+    record = cluster.api.client().deploy(body, timeout=900)
     deploy_s = time.monotonic() - start
-    version = int(record["plan_version"])
+    version = record.plan_version
     path = cluster.state_dir / "deployments" / MODEL_ID / f"v{version}" / MANIFEST_FILE
     manifest = Manifest.from_json(path.read_bytes())
     ask = {"model": MODEL_ID, "input": text}
-    metrics = f"/v1/metrics?model={MODEL_ID}"
     cluster.api.load("/v1/embeddings", ask, 8, 4)  # warm the coordinator's chain connections
-    cluster.api.get(metrics)
+    cluster.api.client().live_metrics(MODEL_ID)
     print(f"planner_lab: {strategy}: {args.latency_runs} requests one at a time")
     sequential = cluster.api.load("/v1/embeddings", ask, args.latency_runs, 1)
-    stages_sequential = _stages(cluster, metrics)
+    stages_sequential = _stages(cluster)
     print(f"planner_lab: {strategy}: {args.requests} requests, {args.in_flight} in flight")
     pipelined = cluster.api.load("/v1/embeddings", ask, args.requests, args.in_flight)
-    stages_pipelined = _stages(cluster, metrics)
+    stages_pipelined = _stages(cluster)
     return Outcome(
         strategy=strategy,
         plan_version=version,
@@ -299,15 +302,16 @@ def measure(
 
 def _placements(cluster: LabCluster, version: int) -> list[dict[str, Any]]:
     """The deployed version's segments as the coordinator records them."""
-    [record] = [r for r in cluster.api.get("/v1/deployments") if r["model_id"] == MODEL_ID]
-    [deployed] = [v for v in record["versions"] if v["plan_version"] == version]
-    return sorted(deployed["segments"], key=lambda p: int(p["index"]))
+    record = cluster.api.client().deployment(MODEL_ID)
+    [deployed] = [v for v in record.versions if v.plan_version == version]
+    segments = sorted(deployed.segments, key=lambda p: p.index)
+    return [p.model_dump(mode="json") for p in segments]
 
 
-def _stages(cluster: LabCluster, path: str) -> list[dict[str, Any]]:
+def _stages(cluster: LabCluster) -> list[dict[str, Any]]:
     time.sleep(0.6)  # the console shares snapshots under half a second old
-    stages: list[dict[str, Any]] = cluster.api.get(path)["stages"]
-    return stages
+    snapshot = cluster.api.client().live_metrics(MODEL_ID)
+    return [stage.model_dump(mode="json") for stage in snapshot.stages]
 
 
 if __name__ == "__main__":

@@ -37,7 +37,7 @@ from pydantic import TypeAdapter
 from coordinator.config import API_DEPLOY_TIMEOUT_S, API_TIMEOUT_S
 from coordinator.deploy.store import ModelRecord, VersionRecord
 from coordinator.errors import ApiError
-from coordinator.http.console import ConsoleModel, WhatIfAnswer, WhatIfBody
+from coordinator.http.console import ConsoleModel, LiveSnapshot, WhatIfAnswer, WhatIfBody
 from coordinator.http.device_models import (
     ApproveBody,
     Approved,
@@ -72,8 +72,9 @@ class Reply:
 
     @property
     def detail(self) -> Any:
-        """The body's ``detail`` (an error's message), or None."""
-        return self.body.get("detail") if isinstance(self.body, dict) else None
+        """An error's message: the body's ``detail``, or an OpenAI-shaped ``error``'s
+        ``message``; None when it has neither."""
+        return _message(self.body)
 
     def expect(self) -> Any:
         """The body of a 200; ApiError otherwise."""
@@ -85,11 +86,20 @@ class Reply:
 class CoordinatorClient:
     """The coordinator's API at ``url`` with ``token``."""
 
-    def __init__(self, url: str, token: str | None, timeout: float = API_TIMEOUT_S) -> None:
-        """A client of ``url`` (``http://host:port``), sending ``token`` as the bearer token."""
+    def __init__(
+        self,
+        url: str,
+        token: str | None,
+        timeout: float = API_TIMEOUT_S,
+        transport: httpx.BaseTransport | None = None,
+    ) -> None:
+        """A client of ``url`` (``http://host:port``), sending ``token`` as the bearer token;
+        ``transport`` carries the requests another way than a socket from this process (a
+        lab's client in another network namespace)."""
         self.url = url
         self.token = token
         self.timeout = timeout
+        self._transport = transport
         self._http: httpx.Client | None = None
 
     def __enter__(self) -> CoordinatorClient:
@@ -105,7 +115,11 @@ class CoordinatorClient:
     def _open(self) -> httpx.Client:
         headers = {"Authorization": f"Bearer {self.token}"} if self.token else {}
         return httpx.Client(
-            base_url=self.url.rstrip("/"), headers=headers, timeout=self.timeout, trust_env=False
+            base_url=self.url.rstrip("/"),
+            headers=headers,
+            timeout=self.timeout,
+            trust_env=False,
+            transport=self._transport,
         )
 
     @contextlib.contextmanager
@@ -215,6 +229,11 @@ class CoordinatorClient:
         """``GET /v1/console/models``: the deployed models as the console lists them."""
         return _CONSOLE.validate_python(self.expect("GET", "/v1/console/models"))
 
+    def live_metrics(self, model_id: str | None = None) -> LiveSnapshot:
+        """``GET /v1/metrics``: requests and stage rates now (of ``model_id``, or of all)."""
+        path = "/v1/metrics" + (f"?model={model_id}" if model_id is not None else "")
+        return LiveSnapshot.model_validate(self.expect("GET", path))
+
     def what_if(self, body: WhatIfBody) -> WhatIfAnswer:
         """``POST /v1/plan/what-if``: the plan now and the plan ``body`` would give."""
         reply = self.expect("POST", "/v1/plan/what-if", body.model_dump(mode="json"))
@@ -278,12 +297,20 @@ class CoordinatorClient:
         return RunStatus.model_validate(self.expect("GET", f"/v1/training/runs/{run_id}"))
 
 
+def _message(body: Any) -> Any:
+    """The error message in a JSON reply body: ``detail``, or ``error.message``, or None."""
+    if not isinstance(body, dict):
+        return None
+    if "detail" in body:
+        return body["detail"]
+    error = body.get("error")
+    return error.get("message", error) if isinstance(error, dict) else error
+
+
 def _detail(response: httpx.Response) -> Any:
-    """A refusal's ``detail``, or its OpenAI-shaped ``error``, or its text."""
+    """A refused stream's message, or its text."""
     try:
         body = response.json()
     except ValueError:
         return response.text
-    if isinstance(body, dict):
-        return body.get("detail") or body.get("error") or body
-    return body
+    return _message(body) or body

@@ -7,10 +7,12 @@ there as a script; it needs only the standard library::
     python tests/lab_client.py HOST PORT TOKEN serve
     python tests/lab_client.py HOST PORT TOKEN stream TIMEOUT TOTAL IN_FLIGHT MODEL TEXTS_JSON
 
-``serve`` answers one JSON command per stdin line with one JSON line: ``{"op": "call", "method",
-"path", "body", "timeout"}`` makes one API call on a fresh connection (``{"status", "headers",
-"body"}``; status 0: no connection); ``{"op": "load", "path", "body", "total", "in_flight",
-"timeout"}`` times ``total`` POSTs (``{"latencies", "errors", "wall_s"}``).
+``serve`` answers one JSON command per stdin line with one JSON line: ``{"op": "relay",
+"method", "path", "headers", "body", "timeout"}`` relays one HTTP request (body base64) on a
+fresh connection and answers ``{"status", "headers", "body"}`` (status 0: no connection, with
+``error``): the transport of the typed client :class:`coordinator.client.CoordinatorClient`
+that ``lab_helpers.LabApi`` runs outside the lab; ``{"op": "load", "path", "body", "total",
+"in_flight", "timeout"}`` times ``total`` POSTs (``{"latencies", "errors", "wall_s"}``).
 
 ``stream`` sends ``TOTAL`` embedding requests for ``MODEL``, ``IN_FLIGHT`` at a time, request
 ``i`` for text ``i % len(TEXTS)``, each on a fresh connection, and prints one JSON line per answer
@@ -19,6 +21,7 @@ as it arrives: ``{"i", "status", "version", "embedding"}`` or ``{..., "detail"}`
 
 from __future__ import annotations
 
+import base64
 import http.client
 import json
 import sys
@@ -51,6 +54,23 @@ def one_call(host: str, port: int, token: str, ask: dict[str, Any]) -> dict[str,
     finally:
         conn.close()
     return {"status": status, "headers": headers, "body": body}
+
+
+def relay(host: str, port: int, ask: dict[str, Any]) -> dict[str, Any]:
+    """One HTTP request as the client outside made it (headers, token and body included), on a
+    fresh connection; the answer's status, headers and body (base64) as they came."""
+    conn = http.client.HTTPConnection(host, port, timeout=float(ask.get("timeout", 60.0)))
+    try:
+        body = base64.b64decode(ask["body"]) if ask.get("body") else None
+        conn.request(ask["method"], ask["path"], body=body, headers=ask.get("headers", {}))
+        reply = conn.getresponse()
+        raw = reply.read()
+    except (OSError, http.client.HTTPException) as exc:
+        return {"status": 0, "error": repr(exc)}
+    finally:
+        conn.close()
+    headers = [[k, v] for k, v in reply.getheaders()]
+    return {"status": reply.status, "headers": headers, "body": base64.b64encode(raw).decode()}
 
 
 def _in_threads(worker: Callable[[], None], count: int) -> None:
@@ -102,10 +122,7 @@ def serve(host: str, port: int, token: str) -> None:
     """One JSON command per stdin line, one JSON answer per stdout line."""
     for line in sys.stdin:
         ask = json.loads(line)
-        if ask["op"] == "load":
-            answer = load(host, port, token, ask)
-        else:
-            answer = one_call(host, port, token, ask)
+        answer = load(host, port, token, ask) if ask["op"] == "load" else relay(host, port, ask)
         sys.stdout.write(json.dumps(answer) + "\n")
         sys.stdout.flush()
 

@@ -6,7 +6,8 @@ hosts ``h1``..``hN`` on one bridge, each agent host with its own ``tbf`` rate (o
 host's address; the coordinator finds the agents by real mDNS across the bridge, and each is
 paired with ``fedshard pair`` the way an operator would. The lab has no route to the machine's
 own namespace, so every API call comes from a client process inside ``h0``
-(``tests/lab_client.py``), reached through :class:`LabApi`.
+(``tests/lab_client.py``), reached through :class:`LabApi`: its :meth:`LabApi.client` is the
+typed client of the API (:class:`~coordinator.client.CoordinatorClient`) over that process.
 
 Used by ``tests/lab/test_lab_failover.py`` and ``bench/planner_lab.py``. Everything started here
 runs inside the lab's namespaces; :func:`lab_cluster` stops it and removes the lab when it exits,
@@ -15,6 +16,7 @@ failure or not.
 
 from __future__ import annotations
 
+import base64
 import contextlib
 import json
 import os
@@ -28,9 +30,12 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
+import httpx
 from agent_helpers import PYTHON, REPO, AgentProc, stop_agent
 from coordinator_helpers import FEDSHARD, pairing_code, stop_process, wait_for
 
+from coordinator.client import CoordinatorClient
+from coordinator.http.device_models import DeviceView
 from devtools.lab.lab import Lab
 from devtools.lab.spec import LabSpec
 
@@ -66,12 +71,45 @@ def client_argv(address: str, token: str, *mode: str) -> list[str]:
     return [PYTHON, str(CLIENT), address, str(API_PORT), token, *mode]
 
 
+class _Relay(httpx.BaseTransport):
+    """An httpx transport that sends each request through the client process inside ``h0``."""
+
+    def __init__(self, ask: Callable[[dict[str, Any]], dict[str, Any]]) -> None:
+        self._ask = ask
+
+    def handle_request(self, request: httpx.Request) -> httpx.Response:
+        """Relay ``request``; httpx.ConnectError when the coordinator did not answer."""
+        timeout = request.extensions.get("timeout", {}).get("read") or 60.0
+        body = request.read()
+        answer = self._ask(
+            {
+                "op": "relay",
+                "method": request.method,
+                "path": request.url.raw_path.decode(),
+                "headers": dict(request.headers),
+                "body": base64.b64encode(body).decode() if body else None,
+                "timeout": timeout,
+            }
+        )
+        if answer["status"] == 0:
+            raise httpx.ConnectError(answer["error"], request=request)
+        headers = [(k, v) for k, v in answer["headers"] if k.lower() not in _FRAMING]
+        content = base64.b64decode(answer["body"])
+        return httpx.Response(answer["status"], headers=headers, content=content, request=request)
+
+
+_FRAMING = {"content-length", "transfer-encoding"}
+"""Headers of the relayed wire framing (the body comes whole): httpx sets its own."""
+
+
 class LabApi:
     """The coordinator's API, called through a ``lab_client.py serve`` process inside ``h0``;
     each call times out after ``timeout_s`` unless it says otherwise."""
 
     def __init__(self, lab: Lab, address: str, token: str, timeout_s: float = 60.0) -> None:
         self.timeout_s = timeout_s
+        self._url = f"http://{address}:{API_PORT}"
+        self._token = token
         self._proc = lab.popen(
             COORDINATOR_HOST,
             client_argv(address, token, "serve"),
@@ -96,14 +134,21 @@ class LabApi:
     def _timeout(self, timeout: float | None) -> float:
         return self.timeout_s if timeout is None else timeout
 
+    def client(self, timeout: float | None = None) -> CoordinatorClient:
+        """The typed client of the coordinator's API, its requests sent from inside ``h0``."""
+        url, token = self._url, self._token
+        return CoordinatorClient(url, token, self._timeout(timeout), transport=_Relay(self._ask))
+
     def call(
         self, method: str, path: str, body: Any = None, timeout: float | None = None
     ) -> tuple[int, Any, dict[str, str]]:
         """One API call: its HTTP status (0: no connection), JSON body and headers (lower
         case)."""
-        ask = {"op": "call", "method": method, "path": path, "body": body}
-        reply = self._ask({**ask, "timeout": self._timeout(timeout)})
-        return int(reply["status"]), reply["body"], reply["headers"]
+        try:
+            reply = self.client(timeout).call(method, path, body)
+        except httpx.HTTPError as exc:
+            return 0, repr(exc), {}
+        return reply.status, reply.body, dict(reply.headers)
 
     def get(self, path: str) -> Any:
         """``GET path``; raises LabClusterError unless it answers 200."""
@@ -282,11 +327,10 @@ def _pair(cluster: LabCluster) -> None:
     returns when all of them are paired and online."""
     hosts = set(cluster.agent_hosts)
 
-    def devices() -> list[dict[str, Any]]:
-        found: list[dict[str, Any]] = cluster.api.get("/v1/devices")
-        return found
+    def devices() -> list[DeviceView]:
+        return cluster.api.client().devices()
 
-    if not wait_for(lambda: hosts <= {d["name"] for d in devices()}, 60):
+    if not wait_for(lambda: hosts <= {d.name for d in devices()}, 60):
         raise LabClusterError(f"the agents were not discovered: {devices()}")
     for agent in cluster.agents:
         result = cluster.cli("pair", agent.name, pairing_code(agent, timeout=30.0))
@@ -294,7 +338,7 @@ def _pair(cluster: LabCluster) -> None:
             raise LabClusterError(f"pairing {agent.name} failed: {result.stdout}{result.stderr}")
 
     def paired() -> bool:
-        return hosts <= {d["name"] for d in devices() if d["status"] == "paired" and d["online"]}
+        return hosts <= {d.name for d in devices() if d.status == "paired" and d.online}
 
     if not wait_for(paired, 30):
         raise LabClusterError(f"the agents were not paired and online: {devices()}")

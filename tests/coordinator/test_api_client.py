@@ -21,7 +21,7 @@ import uvicorn
 from pairing_helpers import make_csr, request_code
 
 from coordinator import commands
-from coordinator.client import CoordinatorClient
+from coordinator.client import CoordinatorClient, Reply
 from coordinator.errors import ApiError
 from coordinator.fleet.registry import DeviceRegistry
 from coordinator.http.app import Services, create_app
@@ -194,3 +194,22 @@ def test_the_reply_models_read_what_the_routes_write() -> None:
         }
     )
     assert view.models["m"].state == "recovering" and view.events[0].device == "a"
+
+
+def test_a_transport_carries_the_requests_and_openai_refusals_have_their_message() -> None:
+    seen: list[httpx.Request] = []
+
+    def answer(request: httpx.Request) -> httpx.Response:
+        seen.append(request)
+        if request.url.path == "/v1/embeddings":
+            error = {"message": "no model 'nope' is deployed", "code": "model_not_found"}
+            return httpx.Response(404, json={"error": error})
+        return httpx.Response(200, json=[])
+
+    client = CoordinatorClient("http://lab:8470", TOKEN, transport=httpx.MockTransport(answer))
+    assert client.devices() == []
+    assert seen[0].headers["authorization"] == f"Bearer {TOKEN}"
+    with pytest.raises(ApiError) as refused:
+        client.embeddings("nope", "x")
+    assert (refused.value.status, refused.value.detail) == (404, "no model 'nope' is deployed")
+    assert Reply(503, {"detail": "busy"}).detail == "busy" and Reply(500, "text").detail is None
