@@ -16,9 +16,10 @@ No whole-model graph is ever built or written. In turn:
    ``rows_independent``, so verification runs only where it holds), released before the next
    segment is built, then joined into the one file an agent receives
    (:mod:`coordinator.deploy.gguf_stages`), so the process holds about one segment;
-5. the manifest is written, and the peak resident memory of the whole stretch is measured
-   (:class:`~coordinator.deploy.peak_memory.PeakMemory`) and logged next to the file size and
-   the largest segment, and kept on the version's :class:`~protocols.gguf_card.GgufCard`.
+5. the manifest is written (:mod:`coordinator.deploy.gguf_manifest`), and the peak resident
+   memory of the whole stretch is measured (:class:`~coordinator.deploy.peak_memory.PeakMemory`)
+   and logged next to the file size and the largest segment, and kept on the version's
+   :class:`~protocols.gguf_card.GgufCard`.
 """
 
 from __future__ import annotations
@@ -33,8 +34,9 @@ from typing import Any
 import numpy as np
 
 from coordinator.deploy.cutting import Arrays, DeployCommand, SplitOutcome, baseline_planner
+from coordinator.deploy.gguf_manifest import gguf_manifest
 from coordinator.deploy.gguf_plan import GgufUnits, planning_problem, unit_table
-from coordinator.deploy.gguf_stages import Built, build_stages
+from coordinator.deploy.gguf_stages import build_stages
 from coordinator.deploy.gguf_tokenizer import GgufVocabulary, build_tokenizer, read_vocabulary
 from coordinator.deploy.limits import planned_limits
 from coordinator.deploy.peak_memory import PeakMemory
@@ -47,9 +49,7 @@ from coordinator.errors import (
     UnsupportedTensorTypeError,
 )
 from coordinator.generation.feeds import step_inputs
-from hostkit.files import file_sha256
 from partitioner.analysis.decoding import describe_state
-from partitioner.analysis.phases import stage_prefill_s
 from partitioner.errors import InfeasiblePlanError
 from partitioner.models.gguf.builder import DEFAULT_TOP_K, GgufSource
 from partitioner.models.gguf.header import GgufModel, UnsupportedModel, read_header
@@ -67,13 +67,7 @@ from protocols.decoder import (
     present_name,
 )
 from protocols.gguf_card import GgufBuild, GgufCard, WeightsMode
-from protocols.manifest import (
-    DEFAULT_SESSIONS,
-    Manifest,
-    ModelInfo,
-    SegmentEntry,
-    SessionLimits,
-)
+from protocols.manifest import DEFAULT_SESSIONS, SessionLimits
 from protocols.plan import Plan
 from protocols.problem import PlanningProblem
 
@@ -148,7 +142,7 @@ def gguf_split_and_run(
             built = build_stages(_open(command.model_path), plan, out, local, command.weights)
             info = probed(info, built.probe)
             (out / DECODER_FILE).write_text(info.to_json() + "\n")
-        manifest = _manifest(command.model_path, plan, problem, table, built, sessions)
+        manifest = gguf_manifest(command.model_path, plan, problem, table, built, sessions)
         (out / "manifest.json").write_text(manifest.to_json() + "\n")
     known = built.known
     state = {n for s in manifest.segments for p in s.state for n in (p.past, p.present)}
@@ -280,74 +274,6 @@ def health_feeds(model: GgufModel, prompt: Sequence[int]) -> tuple[Arrays, Array
         local[past_name(i, "key")] = empty
         local[past_name(i, "value")] = empty
     return wire, local
-
-
-def _manifest(
-    path: Path,
-    plan: Plan,
-    problem: PlanningProblem,
-    table: GgufUnits,
-    built: Built,
-    sessions: SessionLimits,
-) -> Manifest:
-    types = {d.name: d.type for d in problem.devices}
-    produced = {n for names in built.outputs for n in names}
-    consumed = {n for names in built.inputs for n in names}
-    model_inputs = sorted(consumed - produced, key=_io_order)
-    model_outputs = sorted(produced - consumed, key=_io_order)
-    segments = []
-    for k, stage in enumerate(plan.stages):
-        inputs = built.inputs[k]
-        pairs = [
-            StatePair(past=n, present="present" + n.removeprefix("past"))
-            for n in inputs
-            if n.startswith("past.")
-        ]
-        segments.append(
-            SegmentEntry(
-                index=k,
-                device=stage.device,
-                file=built.files[k].name,
-                sha256=file_sha256(built.files[k]),
-                inputs=inputs,
-                outputs=built.outputs[k],
-                param_bytes=built.param_bytes[k],
-                predicted_memory_bytes=stage.memory_bytes,
-                predicted_compute_s=stage.compute_s,
-                predicted_prefill_s=stage_prefill_s(
-                    problem, types[stage.device], stage.start, stage.end
-                ),
-                units=(stage.start, stage.end),
-                state=pairs,
-                state_bytes=sum(table.state_bytes[stage.start : stage.end]),
-            )
-        )
-    return Manifest(
-        model=ModelInfo(
-            name=path.stem,
-            sha256=file_sha256(path),
-            param_bytes=sum(u.weight_bytes for u in table.units.units)
-            + sum(s.nbytes for s in table.units.shared),
-            inputs=[built.declared[n] for n in model_inputs],
-            outputs=[built.declared[n] for n in model_outputs],
-        ),
-        objective=plan.objective,
-        bottleneck_s=plan.bottleneck_s,
-        latency_s=plan.latency_s,
-        segments=segments,
-        sessions=sessions,
-    )
-
-
-def _io_order(name: str) -> tuple[int, int, str]:
-    """Model inputs and outputs in the export's order: ids, mask, positions, then per layer."""
-    fixed = ["input_ids", "attention_mask", "position_ids", "top_logits", "top_ids"]
-    if name in fixed:
-        return (0, fixed.index(name), name)
-    parts = name.split(".")
-    if len(parts) == 3 and parts[1].isdigit():
-        return (2, int(parts[1]), parts[2])
-    return (1, 0, name)
 
 
 def model_card(

@@ -363,6 +363,7 @@ def _version(services: Services, model_id: str, plan_version: int | None) -> Ver
 def _unit_names(analyses: AnalysisCache, version: VersionRecord) -> list[str] | None:
     try:
         if version.card is not None:  # built from a GGUF file: its header's units
+            # heavy: gguf (the builder room's reader) is not in the coordinator extra
             from coordinator.deploy.gguf_what_if import gguf_unit_names
 
             return gguf_unit_names(Path(version.source), version.card.weights)
@@ -390,6 +391,7 @@ def _what_if(
     objective = body.objective or version.objective
     manifest = read_manifest(services.state_dir, version)
     if version.card is not None:  # built from a GGUF file: planned from its header
+        # heavy: gguf (the builder room's reader) is not in the coordinator extra
         from coordinator.deploy.gguf_what_if import gguf_what_if
 
         sessions = manifest.sessions if manifest is not None else None
