@@ -2,28 +2,33 @@
 against llama.cpp on the same file (issue 40 item 5).
 
 A fixed English passage is tokenized by llama.cpp with the file's own tokenizer; llama.cpp
-(node-llama-cpp's prebuilt CPU binary, ``make bench-setup``) scores every position in one
-teacher-forced pass: its top-1 next token and the log-probability of the text's next token.
+(node-llama-cpp's prebuilt CPU binary, ``make bench-setup``) scores every position
+teacher-forced, twice: in one pass (batch 512, the reference) and one token at a time (batch 1,
+the path decoding takes): its top-1 next token, the log-probability of the text's next token
+and every logit. The two passes' agreement with each other is llama.cpp's own noise floor.
 fedshard serves the same file (``POST /v1/deployments`` of the ``.gguf``, weights ``keep``) on
 four agents of 1 GiB planned under caps of 45 % of the model's stored weights, so each holds
 less than half of it. Teacher-forced top-1 through the agents: for every prefix, one greedy
 token from ``/v1/completions`` (token-id prompt, ``max_tokens`` 1), compared with llama.cpp's
 top-1 as text. Perplexity needs the full distribution, which the served head does not return
 (its top-k only): the same stages' segments (the deployed plan's unit ranges, the same builder,
-weights and accuracy level) are rebuilt with a full-vocabulary head and run chained here.
-Writes ``bench/results/gguf_agreement.md``::
+weights and accuracy level) are rebuilt with a full-vocabulary head and run chained here, and
+again at accuracy level 0 (float activations). Position 0 (one token, no BOS: Qwen's residual
+stream carries a ~3.7e3 outlier there) is also computed by the numpy reference
+(:mod:`partitioner.models.gguf.reference`, float64) as it is and with llama.cpp's Q8_K rounding
+of every product's input, which tells whose arithmetic a gap there comes from. Writes
+``bench/results/gguf_agreement.md``::
 
-    .venv/bin/python bench/gguf_agreement.py [--tokens 96]
+    .venv/bin/python bench/gguf_agreement.py [--tokens 96] [--threads 1]
 """
 
 from __future__ import annotations
 
 import argparse
+import datetime as dt
 import json
 import math
 import secrets
-import shutil
-import subprocess
 import sys
 import tempfile
 from dataclasses import dataclass
@@ -36,10 +41,12 @@ sys.path[:0] = [str(REPO)]
 import numpy as np  # noqa: E402
 from rich.console import Console  # noqa: E402
 
+from coordinator.deploy.store import segment_dir  # noqa: E402
 from coordinator.errors import ApiError  # noqa: E402
 from devtools.demo.gguf import deploy_gguf, gguf_caps, packaged_gguf, stored_bytes  # noqa: E402
 from devtools.demo.procs import demo_processes, free_port  # noqa: E402
 from devtools.demo.steps import Api, pair_automatically  # noqa: E402
+from partitioner.models.gguf.builder import GgufSource  # noqa: E402
 from partitioner.models.gguf.kernels import ACCURACY_LEVEL  # noqa: E402
 from protocols.manifest import MANIFEST_FILE  # noqa: E402
 from protocols.sizes import parse_size  # noqa: E402
@@ -57,8 +64,11 @@ TEXT = (
     "was done: an error found in one city could be corrected in the next edition everywhere."
 )
 HERE = Path(__file__).resolve().parent
-NODE_DIR = HERE / ".node"
-RUNNER = HERE / "_llama_cpp_logits.mjs"
+sys.path[:0] = [str(HERE)]
+from _llama_cpp import llama_cpp_score  # noqa: E402
+from report.headlines import Headline, write_headlines  # noqa: E402
+from report.machine import commit  # noqa: E402
+
 RESULTS = HERE / "results" / "gguf_agreement.md"
 MB = 1e6
 
@@ -75,19 +85,38 @@ class Scores:
         return math.exp(-float(np.mean(self.logprob)))
 
 
-def llama_cpp(gguf: Path, tokens: int, threads: int) -> tuple[list[int], Scores, int]:
-    """The text's ids, llama.cpp's scores and its resident bytes."""
-    if not (NODE_DIR / "node_modules" / "node-llama-cpp").is_dir():
-        raise SystemExit(f"node-llama-cpp is not installed in {NODE_DIR}: run `make bench-setup`")
-    runner = NODE_DIR / RUNNER.name  # next to node_modules, so node resolves the package
-    shutil.copyfile(RUNNER, runner)
-    request = {"gguf": str(gguf), "text": TEXT, "max_tokens": tokens, "threads": threads}
-    done = subprocess.run(
-        ["node", str(runner)], input=json.dumps(request).encode(), capture_output=True, check=True
-    )
-    reply = json.loads(done.stdout.decode().strip().splitlines()[-1])
-    scores = Scores([int(t) for t in reply["top"]], [float(x) for x in reply["logprob"]])
-    return [int(i) for i in reply["ids"]], scores, int(reply["resident_bytes"])
+@dataclass(frozen=True)
+class LlamaPass:
+    """One teacher-forced llama.cpp pass: the text's ids, the scores, every logit
+    ``[n - 1, vocab]`` and the process's resident bytes."""
+
+    ids: list[int]
+    scores: Scores
+    logits: np.ndarray
+    resident_bytes: int
+
+
+def llama_cpp(gguf: Path, tokens: int, threads: int, batch_size: int) -> LlamaPass:
+    """llama.cpp's teacher-forced pass over the text, ``batch_size`` tokens per evaluation."""
+    vocab = GgufSource(gguf).model.vocab
+    with tempfile.TemporaryDirectory(prefix="llama-logits-") as tmp:
+        path = Path(tmp) / "logits.f32"
+        reply = llama_cpp_score(gguf, TEXT, tokens, threads, batch_size, path, vocab)
+        logits = np.fromfile(path, np.float32).reshape(-1, vocab)
+    scores = Scores(list(reply.top), list(reply.logprob))
+    return LlamaPass(list(reply.ids), scores, logits, reply.resident_bytes)
+
+
+def position_zero(gguf: Path, token: int) -> tuple[np.ndarray, np.ndarray]:
+    """The numpy reference's logits after the text's first token alone (float64), as it is
+    and with llama.cpp's Q8_K rounding of every weight product's input."""
+    from partitioner.models.gguf.reference import dequantized, forward, q8_k
+
+    source = GgufSource(gguf)
+    w = dequantized(source.model, source.raw)
+    exact = forward(source.model, w, [token])[0]
+    rounded = forward(source.model, w, [token], activations=q8_k)[0]
+    return exact, rounded
 
 
 def token_texts(gguf: Path, ids: list[int]) -> list[str]:
@@ -126,9 +155,8 @@ def served(
             version = deploy_gguf(console, api, gguf, MODEL, caps)
             client = api.client(timeout=600)
             client.set_speculative(MODEL, "off")
-            manifest_path = (
-                work / "coordinator" / "deployments" / MODEL / f"v{version['plan_version']}"
-            ) / MANIFEST_FILE
+            folder = segment_dir(work / "coordinator", MODEL, int(version["plan_version"]))
+            manifest_path = folder / MANIFEST_FILE
             manifest = json.loads(manifest_path.read_text())
             texts = []
             with console.status("teacher-forced top-1 through the agents...") as status:
@@ -192,6 +220,17 @@ def chained(
     return Scores([int(t) for t in top[: n - 1]], logprob), full[: n - 1]
 
 
+def agreement(a: list[int], b: list[int], start: int = 0) -> float:
+    """Share of positions ``start..`` where the two top-1s are the same token."""
+    return float(np.mean(np.array(a[start:]) == np.array(b[start:])))
+
+
+def gaps(a: np.ndarray, b: np.ndarray) -> tuple[float, float]:
+    """Largest ``|logit difference|`` at position 0 and at every later position."""
+    d = np.abs(a.astype(np.float64) - b)
+    return float(d[0].max()), float(d[1:].max())
+
+
 def near_ties(logits: np.ndarray, ours: list[int], theirs: list[int]) -> list[float]:
     """Where the two top-1s differ: how far llama.cpp's choice is below ours in our logits."""
     return [
@@ -211,41 +250,107 @@ def main() -> None:
     args = parser.parse_args()
     console = Console()
     gguf = packaged_gguf(MODEL, args.cache_dir)
-    ids, reference, llama_rss = llama_cpp(gguf, args.tokens, args.threads)
+    one_pass = llama_cpp(gguf, args.tokens, args.threads, batch_size=512)
+    single = llama_cpp(gguf, args.tokens, args.threads, batch_size=1)
+    ids, reference = one_pass.ids, one_pass.scores
     console.print(f"llama.cpp: {len(ids)} tokens, perplexity {reference.perplexity():.3f}")
     texts, deployed = served(console, gguf, ids, args.keep)
-    expected = token_texts(gguf, reference.top)
-    agents_top1 = float(np.mean([a == b for a, b in zip(texts, expected, strict=True)]))
     local, logits = chained(gguf, deployed["units"], ids)
-    local_top1 = float(np.mean(np.array(local.top) == np.array(reference.top)))
-    gaps = near_ties(logits, local.top, reference.top)
-    exact, _ = chained(gguf, deployed["units"], ids, level=0)
-    exact_top1 = float(np.mean(np.array(exact.top) == np.array(reference.top)))
+    exact, exact_logits = chained(gguf, deployed["units"], ids, level=0)
+    with console.status("position 0 by the numpy reference (float64, then Q8_K inputs)..."):
+        ref0, ref0_q8k = position_zero(gguf, ids[0])
     stored = stored_bytes(gguf)
+    refs = {"one pass": one_pass, "batch 1": single}
+    expected = {k: token_texts(gguf, r.scores.top) for k, r in refs.items()}
+    served_top1 = {
+        k: float(np.mean([a == b for a, b in zip(texts, e, strict=True)]))
+        for k, e in expected.items()
+    }
+    served_top1_rest = float(
+        np.mean([a == b for a, b in zip(texts[1:], expected["one pass"][1:], strict=True)])
+    )
+    header = (
+        "| engine | top-1 vs llama.cpp one pass | top-1 vs llama.cpp batch 1 | the same as "
+        "the first, positions 1.. | perplexity | max abs logit gap to llama.cpp one pass: "
+        "position 0 / the rest |"
+    )
+
+    def row(name: str, top: list[int], ppl: str, full: np.ndarray | None) -> str:
+        gap = "-" if full is None else "{:.2f} / {:.2f}".format(*gaps(full, one_pass.logits))
+        return (
+            f"| {name} | {agreement(top, reference.top):.3f} | "
+            f"{agreement(top, single.scores.top):.3f} | "
+            f"{agreement(top, reference.top, 1):.3f} | {ppl} | {gap} |"
+        )
+
+    def p0(name: str, values: np.ndarray) -> str:
+        d_one = float(np.abs(values - one_pass.logits[0]).max())
+        d_single = float(np.abs(values - single.logits[0]).max())
+        d_ref = float(np.abs(values - ref0).max())
+        return f"| {name} | {int(np.argmax(values))} | {d_ref:.2f} | {d_one:.2f} | {d_single:.2f} |"
+
+    ties = near_ties(logits, local.top, reference.top)
     lines = [
         "# Qwen2.5-Coder-1.5B (packaged Q4_K_M GGUF): fedshard `--weights keep` vs llama.cpp",
         "",
-        f"`.venv/bin/python bench/gguf_agreement.py --tokens {args.tokens}`: a fixed English "
+        f"Measured {dt.datetime.now(dt.UTC):%Y-%m-%d %H:%M} UTC at commit {commit(REPO)}.",
+        "",
+        f"`.venv/bin/python bench/gguf_agreement.py --tokens {args.tokens} --threads "
+        f"{args.threads}`: a fixed English "
         f"passage, {len(ids)} tokens (llama.cpp's tokenization of the file), teacher-forced. "
         f"File {gguf.stat().st_size / MB:,.0f} MB; stored as served (keep) {stored / MB:,.0f} "
         f"MB; {AGENTS} agents of {MEMORY}, planning caps "
         f"{min(gguf_caps(gguf, ['x'], parse_size(MEMORY)).values()) / MB:,.0f} MB each "
-        "(45 % of the stored weights).",
+        "(45 % of the stored weights). llama.cpp: node-llama-cpp's prebuilt CPU binary, "
+        f"{args.threads} thread(s), one process ({one_pass.resident_bytes / MB:,.0f} MB "
+        "resident), scoring the text in one pass (batch 512) and one token at a time (batch 1).",
         "",
-        "| engine | top-1 agreement with llama.cpp | perplexity |",
-        "|---|---|---|",
-        f"| llama.cpp (node-llama-cpp {args.threads} thread(s), one process, "
-        f"{llama_rss / MB:,.0f} MB resident) | 1 | {reference.perplexity():.3f} |",
+        header,
+        "|---|---|---|---|---|---|",
+        row(
+            "llama.cpp, one pass (batch 512)",
+            reference.top,
+            f"{reference.perplexity():.3f}",
+            one_pass.logits,
+        ),
+        row(
+            "llama.cpp, one token at a time (batch 1)",
+            single.scores.top,
+            f"{single.scores.perplexity():.3f}",
+            single.logits,
+        ),
         f"| fedshard, {len(deployed['placements'])} agents (/v1/completions, one greedy token "
-        f"per prefix) | {agents_top1:.3f} | - |",
-        f"| the same stages chained here, full-vocabulary head | {local_top1:.3f} | "
-        f"{local.perplexity():.3f} |",
-        f"| the same, accuracy level 0 (float activations) | {exact_top1:.3f} | "
-        f"{exact.perplexity():.3f} |",
+        f"per prefix) | {served_top1['one pass']:.3f} | {served_top1['batch 1']:.3f} | "
+        f"{served_top1_rest:.3f} | - | - |",
+        row(
+            f"the same stages chained here, full-vocabulary head (accuracy level "
+            f"{ACCURACY_LEVEL}, as served)",
+            local.top,
+            f"{local.perplexity():.3f}",
+            logits,
+        ),
+        row(
+            "the same, accuracy level 0 (float activations)",
+            exact.top,
+            f"{exact.perplexity():.3f}",
+            exact_logits,
+        ),
         "",
-        f"Where the served top-1 differs from llama.cpp's ({len(gaps)} of {len(local.top)}), "
-        "llama.cpp's choice is this far below ours in our logits: "
-        + (", ".join(f"{g:.2f}" for g in sorted(gaps)) or "-")
+        "Position 0 (the first token alone; the next token predicted from one token):",
+        "",
+        "| logits after position 0 | top-1 id | max abs gap to the numpy reference (float64) | "
+        "to llama.cpp one pass | to llama.cpp batch 1 |",
+        "|---|---|---|---|---|",
+        p0("numpy reference, float64", ref0),
+        p0("numpy reference, every product's input rounded as llama.cpp's Q8_K", ref0_q8k),
+        p0(f"fedshard chained, accuracy level {ACCURACY_LEVEL}", logits[0]),
+        p0("fedshard chained, accuracy level 0", exact_logits[0]),
+        p0("llama.cpp one pass", one_pass.logits[0]),
+        p0("llama.cpp batch 1", single.logits[0]),
+        "",
+        f"Where the served top-1 differs from llama.cpp's one pass ({len(ties)} of "
+        f"{len(local.top)}), llama.cpp's choice is this far below ours in our logits: "
+        + (", ".join(f"{g:.2f}" for g in sorted(ties)) or "-")
         + ".",
         "",
         "| stage | device | units | predicted MB | measured MB | share of stored weights |",
@@ -260,6 +365,33 @@ def main() -> None:
     text = "\n".join(lines) + "\n"
     console.print(text, highlight=False)
     RESULTS.write_text(text)
+    write_headlines(
+        RESULTS.stem,
+        [
+            Headline(
+                "keep, agents: top-1 agreement with llama.cpp (one pass)",
+                served_top1["one pass"],
+                "",
+                ">= 0.95",
+            ),
+            Headline(
+                "keep, agents: top-1 agreement with llama.cpp (batch 1)",
+                served_top1["batch 1"],
+                "",
+                ">= 0.95",
+            ),
+            Headline(
+                "llama.cpp batch 1 vs its own one pass: top-1 agreement (noise floor)",
+                agreement(single.scores.top, reference.top),
+            ),
+            Headline(
+                "keep, agents: perplexity / llama.cpp one pass",
+                local.perplexity() / reference.perplexity(),
+                "x",
+            ),
+        ],
+        RESULTS.parent,
+    )
 
 
 if __name__ == "__main__":
