@@ -289,7 +289,7 @@ class CoordinatorClient:
 
     def start_training(self, request: TrainingRunRequest) -> TrainingRunCreated:
         """``POST /v1/training/runs``: the new run's id (409 while another run is going)."""
-        body = request.model_dump(mode="json", exclude_none=True)
+        body = request.model_dump(mode="json", exclude_unset=True)
         return TrainingRunCreated.model_validate(self.expect("POST", "/v1/training/runs", body))
 
     def training_run(self, run_id: str) -> RunStatus:

@@ -23,6 +23,7 @@ from rich.table import Table
 
 from coordinator.commands import PLACEMENT_COLUMNS, placement_cells
 from coordinator.config import API_DEPLOY_TIMEOUT_S
+from coordinator.errors import ApiError
 from protocols.manifest import MANIFEST_FILE
 from protocols.pairing import CODE_FILE
 from protocols.sizes import parse_size
@@ -175,14 +176,18 @@ def after_a_loss(api: Api, model_id: str, limits: Mapping[str, int]) -> str:
     """Whether losing any one agent leaves a plan for ``model_id`` within the others' ``limits``
     (caps, or budgets): the coordinator's what-if plans it as a failover would (weights,
     runtime and the sessions' KV reserve), dropping each agent in turn."""
+    # heavy: FastAPI (coordinator extra), absent on an agent-only install whose parser imports us
+    from coordinator.http.console import WhatIfBody
+
     stranded = []
     for gone in limits:
         rest = {name: limit for name, limit in limits.items() if name != gone}
-        body = {"model": model_id, "budgets": rest, "drop": [gone]}
-        code, reply = api.call("POST", "/v1/plan/what-if", body)
-        if code != 200 and "no plan fits" not in str(reply):
-            raise DemoStepError(f"the what-if without {gone} failed ({code}): {reply}")
-        if code != 200:
+        body = WhatIfBody(model=model_id, budgets=rest, drop=[gone])
+        try:
+            api.client().what_if(body)
+        except ApiError as exc:
+            if "no plan fits" not in str(exc.detail):
+                raise DemoStepError(f"the what-if without {gone} failed: {exc}") from exc
             stranded.append(gone)
     if not stranded:
         return f"{model_id}: losing any one agent leaves a plan on the others (a re-plan, no 503)"
@@ -204,34 +209,34 @@ def pair_automatically(
         "agent's code with `fedshard pair NAME CODE` or in the console)"
     )
     wanted = set(agents)
+    client = api.client()
     deadline = time.monotonic() + PAIR_TIMEOUT_S
     with console.status("waiting for the agents' pairing requests (mDNS on 127.0.0.1)..."):
         while True:
             alive()
-            statuses = _statuses(api, wanted)
+            statuses = _statuses(client, wanted)
             if all(statuses.get(n) == "paired" for n in wanted):
                 break
-            pending = {p["name"] for p in api.get("/v1/pairing")["pending"]}
+            pending = {p.name for p in client.pairing().pending}
             for name in sorted(wanted):
                 shown = agents[name] / CODE_FILE
                 if statuses.get(name) != "paired" and name in pending and shown.is_file():
                     typed = shown.read_text().strip()
-                    code, reply = api.call(
-                        "POST", "/v1/pairing/approve", {"name": name, "code": typed}
-                    )
-                    if code == 200:
+                    try:
+                        client.approve(name, typed)
+                    except ApiError as exc:
+                        if exc.status != 404:  # 404: the request is gone, asked again
+                            raise DemoStepError(f"pairing {name} failed: {exc}") from exc
+                    else:
                         console.print(f"  paired {name} (code {typed})")
-                    elif code != 404:
-                        raise DemoStepError(f"pairing {name} failed: {code} {reply}")
             if time.monotonic() > deadline:
                 raise DemoStepError(f"agents not paired within {PAIR_TIMEOUT_S:.0f} s: {statuses}")
             time.sleep(0.3)
     console.print(f"[green]paired {len(wanted)} agents[/]")
 
 
-def _statuses(api: Api, names: set[str]) -> dict[str, str]:
-    devices = api.get("/v1/devices")
-    return {d["name"]: d["status"] for d in devices if d["online"] and d["name"] in names}
+def _statuses(client: CoordinatorClient, names: set[str]) -> dict[str, str]:
+    return {d.name: d.status for d in client.devices() if d.online and d.name in names}
 
 
 def deploy_minilm(console: Console, api: Api, model: Path, caps: dict[str, int]) -> dict[str, Any]:
@@ -333,11 +338,11 @@ def _units(version_dir: Path) -> dict[int, tuple[int, int]]:
 def similarity_table(console: Console, api: Api) -> Table:
     """Cosine similarities of :data:`SENTENCES` embedded by the sharded model."""
     with console.status("embedding four sentences through the three agents (/v1/embeddings)..."):
-        code, reply = api.call("POST", "/v1/embeddings", {"model": MODEL_ID, "input": SENTENCES})
-    if code != 200:
-        message = reply.get("error", {}).get("message", reply)
-        raise DemoStepError(f"/v1/embeddings failed ({code}): {message}")
-    vectors = np.array([item["embedding"] for item in reply["data"]], dtype=np.float64)
+        try:
+            reply = api.client().embeddings(MODEL_ID, SENTENCES)
+        except ApiError as exc:
+            raise DemoStepError(f"/v1/embeddings failed ({exc.status}): {exc.detail}") from exc
+    vectors = np.array(reply.vectors(), dtype=np.float64)
     vectors /= np.linalg.norm(vectors, axis=1, keepdims=True)
     similarity = vectors @ vectors.T
     table = Table(title="sentence similarity (cosine) from /v1/embeddings")

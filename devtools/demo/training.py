@@ -19,10 +19,11 @@ from typing import Any
 
 from rich.console import Console
 
+from coordinator.errors import ApiError
 from devtools.demo.steps import Api, DemoStepError
 from devtools.wordnet import write_shares
 from hostkit.files import write_atomic
-from protocols.training import TrainingTargetSpec
+from protocols.training import TrainingRunRequest, TrainingTargetSpec
 
 DOMAINS = (("noun.animal",), ("noun.food",), ("noun.plant",))
 """One WordNet domain per device: non-IID shares."""
@@ -97,29 +98,29 @@ def start(api: Api, model_id: str) -> str:
         "lora": {"rank": run.rank, "first_layer": run.first_layer}
         | ({"learning_rate": run.learning_rate} if run.learning_rate else {}),
     }  # fmt: skip
-    code, reply = api.call("POST", "/v1/training/runs", body)
-    if code != 200:
-        raise DemoStepError(f"starting federated fine-tuning failed ({code}): {reply}")
-    return str(reply["run_id"])
+    try:
+        return api.client().start_training(TrainingRunRequest.model_validate(body)).run_id
+    except ApiError as exc:
+        raise DemoStepError(f"starting federated fine-tuning failed: {exc}") from exc
 
 
 def wait(console: Console, api: Api, run_id: str, rounds: int, timeout_s: float) -> dict[str, Any]:
     """The run's status once it finished (its rounds shown as they come)."""
-    path = f"/v1/training/runs/{run_id}"
+    client = api.client()
     deadline = time.monotonic() + timeout_s
     started = time.monotonic()
     with console.status("federated LoRA (Flower, SecAgg+, record-level DP)...") as st:
-        while (run := api.get(path))["status"] not in ("finished", "failed"):
+        while (run := client.training_run(run_id)).status not in ("finished", "failed"):
             if time.monotonic() > deadline:
                 raise DemoStepError(f"federated fine-tuning not done within {timeout_s:.0f} s")
             st.update(
-                f"federated LoRA: round {len(run['rounds']) + 1} of {rounds} "
+                f"federated LoRA: round {len(run.rounds) + 1} of {rounds} "
                 f"({time.monotonic() - started:.0f} s)..."
             )
             time.sleep(1.0)
-    if run["status"] == "failed":
-        raise DemoStepError(f"federated fine-tuning failed: {run['error']}")
-    return dict(run)
+    if run.status == "failed":
+        raise DemoStepError(f"federated fine-tuning failed: {run.error}")
+    return run.model_dump(mode="json")
 
 
 def summary(console: Console, model_id: str, run: dict[str, Any]) -> float:
