@@ -214,9 +214,14 @@ def decoder_info(
 ) -> DecoderInfo:
     """The ``decoder.json`` of a GGUF model: its shapes, special tokens and chat template.
 
-    A model with 4-bit weight products (``int4``, or a kept Q4_0/Q4_1/Q4_K tensor) says
-    ``int4``, so speculative verification runs only where every agent computes a 4-bit
-    product's row alike alone and in a pass (the rule exported int4 decoders follow)."""
+    A model with any ``MatMulNBits`` product (``int4``, ``int8``, or a kept quantized tensor:
+    4-bit, or widened to 8) says ``int4``, so speculative verification runs only where every
+    agent computes a 4-bit product's row alike alone and in a pass (the rule exported int4
+    decoders follow; the deploy's rows probe ran on the coordinator's CPU, and ONNX Runtime's
+    AVX2 kernels run a lone row through a kernel of their own). No agent measures 8-bit
+    ``MatMulNBits`` apart, so it is held to their 4-bit verdict (the cautious side: a wrong
+    verdict would change greedy text, a cautious one only its speed). Only a file of float
+    weights says ``None``."""
     bos = model.bos_token_id if vocab.add_bos else None
     return DecoderInfo(
         model=model_id,
@@ -238,15 +243,16 @@ def decoder_info(
             for kind in ("key", "value")
         ],
         trailing_positions=TRAILING_POSITIONS,
-        weights="int4" if _four_bit(model, weights) else None,
+        weights="int4" if _nbits_products(model, weights) else None,
         rows_independent=True,
     )
 
 
-def _four_bit(model: GgufModel, weights: WeightsMode) -> bool:
+def _nbits_products(model: GgufModel, weights: WeightsMode) -> bool:
+    """Whether some weight product of ``model`` at ``weights`` runs as ``MatMulNBits``."""
     if weights != "keep":
-        return weights == "int4"
-    return any(MATMUL_BITS.get(t.type) == 4 for t in model.tensors.values() if len(t.shape) == 2)
+        return True
+    return any(t.type in MATMUL_BITS for t in model.tensors.values() if len(t.shape) == 2)
 
 
 def _write_tokenizer(vocab: GgufVocabulary, out: Path) -> list[int]:

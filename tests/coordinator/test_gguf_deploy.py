@@ -8,18 +8,19 @@ from pathlib import Path
 import numpy as np
 import onnx
 import pytest
-from gguf import GGUFReader, GGUFWriter
+from gguf import GGMLQuantizationType, GGUFReader, GGUFWriter
 from gguf_lab import BOS, write_tiny
 
 from coordinator.deploy.cutting import DeployCommand
 from coordinator.deploy.deployer import check_model_file
 from coordinator.deploy.gguf_cut import (
     FALLBACK_CHAT_TEMPLATE,
+    decoder_info,
     gguf_split_and_run,
     health_feeds,
     probed,
 )
-from coordinator.deploy.gguf_tokenizer import GgufVocabulary, build_tokenizer
+from coordinator.deploy.gguf_tokenizer import GgufVocabulary, build_tokenizer, read_vocabulary
 from coordinator.deploy.model_files import ModelFormat, model_format
 from coordinator.deploy.peak_memory import PeakMemory
 from coordinator.errors import (
@@ -34,11 +35,13 @@ from coordinator.serving.decoder import not_in_effect
 from devtools.gguf_files import SPECS, write_gguf
 from partitioner.cutting.verify import run_chain
 from partitioner.models.gguf.builder import GgufSource
+from partitioner.models.gguf.header import read_header
 from partitioner.models.gguf.reader import GgufFile
 from partitioner.models.gguf.reference import dequantized, forward
 from partitioner.models.gguf.rows import RowsProbe
 from protocols.decoder import DecoderInfo
 from protocols.devices import DeviceList
+from protocols.gguf_card import WeightsMode
 
 MIB = 1 << 20
 
@@ -125,6 +128,26 @@ def test_a_probe_that_finds_a_difference_keeps_speculation_off(tmp_path: Path) -
     assert reason is not None and reason.startswith("rows not independent")
     unprobed = info.model_copy(update={"rows_probed": False})
     assert (not_in_effect("auto", unprobed, no_draft=True) or "").startswith("rows not checked")
+
+
+@pytest.mark.parametrize(
+    ("mix", "weights", "held"),
+    [("f32", "keep", None), ("f32", "int8", "int4"), ("q8", "keep", "int4"),
+     ("q4_k_m", "keep", "int4")],
+)  # fmt: skip
+def test_nbits_products_speculate_only_where_every_agent_computes_rows_alike(
+    tmp_path: Path, mix: str, weights: WeightsMode, held: str | None
+) -> None:
+    """Any ``MatMulNBits`` product (8-bit too) makes the version ``int4`` for speculation's
+    rule: every agent must announce that a lone row is computed as in a pass."""
+    types = {"default": GGMLQuantizationType.Q8_0} if mix == "q8" else mix
+    path = write_gguf(tmp_path / "m.gguf", SPECS["llama"], types)
+    info = decoder_info(read_header(path), read_vocabulary(path), "m", weights)
+    assert info.weights == held
+    probed_alike = info.model_copy(update={"rows_probed": True})
+    off = not_in_effect("lookup", probed_alike, no_draft=True, rows_exact=False)
+    assert (off is None) == (held is None)
+    assert not_in_effect("lookup", probed_alike, no_draft=True, rows_exact=True) is None
 
 
 @pytest.mark.parametrize("weights", ["int8", "int4"])
