@@ -50,7 +50,7 @@ def serve(config: CoordinatorConfig, console: Console) -> int:
     ca = CertificateAuthority.open(config.state_dir)
     ctx = client_context(open_identity(config.state_dir, ca))
     pairing = Pairing(config.state_dir, ca)
-    registry = DeviceRegistry(paired_fingerprint=pairing.fingerprint_of)
+    registry = DeviceRegistry(paired_fingerprint=pairing.fingerprint_of, timeouts=config.timeouts)
     agents = AgentClient(ctx, config.timeouts)
     trust = TrustService(pairing, registry, ca, agents, config.timeouts, config.retries)
     store = DeploymentStore(config.state_dir)

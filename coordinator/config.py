@@ -71,6 +71,12 @@ class Timeouts:
     """One probe frame's answer while measuring that link."""
     mdns_resolve_s: float = 2.0
     """Resolving one agent's mDNS service record (:mod:`coordinator.fleet.discovery`)."""
+    mdns_confirm_s: float = 3.0
+    """How long a paired record stays online, unconfirmed, after its contested mDNS name
+    departed (:class:`~coordinator.fleet.registry.DeviceRegistry`)."""
+    unpaired_forget_s: float = 600.0
+    """An offline record the pairing book does not hold is forgotten this long after it was
+    last seen."""
     trust_delivery_s: float = 10.0
     """An approve or revoke's wait for its deliveries to the agents; the poller tells the others
     later (:class:`~coordinator.trust.delivery.TrustService`)."""

@@ -24,12 +24,13 @@ other key), so the authenticated liveness pings keep deciding whether it is used
 fails over while the device answers. mDNS cannot tell whose goodbye ends the conflict (both
 announce the same pointer record), so a departure of a contested name leaves the paired record
 online but *unconfirmed*: discovery asks for the name again, the device's answer confirms it, and
-:meth:`DeviceRegistry.expire` takes it offline if no answer came within :data:`CONFIRM_S`.
+:meth:`DeviceRegistry.expire` takes it offline if no answer came within
+:attr:`~coordinator.config.Timeouts.mdns_confirm_s`.
 
 Records of fingerprints the pairing book does not hold are bounded: at most
 :data:`MAX_UNPAIRED` at a time (a full table forgets the longest-silent offline one, and refuses
 new ones when all are online, never evicting a paired record), and an offline one is forgotten
-:data:`UNPAIRED_TTL_S` after it was last seen.
+:attr:`~coordinator.config.Timeouts.unpaired_forget_s` after it was last seen.
 """
 
 from __future__ import annotations
@@ -40,13 +41,10 @@ import time
 from collections.abc import Callable
 from dataclasses import dataclass, replace
 
+from coordinator.config import Timeouts
 from protocols.profile import Announcement
 
 log = logging.getLogger(__name__)
-CONFIRM_S = 3.0
-"""How long a paired record stays online, unconfirmed, after its contested name departed."""
-UNPAIRED_TTL_S = 600.0
-"""An offline record the pairing book does not hold is forgotten this long after last seen."""
 MAX_UNPAIRED = 256
 """Records of fingerprints the pairing book does not hold, online and offline together."""
 
@@ -86,9 +84,11 @@ class DeviceRegistry:
         self,
         clock: Callable[[], float] = time.monotonic,
         paired_fingerprint: Callable[[str], str | None] | None = None,
+        timeouts: Timeouts | None = None,
     ) -> None:
         """``paired_fingerprint(name)``: the certificate ``name`` is paired with, if any."""
         self._clock = clock
+        self._timeouts = timeouts or Timeouts()
         self._paired_fingerprint = paired_fingerprint
         self._lock = threading.Lock()
         self._devices: dict[str, DeviceRecord] = {}
@@ -142,7 +142,7 @@ class DeviceRegistry:
                 if record.service_name != service_name or not record.online:
                     continue
                 if record.contested_by is not None:
-                    confirm_by = self._clock() + CONFIRM_S
+                    confirm_by = self._clock() + self._timeouts.mdns_confirm_s
                     self._devices[fingerprint] = replace(
                         record, contested_by=None, confirm_by=confirm_by
                     )
@@ -169,7 +169,7 @@ class DeviceRegistry:
                 elif (
                     not record.online
                     and not self._in_book(record)
-                    and now - record.last_seen >= UNPAIRED_TTL_S
+                    and now - record.last_seen >= self._timeouts.unpaired_forget_s
                 ):
                     del self._devices[fingerprint]
                     self._alternates.pop(fingerprint, None)

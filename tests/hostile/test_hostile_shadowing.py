@@ -23,16 +23,20 @@ from collections.abc import Callable, Iterator
 import pytest
 from coordinator_helpers import wait_for
 
+from coordinator.config import Timeouts
 from coordinator.fleet import registry as registry_module
 from coordinator.fleet.discovery import DISCOVERY_INTERVAL_S, GOODBYE_S, ZeroconfDiscovery
 from coordinator.fleet.liveness import Liveness
-from coordinator.fleet.registry import CONFIRM_S, UNPAIRED_TTL_S, DeviceRecord, DeviceRegistry
+from coordinator.fleet.registry import DeviceRecord, DeviceRegistry
 from protocols.deploy import AgentStatus
 from protocols.profile import AgentState, Announcement, DeviceProfile
 from protocols.txt import encode_txt
 
 pytestmark = pytest.mark.timeout(120)
 REAL, ROGUE = "a" * 64, "b" * 64
+
+CONFIRM_S = Timeouts().mdns_confirm_s
+UNPAIRED_TTL_S = Timeouts().unpaired_forget_s
 
 
 def _announcement(name: str, fingerprint: str, port: int, paired: bool = True) -> Announcement:
