@@ -334,7 +334,7 @@ def soak(lab: Lab, refs: Any, args: argparse.Namespace) -> dict[str, Any]:
     devices = [d for d in api.devices() if d.name in ours]
     deployments = api.expect("GET", "/v1/deployments")
     version = next(m for m in deployments if m["model_id"] == MINILM)
-    active = next(v for v in version["versions"] if v["plan_version"] == version["active"])
+    active = next(v for v in version["versions"] if v["version"] == version["active"])
     victim = active["segments"][0]["device"]
     fingerprint = next(d.fingerprint for d in devices if d.name == victim)
     clients = Clients(api, refs, args)

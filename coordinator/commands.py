@@ -268,7 +268,7 @@ def run_deploy(args: argparse.Namespace) -> int:
     except ApiError as exc:
         return _failed(exc)
     _print_version(console, version.model_dump(mode="json"))
-    return _done(f"deployed {version.model_id} v{version.plan_version}")
+    return _done(f"deployed {version.model_id} v{version.version}")
 
 
 def run_rollback(args: argparse.Namespace) -> int:
@@ -277,7 +277,7 @@ def run_rollback(args: argparse.Namespace) -> int:
         version = _client(args).rollback(args.model_id)
     except ApiError as exc:
         return _failed(exc)
-    return _done(f"{args.model_id} now at v{version.plan_version}")
+    return _done(f"{args.model_id} now at v{version.version}")
 
 
 def run_devices(args: argparse.Namespace) -> int:
@@ -339,7 +339,7 @@ PLACEMENT_COLUMNS = (
 def _print_version(console: Console, version: dict[str, Any]) -> None:
     from rich.table import Table
 
-    table = Table(title=f"{version['model_id']} v{version['plan_version']}: plan next to reality")
+    table = Table(title=f"{version['model_id']} v{version['version']}: plan next to reality")
     for column in ("segment", "device", *PLACEMENT_COLUMNS):
         table.add_column(column, justify="right")
     for p in version["segments"]:

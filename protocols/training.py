@@ -177,11 +177,14 @@ class RunRollout(FrozenModel):
     """A version a run produced (and, where a deployment is served, rolled out live)."""
 
     round: PositiveInt
-    version: str
-    """The version directory's name (``v0002``, ...)."""
+    directory: str
+    """The name of the directory the run wrote the version's files to (``v0002``, ...)."""
     model_id: str | None = None
+    version: PositiveInt | None = None
+    """The served model's new version number, shown as ``MODEL vN`` (None when nothing is
+    served)."""
     plan_version: PositiveInt | None = None
-    """The served deployment's new plan version (``None`` when nothing is served)."""
+    """That version's plan version: the agents' key for it (None when nothing is served)."""
 
 
 class RunStatus(FrozenModel):

@@ -17,9 +17,7 @@ Get = Callable[[str], Any]
 def active_version(get: Get, model_id: str) -> dict[str, Any]:
     """The active version of ``model_id`` in ``GET /v1/deployments``."""
     [record] = [m for m in get("/v1/deployments") if m["model_id"] == model_id]
-    active: dict[str, Any] = next(
-        v for v in record["versions"] if v["plan_version"] == record["active"]
-    )
+    active: dict[str, Any] = next(v for v in record["versions"] if v["version"] == record["active"])
     return active
 
 

@@ -18,7 +18,7 @@ from typing import TYPE_CHECKING, Literal
 from pydantic import BaseModel, ConfigDict
 
 from coordinator.deploy.plan import DEFAULT_BANDWIDTH_MBPS
-from coordinator.deploy.store import VersionRecord
+from coordinator.deploy.store import VersionRecord, segment_dir
 from coordinator.errors import DeployError
 from protocols.devices import DeviceList, DeviceSpec
 from protocols.errors import SchemaError
@@ -69,6 +69,8 @@ class PlanView(BaseModel):
 
     model_id: str
     plan_version: int | None
+    version: int | None = None
+    """The model's version number (``MODEL vN``); None for a what-if."""
     objective: Objective
     total_units: int | None
     predicted_bottleneck_s: float | None
@@ -115,7 +117,7 @@ def read_manifest(state_dir: Path | None, version: VersionRecord) -> Manifest | 
     """The manifest the deployer wrote for ``version`` (None if it is not there)."""
     if state_dir is None:
         return None
-    path = state_dir / "deployments" / version.model_id / f"v{version.plan_version}"
+    path = segment_dir(state_dir, version.model_id, version.plan_version)
     try:
         return Manifest.from_json((path / MANIFEST_FILE).read_bytes())
     except (OSError, SchemaError):
@@ -161,6 +163,7 @@ def deployed_view(
     return PlanView(
         model_id=version.model_id,
         plan_version=version.plan_version,
+        version=version.version,
         objective=version.objective,
         total_units=max(ends) if ends else None,
         predicted_bottleneck_s=manifest.bottleneck_s if manifest is not None else None,

@@ -34,7 +34,15 @@ from coordinator.deploy.stage_timing import (
     StageTiming,
     stage_times,
 )
-from coordinator.deploy.store import DeploymentStore, Placement, VersionRecord, now
+from coordinator.deploy.store import (
+    DeploymentStore,
+    Placement,
+    VersionRecord,
+    model_kind,
+    now,
+    segment_dir,
+    version_label,
+)
 from coordinator.errors import (
     AgentError,
     AgentRefusedError,
@@ -77,7 +85,7 @@ class Deployer:
         segment_cache: Path | None = None,
         timing: StageTiming | None = None,
     ) -> None:
-        self._dir = state_dir / "deployments"
+        self._state_dir = state_dir
         self._store = store
         self._agents = agents
         self._trusted = trusted
@@ -137,9 +145,7 @@ class Deployer:
         retired = self._store.retire_every_previous()
         for old in retired:
             log.warning(
-                "unloading %s v%d, kept for a rollback, to make room for a deploy",
-                old.model_id,
-                old.plan_version,
+                "unloading %s, kept for a rollback, to make room for a deploy", version_label(old)
             )
             self._retired(old.plan_version)
             self._unload([_placement_address(p) for p in old.segments], old.plan_version)
@@ -176,8 +182,9 @@ class Deployer:
             self._unload(holders, broken.plan_version)
 
     def segment_dir(self, model_id: str, plan_version: int) -> Path:
-        """Where the manifest and segment files of a deployed version are kept."""
-        return self._dir / model_id / f"v{plan_version}"
+        """Where the manifest and segment files of a deployed version are kept
+        (:func:`~coordinator.deploy.store.segment_dir`)."""
+        return segment_dir(self._state_dir, model_id, plan_version)
 
     def deploy_version(
         self, model_id: str, version_dir: Path, samples: Arrays, objective: Objective
@@ -269,14 +276,20 @@ class Deployer:
         except CoordinatorError:
             self._unload(addresses, plan_version)
             raise
+        tokenizer_dir = command.tokenizer_dir
+        if split.tokenizer_dir is not None:
+            tokenizer_dir = str(split.tokenizer_dir)
+        inputs = split.manifest.model.inputs
         version = VersionRecord(
             model_id=command.model_id,
+            version=self._store.next_version(command.model_id),
             plan_version=plan_version,
+            kind=model_kind(inputs, command.model_path, tokenizer_dir),
             state="active",
             created_at=now(),
             source=str(command.model_path),
             objective=command.objective,
-            inputs=split.manifest.model.inputs,
+            inputs=inputs,
             outputs=split.manifest.model.outputs,
             segments=_placements(split.manifest, by_name, reports),
             health_max_abs_diff=diff,
@@ -285,14 +298,11 @@ class Deployer:
             limits=split.limits,
             card=_with_deploy_peak(split),
         )
-        tokenizer_dir = command.tokenizer_dir
-        if split.tokenizer_dir is not None:
-            tokenizer_dir = str(split.tokenizer_dir)
         retired = self._store.activate(version, tokenizer_dir)
         for old in retired:
             self._retired(old.plan_version)
             self._unload([_placement_address(p) for p in old.segments], old.plan_version)
-        log.info("model %s is live at plan version %d", command.model_id, plan_version)
+        log.info("%s is live (plan version %d)", version_label(version), plan_version)
         return version
 
     def busy_devices(self) -> frozenset[str]:

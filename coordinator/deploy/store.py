@@ -1,18 +1,31 @@
 """Deployments and their versions, persisted atomically in ``deployments.json``.
 
-Each model id (``all-minilm-l6-v2``) has versions; one is *active* (requests go there) and the
-one it replaced stays loaded as *previous*, so a rollback is a switch, not a redeploy. Plan
-versions are unique across all models: an agent holds at most one segment per plan version.
+Each model id (``all-minilm-l6-v2``) has versions, numbered by the model alone: 1 for its first
+deploy, then 2, 3, ... (every deploy, failover re-plan, expansion and training rollout that goes
+live takes the next), shown as ``all-minilm-l6-v2 v3`` by every surface (:func:`version_label`).
+One is *active* (requests go there) and the one it replaced stays loaded as *previous*, so a
+rollback is a switch, not a redeploy.
+
+Each version also has a *plan version*: the key its segments are loaded under on the agents,
+unique across all models (an agent holds at most one segment per plan version). It is a wire
+detail: the data plane, the agents' status and the book carry it, users are shown the model's
+number. A book written before the per-model numbers (versions without ``version`` or
+``kind``, ``active``/``previous`` holding plan versions) is migrated when it is read
+(:func:`migrate_book`) and written back in the new form at the next change.
+
+The model's kind (``encoder`` or ``decoder``) is decided once, at deploy
+(:func:`model_kind`), and stored on the version; readers use the stored value.
 """
 
 from __future__ import annotations
 
+import json
 import re
 import threading
 import time
 from collections.abc import Collection
 from pathlib import Path
-from typing import Literal
+from typing import Any, Literal
 
 from pydantic import Field, NonNegativeFloat, NonNegativeInt, PositiveInt
 
@@ -27,6 +40,7 @@ from coordinator.generation.draft_model import check_draft_model
 from coordinator.generation.speculative import Speculative
 from hostkit.files import write_atomic
 from protocols.base import FrozenModel
+from protocols.decoder import DECODER_FILE
 from protocols.deploy import FixedCosts, ShapeLimits
 from protocols.errors import SchemaError
 from protocols.gguf_card import GgufCard
@@ -37,6 +51,9 @@ BOOK_FILE = "deployments.json"
 MODEL_ID = re.compile(r"^[a-z0-9][a-z0-9._-]{0,62}$")
 
 VersionState = Literal["active", "previous", "retired"]
+ModelKind = Literal["encoder", "decoder"]
+DEPLOYMENTS_DIR = "deployments"
+"""Under the state dir: a directory per deployed version (:func:`segment_dir`)."""
 
 
 class Placement(FrozenModel):
@@ -72,7 +89,13 @@ class VersionRecord(FrozenModel):
     """One deployed version of a model."""
 
     model_id: str
+    version: PositiveInt
+    """The model's own version number (1, 2, 3, ...), shown as ``MODEL vN``."""
     plan_version: PositiveInt
+    """The key the agents hold its segments under, unique across all models (not shown)."""
+    kind: ModelKind
+    """``decoder`` (text generation, a KV cache per session) or ``encoder``: decided at
+    deploy by :func:`model_kind`."""
     state: VersionState
     created_at: float
     source: str
@@ -105,12 +128,22 @@ class ModelRecord(FrozenModel):
     draft_model: str | None = None
     """Export directory of the draft model (same tokenizer) for ``draft`` and ``auto``."""
     active: PositiveInt | None = None
+    """The model's version number requests go to."""
     previous: PositiveInt | None = None
+    """The version number it replaced, still loaded for a rollback."""
     versions: list[VersionRecord] = Field(default_factory=list)
 
-    def version(self, plan_version: int) -> VersionRecord | None:
-        """The version with this plan version, if any."""
+    def version(self, number: int) -> VersionRecord | None:
+        """The version with this model version number, if any."""
+        return next((v for v in self.versions if v.version == number), None)
+
+    def by_plan(self, plan_version: int) -> VersionRecord | None:
+        """The version whose segments the agents hold under ``plan_version``, if any."""
         return next((v for v in self.versions if v.plan_version == plan_version), None)
+
+    def next_version(self) -> int:
+        """The number the model's next version takes."""
+        return max((v.version for v in self.versions), default=0) + 1
 
 
 class DeploymentBook(FrozenModel):
@@ -155,23 +188,28 @@ class DeploymentStore:
             self._save(self._book.model_copy(update={"next_plan_version": version + 1}))
             return version
 
+    def next_version(self, model_id: str) -> int:
+        """The number ``model_id``'s next version takes (1 for a model not deployed yet)."""
+        record = next((m for m in self.book().models if m.model_id == model_id), None)
+        return record.next_version() if record is not None else 1
+
     def activate(self, version: VersionRecord, tokenizer_dir: str | None) -> list[VersionRecord]:
         """Make ``version`` active, the old active previous; returns the versions retired."""
         with self._lock:
             old = next((m for m in self._book.models if m.model_id == version.model_id), None)
             record = old or ModelRecord(model_id=version.model_id)
             keep = {record.active} - {None}
-            retired = [
-                v for v in record.versions if v.state != "retired" and v.plan_version not in keep
-            ]
+            retired = [v for v in record.versions if v.state != "retired" and v.version not in keep]
             versions = [
-                _with_state(v, "previous" if v.plan_version in keep else "retired")
+                _with_state(v, "previous" if v.version in keep else "retired")
                 for v in record.versions
             ]
+            if record.version(version.version) is not None:
+                raise StateError(f"{version_label(version)} exists already")
             updated = record.model_copy(
                 update={
                     "tokenizer_dir": tokenizer_dir or record.tokenizer_dir,
-                    "active": version.plan_version,
+                    "active": version.version,
                     "previous": record.active,
                     "versions": [*versions, _with_state(version, "active")],
                 }
@@ -219,9 +257,9 @@ class DeploymentStore:
                 _with_state(
                     v,
                     "previous"
-                    if v.plan_version == record.active
+                    if v.version == record.active
                     else "active"
-                    if v.plan_version == previous.plan_version
+                    if v.version == previous.version
                     else v.state,
                 )
                 for v in record.versions
@@ -229,7 +267,7 @@ class DeploymentStore:
             self._put(
                 record.model_copy(
                     update={
-                        "active": previous.plan_version,
+                        "active": previous.version,
                         "previous": record.active,
                         "versions": versions,
                     }
@@ -266,8 +304,9 @@ class DeploymentStore:
         if not self._path.exists():
             return DeploymentBook()
         try:
-            return DeploymentBook.from_json(self._path.read_bytes())
-        except (OSError, SchemaError) as exc:
+            raw = json.loads(self._path.read_bytes())
+            return DeploymentBook.from_json(json.dumps(migrate_book(raw, self._path.parent)))
+        except (OSError, ValueError, SchemaError) as exc:
             raise StateError(f"cannot read {self._path}: {exc}") from exc
 
     def _save(self, book: DeploymentBook) -> None:
@@ -278,8 +317,7 @@ class DeploymentStore:
 def _previous_retired(record: ModelRecord, previous: VersionRecord) -> ModelRecord:
     """``record`` with its ``previous`` version retired (no rollback target left)."""
     versions = [
-        _with_state(v, "retired") if v.plan_version == previous.plan_version else v
-        for v in record.versions
+        _with_state(v, "retired") if v.version == previous.version else v for v in record.versions
     ]
     return record.model_copy(update={"previous": None, "versions": versions})
 
@@ -291,3 +329,62 @@ def _with_state(version: VersionRecord, state: VersionState) -> VersionRecord:
 def now() -> float:
     """Wall-clock time for records."""
     return time.time()
+
+
+def version_label(version: VersionRecord) -> str:
+    """How every surface names a version: ``MODEL vN`` with the model's own number."""
+    return f"{version.model_id} v{version.version}"
+
+
+def segment_dir(state_dir: Path, model_id: str, plan_version: int) -> Path:
+    """Where the manifest and segment files of a deployed version are kept (the one owner of
+    that path: the deployer writes there, training and the console's plan views read there).
+
+    ``STATE/deployments/MODEL/plan-N`` by its plan version, which no other version ever takes;
+    a state dir of an earlier release has them as ``vN``, which is used where it exists."""
+    root = state_dir / DEPLOYMENTS_DIR / model_id
+    earlier = root / f"v{plan_version}"
+    return earlier if earlier.is_dir() else root / f"plan-{plan_version}"
+
+
+def model_kind(
+    inputs: Collection[TensorInfo], source: str | Path, tokenizer_dir: str | Path | None
+) -> ModelKind:
+    """``decoder`` for a text-generation graph: KV-cache or ``position_ids`` inputs, or a
+    ``decoder.json`` next to its source or in its tokenizer directory; else ``encoder``."""
+    names = [t.name for t in inputs]
+    if any(n.startswith("past.") for n in names) or "position_ids" in names:
+        return "decoder"
+    places = [Path(source).parent, *([Path(tokenizer_dir)] if tokenizer_dir else [])]
+    return "decoder" if any((p / DECODER_FILE).is_file() for p in places) else "encoder"
+
+
+def migrate_book(raw: Any, state_dir: Path) -> Any:
+    """A ``deployments.json`` document in today's form; one written before the per-model version
+    numbers and the stored kind gets them (in place, returned for convenience).
+
+    Its versions are numbered per model in plan-version order (the order they were made), its
+    ``active`` and ``previous`` plan versions become those numbers, and each version's kind is
+    decided as a deploy decides it now (its source and its model's tokenizer directory, read in
+    ``state_dir`` when they were relative). A document already in today's form is unchanged.
+    """
+    if not isinstance(raw, dict):
+        return raw
+    for model in raw.get("models", []):
+        versions = model.get("versions", [])
+        if all("version" in v for v in versions):
+            continue
+        numbers: dict[int, int] = {}
+        for number, old in enumerate(sorted(versions, key=lambda v: v["plan_version"]), 1):
+            numbers[old["plan_version"]] = number
+            old["version"] = number
+        for field in ("active", "previous"):
+            if model.get(field) is not None:
+                model[field] = numbers.get(model[field], model[field])
+    for model in raw.get("models", []):
+        for old in model.get("versions", []):
+            if "kind" not in old:
+                inputs = [TensorInfo.model_validate(t) for t in old.get("inputs", [])]
+                source = state_dir / old.get("source", "")
+                old["kind"] = model_kind(inputs, source, model.get("tokenizer_dir"))
+    return raw

@@ -1,7 +1,7 @@
 """API routes the web console needs beyond the core API (bearer token, under ``/v1``)::
 
     GET  /v1/console/models          deployed models with their kind (encoder or decoder)
-    GET  /v1/plan/{model}            the active (or ``?version=``) plan next to what agents measured
+    GET  /v1/plan/{model}            the active (or ``?version=N``) plan next to what agents saw
     POST /v1/plan/what-if            re-plan a deployed model on changed budgets, without deploying
     GET  /v1/metrics                 one snapshot of the live metrics (with slow stages)
     GET  /v1/metrics/stream          the same as server-sent events, one per ``?interval=`` s
@@ -24,7 +24,7 @@ import threading
 import time
 from collections.abc import AsyncIterator, Callable
 from pathlib import Path
-from typing import TYPE_CHECKING, Literal
+from typing import TYPE_CHECKING
 
 from fastapi import APIRouter, Query, Request
 from fastapi.concurrency import run_in_threadpool
@@ -43,10 +43,9 @@ from coordinator.console.plans import (
 from coordinator.console.slowness import SlownessSampler, SlowStage, StageReading
 from coordinator.console.stages import StageRates, StageSampler, StageTarget
 from coordinator.console.stats import RequestSnapshot, RequestStats
-from coordinator.deploy.store import ModelRecord, VersionRecord
+from coordinator.deploy.store import ModelKind, ModelRecord, VersionRecord
 from coordinator.errors import DeployError, NotServableError, RequestError, UnknownModelError
 from coordinator.transport.agent_client import AgentAddress
-from protocols.decoder import DECODER_FILE
 from protocols.gguf_card import GgufCard
 from protocols.plan import Objective
 from protocols.roofs import roof_values
@@ -68,8 +67,10 @@ class ConsoleModel(BaseModel):
     model_config = ConfigDict(frozen=True)
 
     model_id: str
-    kind: Literal["encoder", "decoder"]
+    kind: ModelKind
+    """Stored on the version at deploy (its live one, else its newest)."""
     active: int | None
+    """The model's version number requests go to (``MODEL vN``)."""
     previous: int | None
     speculative: str = "off"
     """A decoder's speculative decoding setting (``off|lookup|draft|auto``)."""
@@ -96,7 +97,8 @@ def console_model(
     speculation_off: Callable[[str], str | None] | None = None,
 ) -> ConsoleModel:
     """A model's console entry, with a decoder's speculative decoding counters."""
-    kind = model_kind(record.versions[-1]) if record.versions else "encoder"
+    newest = _live_or_newest(record)
+    kind = newest.kind if newest is not None else "encoder"
     stats = speculation(record.model_id) if speculation is not None else None
     off = speculation_off(record.model_id) if speculation_off is not None else None
     return ConsoleModel(
@@ -130,10 +132,14 @@ def in_effect(record: ModelRecord, off: str | None) -> str:
     return "on: prompt lookup drafts"
 
 
+def _live_or_newest(record: ModelRecord) -> VersionRecord | None:
+    live = record.version(record.active) if record.active else None
+    return live or (record.versions[-1] if record.versions else None)
+
+
 def _card(record: ModelRecord) -> GgufCard | None:
     """The GGUF card of the model's live version (else its newest), if it came from one."""
-    live = record.version(record.active) if record.active else None
-    version = live or (record.versions[-1] if record.versions else None)
+    version = _live_or_newest(record)
     return version.card if version is not None else None
 
 
@@ -175,18 +181,12 @@ class LiveSnapshot(BaseModel):
     time: float
     model_id: str | None
     plan_version: int | None
+    version: int | None = None
+    """The model's version number (``MODEL vN``) of the version sampled."""
     requests: RequestSnapshot
     stages: list[StageRates]
     slow: list[SlowSuggestion] = Field(default_factory=list)
     """Stages that run persistently slower than planned (:mod:`coordinator.console.slowness`)."""
-
-
-def model_kind(version: VersionRecord) -> Literal["encoder", "decoder"]:
-    """``decoder`` for a text-generation graph (KV inputs, or a decoder.json next to it)."""
-    names = [t.name for t in version.inputs]
-    if any(n.startswith("past.") for n in names) or "position_ids" in names:
-        return "decoder"
-    return "decoder" if (Path(version.source).parent / DECODER_FILE).is_file() else "encoder"
 
 
 class LiveMetrics:
@@ -222,6 +222,7 @@ class LiveMetrics:
                 time=time.time(),
                 model_id=version.model_id if version else model_id,
                 plan_version=version.plan_version if version else None,
+                version=version.version if version else None,
                 requests=self.stats.snapshot(),
                 stages=stages,
             )
@@ -349,14 +350,15 @@ async def _events(
         await asyncio.sleep(interval)
 
 
-def _version(services: Services, model_id: str, plan_version: int | None) -> VersionRecord:
+def _version(services: Services, model_id: str, number: int | None) -> VersionRecord:
+    """``model_id``'s version ``number`` (the model's own numbering), else its active one."""
     if services.serving is None:
         raise UnknownModelError(f"no model {model_id!r} is deployed")
-    if plan_version is None:
+    if number is None:
         return services.serving.store.active(model_id)
-    found = services.serving.store.model(model_id).version(plan_version)
+    found = services.serving.store.model(model_id).version(number)
     if found is None:
-        raise RequestError(f"model {model_id!r} has no version {plan_version}")
+        raise RequestError(f"model {model_id!r} has no version {number}")
     return found
 
 

@@ -32,8 +32,10 @@ from coordinator.http.openai_models import ERROR_RESPONSES
 if TYPE_CHECKING:
     from coordinator.http.serving import Serving
 
+MODEL_VERSION_HEADER = "X-Fedshard-Version"
+"""Response header naming the version that served an embeddings request: the model's number."""
 VERSION_HEADER = "X-Fedshard-Plan-Version"
-"""Response header naming the plan version that served an embeddings request."""
+"""The same version's plan version (the agents' key for it)."""
 MAX_DIMENSIONS = 1 << 16
 
 
@@ -111,6 +113,7 @@ def openai_serving_router(
         )
         if metrics is not None:
             metrics.input_tokens.labels(body.model).inc(tokens)
+        response.headers[MODEL_VERSION_HEADER] = str(version.version)
         response.headers[VERSION_HEADER] = str(version.plan_version)
         data = [
             {"object": "embedding", "index": i, "embedding": encode_vector(v, body.encoding_format)}

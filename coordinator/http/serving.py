@@ -187,7 +187,12 @@ def _fleet_routes(api: APIRouter, serving: Serving) -> None:
         if serving.failover is None:
             return {"enabled": False, "models": {}, "events": []}
         conditions = {
-            model_id: {"state": c.state, "plan_version": c.plan_version, "reason": c.reason}
+            model_id: {
+                "state": c.state,
+                "version": c.version,
+                "plan_version": c.plan_version,
+                "reason": c.reason,
+            }
             for model_id, c in serving.failover.conditions().items()
         }
         events = [e.model_dump() for e in serving.failover.events()]
@@ -201,8 +206,10 @@ def _inference_routes(api: APIRouter, serving: Serving) -> None:
 
         The body is `{"model": ID, "inputs": {NAME: nested list}}`, or a raw `.npz` file
         (`Content-Type: application/x-npz`, `?model=ID`; loaded without pickle). The answer is
-        `{"model": ID, "plan_version": N, "outputs": {NAME: {"dtype": "float32", "shape": [..],
-        "data": nested list}}}`: every model output by name, computed whole by one plan version.
+        `{"model": ID, "version": N, "plan_version": P, "outputs": {NAME: {"dtype": "float32",
+        "shape": [..], "data": nested list}}}`: every model output by name, computed whole by
+        one version (``version``: the model's version number; ``plan_version``: the agents' key
+        for it).
         """
         model_id, tensors = await _infer_request(request)
         serving.store.model(model_id)  # 404 for an unknown model
@@ -210,6 +217,7 @@ def _inference_routes(api: APIRouter, serving: Serving) -> None:
         version, outputs = await run_in_threadpool(serving.router.infer, model_id, tensors)
         return {
             "model": model_id,
+            "version": version.version,
             "plan_version": version.plan_version,
             "outputs": {name: _tensor_json(array) for name, array in outputs.items()},
         }

@@ -257,7 +257,7 @@ class DecoderModels:
             version = self._store.active(model_id)
         except CoordinatorError:
             return None
-        if record.tokenizer_dir is None:
+        if version.kind != "decoder" or record.tokenizer_dir is None:
             return None
         loaded = self._load(model_id, Path(record.tokenizer_dir))
         if loaded is None:

@@ -36,7 +36,7 @@ from dataclasses import dataclass, replace
 from typing import Literal
 
 from coordinator.config import Retries
-from coordinator.deploy.store import DeploymentStore, VersionRecord
+from coordinator.deploy.store import DeploymentStore, VersionRecord, version_label
 from coordinator.errors import CoordinatorError, NotServableError, UnavailableError
 from protocols.base import FrozenModel
 from protocols.deploy import AgentStatus
@@ -65,6 +65,9 @@ class FailoverEvent(FrozenModel):
     device: str | None = None
     model_id: str | None = None
     plan_version: int | None = None
+    """The agents' key of the version it concerns (see :mod:`coordinator.deploy.store`)."""
+    version: int | None = None
+    """That version's number for its model (``MODEL vN``, as every surface shows it)."""
     detail: str = ""
 
 
@@ -78,6 +81,8 @@ class Condition:
     lost: frozenset[str]
     reason: str
     since: float
+    version: int | None = None
+    """The broken version's number for its model (``MODEL vN``)."""
     """Monotonic time of the last change."""
 
 
@@ -142,7 +147,7 @@ class Failover:
                         del self._conditions[model_id]  # replaced meanwhile (e.g. a deploy)
                     return version
                 if condition is None:  # e.g. a rollback onto a version that lost a device
-                    reason = f"v{version.plan_version} lost a device earlier"
+                    reason = f"v{version.version} lost a device earlier"
                     self._begin(version, frozenset(), reason)
                     continue
                 if condition.state == "unavailable":
@@ -175,7 +180,7 @@ class Failover:
             reason = f"{', '.join(missing)} no longer hold their segments (restarted?)"
             self._lose([version], missing[0], reason)
         else:
-            log.info("chain of v%d failed, its devices answer: %s", version.plan_version, error)
+            log.info("chain of %s failed, its devices answer: %s", version_label(version), error)
 
     def usable(self, plan_version: int) -> bool:
         """Whether requests may still go to this plan version's chain."""
@@ -294,7 +299,7 @@ class Failover:
             condition = self._conditions.get(model_id)
         if condition is None:
             return
-        broken = self._store.model(model_id).version(condition.plan_version)
+        broken = self._store.model(model_id).by_plan(condition.plan_version)
         if broken is None or self._store.active(model_id).plan_version != broken.plan_version:
             self._settle(model_id, None, condition.lost)  # someone deployed meanwhile
             return
@@ -377,13 +382,13 @@ class Failover:
                     )
         for version in begun:  # outside the lock: the router takes its own lock here
             self._record("recovering", version.model_id, version, reason)
-            self._abort(version.plan_version, f"v{version.plan_version}: {reason}")
+            self._abort(version.plan_version, f"v{version.version}: {reason}")
 
     def _begin(self, version: VersionRecord, lost: frozenset[str], reason: str) -> None:
         """Mark ``version`` broken and queue its re-plan (the caller holds the lock)."""
         self._broken.add(version.plan_version)
         self._conditions[version.model_id] = Condition(
-            "recovering", version.plan_version, lost, reason, self._clock()
+            "recovering", version.plan_version, lost, reason, self._clock(), version.version
         )
         self._enqueue("recover", version.model_id)
         self._changed.notify_all()
@@ -416,6 +421,7 @@ class Failover:
             device=device,
             model_id=model_id,
             plan_version=version.plan_version if version is not None else None,
+            version=version.version if version is not None else None,
             detail=detail,
         )
         with self._lock:

@@ -27,7 +27,7 @@ from typing import Any, Protocol
 import numpy as np
 
 from coordinator.config import Timeouts
-from coordinator.deploy.store import DeploymentStore, VersionRecord
+from coordinator.deploy.store import DeploymentStore, VersionRecord, version_label
 from coordinator.errors import AgentError, CoordinatorError, NotServableError, RequestError
 from coordinator.serving.microbatch import join_runs, row_runs
 from coordinator.transport.dataplane import ChainClient, DataPlane
@@ -108,8 +108,7 @@ class Router:
         if refused:
             self._forget(version.plan_version)
             raise NotServableError(
-                f"model {model_id!r} v{version.plan_version} runs on revoked devices {refused}; "
-                "deploy it again"
+                f"model {version_label(version)} runs on revoked devices {refused}; deploy it again"
             )
         feeds = check_inputs(version.inputs, tensors)
         runs = row_runs(version.limits, version.inputs, feeds)
@@ -140,7 +139,7 @@ class Router:
             try:
                 return version, self._attempt(version, feeds)
             except (AgentError, NotServableError) as exc:
-                log.info("v%d failed (attempt %d): %s", version.plan_version, attempt, exc)
+                log.info("%s failed (attempt %d): %s", version_label(version), attempt, exc)
                 if attempt == MAX_ATTEMPTS:
                     raise NotServableError(f"model {model_id!r} cannot be served: {exc}") from exc
                 self._guard.failed(version, exc)

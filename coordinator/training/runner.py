@@ -18,6 +18,7 @@ from dataclasses import dataclass
 from functools import partial
 from pathlib import Path
 
+from coordinator.deploy.store import VersionRecord, version_label
 from coordinator.errors import CoordinatorError
 from coordinator.training.driver import run_training, write_trained_version
 from coordinator.training.errors import RolloutError, TrainingRunError
@@ -82,8 +83,13 @@ class RunnerSettings:
 
 Federation = Callable[[Path, TrainingTarget], AbstractContextManager[SuperLink]]
 """Starts the SuperLink (and local SuperNodes) of a run under a directory; stops them on exit."""
-Publish = Callable[[str, Version], int]
-"""Rolls a version out to a served deployment (model id); returns its new plan version."""
+Publish = Callable[[str, Version], VersionRecord]
+"""Rolls a version out to a served deployment (model id); returns the version now served."""
+
+
+def served_as(served: VersionRecord | None) -> str:
+    """``, served as MODEL vN`` for a version rolled out (empty when nothing is served)."""
+    return f", served as {version_label(served)}" if served is not None else ""
 
 
 def default_shards(version: Version, count: int = 2) -> list[int]:
@@ -256,23 +262,24 @@ class Follower:
         out_dir = next_version_dir(self.target.versions_root)
         version = write_trained_version(self.current, record, weights_file, out_dir, self.signer)
         self.current = version
-        plan_version = None
+        served = None
         model_id = self.target.model_id
         if model_id is not None and self.publish is not None:
             try:
-                plan_version = self.publish(model_id, version)
+                served = self.publish(model_id, version)
             except CoordinatorError as exc:
                 raise RolloutError(
                     f"rolling {version.name} out to {model_id} failed: {exc}"
                 ) from exc
         last = record.rounds[-1].round
-        log.info("round %d: version %s (plan version %s)", last, version.name, plan_version)
+        log.info("round %d: wrote %s%s", last, version.path, served_as(served))
         self.report.rollout(
             RunRollout(
                 round=last,
-                version=version.name,
+                directory=version.name,
                 model_id=model_id,
-                plan_version=plan_version,
+                version=served.version if served is not None else None,
+                plan_version=served.plan_version if served is not None else None,
             )
         )
 

@@ -28,7 +28,7 @@ from pydantic import ValidationError
 
 from coordinator.config import AgentTrainingConfig
 from coordinator.deploy.deployer import Deployer
-from coordinator.deploy.store import DeploymentStore
+from coordinator.deploy.store import DeploymentStore, VersionRecord
 from coordinator.errors import AgentError, NotServableError, UnknownModelError
 from coordinator.training.errors import LoraTargetError, NoTrainingTargetError, TrainingError
 from coordinator.training.heldout import load_arrays
@@ -90,9 +90,9 @@ class LivePublisher:
         self.ca_cert_pem = ca_cert_pem
         """When set, a version's manifest signature must verify before it is deployed."""
 
-    def __call__(self, model_id: str, version: Version) -> int:
+    def __call__(self, model_id: str, version: Version) -> VersionRecord:
         """Verify ``version``'s signature, deploy it beside the live one, health-check it,
-        switch; the plan version."""
+        switch; the version now served."""
         from coordinator.training.rollout import verify_signature
 
         if self.ca_cert_pem is not None:
@@ -100,8 +100,7 @@ class LivePublisher:
         x, _ = load_arrays(self.test_file)
         samples = {version.manifest.model.inputs[0].name: x[:SAMPLE_ROWS]}
         objective = self.store.active(model_id).objective
-        record = self.deployer.deploy_version(model_id, version.path, samples, objective)
-        return record.plan_version
+        return self.deployer.deploy_version(model_id, version.path, samples, objective)
 
 
 def configured_target(

@@ -201,7 +201,7 @@ def _victim(api: Api, model_id: str) -> str:
     for record in api.get("/v1/deployments"):
         if record.get("active") is None:
             continue
-        version = next(v for v in record["versions"] if v["plan_version"] == record["active"])
+        version = next(v for v in record["versions"] if v["version"] == record["active"])
         plans.append((len(version["segments"]), record["model_id"] == model_id, version))
     if not plans:
         raise RuntimeError("nothing is deployed to attack")
@@ -369,7 +369,7 @@ def _active_devices(api: Api, models: Sequence[str]) -> dict[str, list[str]]:
     active = {}
     for record in api.get("/v1/deployments"):
         if record["model_id"] in models and record.get("active") is not None:
-            version = next(v for v in record["versions"] if v["plan_version"] == record["active"])
+            version = next(v for v in record["versions"] if v["version"] == record["active"])
             active[record["model_id"]] = [segment["device"] for segment in version["segments"]]
     return active
 

@@ -15,9 +15,8 @@ from typing import Any
 
 from rich.console import Console
 
-from coordinator.config import API_DEPLOY_TIMEOUT_S
 from devtools.demo.procs import fedshard_command
-from devtools.demo.steps import Api, DemoStepError
+from devtools.demo.steps import Api, DemoStepError, post_deployment
 from partitioner.models.decoders.precision import current_export, parse_weights
 from protocols.decoder import DECODER_FILE, MODEL_FILE, DecoderInfo
 
@@ -81,11 +80,9 @@ def deploy_decoder(
     }
     started = time.monotonic()
     with console.status(f"deploying {model_id}: planning, cutting, pushing, warm-up, health..."):
-        code, reply = api.call("POST", "/v1/deployments", body, timeout=API_DEPLOY_TIMEOUT_S)
-    if code != 200:
-        raise DemoStepError(f"deploy of {model_id} failed ({code}): {reply.get('detail', reply)}")
+        reply = post_deployment(api, body)
     console.print(
-        f"[green]deployed {model_id} v{reply['plan_version']}[/] in "
+        f"[green]deployed {model_id} v{reply['version']}[/] in "
         f"{time.monotonic() - started:.1f} s across {len(reply['segments'])} devices"
     )
     return dict(reply)

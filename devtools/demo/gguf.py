@@ -21,8 +21,7 @@ from typing import Any
 from rich.console import Console
 
 from coordinator.commands import gguf_lines
-from coordinator.config import API_DEPLOY_TIMEOUT_S
-from devtools.demo.steps import Api, DemoStepError
+from devtools.demo.steps import Api, DemoStepError, post_deployment
 from partitioner.models.decoders.cache import cached_dir
 from partitioner.models.decoders.progress import Steps
 from partitioner.models.decoders.qwen import MODELS, gguf_path
@@ -86,11 +85,9 @@ def deploy_gguf(
         f"deploying {model_id} from {gguf.name}: planning from its header, building each "
         "stage's segment from its own tensors, pushing, warm-up, health..."
     ):
-        code, reply = api.call("POST", "/v1/deployments", body, timeout=API_DEPLOY_TIMEOUT_S)
-    if code != 200:
-        raise DemoStepError(f"deploy of {model_id} failed ({code}): {reply.get('detail', reply)}")
+        reply = post_deployment(api, body)
     console.print(
-        f"[green]deployed {model_id} v{reply['plan_version']}[/] in "
+        f"[green]deployed {model_id} v{reply['version']}[/] in "
         f"{time.monotonic() - started:.1f} s across {len(reply['segments'])} devices"
     )
     card = reply.get("card")

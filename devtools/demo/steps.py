@@ -22,7 +22,7 @@ from rich.console import Console
 from rich.table import Table
 
 from coordinator.commands import PLACEMENT_COLUMNS, placement_cells
-from coordinator.config import API_DEPLOY_TIMEOUT_S
+from coordinator.deploy.store import segment_dir
 from coordinator.errors import ApiError
 from protocols.manifest import MANIFEST_FILE
 from protocols.pairing import CODE_FILE
@@ -239,6 +239,16 @@ def _statuses(client: CoordinatorClient, names: set[str]) -> dict[str, str]:
     return {d.name: d.status for d in client.devices() if d.online and d.name in names}
 
 
+def post_deployment(api: Api, body: Mapping[str, Any]) -> dict[str, Any]:
+    """``POST /v1/deployments`` of ``body`` (the route's ``DeployBody``): the new version record
+    as JSON; DemoStepError when it is refused or the coordinator does not answer."""
+    try:
+        return api.client().deploy(body).model_dump(mode="json")
+    except ApiError as exc:
+        model = body.get("model_id", "the model")
+        raise DemoStepError(f"deploy of {model} failed ({exc.status}): {exc.detail}") from exc
+
+
 def deploy_minilm(console: Console, api: Api, model: Path, caps: dict[str, int]) -> dict[str, Any]:
     """POST /v1/deployments with the planning caps; the new version record."""
     body = {"model_path": str(model.resolve()), "model_id": MODEL_ID, "memory_caps": caps}
@@ -247,11 +257,9 @@ def deploy_minilm(console: Console, api: Api, model: Path, caps: dict[str, int])
         "deploying all-MiniLM-L6-v2: measuring links, planning, cutting, signing, pushing "
         "segments, warm-up and health check..."
     ):
-        code, reply = api.call("POST", "/v1/deployments", body, timeout=API_DEPLOY_TIMEOUT_S)
-    if code != 200:
-        raise DemoStepError(f"deploy failed ({code}): {reply.get('detail', reply)}")
+        reply = post_deployment(api, body)
     console.print(
-        f"[green]deployed {MODEL_ID} v{reply['plan_version']}[/] in "
+        f"[green]deployed {MODEL_ID} v{reply['version']}[/] in "
         f"{time.monotonic() - started:.1f} s across {len(reply['segments'])} devices"
     )
     return dict(reply)
@@ -299,15 +307,15 @@ def _active_version(api: Api, model_id: str) -> dict[str, Any]:
     record = next((r for r in records if r["model_id"] == model_id), None)
     if record is None or record.get("active") is None:
         raise DemoStepError(f"{model_id} has no active version")
-    return dict(next(v for v in record["versions"] if v["plan_version"] == record["active"]))
+    return dict(next(v for v in record["versions"] if v["version"] == record["active"]))
 
 
 def plan_table(api: Api, state_dir: Path, model_id: str = MODEL_ID) -> Table:
     """A model's active plan next to what the agents measured (GET /v1/deployments)."""
     version = _active_version(api, model_id)
-    units = _units(state_dir / "deployments" / model_id / f"v{version['plan_version']}")
+    units = _units(segment_dir(state_dir, model_id, version["plan_version"]))
     table = Table(
-        title=f"plan: {model_id} v{version['plan_version']} ({version['objective']}), "
+        title=f"plan: {model_id} v{version['version']} ({version['objective']}), "
         f"health check max |diff| {version['health_max_abs_diff']:.1e}",
         caption="pred.: the planner's prediction (MB: loading the segment); KV: the memory it "
         "reserves for the sessions' KV cache, allocated per session; meas.: what the agent "

@@ -35,7 +35,10 @@ class FailoverNote:
     device: str | None
     model_id: str | None
     plan_version: int | None
+    """The agents' key of the version (to find its devices)."""
     detail: str
+    version: int | None = None
+    """The model's version number, as the demo shows it (``MODEL vN``)."""
 
     @classmethod
     def from_json(cls, data: dict[str, Any]) -> FailoverNote:
@@ -46,13 +49,14 @@ class FailoverNote:
             device=data.get("device"),
             model_id=data.get("model_id"),
             plan_version=data.get("plan_version"),
+            version=data.get("version"),
             detail=str(data.get("detail", "")),
         )
 
     def sentence(self) -> str:
         """What happened, in words."""
         model = f"{self.model_id} " if self.model_id else ""
-        version = f"v{self.plan_version}" if self.plan_version is not None else ""
+        version = f"v{self.version}" if self.version is not None else ""
         words = {
             "lost": f"device {self.device} lost",
             "back": f"device {self.device} is back",

@@ -141,7 +141,7 @@ def summary(console: Console, model_id: str, run: dict[str, Any]) -> float:
         f"(δ = {DELTA:g}), upload {max(per_device):,.0f} bytes per device per round "
         f"({100 * max(per_device) / max(1, trained):.2f} % of the adapted segments' "
         f"{trained / 1e6:.0f} MB), {seconds:.0f} s of rounds; rolled out as "
-        f"{rollout.get('version', '?')} (plan v{rollout.get('plan_version', '?')})",
+        f"{model_id} v{rollout.get('version') or '?'}",
         soft_wrap=True,
     )
     return change

@@ -206,7 +206,9 @@ def _placement(index: int, device: str, measured_s: float) -> Placement:
 def _version(source: Path, devices: list[str], times: list[float]) -> VersionRecord:
     return VersionRecord(
         model_id="stack",
+        version=1,
         plan_version=1,
+        kind="encoder",
         state="active",
         created_at=0.0,
         source=str(source),

@@ -26,6 +26,7 @@ from coordinator.errors import (
     NoRoomError,
     NotServableError,
     RollbackError,
+    StateError,
     UnknownModelError,
 )
 from coordinator.fleet.registry import DeviceRecord
@@ -292,7 +293,7 @@ def test_release_unloads_a_broken_version_and_a_previous_one_that_lost_a_device(
     left = {(p.device, v.plan_version) for v in (first, second) for p in v.segments}
     assert sorted(agents.unloaded) == sorted(d for d in left if d[0] != lost)
     model = store.model("stack")
-    assert model.previous is None and model.active == second.plan_version
+    assert model.previous is None and model.active == second.version == 2
     assert [v.state for v in model.versions] == ["retired", "active"]
     with pytest.raises(RollbackError):
         store.rollback("stack")
@@ -300,7 +301,8 @@ def test_release_unloads_a_broken_version_and_a_previous_one_that_lost_a_device(
     third = deployer.deploy(_command(tmp_path))
     deployer.release(third, {"elsewhere"})  # the previous one (second) did not use it
     assert {v for _, v in agents.unloaded} == {third.plan_version}
-    assert store.model("stack").previous == second.plan_version
+    assert store.model("stack").previous == second.version
+    assert (third.version, third.plan_version) == (3, 3)
 
 
 def test_infeasible_plan_is_a_deploy_error(tmp_path: Path) -> None:
@@ -310,7 +312,7 @@ def test_infeasible_plan_is_a_deploy_error(tmp_path: Path) -> None:
         deployer.deploy(_command(tmp_path))
 
 
-def _version(model_id: str, plan_version: int) -> VersionRecord:
+def _version(model_id: str, number: int) -> VersionRecord:
     placement = Placement(
         index=0,
         device="d0",
@@ -328,7 +330,9 @@ def _version(model_id: str, plan_version: int) -> VersionRecord:
     info = [TensorInfo(name="x", dtype="float32", shape=["batch", 4])]
     return VersionRecord(
         model_id=model_id,
-        plan_version=plan_version,
+        version=number,
+        plan_version=number + 10,
+        kind="encoder",
         state="active",
         created_at=0.0,
         source="m.onnx",
@@ -349,14 +353,16 @@ def test_store_versions_and_rollback_errors(tmp_path: Path) -> None:
         store.rollback("m")
     store.activate(_version("m", 2), "/tok")
     retired = store.activate(_version("m", 3), None)
-    assert [v.plan_version for v in retired] == [1]
+    assert [(v.version, v.plan_version) for v in retired] == [(1, 11)]
     model = store.model("m")
     assert (model.active, model.previous, model.tokenizer_dir) == (3, 2, "/tok")
     assert [v.state for v in model.versions] == ["retired", "previous", "active"]
     store.rollback("m")
-    assert store.active("m").plan_version == 2
+    assert store.active("m").version == 2
     store.rollback("m")  # and forward again
-    assert store.active("m").plan_version == 3
+    assert store.active("m").version == 3
+    with pytest.raises(StateError, match="m v3 exists already"):
+        store.activate(_version("m", 3), None)
     broken = store.model("m").model_copy(update={"active": 99})
     store._put(broken)  # an active version that is not on record
     with pytest.raises(NotServableError):
@@ -402,7 +408,8 @@ def test_a_rollout_that_does_not_fit_as_cut_is_planned_afresh_from_its_whole_mod
         measured_memory_bytes=1, warmup_s=0.0, load_s=0.0,
     )  # fmt: skip
     live = VersionRecord(
-        model_id="m", plan_version=store.reserve_plan_version(), state="active",
+        model_id="m", version=1, plan_version=store.reserve_plan_version(), kind="encoder",
+        state="active",
         created_at=1.0, source="m.onnx", objective="throughput",
         inputs=[TensorInfo(name="x", dtype="float32", shape=[1])],
         outputs=[TensorInfo(name="y", dtype="float32", shape=[1])],
@@ -443,13 +450,14 @@ def test_versions_kept_for_rollback_give_way_to_a_deploy_that_needs_their_memory
     deployer, store = _deployer(tmp_path, agents, healthy=True)
     first = deployer.deploy(_command(tmp_path))
     second = deployer.deploy(_command(tmp_path))
-    assert store.model("stack").previous == first.plan_version and not agents.unloaded
+    assert store.model("stack").previous == first.version and not agents.unloaded
     other = dataclasses.replace(_command(tmp_path), model_id="other")
     deployed = deployer.deploy(other)
     assert store.active("other").plan_version == deployed.plan_version
     assert {v for _, v in agents.unloaded} == {first.plan_version}
     model = store.model("stack")
-    assert model.active == second.plan_version and model.previous is None
+    assert model.active == second.version and model.previous is None
+    assert (deployed.version, deployed.plan_version) == (1, 3)  # numbered per model
     with pytest.raises(RollbackError):
         store.rollback("stack")
     # with nothing left to give way, a deploy that does not fit fails as before

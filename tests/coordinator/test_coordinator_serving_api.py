@@ -54,7 +54,9 @@ def _version(plan_version: int) -> VersionRecord:
     )
     return VersionRecord(
         model_id="enc",
+        version=plan_version,
         plan_version=plan_version,
+        kind="encoder",
         state="active",
         created_at=0.0,
         source="enc.onnx",

@@ -175,7 +175,9 @@ class _FakeAgents:
 def test_live_snapshot_lists_the_slow_stage_with_a_what_if() -> None:
     version = VersionRecord(
         model_id="stack",
+        version=3,
         plan_version=3,
+        kind="encoder",
         state="active",
         created_at=0.0,
         source="/nowhere/model.onnx",

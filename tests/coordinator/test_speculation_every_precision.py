@@ -198,7 +198,9 @@ def _version(model_id: str, export: Path) -> VersionRecord:
     address = {"host": "127.0.0.1", "control_port": 1, "data_port": 2, "sha256": "0" * 64}
     return VersionRecord(
         model_id=model_id,
+        version=1,
         plan_version=1,
+        kind="decoder",
         state="active",
         created_at=0.0,
         source=str(export / MODEL_FILE),

@@ -17,7 +17,7 @@ import pytest
 from onnx import TensorProto, helper
 
 from coordinator.training.errors import LoraTargetError as CoordinatorError
-from coordinator.training.lora.plan import lora_settings, model_kind
+from coordinator.training.lora.plan import lora_objective, lora_settings
 from protocols.lora import (
     DEFAULT_TARGETS,
     ENCODER_DEFAULT_TARGETS,
@@ -41,24 +41,24 @@ def _onnx(path: Path, metadata: dict[str, str]) -> Path:
 
 def test_an_encoder_export_is_told_by_its_metadata(tmp_path: Path) -> None:
     path = _onnx(tmp_path / "minilm.onnx", {ENCODER_METADATA_KEY: "all-minilm-l6-v2"})
-    assert model_kind(path) == ("contrastive", "all-minilm-l6-v2")
+    assert lora_objective(path) == ("contrastive", "all-minilm-l6-v2")
 
 
 def test_an_old_export_without_metadata_is_refused_clearly(tmp_path: Path) -> None:
     path = _onnx(tmp_path / "old.onnx", {})
     with pytest.raises(CoordinatorError) as caught:
-        model_kind(path)
+        lora_objective(path)
     assert "fedshard export minilm --pooled" in str(caught.value)
     assert ENCODER_METADATA_KEY in str(caught.value)
 
 
 def test_an_unknown_encoder_or_a_broken_decoder_json_is_refused(tmp_path: Path) -> None:
     with pytest.raises(CoordinatorError, match="unknown encoder"):
-        model_kind(_onnx(tmp_path / "e.onnx", {ENCODER_METADATA_KEY: "some-bert"}))
+        lora_objective(_onnx(tmp_path / "e.onnx", {ENCODER_METADATA_KEY: "some-bert"}))
     (tmp_path / "d").mkdir()
     (tmp_path / "d" / "decoder.json").write_text(json.dumps({"model": 3}))
     with pytest.raises(CoordinatorError, match="not a fedshard decoder export"):
-        model_kind(_onnx(tmp_path / "d" / "model.onnx", {}))
+        lora_objective(_onnx(tmp_path / "d" / "model.onnx", {}))
 
 
 def test_encoder_plans_take_bert_modules() -> None:

@@ -15,6 +15,7 @@ import onnx
 import pytest
 from fastapi.testclient import TestClient
 
+from coordinator.deploy.store import VersionRecord
 from coordinator.errors import NotServableError
 from coordinator.fleet.registry import DeviceRecord, DeviceRegistry
 from coordinator.training.errors import RunConflictError, TrainingRunError, UnknownRunError
@@ -53,7 +54,7 @@ class GatedRunner:
             if self.fail is not None:
                 raise self.fail
             report.round(_round(n))
-        report.rollout(RunRollout(round=request.rounds, version="v0002"))
+        report.rollout(RunRollout(round=request.rounds, directory="v0002"))
 
 
 def _wait(predicate: Any, timeout: float = 10.0) -> None:
@@ -87,7 +88,7 @@ def test_rounds_stream_while_the_run_goes_and_one_run_at_a_time() -> None:
         done = runs.get(run_id)
         assert done.status == "finished" and done.error is None
         assert [r.round for r in done.rounds] == [1, 2]
-        assert [r.version for r in done.rollouts] == ["v0002"]
+        assert [r.directory for r in done.rollouts] == ["v0002"]
         # the next run may start now that the first has ended
         runner.step.release()
         second = await runs.start(TrainingRunRequest(rounds=1))
@@ -250,9 +251,10 @@ def test_checkpoints_become_chained_versions_rolled_out(
     target = TrainingTarget(v1, tmp_path / "test.npz", tmp_path / "out", 3, model_id="m")
     published: list[str] = []
 
-    def publish(model_id: str, version: Version) -> int:
+    def publish(model_id: str, version: Version) -> VersionRecord:
         published.append(f"{model_id}:{version.name}")
-        return 10 + len(published)
+        n = 1 + len(published)  # the model's numbers go on from its live v1; plan versions apart
+        return VersionRecord.model_construct(model_id=model_id, version=n, plan_version=10 + n)
 
     reports = Reports()
     follower = Follower(parent, target, reports, publish, None, record_file)
@@ -265,9 +267,9 @@ def test_checkpoints_become_chained_versions_rolled_out(
     assert reports.baseline == [0.25]  # read once from the run's record
     assert reports.rounds[0].bytes_uploaded == 302 and reports.rounds[0].loss == 1.0
     assert published == ["m:v0001", "m:v0002"]
-    assert [(r.round, r.version, r.plan_version) for r in reports.rollouts] == [
-        (2, "v0001", 11),
-        (4, "v0002", 12),
+    assert [(r.round, r.directory, r.version, r.plan_version) for r in reports.rollouts] == [
+        (2, "v0001", 2, 12),
+        (4, "v0002", 3, 13),
     ]
     second = Version.load(tmp_path / "out" / "v0002")
     lineage = Lineage.from_json((second.path / "lineage.json").read_bytes())
@@ -418,10 +420,12 @@ def test_a_trained_version_is_rolled_out_live_to_the_served_deployment(
     x = np.random.default_rng(0).random((20, 1, 8, 8), dtype=np.float32)
     save_arrays(tmp_path / "test.npz", x, np.zeros(20, np.int64))
 
-    plan_version = LivePublisher(deployer, store, tmp_path / "test.npz")("digits-cnn", trained)
+    live = LivePublisher(deployer, store, tmp_path / "test.npz")("digits-cnn", trained)
+    plan_version = live.plan_version
 
-    assert plan_version == store.active("digits-cnn").plan_version == first.plan_version + 1
-    assert store.model("digits-cnn").previous == first.plan_version  # still loaded: rollback
+    assert live == store.active("digits-cnn") and live.version == first.version + 1 == 2
+    assert plan_version == first.plan_version + 1
+    assert store.model("digits-cnn").previous == first.version  # still loaded: rollback
     assert agents.unloaded == []
     # what the agents now serve equals the new weights' predictions computed directly
     from coordinator.training.segments import run_chain

@@ -17,7 +17,8 @@ class FakeSupervisor:
 
 
 def note(at: float, kind: str, model: str | None = None, version: int | None = None, **kw: str):
-    return FailoverNote(at, kind, kw.get("device"), model, version, kw.get("detail", ""))
+    """A failover note; its plan version (the agents' key) and model version are alike here."""
+    return FailoverNote(at, kind, kw.get("device"), model, version, kw.get("detail", ""), version)
 
 
 def test_a_model_that_shrank_must_expand_after_the_restart() -> None:

@@ -283,7 +283,7 @@ def test_redeploy_under_200_streaming_requests_then_rollback(lab: Lab) -> None:
             while not (done.is_set() and len(served) >= 200 and len(served) >= switched[0] + 30):
                 response = _embed(api, SENTENCES[:2])
                 if response.status_code == 200:
-                    served.append(int(response.headers["X-Fedshard-Plan-Version"]))
+                    served.append(int(response.headers["X-Fedshard-Version"]))
                 else:
                     failures.append(f"{response.status_code}: {response.text}")
 
@@ -319,7 +319,7 @@ def test_redeploy_under_200_streaming_requests_then_rollback(lab: Lab) -> None:
     with lab.coordinator.client() as api:
         response = _embed(api, SENTENCES[:1])
         assert response.status_code == 200
-        assert int(response.headers["X-Fedshard-Plan-Version"]) == before
+        assert int(response.headers["X-Fedshard-Version"]) == before
 
 
 def test_restart_keeps_ca_pairings_and_deployments(lab: Lab) -> None:
@@ -336,7 +336,7 @@ def test_restart_keeps_ca_pairings_and_deployments(lab: Lab) -> None:
         assert api.get("/v1/deployments").json()[0]["active"] == active
         response = _embed(api, SENTENCES[:2])
     assert response.status_code == 200, response.text
-    assert int(response.headers["X-Fedshard-Plan-Version"]) == active
+    assert int(response.headers["X-Fedshard-Version"]) == active
 
 
 def _agent_tls(agent: AgentProc) -> ssl.SSLContext:

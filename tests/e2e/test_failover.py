@@ -98,7 +98,9 @@ def _version(
     ]
     return VersionRecord(
         model_id="enc",
+        version=plan_version,
         plan_version=plan_version,
+        kind="encoder",
         state="active",
         created_at=100.0 + plan_version,
         source="enc.onnx",

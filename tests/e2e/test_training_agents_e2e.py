@@ -237,11 +237,18 @@ def test_real_agents_train_and_serve_the_new_version(cluster: Cluster) -> None:
             (2,),
         ]
         # a version after rounds 2 and 4 and at the end, each rolled out to the served model
-        rollouts = [(r["round"], r["version"], r["plan_version"]) for r in run["rollouts"]]
+        rollouts = [
+            (r["round"], r["directory"], r["version"], r["plan_version"]) for r in run["rollouts"]
+        ]
         base = first.plan_version
-        assert rollouts == [(2, "v0001", base + 1), (4, "v0002", base + 2), (5, "v0003", base + 3)]
+        assert first.version == 1  # each rollout is the model's next version, numbered on its own
+        assert rollouts == [
+            (2, "v0001", 2, base + 1),
+            (4, "v0002", 3, base + 2),
+            (5, "v0003", 4, base + 3),
+        ]
         active = store.active(MODEL_ID)
-        assert active.plan_version == base + 3
+        assert (active.version, active.plan_version) == (4, base + 3)
         trained = Version.load(deployer.segment_dir(MODEL_ID, active.plan_version))
         for old, new in zip(served.manifest.segments, trained.manifest.segments, strict=True):
             same = (served.path / old.file).read_bytes() == (trained.path / new.file).read_bytes()

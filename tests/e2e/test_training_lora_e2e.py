@@ -163,7 +163,8 @@ def test_a_second_run_fine_tunes_the_fine_tuned_version(lab: GenLab, run: dict[s
         print("second LoRA run:", json.dumps(status, indent=1))
         assert status["baseline_loss"] == pytest.approx(run["status"]["final_loss"], rel=0.02)
         [rollout] = status["rollouts"]
-        assert rollout["version"] == "v0002"
+        assert rollout["directory"] == "v0002"
+        assert rollout["version"] == run["status"]["rollouts"][0]["version"] + 1
         assert _active(api)["plan_version"] == rollout["plan_version"]
         back = api.post(f"/v1/deployments/{MODEL_ID}/rollback")
         assert back.status_code == 200, back.text

@@ -204,11 +204,12 @@ function ggufText(m) {
 FS.pages.devices = {
   every: 2000,
   async refresh() {
-    const [devices, book, links] = await Promise.all([api("GET", "/v1/devices"),
-      api("GET", "/v1/pairing"), api("GET", "/v1/links").catch(() => [])]);
+    const [devices, book, links, models] = await Promise.all([api("GET", "/v1/devices"),
+      api("GET", "/v1/pairing"), api("GET", "/v1/links").catch(() => []),
+      api("GET", "/v1/deployments").catch(() => [])]);
     FS.devices = devices;
     FS.book = book;
-    renderPaired(devices);
+    renderPaired(devices, versionNames(models));
     renderPending(book);
     $("revoked-list").innerHTML = [...new Set(book.revoked_names)].map(n =>
       `<li>${esc(n)}</li>`).join("") || "<li class=\"muted\">none</li>";
@@ -216,14 +217,21 @@ FS.pages.devices = {
   },
 };
 
-function renderPaired(devices) {
+// A plan version (the agents' key of a deployed version) as every page names it: "MODEL vN".
+function versionNames(models) {
+  const names = {};
+  for (const m of models) for (const v of m.versions) names[v.plan_version] = `${m.model_id} v${v.version}`;
+  return names;
+}
+
+function renderPaired(devices, names) {
   const rows = devices.filter(d => d.status === "paired");
   $("paired-table").tBodies[0].innerHTML = rows.map(d => {
     const p = d.announcement.profile;
     return `<tr data-device="${esc(d.name)}"><td>${esc(d.name)}</td>
       <td>${d.online ? "online" : "offline"}</td><td>${esc(d.host)}</td>
       <td>${p.gflops.toFixed(1)}</td><td>${mb(p.memory_bytes)}</td>
-      <td>${d.announcement.state.plan_version || "–"}</td>
+      <td>${esc(names[d.announcement.state.plan_version] || "–")}</td>
       <td><button type="button" class="revoke" data-name="${esc(d.name)}">Revoke</button></td></tr>`;
   }).join("") || `<tr><td colspan="7" class="muted">No paired device yet.</td></tr>`;
 }
@@ -314,10 +322,10 @@ function renderCaps(devices) {
 }
 
 function lineage(record) {
-  const versions = [...record.versions].sort((a, b) => a.plan_version - b.plan_version);
+  const versions = [...record.versions].sort((a, b) => a.version - b.version);
   return `<ol class="lineage" aria-label="Lineage of ${esc(record.model_id)}">` + versions.map((v, k) =>
-    `<li class="state-${v.state}"><strong>v${v.plan_version}</strong> ${esc(v.state)}
-      <span class="muted">${k ? `from v${versions[k - 1].plan_version}, ` : ""}` +
+    `<li class="state-${v.state}"><strong>v${v.version}</strong> ${esc(v.state)}
+      <span class="muted">${k ? `from v${versions[k - 1].version}, ` : ""}` +
     `${new Date(v.created_at * 1000).toLocaleString()}, ${esc(v.source.split("/").pop())}</span></li>`
   ).join("") + "</ol>";
 }
@@ -333,7 +341,7 @@ function renderModel(record) {
        v${record.previous ?? "–"} ${back}</p>
     <div class="scroll"><table><thead><tr><th scope="col">Version</th><th scope="col">State</th>
       <th scope="col">Stages</th><th scope="col">Devices</th><th scope="col">Health</th></tr></thead>
-    <tbody>${live.map(v => `<tr><td>v${v.plan_version}</td><td>${esc(v.state)}</td>
+    <tbody>${live.map(v => `<tr><td>v${v.version}</td><td>${esc(v.state)}</td>
       <td>${v.segments.length}</td><td>${v.segments.map(s => esc(s.device)).join(" → ")}</td>
       <td>max diff ${v.health_max_abs_diff.toExponential(1)}</td></tr>`).join("")}</tbody></table></div>
     <h4>Lineage</h4>${lineage(record)}</article>`;
@@ -352,7 +360,7 @@ async function deploy(body, statusId) {
     "(this can take a minute or more)…", async () => {
     const version = await api("POST", "/v1/deployments", body);
     if (FS.pages[FS.page].refresh) await FS.pages[FS.page].refresh();
-    return `${version.model_id} v${version.plan_version} is live on ` +
+    return `${version.model_id} v${version.version} is live on ` +
       `${version.segments.length} stage(s).`;
   });
 }
@@ -372,7 +380,7 @@ function wireModels() {
     guarded("deploy-status", "Switching…", async () => {
       const v = await api("POST", `/v1/deployments/${encodeURIComponent(model)}/rollback`);
       await FS.pages.models.refresh();
-      return `${model} now serves v${v.plan_version}.`;
+      return `${model} now serves v${v.version}.`;
     });
   });
 }

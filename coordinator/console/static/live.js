@@ -78,7 +78,7 @@ async function refreshFailover() {
   const conditions = Object.entries(reply.models || {});
   $("live-failover-state").innerHTML = !reply.enabled ? "Failover is off on this coordinator." :
     conditions.length === 0 ? "Every deployed model is served by its active version." :
-    conditions.map(([model, c]) => `<span class="notice">${esc(model)} v${c.plan_version}: ` +
+    conditions.map(([model, c]) => `<span class="notice">${esc(model)} v${c.version}: ` +
       `${esc(c.state)} (${esc(c.reason)})</span>`).join(" ");
   const events = (reply.events || []).slice(-FAILOVER_SHOWN).reverse();
   $("live-failover").innerHTML = events.length === 0 ? `<li class="muted">Nothing yet.</li>` :
@@ -86,7 +86,7 @@ async function refreshFailover() {
       `${new Date(ev.at * 1000).toLocaleTimeString()}</time> <b>${esc(ev.kind)}</b>` +
       (ev.device ? ` ${esc(ev.device)}` : "") +
       (ev.model_id ? ` ${esc(ev.model_id)}` : "") +
-      (ev.plan_version !== null && ev.plan_version !== undefined ? ` v${ev.plan_version}` : "") +
+      (ev.version !== null && ev.version !== undefined ? ` v${ev.version}` : "") +
       (ev.detail ? ` <span class="muted">${esc(ev.detail)}</span>` : "") + `</li>`).join("");
 }
 

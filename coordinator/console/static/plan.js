@@ -49,7 +49,7 @@ FS.pages.plan = {
 function renderSummary(view) {
   const bottleneck = view.stages[view.bottleneck_index];
   $("plan-summary").innerHTML = `<strong>${esc(view.model_id)}</strong>
-    ${view.plan_version ? `v${view.plan_version}` : "(what-if)"}: ${view.stages.length} stage(s),
+    ${view.version ? `v${view.version}` : "(what-if)"}: ${view.stages.length} stage(s),
     objective ${esc(view.objective)}, predicted bottleneck ${ms(view.predicted_bottleneck_s)},
     predicted latency ${ms(view.predicted_latency_s)}. The bottleneck is stage
     ${bottleneck.index + 1} on <strong>${esc(bottleneck.device)}</strong>
@@ -175,7 +175,7 @@ async function deployWhatIf() {
   const body = FS.plan.whatIf;
   if (!body) return;
   const record = (await api("GET", "/v1/deployments")).find(m => m.model_id === body.model);
-  const active = record && record.versions.find(v => v.plan_version === record.active);
+  const active = record && record.versions.find(v => v.version === record.active);
   if (!active) { status("whatif-deploy-status", "The model has no active version.", true); return; }
   const caps = {...body.budgets};
   for (const name of body.drop) caps[name] = 0;

@@ -86,7 +86,7 @@ def _follow(api: Any, run_id: str, console: Any, deadline: float) -> int:
                     f"{status['final_recall_at_1']:.3f}"
                 )
             for r in status["rollouts"]:
-                served = f"{r['model_id']} now serves {r['version']} (plan v{r['plan_version']})"
+                served = f"{r['model_id']} now serves v{r['version']}"
                 console.print(f"[green]{served}[/]")
             return 0
         time.sleep(POLL_S)

@@ -110,7 +110,7 @@ def decoder_info(model_file: Path) -> DecoderInfo:
         ) from exc
 
 
-def model_kind(model_file: Path) -> tuple[Objective, str]:
+def lora_objective(model_file: Path) -> tuple[Objective, str]:
     """(objective, model name) of a fedshard export: a decoder (``decoder.json`` beside it) or
     an encoder (:data:`ENCODER_METADATA_KEY` in its metadata); LoraTargetError otherwise."""
     if (model_file.parent / DECODER_FILE).is_file():
@@ -158,7 +158,7 @@ def build_base(model_file: Path, cache_dir: Path) -> LoraBase:
     from partitioner.errors import PartitionerError
     from partitioner.models.lora import weight_map
 
-    objective, name = model_kind(model_file)
+    objective, name = lora_objective(model_file)
     try:
         model, params = _torch_model(objective, name, cache_dir)
         wmap = weight_map(params, onnx.load(model_file))

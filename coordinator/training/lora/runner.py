@@ -28,6 +28,7 @@ from pathlib import Path
 
 import numpy as np
 
+from coordinator.deploy.store import VersionRecord
 from coordinator.errors import CoordinatorError
 from coordinator.training.driver import secagg_parameters
 from coordinator.training.errors import DivergedError, RolloutError, TrainingRunError
@@ -86,7 +87,7 @@ class LoraTarget:
 
 LoraFederation = Callable[[Path, Path, LoraTarget], AbstractContextManager[SuperLink]]
 """Starts the SuperLink (and SuperNodes on the staged segments dir) of a run; stops them."""
-Publish = Callable[[str, Version], int]
+Publish = Callable[[str, Version], VersionRecord]
 
 
 def stage_segments(version_dir: Path, tokenizer_file: Path, out: Path) -> Path:
@@ -348,10 +349,10 @@ class LoraRunner:
             ledger_non_dp=any(p.non_dp_rounds for p in (privacy or {}).values()),
         )  # fmt: skip
         write_whole_model(target.model_file, plan, base, arrays, out)
-        plan_version = None
+        served = None
         if self.publish is not None:
             try:
-                plan_version = self.publish(target.model_id, version)
+                served = self.publish(target.model_id, version)
             except CoordinatorError as exc:
                 raise RolloutError(
                     f"rolling {version.name} out to {target.model_id} failed: {exc}"
@@ -359,8 +360,9 @@ class LoraRunner:
         report.rollout(
             RunRollout(
                 round=len(record.rounds),
-                version=version.name,
+                directory=version.name,
                 model_id=target.model_id,
-                plan_version=plan_version,
+                version=served.version if served is not None else None,
+                plan_version=served.plan_version if served is not None else None,
             )
         )

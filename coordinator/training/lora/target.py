@@ -2,10 +2,10 @@
 
 ``POST /v1/training/runs {"model": ID, "method": "lora"}`` fine-tunes the active version of
 served model ``ID`` (a decoder exported by ``fedshard export``, or the encoder of ``fedshard
-export minilm``: see :func:`~coordinator.training.lora.plan.model_kind`). Its devices are the local
-SuperNodes of the training target's ``text_client_data`` (one per directory of text records),
-each with its own node key registered with the run's SuperLink, which admits no other node; or,
-with ``fedshard coordinator --superlink-port``, the paired agents' own SuperNodes
+export minilm``: see :func:`~coordinator.training.lora.plan.lora_objective`). Its devices are
+the local SuperNodes of the training target's ``text_client_data`` (one per directory of text
+records), each with its own node key registered with the run's SuperLink, which admits no other
+node; or, with ``fedshard coordinator --superlink-port``, the paired agents' own SuperNodes
 (:func:`paired_lora_federation`), which get the served version from the coordinator first.
 The new version is verified (its manifest signature, against fedshard's CA) and rolled out
 live through the deployer, health-checked through the data plane on a prefill (decoders) or
@@ -23,7 +23,7 @@ from pathlib import Path
 import numpy as np
 
 from coordinator.deploy.deployer import Deployer
-from coordinator.deploy.store import DeploymentStore
+from coordinator.deploy.store import DeploymentStore, VersionRecord
 from coordinator.training.errors import LoraTargetError
 from coordinator.training.flower import SuperLink
 from coordinator.training.lora.runner import LoraFederation, LoraTarget
@@ -120,15 +120,14 @@ class DecoderPublisher:
         self.store = store
         self.ca_cert_pem = ca_cert_pem
 
-    def __call__(self, model_id: str, version: Version) -> int:
-        """Verify, deploy beside the live version, health-check, switch; the plan version."""
+    def __call__(self, model_id: str, version: Version) -> VersionRecord:
+        """Verify, deploy beside the live version, health-check, switch; the version served."""
         from coordinator.training.rollout import verify_signature
 
         verify_signature(version.path, self.ca_cert_pem)
         samples = health_samples(version.path)
         objective = self.store.active(model_id).objective
-        record = self.deployer.deploy_version(model_id, version.path, samples, objective)
-        return record.plan_version
+        return self.deployer.deploy_version(model_id, version.path, samples, objective)
 
 
 def local_lora_federation(ca: CertificateAuthority) -> LoraFederation:
