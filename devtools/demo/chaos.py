@@ -198,16 +198,14 @@ def _victim(api: Api, model_id: str) -> str:
     """The device of the middle segment of the widest active plan (``model_id``'s among equals):
     when a plan uses every agent, losing this one makes it shrink, so it must expand back."""
     plans = []
-    for record in api.get("/v1/deployments"):
-        if record.get("active") is None:
-            continue
-        version = next(v for v in record["versions"] if v["version"] == record["active"])
-        plans.append((len(version["segments"]), record["model_id"] == model_id, version))
+    for record in api.client().deployments():
+        version = record.version(record.active) if record.active is not None else None
+        if version is not None:
+            plans.append((len(version.segments), record.model_id == model_id, version))
     if not plans:
         raise RuntimeError("nothing is deployed to attack")
     _, _, widest = max(plans, key=lambda plan: plan[:2])
-    segments = widest["segments"]
-    return str(segments[len(segments) // 2]["device"])
+    return widest.segments[len(widest.segments) // 2].device
 
 
 def _wait_for_kill_moment(
@@ -346,11 +344,10 @@ def _read_stream(
 def _plan_devices(api: Api) -> dict[str, dict[int, frozenset[str]]]:
     """The devices each version of each model is planned on."""
     return {
-        record["model_id"]: {
-            v["plan_version"]: frozenset(s["device"] for s in v["segments"])
-            for v in record["versions"]
+        record.model_id: {
+            v.plan_version: frozenset(s.device for s in v.segments) for v in record.versions
         }
-        for record in api.get("/v1/deployments")
+        for record in api.client().deployments()
     }
 
 
@@ -367,10 +364,10 @@ def _active_sizes(api: Api, models: Sequence[str], using: str | None = None) -> 
 def _active_devices(api: Api, models: Sequence[str]) -> dict[str, list[str]]:
     """Each model's active version's devices now, one per segment."""
     active = {}
-    for record in api.get("/v1/deployments"):
-        if record["model_id"] in models and record.get("active") is not None:
-            version = next(v for v in record["versions"] if v["version"] == record["active"])
-            active[record["model_id"]] = [segment["device"] for segment in version["segments"]]
+    for record in api.client().deployments():
+        version = record.version(record.active) if record.active is not None else None
+        if record.model_id in models and version is not None:
+            active[record.model_id] = [segment.device for segment in version.segments]
     return active
 
 

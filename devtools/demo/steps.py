@@ -303,11 +303,10 @@ def stage_ratios(api: Api, model_id: str) -> list[float]:
 
 
 def _active_version(api: Api, model_id: str) -> dict[str, Any]:
-    records = api.get("/v1/deployments")
-    record = next((r for r in records if r["model_id"] == model_id), None)
-    if record is None or record.get("active") is None:
-        raise DemoStepError(f"{model_id} has no active version")
-    return dict(next(v for v in record["versions"] if v["version"] == record["active"]))
+    try:
+        return api.client().active_version(model_id).model_dump(mode="json")
+    except ApiError as exc:
+        raise DemoStepError(f"{model_id} has no active version: {exc.detail}") from exc
 
 
 def plan_table(api: Api, state_dir: Path, model_id: str = MODEL_ID) -> Table:
