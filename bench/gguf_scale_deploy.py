@@ -44,6 +44,7 @@ from coordinator_helpers import (  # noqa: E402
 )
 
 from coordinator.deploy.gguf_plan import planning_problem, unit_table  # noqa: E402
+from coordinator.deploy.store import segment_dir  # noqa: E402
 from partitioner.errors import InfeasiblePlanError  # noqa: E402
 from partitioner.models.gguf.header import GgufModel, read_header  # noqa: E402
 from partitioner.models.gguf.kernels import WeightsMode  # noqa: E402
@@ -234,7 +235,7 @@ def report_agents(
 ) -> None:
     """Each agent's resident memory next to the GGUF bytes of its layers."""
     live = coordinator.api().active_version(MODEL_ID)
-    vdir = coordinator.state_dir / "deployments" / MODEL_ID / f"v{live.plan_version}"
+    vdir = segment_dir(coordinator.state_dir, MODEL_ID, live.plan_version)
     manifest = Manifest.model_validate_json((vdir / MANIFEST_FILE).read_text())
     held = stage_bytes(model, manifest)
     print(

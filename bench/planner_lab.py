@@ -42,6 +42,7 @@ from _planner_lab_report import (  # noqa: E402
 from agent_helpers import minilm_model  # noqa: E402
 from lab_helpers import LabCluster, lab_cluster  # noqa: E402
 
+from coordinator.deploy.store import segment_dir  # noqa: E402
 from devtools.lab.executor import unavailable_reason  # noqa: E402
 from partitioner.cutting.inputs import Analysis  # noqa: E402
 from protocols.devices import DeviceList  # noqa: E402
@@ -274,7 +275,7 @@ def measure(
     record = cluster.api.client().deploy(body, timeout=900)
     deploy_s = time.monotonic() - start
     version = record.plan_version
-    path = cluster.state_dir / "deployments" / MODEL_ID / f"v{version}" / MANIFEST_FILE
+    path = segment_dir(cluster.state_dir, MODEL_ID, version) / MANIFEST_FILE
     manifest = Manifest.from_json(path.read_bytes())
     ask = {"model": MODEL_ID, "input": text}
     cluster.api.load("/v1/embeddings", ask, 8, 4)  # warm the coordinator's chain connections
