@@ -19,6 +19,9 @@ from pathlib import Path
 import pytest
 from generation_lab import GenLab, decoder_lab, greedy_reference, kill_at_piece, stream_completion
 
+from coordinator.deploy.store import segment_dir
+from protocols.manifest import MANIFEST_FILE
+
 pytestmark = [pytest.mark.slow, pytest.mark.timeout(600)]
 
 MODEL_ID = "tiny-llama"
@@ -36,13 +39,9 @@ def lab(tiny_llama_dir: Path, tmp_path_factory: pytest.TempPathFactory) -> Itera
 
 
 def _stateful_device(lab: GenLab) -> str:
-    with lab.coordinator.client() as api:
-        [record] = [m for m in api.get("/v1/deployments").json() if m["model_id"] == MODEL_ID]
-    [live] = [v for v in record["versions"] if v["state"] == "active"]
-    manifest_path = (
-        lab.coordinator.state_dir / "deployments" / MODEL_ID / f"v{live['plan_version']}"
-    )
-    manifest = json.loads((manifest_path / "manifest.json").read_text())
+    live = lab.coordinator.api().active_version(MODEL_ID)
+    manifest_path = segment_dir(lab.coordinator.state_dir, MODEL_ID, live.plan_version)
+    manifest = json.loads((manifest_path / MANIFEST_FILE).read_text())
     holders = [s["device"] for s in manifest["segments"] if s["state"]]
     assert holders, manifest
     return str(holders[0])
