@@ -28,6 +28,7 @@ from devtools.lora_lab import (
     encoder_setup,
     minilm_model,
     pair_recall,
+    plan_config,
     run_rounds,
     split_encoder,
 )
@@ -65,6 +66,34 @@ def test_held_out_recall_at_1_rises(lab: LabRun) -> None:
     assert after > before, (before, after)
     loss_before = sum(loss * n for loss, n, _ in lab.baseline)
     assert sum(loss * n for loss, n, _ in lab.final) < loss_before
+
+
+def test_under_dp_the_recall_leaves_only_inside_the_secagg_vector(
+    lab: LabRun, tmp_path: Path
+) -> None:
+    """A device's evaluate-only reply under DP and SecAgg+: no recall@1 (nor loss) among its
+    metrics, and inside the masked statistics exactly the recall its owner measures."""
+    from edge_agent.training.client_app import ShardClient
+    from edge_agent.training.local import LocalSettings
+    from protocols.lora import (
+        EVALUATE_ONLY_KEY,
+        METRIC_HELD_OUT_LOSS,
+        METRIC_RECALL_AT_1,
+        read_stats,
+    )
+    from protocols.privacy import SECAGG_CONFIG_KEY, reply_fields
+
+    data = lab.data_dirs[0]
+    client = ShardClient(LocalSettings(lab.setup.version_dir, data, tmp_path, 1 << 30), 0)
+    config = {**plan_config(lab.setup.plan, ROUNDS + 1), SECAGG_CONFIG_KEY: True,
+              EVALUATE_ONLY_KEY: True}  # fmt: skip
+    arrays, weight, metrics = client.fit(lab.arrays, config)
+    assert weight == 1 and set(metrics) <= reply_fields(dp=True)
+    assert METRIC_RECALL_AT_1 not in metrics and METRIC_HELD_OUT_LOSS not in metrics
+    loss, recall = read_stats(arrays[-1])
+    _, _, own = lab.final[0]  # the same adapters, evaluated by the records' owner
+    assert recall == pytest.approx(own[METRIC_RECALL_AT_1], abs=1e-6)
+    assert loss is not None and loss > 0
 
 
 def test_epsilon_is_small_and_composes(lab: LabRun) -> None:
