@@ -23,7 +23,7 @@ from coordinator.console import ASSETS, asset_text
 from coordinator.console.plans import deployed_view, what_if_devices
 from coordinator.console.stages import Counters, StageSampler, StageTarget, parse_counters, rates
 from coordinator.console.stats import InferenceCounter, RequestStats, percentile
-from coordinator.deploy.store import DeploymentStore, Placement, VersionRecord
+from coordinator.deploy.store import DeploymentStore, Placement, VersionRecord, segment_dir
 from coordinator.errors import AgentError, DeployError
 from coordinator.fleet.links import LinkMeter
 from coordinator.fleet.registry import DeviceRegistry
@@ -319,7 +319,7 @@ def deployed(tmp_path: Path) -> tuple[TestClient, Services]:
             ]
         }
     )
-    out = tmp_path / "deployments" / "stack" / "v1"
+    out = segment_dir(tmp_path, "stack", 1)
     split = split_model(source, caps, out, SplitOptions())
     assert len(split.manifest.segments) == 3
     version = _version(source, [s.device for s in split.manifest.segments], [0.001, 0.003, 0.002])

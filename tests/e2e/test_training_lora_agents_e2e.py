@@ -23,6 +23,7 @@ import pytest
 from generation_lab import GenLab, decoder_lab
 from test_training_lora_e2e import _active, finished_run
 
+from coordinator.deploy.store import segment_dir
 from coordinator.training.flower import free_port
 
 pytestmark = [pytest.mark.slow, pytest.mark.timeout(1500)]
@@ -78,7 +79,7 @@ def test_each_agent_trained_on_exactly_the_served_version(lab: GenLab, run: dict
     eps = status["epsilon_per_device"]
     assert len(eps) == 3 and all(0 < e <= 8.0 for e in eps), eps
     plan = run["before"]["plan_version"]
-    served = lab.coordinator.state_dir / "deployments" / MODEL_ID / f"v{plan}" / "manifest.json"
+    served = segment_dir(lab.coordinator.state_dir, MODEL_ID, plan) / "manifest.json"
     for agent in lab.agents:
         copy = agent.state_dir / "training" / "current"
         assert copy.is_symlink(), f"{agent.name} holds no training copy"
@@ -111,12 +112,10 @@ def test_a_second_run_trains_the_fine_tuned_version_and_gets_only_what_changed(
     status = finished_run(lab, body, 900)
     print("second LoRA run on the agents:", json.dumps(status, indent=1))
     assert status["baseline_loss"] == pytest.approx(run["status"]["final_loss"], rel=0.02)
-    manifest = f"deployments/{MODEL_ID}/v{served['plan_version']}/manifest.json"
+    manifest = segment_dir(lab.coordinator.state_dir, MODEL_ID, served["plan_version"])
     for agent in lab.agents:
         copy = agent.state_dir / "training" / "current"
-        assert (copy / "manifest.json").read_bytes() == (
-            lab.coordinator.state_dir / manifest
-        ).read_bytes()
+        assert (copy / "manifest.json").read_bytes() == (manifest / "manifest.json").read_bytes()
         found = re.findall(r"training copy \S+ offered: (\d+) files missing", agent.log())
         first, *_, last = (int(n) for n in found)
         assert first == 5 > last >= 2, found  # the manifest and the changed segments

@@ -33,6 +33,7 @@ from test_training_lora_agents_e2e import _files_holding
 from test_training_lora_e2e import finished_run
 from test_training_lora_encoder_e2e import CAP, MODEL_ID, TEXTS, _active, _embed
 
+from coordinator.deploy.store import segment_dir
 from coordinator.training.flower import free_port
 
 pytestmark = [pytest.mark.slow, pytest.mark.timeout(1500)]
@@ -105,7 +106,7 @@ def test_each_agent_trained_on_exactly_the_served_version(lab: GenLab, run: dict
     """Each agent's training copy holds the served version's files (manifest and every
     segment, byte for byte) and the deployment's tokenizer, and nothing else."""
     plan = run["before"]["plan_version"]
-    served = lab.coordinator.state_dir / "deployments" / MODEL_ID / f"v{plan}"
+    served = segment_dir(lab.coordinator.state_dir, MODEL_ID, plan)
     want = {p.name: p for p in served.iterdir()} | {"tokenizer.json": lab.export / "tokenizer.json"}
     assert "manifest.json" in want and len(want) >= 4, sorted(want)  # manifest and segments
     for agent in lab.agents:
