@@ -46,12 +46,8 @@ class BandLab:
 
     def active_segments(self, model_id: str) -> list[dict[str, object]]:
         """The active version's segments as ``GET /v1/deployments`` lists them."""
-        with self.coordinator.client() as api:
-            records = api.get("/v1/deployments").json()
-        [record] = [m for m in records if m["model_id"] == model_id]
-        [live] = [v for v in record["versions"] if v["state"] == "active"]
-        segments: list[dict[str, object]] = live["segments"]
-        return segments
+        live = self.coordinator.api().active_version(model_id)
+        return [segment.model_dump(mode="json") for segment in live.segments]
 
 
 @contextmanager
@@ -61,10 +57,9 @@ def band_lab(tmp: Path) -> Iterator[BandLab]:
     try:
         names = [f"b{i}-{secrets.token_hex(3)}" for i in range(2)]
         with unpaired_agents(tmp, names, "512MiB") as agents:
-            with coordinator.client() as api:
-                listed = lambda: set(names) <= {d["name"] for d in api.get("/v1/devices").json()}  # noqa: E731
-                if not wait_for(listed, 15):
-                    raise RuntimeError("the agents were not discovered in 15 s")
+            api = coordinator.api()
+            if not wait_for(lambda: set(names) <= {d.name for d in api.devices()}, 15):
+                raise RuntimeError("the agents were not discovered in 15 s")
             for agent in agents:
                 paired = coordinator.cli("pair", agent.name, pairing_code(agent))
                 if paired.returncode != 0:
