@@ -4,7 +4,7 @@ Rooms, each importing only the rooms below it (an import-linter layers contract)
 
     commands     ``fedshard coordinator | pair | revoke | deploy | rollback | devices``
     app | client composition root: builds every service once and runs the HTTP server;
-                 the one typed client of the HTTP API (the CLI verbs, the demo, tests)
+                 the one typed client of the HTTP API (CLI verbs, demo, labs, tests, benches)
     http         everything FastAPI and nothing else: routes, bodies, the error catalogue
     serving | console | training
                  requests to deployed models (router, failover, embeddings, decoder backend);
