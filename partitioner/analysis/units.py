@@ -164,8 +164,34 @@ def _refine(
             best = min(even, key=lambda c: (f[c], abs(prefix[c] - middle)))
         else:
             best = min(inner, key=lambda c: (abs(prefix[c] - middle), f[c]))
+            best = _before_free_nodes(best, lo, f, prefix, cost)
+            if best == lo:  # only free nodes before the dominant one: nothing worth cutting
+                if hi < size:
+                    result.append(hi)
+                continue
         todo.extend([(lo, best), (best, hi)])
     return sorted(result)
+
+
+FREE_NODE_SHARE = 1e-3
+"""A node costing at most this share of its unit is free to move across a cut (a ``Concat``,
+a ``Slice``, a ``Cast``)."""
+
+
+def _before_free_nodes(
+    cut: int, lo: int, f: Sequence[int], prefix: Sequence[float], cost: float
+) -> int:
+    """``cut`` moved back over the free nodes before it while that does not grow the frontier.
+
+    A dominant node's most even split lands right before it; nodes that only reshape its
+    operand (a row padding's ``Concat`` and ``Slice``) can make the tensor crossing there larger
+    than the one before them, which a pass would then hand over at that size.
+    """
+    while cut > lo and prefix[cut] - prefix[cut - 1] <= FREE_NODE_SHARE * cost:
+        if f[cut - 1] > f[cut]:
+            break
+        cut -= 1
+    return cut
 
 
 def _thin(

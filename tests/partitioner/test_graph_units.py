@@ -13,6 +13,7 @@ from hypothesis import strategies as st
 from onnx import TensorProto, helper, numpy_helper
 
 from partitioner.analysis.costs import node_flops
+from partitioner.analysis.frontier import Frontier
 from partitioner.analysis.graph import index_graph
 from partitioner.analysis.samples import decode_samples, encode_samples, synthesize
 from partitioner.analysis.shapes import infer_shapes
@@ -150,6 +151,25 @@ def test_oversized_units_are_split_even_without_good_cuts() -> None:
     assert len(analysis.units.units) >= 8
     bounds = choose_boundaries(frontier, [1.0] * frontier.size, max_units=64, min_units=4)
     assert len(bounds) - 1 >= 4
+
+
+def test_a_dominant_nodes_split_keeps_the_free_nodes_before_it_on_its_side() -> None:
+    """A head ``MatMul`` preceded by its row padding (a ``Concat`` and a ``Slice``, free, whose
+    output has twice the rows): the unit is cut before the padding, where one row crosses, not
+    between the padding and the product, where two would (a decode step's hop)."""
+    costs = [1.0, 1.0, 1.0, 1.0, 0.0, 0.0, 100.0, 0.0]
+    one_row, two_rows = 10, 20
+    bytes_at = (0, one_row, one_row, one_row, one_row, two_rows, two_rows, 500, 0)
+    frontier = Frontier(
+        order=tuple(range(8)),
+        position={i: i for i in range(8)},
+        spans={},
+        bytes_at=bytes_at,
+        carry_io=False,
+    )
+    bounds = choose_boundaries(frontier, costs, max_units=64, min_units=4)
+    assert 4 in bounds
+    assert 5 not in bounds and 6 not in bounds, bounds
 
 
 def test_problem_from_units_and_devices() -> None:
