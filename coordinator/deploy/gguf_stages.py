@@ -6,7 +6,8 @@ check's prompt (its outputs feed the next stage), probed for speculative decodin
 session (:class:`~partitioner.models.gguf.rows.RowsProbe`: a pass of ``k`` tokens against ``k``
 one-token steps, bit for bit), released, and joined into the one file an agent receives
 (:mod:`coordinator.deploy.onnx_inline`). So the process holds about one segment, and the probe
-costs a session no more than the health run did: ``2 x 8 - 1`` short runs of each stage.
+costs a session no more than the health run did: per window of the probe (three: after the
+prompt and short of 64 and of 128 tokens) ``2 x 8 - 1`` short runs of each stage.
 """
 
 from __future__ import annotations
@@ -81,7 +82,11 @@ def build_stages(
     mapped (they would otherwise count as this process's resident memory for the whole build).
     ``local`` is the health check's prefill with empty caches for every block."""
     path = source.path
-    probe = RowsProbe(prompt_length=int(local[INPUT_IDS].shape[1]), vocab=source.model.vocab)
+    probe = RowsProbe(
+        prompt_length=int(local[INPUT_IDS].shape[1]),
+        vocab=source.model.vocab,
+        max_context=source.model.context_length,
+    )
     built = Built(local, probe)
     for k, span in enumerate(stage_ranges(plan, source.model)):
         scratch = out / f"segment{k}{SCRATCH_SUFFIX}.onnx"

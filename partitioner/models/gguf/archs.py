@@ -20,7 +20,7 @@ import onnx
 from gguf import GGMLQuantizationType
 from onnx import TensorProto, helper, numpy_helper
 
-from partitioner.models.gguf import kernels
+from partitioner.models.gguf import kernels, kernels_codes
 from partitioner.models.gguf.header import Architecture, GgufModel
 from partitioner.models.gguf.kernels import GraphPart, WeightsMode
 from partitioner.models.gguf.kernels_codes import int64_constant
@@ -291,19 +291,43 @@ def attention(e: Emitter, i: int, h: str) -> str:
     v = e.op("Transpose", [v], f"{b}/vt", perm=[0, 2, 1, 3])
     keys = e.op("Concat", [f"past.{i}.key", k], f"present.{i}.key", axis=2)
     values = e.op("Concat", [f"past.{i}.value", v], f"present.{i}.value", axis=2)
-    ax = e.ints(f"{b}/ax2", [2])
-    kt = e.op(
-        "Transpose", [e.op("Unsqueeze", [keys, ax], f"{b}/k5")], f"{b}/k5t", perm=[0, 1, 2, 4, 3]
-    )
-    scores = e.op("MatMul", [q, kt], f"{b}/scores")
-    window = m.sliding_window if sliding else None
-    mask = e.shared(f"mask{window}", lambda: causal_mask(e, window))
-    scores = e.op("Add", [scores, mask], f"{b}/masked")
-    probs = e.op("Softmax", [scores], f"{b}/probs", axis=-1)
-    ctx = e.op("MatMul", [probs, e.op("Unsqueeze", [values, ax], f"{b}/v5")], f"{b}/ctx")
+    ctx = _attend(e, b, q, keys, values, m.sliding_window if sliding else None)
     ctx = e.op("Transpose", [ctx], f"{b}/ctx_t", perm=[0, 3, 1, 2, 4])
     ctx = e.op("Reshape", [ctx, e.ints(f"{b}/merge", [0, 0, -1])], f"{b}/ctx_flat")
     return e.linear(f"{b}.attn_output.weight", ctx)
+
+
+def _attend(e: Emitter, b: str, q: str, keys: str, values: str, window: int | None) -> str:
+    """``softmax(q k^T + mask) v`` for grouped queries ``q`` ``[batch, kv_heads, groups, q,
+    head_dim]`` over ``keys`` / ``values`` ``[batch, kv_heads, total, head_dim]``.
+
+    Built so that a query's result is bit for bit the same in a one-token step and in a pass
+    of several tokens (a speculative verify pass), whatever the context length:
+
+    - the queries run on at least two rows (:func:`kernels_codes.at_least_two_rows`), kept
+      through the softmax and the value product and cut back at the end, so no product takes
+      ONNX Runtime's one-row kernel;
+    - the scores are computed transposed, ``keys @ q^T`` (``[total, q]``): the context length
+      is the product's row count, on which nothing depends. ``q @ keys^T`` would have it as
+      the column count, and MLAS's SGEMM picks its K blocking from the column count (a
+      ``head_dim`` of 256 is summed in one block up to 64 columns, in two of 128 above), so a
+      pass, which sees more keys than the step of the same token, would add in another order;
+    - in the value product the context length is the sum's length: a pass sums its masked
+      keys' zero weights on top, which changes no bit.
+    """
+    nodes, padded, rows = kernels_codes.at_least_two_rows(f"{b}/q2", q)
+    e.nodes.extend(nodes)
+    ax = e.ints(f"{b}/ax2", [2])
+    qt = e.op("Transpose", [padded], f"{b}/qt2", perm=[0, 1, 2, 4, 3])
+    k5 = e.op("Unsqueeze", [keys, ax], f"{b}/k5")
+    scores = e.op("MatMul", [k5, qt], f"{b}/scores_t")
+    scores = e.op("Transpose", [scores], f"{b}/scores", perm=[0, 1, 2, 4, 3])
+    mask = e.shared(f"mask{window}", lambda: causal_mask(e, window))
+    scores = e.op("Add", [scores, mask], f"{b}/masked")
+    probs = e.op("Softmax", [scores], f"{b}/probs", axis=-1)
+    ctx = e.op("MatMul", [probs, e.op("Unsqueeze", [values, ax], f"{b}/v5")], f"{b}/ctx2")
+    e.nodes.append(kernels_codes.first_rows(f"{b}/q2", ctx, rows, f"{b}/ctx"))
+    return f"{b}/ctx"
 
 
 def _gelu_tanh(e: Emitter, x: str, name: str) -> str:

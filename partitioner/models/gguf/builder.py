@@ -29,13 +29,12 @@ carries no weights of blocks outside its range: :func:`write_segment` reads each
 range from the memory-mapped file, maps it (:mod:`.kernels`), appends it to the segment's
 external data file and drops it, so the process holds about one tensor at a time.
 
-Rows: every float ``MatMul`` of a segment (the attention's two products, float weights, the
-min terms) runs on at least two rows
-(:func:`~partitioner.models.decoders.rowwise.at_least_two_rows`), so a one-token step goes
-through the kernel a pass of several tokens runs; ``MatMulNBits`` computes each row alike on
-the CPUs where it does. Whether a pass of ``k`` tokens then decodes as ``k`` one-token steps,
-bit for bit, is probed on the built segments (:mod:`.rows`), and speculative decoding runs only
-where it does.
+Rows: no float product of a segment runs on one row (the attention's, float weights', min
+terms'; :func:`.kernels_codes.at_least_two_rows`), and the attention scores are computed so the
+context length never picks the kernel's blocking (:func:`.archs._attend`): a one-token step adds
+as a pass of several tokens does; ``MatMulNBits`` computes each row alike on the CPUs where it
+does. Whether a pass of ``k`` tokens then decodes as ``k`` one-token steps, bit for bit, is
+probed on the built segments (:mod:`.rows`), and speculative decoding runs only where it does.
 """
 
 from __future__ import annotations
@@ -51,7 +50,6 @@ import onnx
 from onnx import TensorProto, helper
 
 from partitioner.errors import GraphError
-from partitioner.models.decoders.rowwise import at_least_two_rows
 from partitioner.models.gguf import archs, ends
 from partitioner.models.gguf.header import GgufModel, header_of
 from partitioner.models.gguf.heap import release_freed_heap
@@ -195,7 +193,7 @@ def build_segment(
     opsets = [helper.make_opsetid("", OPSET), helper.make_opsetid("com.microsoft", MS_OPSET)]
     proto = helper.make_model(graph, opset_imports=opsets, producer_name="fedshard.gguf")
     proto.ir_version = 8
-    return at_least_two_rows(proto, weight_products=True)
+    return proto
 
 
 def in_memory(tensor: TensorProto) -> TensorProto:

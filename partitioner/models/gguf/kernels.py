@@ -21,7 +21,7 @@ IQ2_XXS,      1/8) under scale / 8)
 IQ1_S
 IQ2_XS/S,     MatMulNBits 8-bit b16 (as above)     GBQ uint8 8-bit b16
 IQ1_M
-F32           MatMul, float32 [K, N]               Gather float32
+F32           MatMul, float32 [K, N] (2+ rows)     Gather float32
 F16, BF16     Cast(F16/BF16 [K, N]), MatMul        Gather F16/BF16, Cast
 other         :class:`UnsupportedTensorType`       :class:`UnsupportedTensorType`
 ============  ===================================  =========================================
@@ -84,6 +84,7 @@ from partitioner.models.gguf.kernels_codes import (
     float_values,
     int64_constant,
     layout,
+    two_row_matmul,
 )
 from partitioner.models.gguf.kernels_gather import gather_bits, streamed_gather
 from partitioner.models.gguf.kernels_iq import IQ_SCALES
@@ -212,14 +213,11 @@ def _float_matmul(
     weight = float_tensor(f"{name}.weight", np.ascontiguousarray(values.T), ggml_type)
     out = f"{name}/out"
     if ggml_type == T.F32:
-        return GraphPart(
-            (helper.make_node("MatMul", [x, weight.name], [out], f"{name}/MatMul"),), (weight,), out
-        )
+        return GraphPart(tuple(two_row_matmul(name, x, weight.name, out)), (weight,), out)
     cast = helper.make_node(
         "Cast", [weight.name], [f"{name}/w32"], f"{name}/Cast", to=TensorProto.FLOAT
     )
-    mm = helper.make_node("MatMul", [x, f"{name}/w32"], [out], f"{name}/MatMul")
-    return GraphPart((cast, mm), (weight,), out)
+    return GraphPart((cast, *two_row_matmul(name, x, f"{name}/w32", out)), (weight,), out)
 
 
 def nbits_matmul(name: str, x: str, codes: Codes, bits: int, accuracy_level: int) -> GraphPart:

@@ -65,6 +65,44 @@ def int64_constant(name: str, values: list[int]) -> onnx.NodeProto:
     return helper.make_node("Constant", [], [name], f"{name}/Constant", value=tensor)
 
 
+def at_least_two_rows(name: str, x: str) -> tuple[list[onnx.NodeProto], str, str]:
+    """Nodes making ``x`` (rows on axis -2) at least two rows: stacked twice and cut to
+    ``max(rows, 2)``, so a product on it runs ONNX Runtime's GEMM kernel and never its one-row
+    kernel (which adds in another order). Returns the nodes, the padded tensor
+    ``{name}/padded`` and ``{name}/rows`` (``x``'s own row count, to cut the result back
+    with :func:`first_rows`)."""
+    mk = helper.make_node
+    nodes = [
+        mk("Concat", [x, x], [f"{name}/stacked"], f"{name}/Concat", axis=-2),
+        mk("Shape", [x], [f"{name}/rows"], f"{name}/Shape", start=-2, end=-1),
+        int64_constant(f"{name}/two", [2]),
+        mk("Max", [f"{name}/rows", f"{name}/two"], [f"{name}/taken"], f"{name}/Max"),
+        int64_constant(f"{name}/zero", [0]),
+        int64_constant(f"{name}/axis", [-2]),
+        mk("Slice", [f"{name}/stacked", f"{name}/zero", f"{name}/taken", f"{name}/axis"],
+           [f"{name}/padded"], f"{name}/Slice"),
+    ]  # fmt: skip
+    return nodes, f"{name}/padded", f"{name}/rows"
+
+
+def first_rows(name: str, x: str, rows: str, out: str) -> onnx.NodeProto:
+    """``Slice`` of the first ``rows`` rows (axis -2) of ``x`` into ``out`` (the constants of
+    :func:`at_least_two_rows` of the same ``name``)."""
+    return helper.make_node(
+        "Slice", [x, f"{name}/zero", rows, f"{name}/axis"], [out], f"{name}/Back"
+    )
+
+
+def two_row_matmul(name: str, x: str, weight: str, out: str) -> list[onnx.NodeProto]:
+    """``x @ weight`` into ``out``, computed on at least two rows of ``x``
+    (:func:`at_least_two_rows`): a one-token step then adds as a pass of several does."""
+    nodes, padded, rows = at_least_two_rows(f"{name}/rows2", x)
+    product = f"{name}/product"
+    nodes.append(helper.make_node("MatMul", [padded, weight], [product], f"{name}/MatMul"))
+    nodes.append(first_rows(f"{name}/rows2", product, rows, out))
+    return nodes
+
+
 def float_values(raw: np.ndarray, ggml_type: GGMLQuantizationType) -> np.ndarray:
     """F32/F16 data as numpy floats, BF16 as its uint16 bit patterns (flat or as given)."""
     dtype = {T.F32: np.float32, T.F16: np.float16, T.BF16: np.uint16}[ggml_type]

@@ -33,21 +33,20 @@ from protocols.decoder import TRAILING_POSITIONS
 from protocols.problem import Work
 
 OPS_BASE: dict[Architecture, int] = {
-    Architecture.LLAMA: 94,
-    Architecture.QWEN2: 91,
-    Architecture.QWEN3: 100,
-    Architecture.GEMMA3: 122,
-    Architecture.PHI3: 87,
+    Architecture.LLAMA: 90,
+    Architecture.QWEN2: 87,
+    Architecture.QWEN3: 96,
+    Architecture.GEMMA3: 118,
+    Architecture.PHI3: 83,
 }
 """Operators (non-constant nodes) of a one-block segment the builder makes with F32 weights,
-its mask and RoPE tables and its attention's two row-padded products included, the weights'
-row padding not (checked in tests/partitioner/test_gguf_builder.py)."""
+its mask and RoPE tables and its attention's two-row products included, the weights' row
+padding not (checked in tests/partitioner/test_gguf_builder.py)."""
 ROW_PAD_OPS = 5
-"""Nodes a float product's row padding adds
-(:func:`~partitioner.models.decoders.rowwise.at_least_two_rows`: Concat, Shape, Max and two
-Slice around the MatMul)."""
-MIN_TERM_OPS = 9 + ROW_PAD_OPS
-"""Nodes a weight's min-term product adds (:func:`kernels.min_term`, its product padded)."""
+"""Nodes a float weight's two-row product adds (:func:`.kernels_codes.two_row_matmul`:
+Concat, Shape, Max and two Slice around the MatMul)."""
+MIN_TERM_OPS = 9
+"""Nodes a weight's min-term product adds (:func:`kernels.min_term`)."""
 FLOAT_BYTES = 4
 T = GGMLQuantizationType
 
