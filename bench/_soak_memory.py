@@ -10,6 +10,7 @@ sample after warm-up is reported next to it.
 
 from __future__ import annotations
 
+import json
 import statistics
 import threading
 import time
@@ -165,6 +166,7 @@ def plot_memory(
     spans: list[tuple[float, float]],
     warmup_s: float,
     out: Path,
+    settled_s: float | None = None,
 ) -> bool:
     """Resident memory over time as a PNG, each agent's budget dotted, the kill and restart as
     dashed lines, training runs shaded, the warm-up's end dash-dotted; False without
@@ -188,9 +190,12 @@ def plot_memory(
     for i, (start, end) in enumerate(spans):
         ax.axvspan(start / 60, end / 60, color="tab:green", alpha=0.12,
                    label="training run" if i == 0 else None)  # fmt: skip
-    ax.axvline(warmup_s / 60, color="black", linestyle="-.", linewidth=1)
-    ax.text(warmup_s / 60, ax.get_ylim()[1] * 0.97, "warm-up ends", rotation=90, va="top",
-            fontsize=8)  # fmt: skip
+    marks = {"warm-up ends": warmup_s}
+    if settled_s is not None:
+        marks["settled: judged from here"] = settled_s
+    for label, at in marks.items():
+        ax.axvline(at / 60, color="black", linestyle="-.", linewidth=1)
+        ax.text(at / 60, ax.get_ylim()[1] * 0.97, label, rotation=90, va="top", fontsize=8)
     for label, at in events.items():
         ax.axvline(at / 60, color="grey", linestyle="--", linewidth=1)
         ax.text(at / 60, ax.get_ylim()[1] * 0.97, label, rotation=90, va="top", fontsize=8)
@@ -202,3 +207,84 @@ def plot_memory(
     fig.savefig(out, dpi=110)
     plt.close(fig)
     return True
+
+
+@dataclass(frozen=True)
+class Judged:
+    """Growth after warm-up two ways: counted from the start (the victim from its restart) and
+    counted from the restart for every process (the failover's re-plans, and the expansion
+    back onto the restarted agent, load new versions on every agent; the one they replace
+    stays loaded for a rollback)."""
+
+    lines: list[str]
+    from_start: dict[str, Growth | None]
+    settled: dict[str, Growth | None]
+    over: list[str]
+    """Processes at or over ``target`` after the re-plans settled (or not judged)."""
+
+
+def judge(
+    log: MemoryLog,
+    budgets: dict[str, int],
+    warmup_s: float,
+    window_s: float,
+    victim: str,
+    restart_s: float,
+    target: float,
+) -> Judged:
+    """The growth table (Markdown lines) and the verdict."""
+    from_start = growth(log, warmup_s, window_s, {victim: restart_s})
+    names = [n for n in sorted(log.samples) if n != CHILDREN]
+    settled = growth(log, warmup_s, window_s, dict.fromkeys(names, restart_s))
+    over = [n for n in names if (g := settled.get(n)) is None or g.growth >= target]
+    minutes = f"{warmup_s / 60:g}"
+    lines = [
+        (
+            f"**Flat**: every process grew less than {target:.0%} once the failover's "
+            "re-plans had settled."
+            if not over
+            else f"**Not shown flat**: {', '.join(over)} grew {target:.0%} or more once the "
+            "failover's re-plans had settled (or had too little run left to judge)."
+        ),
+        "",
+        f"Growth: median resident memory over the last {window_s / 60:g} minutes against the "
+        f"median over the first {window_s / 60:g} minutes after warm-up; slope: least squares "
+        f"over every sample after warm-up. *Settled* (judged): warm-up ends {minutes} minutes "
+        f"after `{victim}` was restarted, for every process, because the failover re-plans "
+        "both models without it and then expands them back onto it, loading new versions on "
+        "every agent (the version each replaces stays loaded for a one-step rollback, by "
+        f"design). *From start*: warm-up ends {minutes} minutes into the run (for `{victim}`, "
+        "after its restart), before those re-plans: what the run was first set to judge.",
+        "",
+        "| process | settled: after warm-up MiB | last window MiB | growth | slope MiB/min "
+        "| from start: after warm-up MiB | growth | peak MiB | budget MiB |",
+        "|---|---|---|---|---|---|---|---|---|",
+    ]
+    for name in names:
+        s, f = settled.get(name), from_start.get(name)
+        budget = f"{budgets[name] >> 20}" if name in budgets else "-"
+        cells = (
+            [f"{s.baseline / MiB:.0f}", f"{s.final / MiB:.0f}", f"{100 * s.growth:+.1f} %",
+             f"{s.slope_mib_per_min:+.2f}"]
+            if s is not None
+            else ["-", "-", "too little run", "-"]
+        )  # fmt: skip
+        cells += (
+            [f"{f.baseline / MiB:.0f}", f"{100 * f.growth:+.1f} %"]
+            if f is not None
+            else ["-", "too little run"]
+        )
+        lines.append(f"| {name} | {' | '.join(cells)} | {log.peak(name) / MiB:.0f} | {budget} |")
+    lines.append(
+        f"| {CHILDREN} (training runs; not judged) | - | - | - | - | - | - | "
+        f"{log.peak(CHILDREN) / MiB:.0f} | - |"
+    )
+    return Judged(lines, from_start, settled, over)
+
+
+def load_log(path: Path) -> tuple[MemoryLog, dict[str, object]]:
+    """The samples of a ``soak-memory.json`` and the rest of the document."""
+    doc = json.loads(path.read_text())
+    log = MemoryLog()
+    log.samples = {n: [(float(t), int(r)) for t, r in pts] for n, pts in doc["samples"].items()}
+    return log, doc

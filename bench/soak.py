@@ -51,7 +51,7 @@ import time
 from collections.abc import Iterator
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
-from typing import Any
+from typing import Any, cast
 
 REPO = Path(__file__).resolve().parents[1]
 sys.path[:0] = [str(REPO), str(REPO / "tests")]
@@ -59,7 +59,15 @@ sys.path[:0] = [str(REPO), str(REPO / "tests")]
 import httpx  # noqa: E402
 import numpy as np  # noqa: E402
 from _soak_hostile import Seen, dripper, flooder, rogue_announcer  # noqa: E402
-from _soak_memory import CHILDREN, MemoryLog, growth, plot_memory, sampler  # noqa: E402
+from _soak_memory import (  # noqa: E402
+    CHILDREN,
+    Growth,
+    MemoryLog,
+    judge,
+    load_log,
+    plot_memory,
+    sampler,
+)
 from agent_helpers import AgentProc, minilm_model, start_agent  # noqa: E402
 from coordinator_helpers import (  # noqa: E402
     CoordinatorProc,
@@ -69,7 +77,7 @@ from coordinator_helpers import (  # noqa: E402
     wait_for,
 )
 from load_lab import SENTENCES  # noqa: E402
-from report.headlines import Headline, write_headlines  # noqa: E402
+from report.headlines import Headline, read_headlines, write_headlines  # noqa: E402
 from report.machine import stamp  # noqa: E402
 
 from coordinator.client import CoordinatorClient  # noqa: E402
@@ -309,7 +317,17 @@ def main() -> int:
     parser.add_argument("--flood-pause", type=float, default=0.2)
     parser.add_argument("--decoder", default="tiny-llama")
     parser.add_argument("--out", type=Path, default=RESULTS)
+    parser.add_argument(
+        "--reanalyse",
+        type=Path,
+        metavar="DIR",
+        help="only judge a finished run's DIR/soak-memory.json again",
+    )
     args = parser.parse_args()
+    if args.reanalyse is not None:
+        flat = reanalyse(args.reanalyse)
+        print((args.reanalyse / "soak.md").read_text())
+        return 0 if flat else 1
     # a short check run scales warm-up and window down with it
     args.warmup = min(args.warmup, args.minutes / 3)
     args.window = min(args.window, args.minutes / 8)
@@ -396,31 +414,16 @@ def soak(lab: Lab, refs: Any, args: argparse.Namespace) -> dict[str, Any]:
 
 def report(outcome: dict[str, Any], args: argparse.Namespace) -> bool:
     """Write soak.md, soak.json, soak-memory.json and soak.png, print the Markdown; whether
-    every process stayed within :data:`TARGET_GROWTH` after warm-up."""
+    every process stayed within :data:`TARGET_GROWTH` once the re-plans had settled."""
     clients, memory, agents = outcome["clients"], outcome["memory"], outcome["agents"]
     tally, runs, victim = clients.tally, outcome["runs"], outcome["victim"]
-    budgets = {name: AGENT_MEMORY for name in agents}
-    warmup_s, window_s = args.warmup * 60, args.window * 60
-    restarted = {victim: outcome["events"][f"restart {victim}"]}
-    grown = growth(memory, warmup_s, window_s, restarted)
-    judged = {n: g for n, g in grown.items() if g is not None}
-    over = sorted(n for n, g in judged.items() if g.growth >= TARGET_GROWTH)
-    flat = not over and len(judged) == len(grown)
     out: Path = args.out
     out.mkdir(parents=True, exist_ok=True)
-    spans = [(r["start_s"], r["end_s"]) for r in runs]
-    plotted = plot_memory(memory, budgets, outcome["events"], spans, warmup_s, out / "soak.png")
     command = (
         f"`.venv/bin/python bench/soak.py --minutes {args.minutes:g} --clients {args.clients} "
         f"--chat-share {args.chat_share:g} --tokens {args.tokens} --think {args.think:g} "
         f"--train-every {args.train_every:g} --kill-at {args.kill_at:g} --warmup "
         f"{args.warmup:g} --window {args.window:g} --decoder {args.decoder}`"
-    )
-    verdict = (
-        f"**Flat**: every process grew less than {TARGET_GROWTH:.0%} after warm-up."
-        if flat
-        else f"**Not shown flat**: {', '.join(over) or 'a process had too little run left'} "
-        f"grew {TARGET_GROWTH:.0%} or more after warm-up (or could not be judged)."
     )
     lines = [
         "# Long soak under hostility: resident memory over time",
@@ -429,23 +432,8 @@ def report(outcome: dict[str, Any], args: argparse.Namespace) -> bool:
         "",
         f"{command}: {outcome['wall'] / 60:.1f} minutes.",
         "",
-        verdict,
-        "",
-        f"Growth: median resident memory over the last {args.window:g} minutes against the "
-        f"median over the first {args.window:g} minutes after a {args.warmup:g}-minute warm-up "
-        f"(for `{victim}`, killed and restarted, counted from its restart). Slope: least squares "
-        "over every sample after warm-up.",
-        "",
-        "| process | after warm-up MiB | last window MiB | growth | slope MiB/min | peak after "
-        "warm-up MiB | peak MiB | budget MiB |",
-        "|---|---|---|---|---|---|---|---|",
-        *[
-            _growth_row(name, grown.get(name), memory.peak(name), budgets)
-            for name in sorted(memory.samples)
-            if name != CHILDREN
-        ],
-        f"| {CHILDREN} (training runs; not judged) | - | - | - | - | - | "
-        f"{memory.peak(CHILDREN) / (1 << 20):.0f} | - |",
+        GROWTH_BEGIN,
+        GROWTH_END,
         "",
         "| answers | count |",
         "|---|---|",
@@ -484,67 +472,91 @@ def report(outcome: dict[str, Any], args: argparse.Namespace) -> bool:
             for n, fp, s, o in sorted(outcome["statuses"])
         ],
         "",
+        "![resident memory over time](soak.png)",
+        "",
     ]
-    if plotted:
-        lines += ["![resident memory over time](soak.png)", ""]
     (out / "soak.md").write_text("\n".join(lines))
     detail = {
         "format": "fedshard.soak-memory/1",
         "args": {k: str(v) if isinstance(v, Path) else v for k, v in vars(args).items()},
         "wall_s": outcome["wall"],
         "events_s": outcome["events"],
+        "victim": victim,
+        "agents": agents,
         "training_runs": runs,
-        "growth": {
-            n: None
-            if g is None
-            else {
-                "since_s": g.since_s,
-                "baseline_bytes": g.baseline,
-                "final_bytes": g.final,
-                "growth": g.growth,
-                "peak_bytes": g.peak,
-                "slope_mib_per_min": g.slope_mib_per_min,
-            }
-            for n, g in grown.items()
-        },
+        "answers": {"sent": tally.sent, "correct": tally.correct, "wrong": tally.wrong,
+                    "lost": tally.lost, "resent": tally.resent},
         "samples": {n: [[round(t, 1), rss] for t, rss in pts] for n, pts in memory.samples.items()},
-    }
+    }  # fmt: skip
     (out / "soak-memory.json").write_text(json.dumps(detail) + "\n")
-    limit = 100 * TARGET_GROWTH
-    worst = max((g.growth for g in judged.values()), default=float("nan"))
-    write_headlines(
-        "soak",
-        [
-            Headline("largest growth after warm-up", 100 * worst, "%", f"< {limit:g}"),
-            Headline("answers lost or wrong", float(tally.lost + tally.wrong), "", "<= 0"),
-            Headline(
-                "agents over their budget",
-                float(sum(memory.peak(n) > AGENT_MEMORY for n in agents)),
-                "",
-                "<= 0",
-            ),
-            Headline("answers correct", float(tally.correct), ""),
-            Headline(
-                "training runs finished", float(sum(r["status"] == "finished" for r in runs)), ""
-            ),
-        ],
-        out,
-    )
-    print("\n".join(lines))
+    flat = reanalyse(out)
+    print((out / "soak.md").read_text())
     return flat
 
 
-def _growth_row(name: str, g: Any, peak: int, budgets: dict[str, int]) -> str:
-    budget = f"{budgets[name] >> 20}" if name in budgets else "-"
-    if g is None:
-        return (
-            f"| {name} | - | - | too little run after warm-up | - | - | {peak >> 20} | {budget} |"
-        )
-    return (
-        f"| {name} | {g.baseline / (1 << 20):.0f} | {g.final / (1 << 20):.0f} | "
-        f"{100 * g.growth:+.1f} % | {g.slope_mib_per_min:+.2f} | {g.peak / (1 << 20):.0f} | "
-        f"{peak / (1 << 20):.0f} | {budget} |"
-    )
+GROWTH_BEGIN, GROWTH_END = "<!-- growth -->", "<!-- /growth -->"
+
+
+def reanalyse(out: Path) -> bool:
+    """Judge the samples in ``out/soak-memory.json`` (:func:`_soak_memory.judge`), and write
+    the growth section of ``out/soak.md``, the plot, the growth in the JSON and the headlines;
+    whether every process stayed within :data:`TARGET_GROWTH` once the re-plans had settled.
+    (``--reanalyse DIR`` runs only this, on a finished run's files.)"""
+    memory, doc = load_log(out / "soak-memory.json")
+    args, events = cast(dict[str, Any], doc["args"]), cast(dict[str, float], doc["events_s"])
+    restart = next((name, at) for name, at in events.items() if name.startswith("restart "))
+    victim, restart_s = restart[0].removeprefix("restart "), restart[1]
+    agents = [n for n in memory.samples if n not in ("coordinator", CHILDREN)]
+    budgets = dict.fromkeys(agents, AGENT_MEMORY)
+    warmup_s, window_s = float(args["warmup"]) * 60, float(args["window"]) * 60
+    judged = judge(memory, budgets, warmup_s, window_s, victim, restart_s, TARGET_GROWTH)
+    runs = cast(list[dict[str, Any]], doc["training_runs"])
+    spans = [(r["start_s"], r["end_s"]) for r in runs]
+    plot_memory(memory, budgets, events, spans, warmup_s, out / "soak.png",
+                settled_s=restart_s + warmup_s)  # fmt: skip
+    text = (out / "soak.md").read_text()
+    section = "\n".join([GROWTH_BEGIN, *judged.lines, GROWTH_END])
+    if GROWTH_BEGIN in text:
+        head, _, rest = text.partition(GROWTH_BEGIN)
+        text = head + section + rest.partition(GROWTH_END)[2]
+    else:  # a report written before the section had markers: from the verdict to the answers
+        head, _, rest = text.partition("\n**")
+        text = head + "\n" + section + "\n\n| answers |" + rest.partition("\n| answers |")[2]
+    (out / "soak.md").write_text(text)
+    doc["growth_settled"] = _growth_json(judged.settled)
+    doc["growth_from_start"] = _growth_json(judged.from_start)
+    doc.pop("growth", None)
+    (out / "soak-memory.json").write_text(json.dumps(doc) + "\n")
+    settled = [g.growth for g in judged.settled.values() if g is not None]
+    answers = cast(dict[str, int], doc.get("answers") or {})
+    headlines = [
+        Headline("largest growth after warm-up", 100 * max(settled, default=float("nan")), "%",
+                 f"< {100 * TARGET_GROWTH:g}"),
+        Headline("agents over their budget",
+                 float(sum(memory.peak(n) > AGENT_MEMORY for n in agents)), "", "<= 0"),
+        Headline("training runs finished",
+                 float(sum(r["status"] == "finished" for r in runs)), ""),
+    ]  # fmt: skip
+    if not answers and (out / "soak.json").is_file():  # a run written before they were kept
+        headlines += [h for h in read_headlines(out / "soak.json") if h.name.startswith("answers")]
+    if answers:
+        headlines += [
+            Headline("answers lost or wrong", float(answers["lost"] + answers["wrong"]), "",
+                     "<= 0"),
+            Headline("answers correct", float(answers["correct"]), ""),
+        ]  # fmt: skip
+    write_headlines("soak", headlines, out)
+    return not judged.over
+
+
+def _growth_json(grown: dict[str, Growth | None]) -> dict[str, Any]:
+    return {
+        n: None if g is None else {
+            "since_s": g.since_s, "baseline_bytes": g.baseline, "final_bytes": g.final,
+            "growth": g.growth, "peak_bytes": g.peak, "slope_mib_per_min": g.slope_mib_per_min,
+        }
+        for n, g in grown.items()
+    }  # fmt: skip
 
 
 if __name__ == "__main__":
