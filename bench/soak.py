@@ -312,6 +312,12 @@ def main() -> int:
     )
     parser.add_argument("--train-every", type=float, default=240.0)
     parser.add_argument("--kill-at", type=float, default=0.25)
+    parser.add_argument(
+        "--kill-every",
+        type=float,
+        default=0.0,
+        help="minutes: kill and restart the same agent again and again (0: once)",
+    )
     parser.add_argument("--warmup", type=float, default=5.0, help="minutes")
     parser.add_argument("--window", type=float, default=3.0, help="minutes")
     parser.add_argument("--flood-pause", type=float, default=0.2)
@@ -381,10 +387,17 @@ def soak(lab: Lab, refs: Any, args: argparse.Namespace) -> dict[str, Any]:
     duration = args.minutes * 60
     with ThreadPoolExecutor(max_workers=args.clients) as pool:
         futures = [pool.submit(clients.run, seed, stop) for seed in range(args.clients)]
-        stop.wait(max(0.0, duration * args.kill_at - memory.now()))
-        events[f"kill {victim}"] = memory.now()
-        lab.kill_and_restart(victim)
-        events[f"restart {victim}"] = memory.now()
+        at, count = duration * args.kill_at, 0
+        while at < duration and not stop.is_set():
+            stop.wait(max(0.0, at - memory.now()))
+            count += 1
+            suffix = f" #{count}" if args.kill_every else ""
+            events[f"kill {victim}{suffix}"] = memory.now()
+            lab.kill_and_restart(victim)
+            events[f"restart {victim}{suffix}"] = memory.now()
+            if not args.kill_every:
+                break
+            at += args.kill_every * 60
         stop.wait(max(0.0, duration - memory.now()))
         statuses = [
             (d.name, d.fingerprint[:12], d.status, d.online)
@@ -422,7 +435,8 @@ def report(outcome: dict[str, Any], args: argparse.Namespace) -> bool:
     command = (
         f"`.venv/bin/python bench/soak.py --minutes {args.minutes:g} --clients {args.clients} "
         f"--chat-share {args.chat_share:g} --tokens {args.tokens} --think {args.think:g} "
-        f"--train-every {args.train_every:g} --kill-at {args.kill_at:g} --warmup "
+        f"--train-every {args.train_every:g} --kill-at {args.kill_at:g} "
+        f"{f'--kill-every {args.kill_every:g} ' if args.kill_every else ''}--warmup "
         f"{args.warmup:g} --window {args.window:g} --decoder {args.decoder}`"
     )
     lines = [
@@ -461,9 +475,10 @@ def report(outcome: dict[str, Any], args: argparse.Namespace) -> bool:
         "|---|---|",
         *[f"| {why} | {n} |" for why, n in sorted(outcome["seen"].counts.items())],
         "",
-        f"Killed (SIGKILL) at {outcome['events'][f'kill {victim}'] / 60:.1f} min and restarted "
-        f"{RESTART_AFTER_S:.0f} s later: `{victim}`. Failover events: "
-        f"{len(outcome['failover'].get('events', []))}.",
+        "Killed (SIGKILL) at "
+        + ", ".join(f"{at / 60:.1f}" for k, at in outcome["events"].items() if k.startswith("kill"))
+        + f" min and restarted {RESTART_AFTER_S:.0f} s later each time: `{victim}`. "
+        f"Failover events: {len(outcome['failover'].get('events', []))}.",
         "",
         "Device list at the end, while the rogue still announces (name, fingerprint, status):",
         "",
@@ -504,8 +519,11 @@ def reanalyse(out: Path) -> bool:
     (``--reanalyse DIR`` runs only this, on a finished run's files.)"""
     memory, doc = load_log(out / "soak-memory.json")
     args, events = cast(dict[str, Any], doc["args"]), cast(dict[str, float], doc["events_s"])
-    restart = next((name, at) for name, at in events.items() if name.startswith("restart "))
-    victim, restart_s = restart[0].removeprefix("restart "), restart[1]
+    restart = max(
+        ((name, at) for name, at in events.items() if name.startswith("restart ")),
+        key=lambda item: item[1],
+    )  # the last one: every process is judged after it
+    victim, restart_s = restart[0].removeprefix("restart ").split(" #")[0], restart[1]
     agents = [n for n in memory.samples if n not in ("coordinator", CHILDREN)]
     budgets = dict.fromkeys(agents, AGENT_MEMORY)
     warmup_s, window_s = float(args["warmup"]) * 60, float(args["window"]) * 60
