@@ -17,7 +17,9 @@ client code (:class:`edge_agent.training.client_app.ShardClient`, via :mod:`devt
 Held-out loss (nats per token, token-weighted over the devices' held-out records) of the global
 model after each round, mean and spread over ``--seeds``; round time (the clients of a round run
 one after another in this process; Flower: the SuperNodes in parallel); upload bytes per client
-per round (SecAgg+: the masked vector); epsilon per round.
+per round (SecAgg+: the masked vector) and its share of the trained segments' weights and of
+the adapted layers' weights; for the SecAgg+ rows the bytes each SuperNode sent and received per
+round measured on its connection to the SuperLink (all SecAgg+ stages); epsilon per round.
 
     .venv/bin/python bench/federated.py [--rounds 3] [--seeds 3] [--per-device 40]
         [--flower-seeds 1 | --no-flower] [--model qwen2.5-coder-1.5b --name federated_qwen]
@@ -78,6 +80,17 @@ class ModeRuns:
     """Per seed and round: the largest device epsilon of the run so far (DP only)."""
     masked_bytes: list[float] = field(default_factory=list)
     """SecAgg+ only, per seed: the masked vector a client uploads per round."""
+    adapted_bytes: list[float] = field(default_factory=list)
+    """Per seed: bytes of the adapted layers' weights as the served segments store them."""
+    wire_up: list[float] = field(default_factory=list)
+    """SecAgg+ only, per seed: bytes a SuperNode sent per training round, measured on its TCP
+    connection to the SuperLink (every SecAgg+ stage)."""
+    wire_down: list[float] = field(default_factory=list)
+    """SecAgg+ only, per seed: bytes a SuperNode received per training round."""
+    wire_final_up: list[float] = field(default_factory=list)
+    """SecAgg+ only, per seed: bytes a SuperNode sent after the last round (final evaluation)."""
+    wire_idle_up: list[float] = field(default_factory=list)
+    """SecAgg+ only, per seed: bytes per second a SuperNode sent while idle (polls)."""
     measured: bool = True
 
 
@@ -143,6 +156,34 @@ def held_out_curve(lab: LabRun) -> list[float]:
     return [*curve, token_mean(lab.final)]
 
 
+def adapted_weight_bytes(setup: LoraSetup) -> int:
+    """Bytes of the adapted linear layers' weights as the version's segments store them (the
+    initializer each device reads for ``module.weight``, with a quantized one's scales and zero
+    points; a constant shared by several layers counted once): what the adapters change, not
+    the whole segments they sit in."""
+    import onnx
+
+    from edge_agent.training.lora.train import load_version
+
+    _, blobs = load_version(setup.plan, setup.version_dir)
+    sizes: dict[str, int] = {}
+    for index in setup.plan.trainable:
+        model = onnx.load_from_string(blobs[index])
+        for t in model.graph.initializer:
+            external = {e.key: e.value for e in t.external_data}
+            sizes[t.name] = int(external.get("length", 0)) or len(t.raw_data) or t.ByteSize()
+    counted: set[str] = set()
+    for adapter in setup.plan.adapters:
+        refs = setup.plan.weight_map.get(adapter.module + ".weight", [])
+        ref = next((r for r in refs if r.initializer in sizes), None)
+        if ref is None:
+            raise SystemExit(f"no trainable segment holds {adapter.module}.weight")
+        counted.add(ref.initializer)
+        if ref.quantized is not None:
+            counted.update(n for n in (ref.quantized.scale, ref.quantized.zero_point) if n)
+    return sum(sizes[n] for n in counted if n in sizes)
+
+
 def setup_for(name: str, args: argparse.Namespace, seed: int, work: Path) -> LoraSetup:
     """The mode's split version and LoRA plan (DP modes: record-level DP-SGD)."""
     bench = MODELS[args.model]
@@ -162,20 +203,26 @@ def setup_for(name: str, args: argparse.Namespace, seed: int, work: Path) -> Lor
     )  # fmt: skip
 
 
-def run_mode(name: str, args: argparse.Namespace, seed: int, work: Path) -> LabRun:
-    """One seed of one in-process mode in its own work dir (own caches and accountant)."""
+def run_mode(name: str, args: argparse.Namespace, seed: int, work: Path) -> tuple[LabRun, int]:
+    """One seed of one in-process mode in its own work dir (own caches and accountant), and
+    the adapted layers' bytes."""
     setup = setup_for(name, args, seed, work)
-    return run_rounds(
+    lab = run_rounds(
         setup, work, args.rounds, args.per_device, seed=seed, pooled=name == "centralized"
     )
+    return lab, adapted_weight_bytes(setup)
 
 
-def secagg_mode(name: str, args: argparse.Namespace, seed: int, work: Path) -> FlowerRun | None:
-    """One seed of a SecAgg+ mode through real Flower; None when not run for this seed."""
+def secagg_mode(
+    name: str, args: argparse.Namespace, seed: int, work: Path
+) -> tuple[FlowerRun, int] | None:
+    """One seed of a SecAgg+ mode through real Flower (and the adapted layers' bytes); None
+    when not run for this seed."""
     if args.no_flower or seed >= args.flower_seeds:
         return None
     setup = setup_for(name, args, seed, work)
-    return run_flower(setup, work, args.rounds, args.per_device, seed, args.model)
+    run = run_flower(setup, work, args.rounds, args.per_device, seed, args.model)
+    return run, adapted_weight_bytes(setup)
 
 
 def measure(args: argparse.Namespace, console: Console) -> list[ModeRuns]:
@@ -190,9 +237,9 @@ def measure(args: argparse.Namespace, console: Console) -> list[ModeRuns]:
                     flower = secagg_mode(mode.name, args, seed, work)
                     if flower is None:
                         continue
-                    record_flower(mode, flower)
+                    record_flower(mode, *flower)
                 else:
-                    record(mode, run_mode(mode.name, args, seed, work))
+                    record(mode, *run_mode(mode.name, args, seed, work))
                 console.print(
                     f"seed {seed} {mode.name}: loss {[round(x, 3) for x in mode.loss[-1]]}, "
                     f"{time.monotonic() - start:.0f} s"
@@ -202,8 +249,13 @@ def measure(args: argparse.Namespace, console: Console) -> list[ModeRuns]:
     return modes
 
 
-def record_flower(mode: ModeRuns, run: FlowerRun) -> None:
+def record_flower(mode: ModeRuns, run: FlowerRun, adapted: int) -> None:
     """Add one seed's real-Flower run to ``mode``."""
+    mode.adapted_bytes.append(float(adapted))
+    mode.wire_up.append(run.wire_up)
+    mode.wire_down.append(run.wire_down)
+    mode.wire_final_up.append(run.wire_final_up)
+    mode.wire_idle_up.append(run.wire_idle_up)
     mode.loss.append(run.loss)
     mode.round_s.append(run.round_s)
     mode.upload_bytes.append(run.upload_bytes)
@@ -213,8 +265,9 @@ def record_flower(mode: ModeRuns, run: FlowerRun) -> None:
         mode.epsilon.append(run.epsilon)
 
 
-def record(mode: ModeRuns, lab: LabRun) -> None:
+def record(mode: ModeRuns, lab: LabRun, adapted: int) -> None:
     """Add one seed's lab run to ``mode``."""
+    mode.adapted_bytes.append(float(adapted))
     mode.loss.append(held_out_curve(lab))
     mode.round_s.append(lab.seconds_per_round)
     replies = [m for rr in lab.rounds for _, _, m in rr]
@@ -229,28 +282,48 @@ def _spread(values: list[list[float]]) -> tuple[np.ndarray, np.ndarray]:
     return array.mean(axis=0), array.std(axis=0)
 
 
+def _share(part: list[float], whole: list[float]) -> str:
+    return f"{100 * np.mean(part) / np.mean(whole):.2f} %"
+
+
+def wire(m: ModeRuns) -> str:
+    """Bytes a SuperNode sent (received) per training round, measured on its connection, the
+    sent bytes' share of the adapted layers' weights, and what idle polling would send in a
+    round as long ("-" for in-process modes)."""
+    if not m.wire_up or not any(m.wire_up):
+        return "-"
+    idle = np.mean(m.wire_idle_up) * np.mean(m.round_s)
+    return (
+        f"{np.mean(m.wire_up):,.0f} ({np.mean(m.wire_down):,.0f}); "
+        f"{_share(m.wire_up, m.adapted_bytes)}; idle polls {idle:,.0f}"
+    )
+
+
 def rows(modes: list[ModeRuns]) -> list[tuple[str, ...]]:
-    """Table rows: mode, loss per round (mean ± std), change, round s, upload, epsilon."""
+    """Table rows: mode, loss per round (mean ± std), change, round s, upload (its share of
+    the trained segments and of the adapted layers), wire bytes, epsilon."""
     out: list[tuple[str, ...]] = []
     for m in modes:
         if not m.measured:
-            out.append((m.name, "not measured in this run", "-", "-", "-", "-"))
+            out.append((m.name, "not measured in this run", "-", "-", "-", "-", "-"))
             continue
         mean, std = _spread(m.loss)
         curve = " → ".join(f"{a:.3f}±{s:.3f}" for a, s in zip(mean, std, strict=True))
         change = f"{100 * (mean[-1] / mean[0] - 1):+.1f} %"
         round_s = f"{np.mean(m.round_s):.1f}"
-        share = 100 * np.mean(m.upload_bytes) / np.mean(m.trained_bytes)
-        upload = f"{np.mean(m.upload_bytes):,.0f} ({share:.2f} %)"
+        shares = (
+            f"{_share(m.upload_bytes, m.trained_bytes)}; {_share(m.upload_bytes, m.adapted_bytes)}"
+        )
+        upload = f"{np.mean(m.upload_bytes):,.0f} ({shares})"
         name = m.name
         if m.masked_bytes:
-            upload = f"{np.mean(m.upload_bytes):,.0f} masked ({share:.2f} %)"
+            upload = f"{np.mean(m.upload_bytes):,.0f} masked ({shares})"
             name = f"{m.name} (Flower, {len(m.loss)} seed{'s' * (len(m.loss) > 1)})"
         eps = "-"
         if m.epsilon:
             e_mean, _ = _spread(m.epsilon)
             eps = ", ".join(f"{e:.2f}" for e in e_mean)
-        out.append((name, curve, change, round_s, upload, eps))
+        out.append((name, curve, change, round_s, upload, wire(m), eps))
     return out
 
 
@@ -263,7 +336,8 @@ def report(args: argparse.Namespace, modes: list[ModeRuns], console: Console) ->
         "held-out loss per round (mean±std)",
         "change",
         "round s",
-        "upload B/client/round (of trained)",
+        "upload B/client/round (of trained segments; of adapted layers)",
+        "wire B/client/round sent (received); of adapted layers; idle polls",
         "ε per round",
     )
     table = Table(title=f"federated LoRA, {args.model}, {args.seeds} seeds, {args.rounds} rounds")
@@ -303,7 +377,18 @@ def report(args: argparse.Namespace, modes: list[ModeRuns], console: Console) ->
         "Round s: the round's clients run one after another in one process (centralized: one "
         "client with all records), on a 2-core machine shared with other jobs. Upload: the "
         "adapter arrays a client returns per round, and their share of the weights of the "
-        "segments it adapts. ε: the largest device's record-level ε after each round (RDP "
+        "segments it adapts and of the adapted layers' weights alone (the linear layers that "
+        "get adapters, as the served segments store them: "
+        + f"{max((b for m in modes for b in m.adapted_bytes), default=0):,.0f}"
+        + " B). Wire (SecAgg+ rows): bytes through each SuperNode's TCP connection to the "
+        "SuperLink per training round, all SecAgg+ stages, instructions, heartbeats and pulls "
+        "included, measured by the kernel (tcp_info via `ss`, TCP payload with gRPC, HTTP/2 "
+        "and TLS framing), cut when the ServerApp records a round; idle polls: what a "
+        "SuperNode sent per second before the run started (heartbeats and message polls, "
+        "measured over 10 s) times the mean round time, the part of a round's bytes that "
+        "grows with its length; after the last round each SuperNode sent "
+        + _final_wire(modes)
+        + ". ε: the largest device's record-level ε after each round (RDP "
         "accountant, composed over the run). SecAgg+ rows: real Flower (flower-superlink with "
         "SuperNode authentication, three authenticated local SuperNodes, one per share, each "
         "with its share of the cores, and the product's LoRA ServerApp with SecAggPlusWorkflow "
@@ -326,6 +411,15 @@ def report(args: argparse.Namespace, modes: list[ModeRuns], console: Console) ->
     plot(modes, args)
     write_headlines(args.name, headlines(modes))
     console.print(f"wrote {RESULTS / args.name}.md and {args.name}.png")
+
+
+def _final_wire(modes: list[ModeRuns]) -> str:
+    parts = [
+        f"{np.mean(m.wire_final_up):,.0f} B ({m.name})"
+        for m in modes
+        if m.wire_final_up and any(m.wire_final_up)
+    ]
+    return ", ".join(parts) + " for the final evaluation" if parts else "nothing measured"
 
 
 def headlines(modes: list[ModeRuns]) -> list[Headline]:
@@ -354,6 +448,15 @@ def headlines(modes: list[ModeRuns]) -> list[Headline]:
     )
     share = float(np.mean(by["FedAvg"].upload_bytes) / np.mean(by["FedAvg"].trained_bytes))
     out.append(Headline("upload per round / trained segments' weights", 100 * share, "%", "<= 2"))
+    adapted = float(np.mean(by["FedAvg"].upload_bytes) / np.mean(by["FedAvg"].adapted_bytes))
+    out.append(Headline("upload per round / adapted layers' weights", 100 * adapted, "%"))
+    for n, m in by.items():
+        if m.wire_up and any(m.wire_up):
+            on_wire = float(np.mean(m.wire_up) / np.mean(m.adapted_bytes))
+            out.append(
+                Headline(f"sent on the wire per round / adapted layers' weights, {n}",
+                         100 * on_wire, "%")
+            )  # fmt: skip
     return out
 
 
