@@ -5,9 +5,10 @@ item 9).
 Per packaged GGUF (Qwen2.5-Coder-1.5B, Qwen2.5-Coder-0.5B, Gemma 3 270M):
 
 - llama.cpp (node-llama-cpp's prebuilt CPU binary, ``make bench-setup``), one process on
-  ``--threads`` threads: a fixed prompt of ``--prompt`` tokens (the file's own tokenizer), time
-  to first token (prefill tokens/s = prompt / that time) and greedy decode tokens/s over
-  ``--tokens`` tokens;
+  ``--threads`` threads, run once per precision right before fedshard's measurement (the
+  agents deployed and idle), so both meet the same load: a fixed prompt of ``--prompt``
+  tokens (the file's own tokenizer), time to first token (prefill tokens/s = prompt / that
+  time) and greedy decode tokens/s over ``--tokens`` tokens;
 - fedshard, per precision (``--weights``, default ``keep`` and ``int4``): a coordinator and
   ``--agents`` agents on 127.0.0.1 (``--threads`` ONNX Runtime threads each; one stream keeps
   one agent busy at a time), the ``.gguf`` deployed with ``POST /v1/deployments`` under planning
@@ -114,8 +115,10 @@ def serve(
     weights: WeightsMode,
     ids: list[int],
     args: argparse.Namespace,
-) -> Served:
-    """Start a coordinator and the agents, deploy ``gguf`` at ``weights``, measure."""
+) -> tuple[Served, LlamaRun | str]:
+    """Start a coordinator and the agents, deploy ``gguf`` at ``weights``; then llama.cpp on
+    the same file and fedshard back to back (the agents idle while llama.cpp runs), so both
+    meet the same load."""
     stored = stored_bytes(gguf, weights)
     with tempfile.TemporaryDirectory(prefix="fedshard-speed-") as tmp:
         work = Path(tmp)
@@ -153,6 +156,9 @@ def serve(
             client.set_speculative(name, "off")
             warm = {"model": name, "prompt": ids[:8], "max_tokens": 2, "temperature": 0}
             client.expect("POST", "/v1/completions", warm)
+            with console.status(f"llama.cpp on {gguf.name}..."):
+                llama = llama_cpp_run(gguf, ids, args.tokens, args.threads)
+            console.print(f"llama.cpp {name}: {llama}")
             prefill = []
             for _ in range(2):
                 one = {"model": name, "prompt": ids, "max_tokens": 1, "temperature": 0}
@@ -175,7 +181,7 @@ def serve(
                     first_at = first_at or time.perf_counter()
                     last_at = time.perf_counter()
             decode = (count - 1) / (last_at - first_at) if count > 1 and last_at > first_at else 0
-    return Served(
+    served = Served(
         weights=weights,
         prefill_tps=len(ids) / min(prefill),
         decode_tps=decode,
@@ -184,6 +190,7 @@ def serve(
         gbps=gbps,
         stages=len(version["segments"]),
     )
+    return served, llama
 
 
 def main() -> None:
@@ -203,12 +210,9 @@ def main() -> None:
     for name in args.models.split(","):
         gguf = packaged_gguf(name, args.cache_dir)
         ids = prompt_ids(gguf, args.prompt)
-        with console.status(f"llama.cpp on {gguf.name}..."):
-            llama = llama_cpp_run(gguf, ids, args.tokens, args.threads)
-        console.print(f"llama.cpp {name}: {llama}")
         for weights in modes:
             try:
-                served = serve(console, gguf, name, weights, ids, args)
+                served, llama = serve(console, gguf, name, weights, ids, args)
             except ApiError as exc:
                 console.print(f"[red]{name} {weights}: {exc}[/]")
                 continue
@@ -228,7 +232,7 @@ def write(args: argparse.Namespace, rows: list[tuple[str, Path, LlamaRun | str, 
         f"127.0.0.1, {args.threads} ONNX Runtime thread(s) each, the .gguf deployed under caps "
         f"of {SHARE:.0%} of its stored weights + {RESERVE >> 20} MiB per agent; llama.cpp: "
         f"node-llama-cpp's prebuilt CPU binary, one process, {args.threads} thread(s), the same "
-        "file and prompt ids. "
+        "file and prompt ids, run right before each fedshard measurement. "
         "Prefill: a "
         f"{args.prompt}-token prompt to its first token; decode: {args.tokens} greedy tokens "
         "after it. Bound: bytes read per decode step (weights as stored, KV cache, one "
