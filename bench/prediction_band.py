@@ -15,6 +15,7 @@ beside it. Both numbers of a ratio come from the same machine in the same minute
 from __future__ import annotations
 
 import argparse
+import os
 import sys
 import tempfile
 from datetime import date
@@ -38,6 +39,7 @@ RESULTS = REPO / "bench" / "results" / "prediction_band.md"
 def _measure(tmp: Path, deploys: int, console: Console) -> dict[str, dict[str, list[float]]]:
     """Per model: roofline-alone ratios, calibrated medians and the slower stage's index."""
     out: dict[str, dict[str, list[float]]] = {}
+    (tmp / "lab").mkdir()
     with band_lab(tmp / "lab") as lab:
         for model in sorted(CAPS):
             export = tmp / model / "export"
@@ -71,6 +73,9 @@ def main() -> None:
     lines = [
         f"# Stage-time calibration ({date.today()}, `bench/prediction_band.py --deploys "
         f"{args.deploys}`)",
+        "",
+        f"One-minute load average at the end of the run: {os.getloadavg()[0]:.1f} on "
+        f"{os.cpu_count()} cores (ratios are measured side by side, each within a minute).",
         "",
         "| model | stage | roofline alone | calibrated (median) | in 0.75-1.33x |",
         "|---|---|---|---|---|",
