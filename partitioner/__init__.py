@@ -57,6 +57,7 @@ is there only to keep onnx or torch off a light import, and says so (``# heavy:`
 - :mod:`partitioner.models.gguf.ends`             the embedding and the output head
 - :mod:`partitioner.models.gguf.builder`          one segment per block range, streamed
 - :mod:`partitioner.models.gguf.units`            the unit table from the header alone
+- :mod:`partitioner.models.gguf.rows`             whether a chain decodes k-token passes as k steps
 - :mod:`partitioner.models.gguf.reference`        a numpy forward for tests
 - :mod:`partitioner.cutting`                      a planned model cut into segment files
 - :mod:`partitioner.cutting.split`                ``fedshard split`` end to end

@@ -14,6 +14,9 @@
 - :mod:`coordinator.deploy.peak_memory`   this process's peak resident memory over some work
 - :mod:`coordinator.deploy.gguf_cut`      a deploy from a GGUF file: planned from its header,
   each stage's segment built from the file
+- :mod:`coordinator.deploy.gguf_stages`   its stages built, run and probed one segment at a time
+- :mod:`coordinator.deploy.gguf_manifest` its manifest from the plan, unit table and stages
 - :mod:`coordinator.deploy.gguf_plan`     a GGUF decoder's planning problem from its header alone
+- :mod:`coordinator.deploy.gguf_what_if`  the console's what-if for a GGUF version, from its header
 - :mod:`coordinator.deploy.gguf_tokenizer`  a GGUF file's tokenizer as a ``tokenizer.json``
 """
