@@ -367,7 +367,7 @@ def test_a_version_is_deployed_only_when_its_signature_verifies(tmp_path: Path) 
         publish("m", version)
     assert deployed == []
     (version.path / "manifest.json.sig").write_bytes(ca.sign(manifest))
-    assert publish("m", version) == 7 and deployed == [version.path]
+    assert publish("m", version).plan_version == 7 and deployed == [version.path]
 
 
 def test_following_a_run_whose_round_failed_raises_its_reason(tmp_path: Path) -> None:
