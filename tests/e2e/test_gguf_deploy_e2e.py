@@ -30,6 +30,8 @@ from gguf import GGUFWriter
 from gguf_lab import reference_greedy, write_tiny
 from tokenizers import Tokenizer
 
+from coordinator.deploy.store import segment_dir
+
 pytestmark = [pytest.mark.slow, pytest.mark.timeout(900)]
 
 MODEL_ID = "tiny-gguf"
@@ -75,13 +77,6 @@ def lab(tmp_path_factory: pytest.TempPathFactory) -> Iterator[GgufLab]:
         stop_process(coordinator.proc)
 
 
-def _version_dir(state_dir: Path, plan_version: object) -> Path:
-    """A version's directory: ``plan-N`` (``vN`` in state dirs of earlier releases)."""
-    root = state_dir / "deployments" / MODEL_ID
-    named = root / f"plan-{plan_version}"
-    return named if named.is_dir() else root / f"v{plan_version}"
-
-
 def _live(lab: GgufLab) -> dict[str, object]:
     with lab.coordinator.client() as api:
         [record] = [m for m in api.get("/v1/deployments").json() if m["model_id"] == MODEL_ID]
@@ -95,7 +90,7 @@ def test_the_stages_are_built_from_the_file_on_both_agents(lab: GgufLab) -> None
     assert isinstance(segments, list)
     assert {p["device"] for p in segments} == set(lab.agents)
     assert live["source"] == str(lab.gguf)
-    version_dir = _version_dir(lab.coordinator.state_dir, live["plan_version"])
+    version_dir = segment_dir(lab.coordinator.state_dir, MODEL_ID, int(str(live["plan_version"])))
     assert {p.name for p in version_dir.iterdir()} >= {"decoder.json", "tokenizer.json"}
     assert not list(lab.coordinator.state_dir.rglob("model.onnx"))  # no whole-model graph
     assert "tiny.gguf" in lab.deploy_out and "peak resident memory" in lab.deploy_out
@@ -118,7 +113,7 @@ def test_models_list_shows_the_file(lab: GgufLab) -> None:
 
 def test_chat_completion_equals_the_reference_greedy_tokens(lab: GgufLab) -> None:
     live = _live(lab)
-    version_dir = _version_dir(lab.coordinator.state_dir, live["plan_version"])
+    version_dir = segment_dir(lab.coordinator.state_dir, MODEL_ID, int(str(live["plan_version"])))
     tokenizer = Tokenizer.from_file(str(version_dir / "tokenizer.json"))
     rendered = f"<|user|>{QUESTION}<|end|><|assistant|>"  # devtools.gguf_files.CHAT_TEMPLATE
     prompt = tokenizer.encode(rendered, add_special_tokens=False).ids

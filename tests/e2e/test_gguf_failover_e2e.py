@@ -24,6 +24,8 @@ from generation_lab import GenLab, kill_at_piece, stream_completion
 from gguf_lab import BOS, reference_greedy, write_tiny
 from tokenizers import Tokenizer
 
+from coordinator.deploy.store import segment_dir
+
 pytestmark = [pytest.mark.slow, pytest.mark.timeout(900)]
 
 MODEL_ID = "tiny-gguf-failover"
@@ -59,13 +61,6 @@ def lab(tmp_path_factory: pytest.TempPathFactory) -> Iterator[GenLab]:
         stop_process(coordinator.proc)
 
 
-def _version_dir(state_dir: Path, plan_version: object) -> Path:
-    """A version's directory: ``plan-N`` (``vN`` in state dirs of earlier releases)."""
-    root = state_dir / "deployments" / MODEL_ID
-    named = root / f"plan-{plan_version}"
-    return named if named.is_dir() else root / f"v{plan_version}"
-
-
 def _live(lab: GenLab) -> dict[str, object]:
     with lab.coordinator.client() as api:
         [record] = [m for m in api.get("/v1/deployments").json() if m["model_id"] == MODEL_ID]
@@ -75,7 +70,7 @@ def _live(lab: GenLab) -> dict[str, object]:
 
 def test_a_stream_survives_losing_a_stage_and_the_file_is_rebuilt(lab: GenLab) -> None:
     first = _live(lab)
-    version_dir = _version_dir(lab.coordinator.state_dir, first["plan_version"])
+    version_dir = segment_dir(lab.coordinator.state_dir, MODEL_ID, int(str(first["plan_version"])))
     tokenizer = Tokenizer.from_file(str(version_dir / "tokenizer.json"))
     prompt = [BOS, *tokenizer.encode(PROMPT, add_special_tokens=False).ids]
     want = tokenizer.decode(reference_greedy(lab.export, prompt, TOKENS))
