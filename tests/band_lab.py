@@ -14,11 +14,10 @@ from pathlib import Path
 from agent_helpers import AgentProc
 from coordinator_helpers import (
     CoordinatorProc,
-    pairing_code,
+    pair_discovered,
     start_coordinator,
     stop_process,
     unpaired_agents,
-    wait_for,
 )
 
 CAPS = {"tiny-llama": "14MB", "tiny-gemma3": "16MB"}
@@ -57,13 +56,7 @@ def band_lab(tmp: Path) -> Iterator[BandLab]:
     try:
         names = [f"b{i}-{secrets.token_hex(3)}" for i in range(2)]
         with unpaired_agents(tmp, names, "512MiB") as agents:
-            api = coordinator.api()
-            if not wait_for(lambda: set(names) <= {d.name for d in api.devices()}, 15):
-                raise RuntimeError("the agents were not discovered in 15 s")
-            for agent in agents:
-                paired = coordinator.cli("pair", agent.name, pairing_code(agent))
-                if paired.returncode != 0:
-                    raise RuntimeError(paired.stdout + paired.stderr)
+            pair_discovered(coordinator, agents)
             yield BandLab(coordinator, agents)
     finally:
         stop_process(coordinator.proc)

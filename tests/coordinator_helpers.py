@@ -161,6 +161,22 @@ def wait_for(predicate, timeout: float, interval: float = 0.2) -> bool:  # type:
     return bool(predicate())
 
 
+def pair_discovered(
+    coordinator: CoordinatorProc, agents: list[AgentProc], timeout: float = 15.0
+) -> None:
+    """Wait until the coordinator lists every one of ``agents`` (found over mDNS), then pair
+    each with ``fedshard pair`` and the code it shows. :class:`RuntimeError` if one is not
+    discovered within ``timeout`` seconds or its pairing fails."""
+    names = {agent.name for agent in agents}
+    api = coordinator.api()
+    if not wait_for(lambda: names <= {d.name for d in api.devices()}, timeout):
+        raise RuntimeError(f"agents not discovered in {timeout:.0f} s: {api.devices()}")
+    for agent in agents:
+        paired = coordinator.cli("pair", agent.name, pairing_code(agent))
+        if paired.returncode != 0:
+            raise RuntimeError(f"pairing {agent.name} failed: {paired.stdout}{paired.stderr}")
+
+
 def paired_record(agent: AgentProc, memory_bytes: int = 256 << 20) -> Any:
     """The registry's record of a running, paired agent, as discovery would have made it."""
     from coordinator.fleet.registry import DeviceRecord

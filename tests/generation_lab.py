@@ -18,11 +18,10 @@ import httpx
 from agent_helpers import AgentProc
 from coordinator_helpers import (
     CoordinatorProc,
-    pairing_code,
+    pair_discovered,
     start_coordinator,
     stop_process,
     unpaired_agents,
-    wait_for,
 )
 
 from devtools.reference import greedy_reference  # noqa: F401  (re-exported for the tests)
@@ -56,11 +55,7 @@ def decoder_lab(
     try:
         names = [f"g{i}-{suffix}" for i in range(agents)]
         with unpaired_agents(tmp, names, memory, agent_args) as procs:
-            api = coordinator.api()
-            assert wait_for(lambda: set(names) <= {d.name for d in api.devices()}, 15)
-            for agent in procs:
-                paired = coordinator.cli("pair", agent.name, pairing_code(agent))
-                assert paired.returncode == 0, paired.stdout + paired.stderr
+            pair_discovered(coordinator, procs)
             args = ["deploy", str(export / "model.onnx"), "--name", model_id]
             args += ["--tokenizer", str(export)]
             for name in names if cap is not None else ():

@@ -22,7 +22,7 @@ import psutil
 from agent_helpers import AgentProc
 from coordinator_helpers import (
     CoordinatorProc,
-    pairing_code,
+    pair_discovered,
     start_coordinator,
     stop_process,
     unpaired_agents,
@@ -85,17 +85,8 @@ def minilm_lab(tmp: Path, model: Path) -> Iterator[Lab]:
 
 def _pair(lab: Lab) -> None:
     names = {a.name for a in lab.agents}
+    pair_discovered(lab.coordinator, lab.agents, timeout=20)
     with lab.coordinator.api() as api:
-
-        def listed() -> bool:
-            return names <= {d.name for d in api.devices()}
-
-        if not wait_for(listed, 20):
-            raise RuntimeError(f"agents not discovered: {api.devices()}")
-        for agent in lab.agents:
-            result = lab.coordinator.cli("pair", agent.name, pairing_code(agent))
-            if result.returncode != 0:
-                raise RuntimeError(f"pairing {agent.name} failed: {result.stdout}{result.stderr}")
 
         def paired() -> bool:
             return all(d.status == "paired" for d in api.devices() if d.name in names)
