@@ -18,6 +18,7 @@ import argparse
 import os
 import sys
 import tempfile
+from dataclasses import dataclass
 from datetime import date
 from pathlib import Path
 
@@ -36,9 +37,21 @@ BAND = (0.75, 1.33)
 RESULTS = REPO / "bench" / "results" / "prediction_band.md"
 
 
-def _measure(tmp: Path, deploys: int, console: Console) -> dict[str, dict[str, list[float]]]:
-    """Per model: roofline-alone ratios, calibrated medians and the slower stage's index."""
-    out: dict[str, dict[str, list[float]]] = {}
+@dataclass(frozen=True)
+class Calibration:
+    """One model's predicted/measured ratios per stage."""
+
+    roofline: list[float]
+    """The first deploy's, priced by the roofline alone."""
+    calibrated: list[float]
+    """The median over the calibrated deploys."""
+    slowest: int
+    """The stage with the larger measured time (the one that sets the throughput)."""
+
+
+def _measure(tmp: Path, deploys: int, console: Console) -> dict[str, Calibration]:
+    """Per model, its :class:`Calibration` over ``deploys`` calibrated deploys."""
+    out: dict[str, Calibration] = {}
     (tmp / "lab").mkdir()
     with band_lab(tmp / "lab") as lab:
         for model in sorted(CAPS):
@@ -51,11 +64,9 @@ def _measure(tmp: Path, deploys: int, console: Console) -> dict[str, dict[str, l
             for _ in track(range(deploys), description=f"{model}: calibrated deploys"):
                 lab.deploy(export, model_id, CAPS[model])
                 calibrated.append(lab.active_segments(model_id))
-            out[model] = {
-                "roofline": ratios(first),
-                "calibrated": median_ratios(calibrated),
-                "slowest": [float(slowest_stage(calibrated))],
-            }
+            out[model] = Calibration(
+                ratios(first), median_ratios(calibrated), slowest_stage(calibrated)
+            )
             console.print(f"{model}: runs {[ratios(c) for c in calibrated]}")
     return out
 
@@ -81,12 +92,10 @@ def main() -> None:
         "|---|---|---|---|---|",
     ]
     headlines = []
-    for model, found_model in found.items():
-        slowest = int(found_model["slowest"][0])
-        for stage, (plain, fitted) in enumerate(
-            zip(found_model["roofline"], found_model["calibrated"], strict=True)
-        ):
-            role = "slower" if stage == slowest else "faster"
+    for model, calibration in found.items():
+        pairs = zip(calibration.roofline, calibration.calibrated, strict=True)
+        for stage, (plain, fitted) in enumerate(pairs):
+            role = "slower" if stage == calibration.slowest else "faster"
             inside = "yes" if BAND[0] <= fitted <= BAND[1] else "no"
             row = [model, f"{stage} ({role})", f"{plain:.2f}x", f"{fitted:.2f}x", inside]
             table.add_row(*row)
