@@ -148,13 +148,8 @@ class FrameProtocol(asyncio.BufferedProtocol):
                 self._frames.append(bytes(self._staging[offset : offset + total]))
                 offset += total
             else:
-                if self._budget is not None:
-                    why = self._budget.refusal(total, self.peer_key)
-                    if why is not None:
-                        self._fail(FrameError(f"a {total}-byte frame does not fit {why}"))
-                        return
-                    self._budget.take(total, self.peer_key)
-                    self._reserved, self._reserved_by = total, self.peer_key
+                if self._budget is not None and not self._reserve(total, self.peer_key):
+                    return
                 # np.empty, not bytearray(total): no zero-fill of a buffer about to be overwritten
                 frame = np.empty(total, np.uint8).data.cast("B")
                 frame[:available] = self._staging[offset : self._staged]
@@ -174,14 +169,18 @@ class FrameProtocol(asyncio.BufferedProtocol):
         if self._budget is None or not self._reserved or self._reserved_by == key:
             return
         total = self._reserved
-        self._budget.give(total, self._reserved_by)
-        self._reserved = 0
-        why = self._budget.refusal(total, key)
+        self._release()
+        self._reserve(total, key)
+
+    def _reserve(self, total: int, key: str) -> bool:
+        """Reserve a ``total``-byte frame from ``key``'s share, or fail the connection."""
+        assert self._budget is not None
+        why = self._budget.reserve(total, key)
         if why is not None:
             self._fail(FrameError(f"a {total}-byte frame does not fit {why}"))
-            return
-        self._budget.take(total, key)
+            return False
         self._reserved, self._reserved_by = total, key
+        return True
 
     def _release(self) -> None:
         if self._budget is not None and self._reserved:

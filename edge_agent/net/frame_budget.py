@@ -25,7 +25,16 @@ class UnfinishedBudget:
 
     def take(self, nbytes: int, peer: str = "") -> bool:
         """Reserve ``nbytes`` for ``peer``; False (nothing reserved) when they do not fit."""
-        return self.refusal(nbytes, peer) is None and self._take(nbytes, peer)
+        return self.reserve(nbytes, peer) is None
+
+    def reserve(self, nbytes: int, peer: str = "") -> str | None:
+        """Reserve ``nbytes`` for ``peer`` and return None, or return why they do not fit
+        (:meth:`refusal`) and reserve nothing."""
+        why = self.refusal(nbytes, peer)
+        if why is None:
+            self.used += nbytes
+            self._by_peer[peer] += nbytes
+        return why
 
     def refusal(self, nbytes: int, peer: str = "") -> str | None:
         """Why ``nbytes`` for ``peer`` would not fit now, or None when they would."""
@@ -37,11 +46,6 @@ class UnfinishedBudget:
                 f"({self._by_peer[peer]} in use by {peer or 'this peer'})"
             )
         return None
-
-    def _take(self, nbytes: int, peer: str) -> bool:
-        self.used += nbytes
-        self._by_peer[peer] += nbytes
-        return True
 
     def give(self, nbytes: int, peer: str = "") -> None:
         """Release a reservation of ``peer``."""
